@@ -1,0 +1,49 @@
+"""volley-dagster: exactly-once, stateful stream processing as checkpoint epochs on PySpark.
+
+The engine is importable and testable without Dagster; the Dagster code
+location (``assets/``, ``resources/``, ``sensors/``) is a thin layer over it.
+"""
+
+from volley_dagster.errors import (
+    ConfigError,
+    EpochNotCutError,
+    EpochOrderError,
+    MalformedRecordError,
+    SnapshotError,
+    SourceError,
+    StateLayoutError,
+    VolleyError,
+)
+from volley_dagster.operators.accumulators import count, first, last, max_, mean, min_, sum_
+from volley_dagster.pipeline import Pipeline
+from volley_dagster.result import EpochResult
+from volley_dagster.runner import EpochRunner
+from volley_dagster.sinks import MemorySink, ParquetSink, Sink
+from volley_dagster.sources.file_log import FileLog
+from volley_dagster.spark.session import get_or_create_spark
+
+__all__ = [
+    "ConfigError",
+    "EpochNotCutError",
+    "EpochOrderError",
+    "EpochResult",
+    "EpochRunner",
+    "FileLog",
+    "MalformedRecordError",
+    "MemorySink",
+    "ParquetSink",
+    "Pipeline",
+    "Sink",
+    "SnapshotError",
+    "SourceError",
+    "StateLayoutError",
+    "VolleyError",
+    "count",
+    "first",
+    "get_or_create_spark",
+    "last",
+    "max_",
+    "mean",
+    "min_",
+    "sum_",
+]

@@ -1,0 +1,14 @@
+"""Names of the engine's own columns. They start with ``_volley_`` so they never
+collide with a user's columns, and user transforms should keep them
+(``where``/``withColumn`` do; a ``select`` must list them)."""
+
+POS = "_volley_pos"  # event position in the log: segment id << 40 | record offset
+ERROR = "_volley_error"  # why a record could not be parsed (null when it parsed)
+RAW = "_volley_raw"  # the record's original text, kept for the dead-letter output
+KEY = "_volley_key"
+KEY_GROUP = "_volley_kg"
+SHARD = "_volley_shard"
+STATS = "_volley_stats"  # one JSON row per shard task with its statistics
+ROWS = "_volley_rows"  # records folded into a key's partial aggregate
+
+POS_OFFSET_BITS = 40

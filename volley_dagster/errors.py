@@ -1,0 +1,39 @@
+"""Every error the engine raises on purpose derives from ``VolleyError``.
+
+Each names the thing that is wrong (epoch, file, offset, shard, setting) so an
+operator can act on the message alone.
+"""
+
+from __future__ import annotations
+
+
+class VolleyError(Exception):
+    """Base class of the engine's deliberate errors."""
+
+
+class ConfigError(VolleyError):
+    """A pipeline, source or runner setting is invalid or inconsistent."""
+
+
+class EpochOrderError(VolleyError):
+    """An epoch was asked for before the epoch it depends on."""
+
+
+class EpochNotCutError(EpochOrderError):
+    """An epoch has no recorded offset range, so there is nothing defined to run."""
+
+
+class SourceError(VolleyError):
+    """The source log cannot provide exactly the recorded range."""
+
+
+class MalformedRecordError(VolleyError):
+    """Records failed to parse or validate under the ``fail`` bad-record policy."""
+
+
+class SnapshotError(VolleyError):
+    """A state snapshot is missing, pruned or does not match its manifest."""
+
+
+class StateLayoutError(VolleyError):
+    """The checkpoint root was written by an incompatible pipeline layout."""

@@ -1,0 +1,113 @@
+"""The keyed running aggregate: Spark pre-aggregates per key, shard tasks fold
+those partials into RocksDB state and emit each changed key's new value."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+from pyspark.sql import Column
+from pyspark.sql import functions as F
+from pyspark.sql import types as T
+
+from volley_dagster import columns
+from volley_dagster.errors import ConfigError, StateLayoutError
+from volley_dagster.operators.accumulators import Accumulator, ValueKind, arrow_type, spark_ddl
+
+STATE_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class Aggregate:
+    """``aggregate(total=sum_("amount"), events=count())`` before it has seen a schema."""
+
+    accumulators: tuple[tuple[str, Accumulator], ...]
+    namespace: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.accumulators:
+            raise ConfigError("aggregate() needs at least one accumulator, e.g. aggregate(events=count())")
+        for name, acc in self.accumulators:
+            if not isinstance(acc, Accumulator):
+                raise ConfigError(f"aggregate({name}=...) must be an accumulator such as sum_('x'), got {acc!r}")
+            if name.startswith("_volley") or ":" in name:
+                raise ConfigError(f"aggregate output name {name!r} is reserved")
+
+    def resolve(self, schema: T.StructType) -> ResolvedAggregate:
+        kinds = tuple(acc.kind(schema) for _, acc in self.accumulators)
+        return ResolvedAggregate(self.accumulators, kinds, self.namespace)
+
+
+@dataclass(frozen=True)
+class ResolvedAggregate:
+    """An aggregate bound to the input's column types: a fixed state record layout."""
+
+    accumulators: tuple[tuple[str, Accumulator], ...]
+    kinds: tuple[ValueKind | None, ...]
+    namespace: int
+    dtype: np.dtype = field(init=False, compare=False)
+
+    def __post_init__(self) -> None:
+        fields: list[tuple[str, Any]] = [("_format", np.uint8)]
+        for (name, acc), kind in zip(self.accumulators, self.kinds):
+            fields.extend(acc.fields(name, kind))
+        object.__setattr__(self, "dtype", np.dtype(fields))
+
+    def layout(self) -> dict[str, Any]:
+        """What must not change between epochs of one checkpoint root."""
+        return {
+            "namespace": self.namespace,
+            "format": STATE_FORMAT,
+            "accumulators": [
+                {"name": name, "type": type(acc).__name__, "column": acc.column, "kind": kind}
+                for (name, acc), kind in zip(self.accumulators, self.kinds)
+            ],
+        }
+
+    def partial_exprs(self) -> list[Column]:
+        exprs = [F.count(F.lit(1)).alias(columns.ROWS)]
+        for (name, acc), kind in zip(self.accumulators, self.kinds):
+            exprs.extend(expr.alias(col) for col, expr in acc.partials(name, kind).items())
+        return exprs
+
+    def output_fields(self) -> list[tuple[str, ValueKind]]:
+        return [(name, acc.output_kind(kind)) for (name, acc), kind in zip(self.accumulators, self.kinds)]
+
+    def output_ddl(self) -> list[str]:
+        return [f"`{name}` {spark_ddl(kind)}" for name, kind in self.output_fields()]
+
+    def output_arrow_fields(self) -> list[pa.Field]:
+        return [pa.field(name, arrow_type(kind)) for name, kind in self.output_fields()]
+
+    def decode(self, values: list[bytes | None]) -> tuple[np.ndarray, np.ndarray]:
+        """States for a batch of lookups (misses start zeroed) and which existed."""
+        existed = np.fromiter((v is not None for v in values), dtype=bool, count=len(values))
+        blank = self.blank()
+        buf = b"".join([v if v is not None else blank for v in values])
+        if len(buf) != len(values) * self.dtype.itemsize:
+            raise StateLayoutError(
+                f"stored state records do not match the layout {self.layout()} "
+                f"({len(buf)} bytes for {len(values)} records of {self.dtype.itemsize}): "
+                "the checkpoint root belongs to a different aggregate"
+            )
+        state = np.frombuffer(buf, dtype=self.dtype).copy()
+        if existed.any() and (state["_format"][existed] != STATE_FORMAT).any():
+            raise StateLayoutError(f"stored state has an unknown format; this engine writes format {STATE_FORMAT}")
+        return state, existed
+
+    def blank(self) -> bytes:
+        zero = np.zeros(1, dtype=self.dtype)
+        zero["_format"] = STATE_FORMAT
+        return zero.tobytes()
+
+    def encode(self, state: np.ndarray) -> list[bytes]:
+        return np.ascontiguousarray(state).view(f"V{self.dtype.itemsize}").tolist()
+
+    def merge(self, state: np.ndarray, partials: pa.Table) -> None:
+        for (name, acc), kind in zip(self.accumulators, self.kinds):
+            acc.merge(name, kind, state, partials)
+
+    def outputs(self, state: np.ndarray) -> list[pa.Array]:
+        return [acc.output(name, kind, state) for (name, acc), kind in zip(self.accumulators, self.kinds)]

@@ -1,0 +1,104 @@
+"""The user-facing pipeline: source -> stateless Spark transforms -> key -> stateful operator -> sinks.
+
+Pipelines are immutable; each builder call returns a new one, so a base
+pipeline can be shared and specialised without surprises.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, replace
+from typing import Callable, Literal
+
+from pyspark.sql import Column, DataFrame
+from pyspark.sql import functions as F
+
+from volley_dagster.errors import ConfigError
+from volley_dagster.operators.accumulators import Accumulator
+from volley_dagster.operators.aggregate import Aggregate
+from volley_dagster.sinks.base import Sink
+from volley_dagster.sources.file_log import FileLog
+from volley_dagster.state.keys import DEFAULT_KEY_GROUPS, ShardLayout
+
+Transform = Callable[[DataFrame], DataFrame]
+BadRecordPolicy = Literal["fail", "dead_letter"]
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    name: str
+    source_log: FileLog | None = None
+    transforms: tuple[Transform, ...] = ()
+    key_column: str | None = None
+    operator: Aggregate | None = None
+    sinks: tuple[Sink, ...] = ()
+    bad_records: BadRecordPolicy = "fail"
+    layout: ShardLayout = field(default_factory=ShardLayout)
+
+    def __post_init__(self) -> None:
+        if not _NAME.match(self.name):
+            raise ConfigError(f"pipeline name {self.name!r}: use letters, digits, '_', '-' or '.' (max 100)")
+
+    def source(self, log: FileLog) -> Pipeline:
+        return replace(self, source_log=log)
+
+    def transform(self, fn: Transform) -> Pipeline:
+        """Any DataFrame -> DataFrame function; keep the ``_volley_*`` columns."""
+        return replace(self, transforms=self.transforms + (fn,))
+
+    def where(self, condition: Column | str | Callable[[], Column]) -> Pipeline:
+        """A Spark SQL predicate: a string (``"status = 'active'"``), a Column, or a
+        function returning a Column (so the pipeline can be defined before Spark starts)."""
+        return self.transform(lambda df: df.where(_column(condition)))
+
+    def with_column(self, name: str, expr: Column | str | Callable[[], Column]) -> Pipeline:
+        return self.transform(lambda df: df.withColumn(name, _column(expr)))
+
+    def key_by(self, column: str) -> Pipeline:
+        return replace(self, key_column=column)
+
+    def aggregate(self, **accumulators: Accumulator) -> Pipeline:
+        return replace(self, operator=Aggregate(tuple(accumulators.items())))
+
+    def sink(self, sink: Sink) -> Pipeline:
+        if any(s.name == sink.name for s in self.sinks):
+            raise ConfigError(f"pipeline {self.name!r} already has a sink named {sink.name!r}")
+        return replace(self, sinks=self.sinks + (sink,))
+
+    def on_bad_records(self, policy: BadRecordPolicy) -> Pipeline:
+        """``"fail"`` (default): the epoch fails naming file, offset and reason.
+        ``"dead_letter"``: such records go to the epoch's dead-letter output, counted."""
+        if policy not in ("fail", "dead_letter"):
+            raise ConfigError(f"bad-record policy must be 'fail' or 'dead_letter', got {policy!r}")
+        return replace(self, bad_records=policy)
+
+    def with_shards(self, num_shards: int, num_key_groups: int = DEFAULT_KEY_GROUPS) -> Pipeline:
+        return replace(self, layout=ShardLayout(num_shards, num_key_groups))
+
+    def validate(self) -> None:
+        missing = [
+            what
+            for what, value in (("source(...)", self.source_log), ("key_by(...)", self.key_column), ("aggregate(...)", self.operator))
+            if value is None
+        ]
+        if missing:
+            raise ConfigError(f"pipeline {self.name!r} is incomplete: add {', '.join(missing)}")
+
+    def apply_transforms(self, df: DataFrame) -> DataFrame:
+        for fn in self.transforms:
+            df = fn(df)
+            if not isinstance(df, DataFrame):
+                raise ConfigError(f"pipeline {self.name!r}: transform {fn!r} returned {type(df).__name__}, not a DataFrame")
+        return df
+
+    def key_expr(self) -> Column:
+        return F.col(self.key_column)
+
+
+def _column(expr: Column | str | Callable[[], Column]) -> Column:
+    if isinstance(expr, str):
+        return F.expr(expr)
+    if callable(expr) and not isinstance(expr, Column):
+        return expr()
+    return expr

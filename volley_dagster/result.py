@@ -1,0 +1,46 @@
+"""What one epoch did: the content of its commit manifest, plus its output in memory."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import pyarrow as pa
+
+
+@dataclass
+class EpochResult:
+    pipeline: str
+    epoch: int
+    range: dict[str, Any]  # per partition "file:record -> file:record"
+    records_in: int
+    records_aggregated: int
+    dead_letters: int
+    records_out: int
+    keys_touched: int
+    new_keys: int
+    state_bytes: int  # bytes of the epoch's snapshots (hardlinked files counted once per snapshot)
+    state_bytes_written: int  # bytes this epoch added to the checkpoint root
+    shards: dict[str, dict[str, Any]]  # per shard: snapshot path, file digests, timings
+    sinks: dict[str, dict[str, Any]]
+    durations: dict[str, float]
+    dead_letter_path: str | None = None
+    watermark: Any = None
+    committed_at: str = ""
+    already_committed: bool = False
+    output: pa.Table | None = field(default=None, repr=False, compare=False)
+
+    def to_manifest(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("output")
+        d.pop("already_committed")
+        return d
+
+    @classmethod
+    def from_manifest(cls, manifest: dict[str, Any], already_committed: bool = True) -> EpochResult:
+        return cls(**manifest, already_committed=already_committed)
+
+    @property
+    def records_per_second(self) -> float:
+        total = self.durations.get("total", 0.0)
+        return self.records_in / total if total else 0.0

@@ -1,0 +1,288 @@
+"""Cut, run and commit epochs of one pipeline.
+
+The order of one epoch (each step survives a crash at any point)::
+
+    cut:     record the offset range (once; retries reuse it)
+    stage:   Spark reads the range, transforms, pre-aggregates, and each shard task
+             restores N-1, merges, flushes one WriteBatch, snapshots N
+    sinks:   each sink commits unless it already holds the epoch (it decides)
+    commit:  the manifest is written last; then retention prunes old snapshots
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import rocksdict
+from pyspark.sql import SparkSession
+
+from volley_dagster import faults
+from volley_dagster.checkpoint.atomic import read_json, write_bytes_atomic
+from volley_dagster.checkpoint.epoch_log import EpochLog
+from volley_dagster.errors import ConfigError, EpochOrderError, MalformedRecordError, SnapshotError, VolleyError
+from volley_dagster.operators.aggregate import ResolvedAggregate
+from volley_dagster.pipeline import Pipeline
+from volley_dagster.result import EpochResult
+from volley_dagster.sinks.base import CommitContext
+from volley_dagster.sources.offsets import EpochRange
+from volley_dagster.spark.session import get_or_create_spark
+from volley_dagster.spark.stage import plan_epoch, run_stage
+from volley_dagster.spark.tasks import PreviousSnapshot, ShardMerge
+from volley_dagster.state.keys import decode_keys, namespace_prefix
+from volley_dagster.state.options import RocksDBOptions
+from volley_dagster.state.store import open_snapshot_read_only, verify_snapshot
+
+
+
+class EpochRunner:
+    """``EpochRunner(pipeline, checkpoint_root="state/").run_next()``."""
+
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        checkpoint_root: str | Path,
+        *,
+        spark: SparkSession | None = None,
+        max_records_per_epoch: int | None = 1_000_000,
+        keep_epochs: int = 3,
+        rocksdb: RocksDBOptions | None = None,
+        scan_fraction: float = 0.5,
+        verify_checksums: bool = False,
+    ) -> None:
+        pipeline.validate()
+        if keep_epochs < 1:
+            raise ConfigError(f"keep_epochs must be at least 1 (the last committed epoch), got {keep_epochs}")
+        if max_records_per_epoch is not None and max_records_per_epoch < 1:
+            raise ConfigError(f"max_records_per_epoch must be positive or None, got {max_records_per_epoch}")
+        self.pipeline = pipeline
+        self.log = EpochLog(checkpoint_root)
+        self._spark = spark
+        self.max_records_per_epoch = max_records_per_epoch
+        self.keep_epochs = keep_epochs
+        self.rocksdb = rocksdb or RocksDBOptions()
+        self.scan_fraction = scan_fraction
+        self.verify_checksums = verify_checksums
+
+    @property
+    def spark(self) -> SparkSession:
+        if self._spark is None:
+            self._spark = get_or_create_spark()
+        return self._spark
+
+    # -- cutting -------------------------------------------------------------------
+
+    def cut_next(self, allow_empty: bool = False) -> EpochRange | None:
+        """Record the next epoch's range: from the end of the last cut epoch to what is
+        available now, bounded by ``max_records_per_epoch``. None when nothing is new."""
+        last = self.log.last_cut()
+        after = self.log.offsets(last).end if last else {}
+        rng = self.pipeline.source_log.cut(last + 1, after, self.max_records_per_epoch)
+        if rng.records == 0 and not allow_empty:
+            return None
+        return self.log.record_offsets(rng)
+
+    # -- running -------------------------------------------------------------------
+
+    def run(self, epoch: int) -> EpochResult:
+        """Process a cut epoch, or return its recorded result if it committed already."""
+        manifest = self.log.manifest(epoch)
+        if manifest is not None:
+            return EpochResult.from_manifest(manifest)
+        rng = self.log.offsets(epoch)
+        if epoch > 1 and not self.log.is_committed(epoch - 1):
+            raise EpochOrderError(
+                f"epoch {epoch} of pipeline {self.pipeline.name!r} needs epoch {epoch - 1} committed first "
+                f"(the last committed epoch is {self.log.last_committed()})"
+            )
+        return self._process(rng)
+
+    def run_next(self) -> EpochResult | None:
+        """Finish the oldest cut-but-uncommitted epoch, else cut and run a new one."""
+        committed = self.log.last_committed()
+        if self.log.last_cut() > committed:
+            return self.run(committed + 1)
+        rng = self.cut_next()
+        return None if rng is None else self.run(rng.epoch)
+
+    def run_available(self, max_epochs: int | None = None) -> list[EpochResult]:
+        results: list[EpochResult] = []
+        while max_epochs is None or len(results) < max_epochs:
+            result = self.run_next()
+            if result is None:
+                break
+            results.append(result)
+        return results
+
+    def committed_epoch(self) -> int:
+        return self.log.last_committed()
+
+    def result(self, epoch: int) -> EpochResult:
+        manifest = self.log.manifest(epoch)
+        if manifest is None:
+            raise EpochOrderError(f"epoch {epoch} of pipeline {self.pipeline.name!r} is not committed")
+        return EpochResult.from_manifest(manifest)
+
+    def _process(self, rng: EpochRange) -> EpochResult:
+        epoch, pipeline, log = rng.epoch, self.pipeline, self.log
+        t0 = time.perf_counter()
+        pipeline.source_log.verify(rng)
+        plan = plan_epoch(self.spark, pipeline, rng)
+        log.check_identity(self._identity(plan.aggregate, plan.key_kind))
+        previous = self._previous_snapshots(epoch)
+        merge = ShardMerge(
+            epoch=epoch,
+            key_column=pipeline.key_column,
+            aggregate=plan.aggregate,
+            layout=pipeline.layout,
+            previous=previous,
+            snapshot_root=str(log.snapshot_dir(epoch, 0).parent),
+            work_root=str(log.work_dir(epoch)),
+            rocksdb=self.rocksdb,
+            scan_fraction=self.scan_fraction,
+            verify_checksums=self.verify_checksums,
+            driver_pid=os.getpid(),
+        )
+        stage = run_stage(self.spark, pipeline, rng, plan, merge)
+        if stage.dead_letters.num_rows and pipeline.bad_records == "fail":
+            raise MalformedRecordError(_describe_bad(epoch, stage.dead_letters))
+        if sorted(stage.shards) != list(range(pipeline.layout.num_shards)):
+            raise VolleyError(f"epoch {epoch}: shard results {sorted(stage.shards)} do not cover every shard")
+        faults.fault_point("after_snapshot")
+
+        t_sinks = time.perf_counter()
+        dead_path = None
+        if stage.dead_letters.num_rows:
+            buf = io.BytesIO()
+            pq.write_table(stage.dead_letters, buf)
+            write_bytes_atomic(log.dead_letter_path(epoch), buf.getvalue())
+            dead_path = str(log.dead_letter_path(epoch).relative_to(log.root))
+        sink_results = self._commit_sinks(stage.output, epoch)
+        faults.fault_point("after_sinks")
+        t_commit = time.perf_counter()
+
+        shards = {str(s): _relative_shard(info, log.root) for s, info in sorted(stage.shards.items())}
+        result = EpochResult(
+            pipeline=pipeline.name,
+            epoch=epoch,
+            range=rng.summary(),
+            records_in=rng.records,
+            records_aggregated=sum(s["records"] for s in shards.values()),
+            dead_letters=stage.dead_letters.num_rows,
+            records_out=stage.output.num_rows,
+            keys_touched=sum(s["keys_touched"] for s in shards.values()),
+            new_keys=sum(s["new_keys"] for s in shards.values()),
+            state_bytes=sum(s["bytes_total"] for s in shards.values()),
+            state_bytes_written=sum(s["bytes_new"] for s in shards.values()),
+            shards=shards,
+            sinks=sink_results,
+            durations={
+                "read_transform": stage.read_transform_s,
+                "state_stage": stage.state_stage_s,
+                **{f"{p}_shard_sum": sum(s[f"{p}_s"] for s in shards.values()) for p in ("restore", "merge", "flush", "snapshot")},
+                "sinks": t_commit - t_sinks,
+                "total": t_commit - t0,
+            },
+            dead_letter_path=dead_path,
+            committed_at=datetime.now(timezone.utc).isoformat(),
+            output=stage.output,
+        )
+        if not log.write_manifest(epoch, result.to_manifest()):
+            return EpochResult.from_manifest(log.manifest(epoch))
+        log.prune(epoch, self.keep_epochs)
+        return result
+
+    def _commit_sinks(self, output: pa.Table, epoch: int) -> dict[str, dict[str, Any]]:
+        ctx = CommitContext(self.pipeline.name, epoch, (self.pipeline.key_column,))
+        results: dict[str, dict[str, Any]] = {}
+        for sink in self.pipeline.sinks:
+            t = time.perf_counter()
+            held = sink.committed_epoch(self.pipeline.name)
+            if held is not None and held >= epoch:
+                results[sink.name] = {"skipped": True, "held_epoch": held}
+            else:
+                results[sink.name] = {**sink.commit(output, ctx), "skipped": False}
+            results[sink.name]["seconds"] = time.perf_counter() - t
+        return results
+
+    def _identity(self, aggregate: ResolvedAggregate, key_kind: str) -> dict[str, Any]:
+        return {
+            "pipeline": self.pipeline.name,
+            "key_column": self.pipeline.key_column,
+            "key_kind": key_kind,
+            "layout": self.pipeline.layout.to_dict(),
+            "aggregate": aggregate.layout(),
+        }
+
+    def _previous_snapshots(self, epoch: int) -> dict[int, PreviousSnapshot]:
+        if epoch == 1:
+            return {}
+        manifest = self.log.manifest(epoch - 1)
+        return {
+            int(s): PreviousSnapshot(str(self.log.root / info["snapshot"]), info["files"])
+            for s, info in manifest["shards"].items()
+        }
+
+    # -- reading state ---------------------------------------------------------------
+
+    def read_state(self, epoch: int | None = None) -> pa.Table:
+        """The full keyed state as of a committed, retained epoch, read from its snapshots
+        (without modifying them)."""
+        epoch = self.log.last_committed() if epoch is None else epoch
+        manifest = self.log.manifest(epoch)
+        if manifest is None:
+            raise EpochOrderError(f"epoch {epoch} of pipeline {self.pipeline.name!r} is not committed")
+        identity = _read_identity(self.log)
+        aggregate = ResolvedAggregate(
+            self.pipeline.operator.accumulators,
+            tuple(a["kind"] for a in identity["aggregate"]["accumulators"]),
+            identity["aggregate"]["namespace"],
+        )
+        prefix = namespace_prefix(aggregate.namespace)
+        keys: list[bytes] = []
+        values: list[bytes] = []
+        for shard, info in sorted(manifest["shards"].items(), key=lambda kv: int(kv[0])):
+            path = self.log.root / info["snapshot"]
+            if not path.exists():
+                raise SnapshotError(
+                    f"epoch {epoch}'s snapshot of shard {shard} was removed by retention "
+                    f"(keep_epochs={self.keep_epochs}); retained epochs: {self.log.retained_snapshots()}"
+                )
+            verify_snapshot(path, info["files"], full=self.verify_checksums)
+            db = open_snapshot_read_only(path, self.rocksdb)
+            try:
+                read_opt = rocksdict.ReadOptions()
+                read_opt.set_iterate_upper_bound((int.from_bytes(prefix, "big") + 1).to_bytes(2, "big"))
+                for k, v in db.items(from_key=prefix, read_opt=read_opt):
+                    keys.append(k)
+                    values.append(v)
+            finally:
+                db.close()
+        _, key_values = decode_keys(identity["key_kind"], keys)
+        state, _ = aggregate.decode(values)
+        names = [self.pipeline.key_column] + [n for n, _ in aggregate.output_fields()]
+        return pa.table([key_values] + aggregate.outputs(state), names=names).sort_by(self.pipeline.key_column)
+
+
+def _read_identity(log: EpochLog) -> dict[str, Any]:
+    return read_json(log.root / "pipeline.json")
+
+
+def _relative_shard(info: dict[str, Any], root: Path) -> dict[str, Any]:
+    return {**info, "snapshot": str(Path(info["snapshot"]).relative_to(root))}
+
+
+def _describe_bad(epoch: int, dead: pa.Table) -> str:
+    rows = dead.slice(0, 3).to_pylist()
+    first = "; ".join(f"{r['file']} record {r['offset']}: {r['reason']}" for r in rows)
+    more = f" (and {dead.num_rows - len(rows)} more)" if dead.num_rows > len(rows) else ""
+    return (
+        f"epoch {epoch}: {dead.num_rows} malformed record(s): {first}{more}. Nothing was committed; "
+        "fix the source or use .on_bad_records('dead_letter') to route them to the dead-letter output"
+    )

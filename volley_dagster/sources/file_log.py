@@ -1,0 +1,199 @@
+"""An append-only log of Parquet or JSON-lines files, optionally split into
+partitions (one sub-folder each).
+
+Files are ordered by name within a partition, so writers name them in arrival
+order (zero-padded sequence numbers or timestamps) and publish them whole
+(write elsewhere, then rename/PUT). Names starting with ``_`` or ``.`` are
+in-progress or marker files and are never read; so are files without the
+format's extension.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pyarrow as pa
+
+from volley_dagster.errors import ConfigError, SourceError
+from volley_dagster.sources import formats
+from volley_dagster.sources.offsets import EpochRange, Position, Segment
+from volley_dagster.sources.storage import FileInfo, Storage, storage_for
+
+DEFAULT_PARTITION = ""
+
+
+class FileLog:
+    """``FileLog("data/events", format="parquet")`` or ``FileLog("s3://bucket/events", format="json", schema=...)``."""
+
+    def __init__(
+        self,
+        uri: str | os.PathLike[str],
+        format: str = "parquet",
+        schema: pa.Schema | None = None,
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
+        if format not in formats.FORMATS:
+            raise ConfigError(f"unknown source format {format!r}; use one of {sorted(formats.FORMATS)}")
+        if format == "json" and schema is None:
+            raise ConfigError(
+                "a JSON source needs an explicit schema (FileLog(..., schema=pa.schema([...]))): "
+                "inferring types from whichever records come first would change them between epochs"
+            )
+        self.format = format
+        self.storage: Storage = storage_for(uri, storage_options)
+        self.uri = self.storage.uri
+        self._schema = schema
+        self._counts: dict[tuple[str, int], int] = {}
+
+    def describe(self) -> dict[str, Any]:
+        return {"type": "file_log", "uri": self.uri, "format": self.format}
+
+    # -- listing -------------------------------------------------------------------
+
+    def partitions(self) -> dict[str, list[FileInfo]]:
+        """Name-sorted data files per partition."""
+        suffixes = formats.FORMATS[self.format]
+        parts: dict[str, list[FileInfo]] = {}
+        for info in self.storage.list():
+            pieces = info.path.split("/")
+            if any(p.startswith(("_", ".")) for p in pieces) or not pieces[-1].endswith(suffixes):
+                continue
+            if len(pieces) > 2:
+                raise SourceError(
+                    f"{self.uri}/{info.path}: files may sit in the log root or one partition folder deep, not deeper"
+                )
+            parts.setdefault(pieces[0] if len(pieces) == 2 else DEFAULT_PARTITION, []).append(info)
+        if DEFAULT_PARTITION in parts and len(parts) > 1:
+            raise SourceError(f"{self.uri}: has files both in the root and in partition folders; use one or the other")
+        return parts
+
+    def schema(self) -> pa.Schema:
+        """The declared schema, or the first Parquet file's (the log's first file never changes)."""
+        if self._schema is None:
+            parts = self.partitions()
+            if not parts:
+                raise SourceError(f"{self.uri}: no {self.format} files yet, so no schema to infer; pass schema=")
+            first = min((files[0] for files in parts.values()), key=lambda f: f.path)
+            self._schema = formats.read_schema(self.format, self.storage.read(first.path))
+        return self._schema
+
+    def record_count(self, info: FileInfo) -> int:
+        key = (info.path, info.size)
+        if key not in self._counts:
+            self._counts[key] = formats.count_records(self.format, self.storage.read(info.path))
+        return self._counts[key]
+
+    # -- cutting -------------------------------------------------------------------
+
+    def cut(self, epoch: int, after: dict[str, Position], max_records: int | None) -> EpochRange:
+        """The range from ``after`` to what is available now, at most ``max_records`` long,
+        shared fairly between partitions."""
+        available: dict[str, list[tuple[FileInfo, int, int, int]]] = {}
+        for name, files in sorted(self.partitions().items()):
+            available[name] = self._pending(name, files, after.get(name, Position()))
+        for name in after:
+            if name not in available:
+                raise SourceError(f"{self.uri}: partition {name!r} was read before and has disappeared")
+        quota = _fair_shares({p: sum(c for *_, c in segs) for p, segs in available.items()}, max_records)
+
+        segments: list[Segment] = []
+        end: dict[str, Position] = {}
+        for name, pending in available.items():
+            pos = after.get(name, Position())
+            left = quota[name]
+            for info, index, first, count in pending:
+                take = min(left, count)
+                if take <= 0:
+                    break
+                segments.append(Segment(len(segments), name, info.path, first, first + take, info.size))
+                pos = Position(_base(info.path), index, first + take)
+                left -= take
+            end[name] = pos
+        start = {name: after.get(name, Position()) for name in available}
+        return EpochRange(epoch, start, end, tuple(segments))
+
+    def available_records(self, after: dict[str, Position]) -> int:
+        """How many records lie beyond ``after`` (what a sensor checks)."""
+        total = 0
+        for name, files in self.partitions().items():
+            total += sum(c for *_, c in self._pending(name, files, after.get(name, Position())))
+        return total
+
+    def _pending(self, partition: str, files: list[FileInfo], pos: Position) -> list[tuple[FileInfo, int, int, int]]:
+        """(file, index, first unread record, unread count) from ``pos`` on."""
+        names = [_base(f.path) for f in files]
+        index = pos.file_index
+        if pos.file is not None:
+            before = sum(1 for n in names if n < pos.file)
+            if index >= len(names) or names[index] != pos.file:
+                raise SourceError(
+                    f"{self.uri}: partition {partition!r} no longer has {pos.file!r} at position {index}: "
+                    "a file that was read has been removed or renamed"
+                )
+            if before != index:
+                raise SourceError(
+                    f"{self.uri}: partition {partition!r} has {before - index} new file(s) sorting before "
+                    f"{pos.file!r}, which was already read; the log is append-only, so name new files to sort last"
+                )
+        out = []
+        for i in range(index, len(files)):
+            first = pos.record if (pos.file is not None and i == index) else 0
+            count = self.record_count(files[i]) - first
+            if count > 0:
+                out.append((files[i], i, first, count))
+        return out
+
+    # -- reading -------------------------------------------------------------------
+
+    def verify(self, rng: EpochRange) -> None:
+        """Every file the range names is still there, unchanged in size."""
+        for seg in rng.segments:
+            size = self.storage.size(seg.file)
+            if size is None:
+                raise SourceError(f"epoch {rng.epoch}: source file {self.uri}/{seg.file} is missing")
+            if size != seg.size:
+                raise SourceError(
+                    f"epoch {rng.epoch}: source file {self.uri}/{seg.file} changed after the epoch was cut "
+                    f"({seg.size} -> {size} bytes); log files must not be rewritten"
+                )
+
+    def read_segment(self, seg: Segment, schema: pa.Schema) -> pa.Table:
+        data = self.storage.read(seg.file)
+        if len(data) != seg.size:
+            raise SourceError(f"source file {self.uri}/{seg.file} changed after its epoch was cut")
+        return formats.decode_segment(self.format, data, seg.start, seg.end, schema, seg.position_base())
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_counts": {}}
+
+
+def _base(path: str) -> str:
+    return path.rsplit("/", 1)[-1]
+
+
+def _fair_shares(available: dict[str, int], budget: int | None) -> dict[str, int]:
+    """Split ``budget`` between partitions: each gets an equal share, and what a small
+    partition leaves over goes to the others (water-filling)."""
+    if budget is None:
+        return dict(available)
+    shares = {p: 0 for p in available}
+    left = budget
+    hungry = sorted((n, p) for p, n in available.items() if n > 0)
+    while hungry and left > 0:
+        each = max(1, left // len(hungry))
+        n, p = hungry[0]
+        if n <= each:
+            shares[p] = n
+            left -= n
+            hungry.pop(0)
+            continue
+        for n, p in hungry:
+            give = min(each, left)
+            shares[p] = give
+            left -= give
+        break
+    return shares
+
+
+__all__ = ["FileLog", "DEFAULT_PARTITION"]

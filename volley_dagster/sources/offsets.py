@@ -1,0 +1,88 @@
+"""Positions in an append-only file log and the ranges epochs are cut into.
+
+A position is per partition: the file it points into (by name and by index in
+the partition's name-sorted listing) and how many of that file's records are
+consumed. The index lets a cut notice a file that appeared *before* the
+position, which would otherwise be skipped silently.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from volley_dagster.columns import POS_OFFSET_BITS
+
+
+@dataclass(frozen=True)
+class Position:
+    file: str | None = None  # None: nothing of the partition consumed yet
+    file_index: int = 0
+    record: int = 0
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Position:
+        return cls(d.get("file"), int(d["file_index"]), int(d["record"]))
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Records ``[start, end)`` of one file: the unit a Spark read task handles."""
+
+    id: int
+    partition: str
+    file: str  # path relative to the log root
+    start: int
+    end: int
+    size: int  # bytes when cut; a different size on read means the file was rewritten
+
+    @property
+    def records(self) -> int:
+        return self.end - self.start
+
+    def position_base(self) -> int:
+        return self.id << POS_OFFSET_BITS
+
+
+@dataclass(frozen=True)
+class EpochRange:
+    """Exactly what epoch N reads. Recorded before the first attempt; never recomputed."""
+
+    epoch: int
+    start: dict[str, Position]
+    end: dict[str, Position]
+    segments: tuple[Segment, ...] = field(default_factory=tuple)
+
+    @property
+    def records(self) -> int:
+        return sum(s.records for s in self.segments)
+
+    def segment_of(self, pos: int) -> tuple[Segment, int]:
+        """The segment and file record index of an event position."""
+        seg = self.segments[pos >> POS_OFFSET_BITS]
+        return seg, pos & ((1 << POS_OFFSET_BITS) - 1)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "records": self.records,
+            "start": {p: asdict(pos) for p, pos in self.start.items()},
+            "end": {p: asdict(pos) for p, pos in self.end.items()},
+            "segments": [asdict(s) for s in self.segments],
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> EpochRange:
+        return cls(
+            epoch=int(d["epoch"]),
+            start={p: Position.from_dict(v) for p, v in d["start"].items()},
+            end={p: Position.from_dict(v) for p, v in d["end"].items()},
+            segments=tuple(Segment(**s) for s in d["segments"]),
+        )
+
+    def summary(self) -> dict[str, Any]:
+        """The range as people read it: per partition, file:record from and to."""
+        def fmt(pos: Position) -> str:
+            return f"{pos.file}:{pos.record}" if pos.file else "start"
+
+        return {p: f"{fmt(self.start[p])} -> {fmt(self.end[p])}" for p in sorted(self.end)}

@@ -1,0 +1,145 @@
+"""Where log files live: a local directory or an S3 prefix (through boto3).
+
+Storage objects are pickled into Spark tasks, so they hold settings only and
+open clients lazily in the process that uses them.
+"""
+
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from volley_dagster.errors import ConfigError, SourceError
+
+
+@dataclass(frozen=True)
+class FileInfo:
+    path: str  # relative to the storage root, "/"-separated
+    size: int
+
+
+class Storage(ABC):
+    uri: str
+
+    @abstractmethod
+    def list(self) -> list[FileInfo]:
+        """Every file under the root (any depth), sorted by path."""
+
+    @abstractmethod
+    def read(self, path: str) -> bytes:
+        """A file's bytes; SourceError when it is gone."""
+
+    @abstractmethod
+    def size(self, path: str) -> int | None:
+        """A file's size, or None when it does not exist."""
+
+    @abstractmethod
+    def write(self, path: str, data: bytes) -> None:
+        """Publish a file whole (used by the demo generator and tests)."""
+
+
+class LocalStorage(Storage):
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root).absolute()
+        self.uri = str(self.root)
+
+    def list(self) -> list[FileInfo]:
+        if not self.root.is_dir():
+            raise SourceError(f"source directory {self.root} does not exist")
+        out = []
+        for dirpath, _, files in os.walk(self.root):
+            for name in files:
+                full = Path(dirpath) / name
+                out.append(FileInfo(full.relative_to(self.root).as_posix(), full.stat().st_size))
+        return sorted(out, key=lambda f: f.path)
+
+    def read(self, path: str) -> bytes:
+        try:
+            return (self.root / path).read_bytes()
+        except FileNotFoundError:
+            raise SourceError(f"source file {self.root / path} is missing") from None
+
+    def size(self, path: str) -> int | None:
+        try:
+            return (self.root / path).stat().st_size
+        except FileNotFoundError:
+            return None
+
+    def write(self, path: str, data: bytes) -> None:
+        from volley_dagster.checkpoint.atomic import write_bytes_atomic
+
+        write_bytes_atomic(self.root / path, data)
+
+
+class S3Storage(Storage):
+    """An S3 prefix. ``options`` are boto3 client arguments (``endpoint_url``,
+    ``aws_access_key_id``, ``aws_secret_access_key``, ``region_name``);
+    unset ones come from the usual AWS environment."""
+
+    def __init__(self, uri: str, options: dict[str, Any] | None = None) -> None:
+        parsed = urlparse(uri)
+        if parsed.scheme not in ("s3", "s3a") or not parsed.netloc:
+            raise ConfigError(f"not an S3 URI: {uri!r} (expected s3://bucket/prefix)")
+        self.uri = uri
+        self.bucket = parsed.netloc
+        self.prefix = parsed.path.strip("/")
+        self.options = dict(options or {})
+        self._client: Any = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_client": None}
+
+    @property
+    def client(self) -> Any:
+        if self._client is None:
+            import boto3
+            from botocore.config import Config
+
+            opts = dict(self.options)
+            opts.setdefault("config", Config(s3={"addressing_style": "path"}, retries={"max_attempts": 5}))
+            self._client = boto3.client("s3", **opts)
+        return self._client
+
+    def _key(self, path: str) -> str:
+        return f"{self.prefix}/{path}" if self.prefix else path
+
+    def list(self) -> list[FileInfo]:
+        out = []
+        base = f"{self.prefix}/" if self.prefix else ""
+        try:
+            for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=base):
+                for obj in page.get("Contents", []):
+                    out.append(FileInfo(obj["Key"][len(base):], int(obj["Size"])))
+        except Exception as exc:
+            raise SourceError(f"cannot list {self.uri}: {exc}") from exc
+        return sorted(out, key=lambda f: f.path)
+
+    def read(self, path: str) -> bytes:
+        try:
+            return self.client.get_object(Bucket=self.bucket, Key=self._key(path))["Body"].read()
+        except self.client.exceptions.NoSuchKey:
+            raise SourceError(f"source file {self.uri}/{path} is missing") from None
+
+    def size(self, path: str) -> int | None:
+        try:
+            return int(self.client.head_object(Bucket=self.bucket, Key=self._key(path))["ContentLength"])
+        except Exception as exc:
+            if getattr(exc, "response", {}).get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                return None
+            raise SourceError(f"cannot stat {self.uri}/{path}: {exc}") from exc
+
+    def write(self, path: str, data: bytes) -> None:
+        self.client.put_object(Bucket=self.bucket, Key=self._key(path), Body=data)
+
+
+def storage_for(uri: str | os.PathLike[str], options: dict[str, Any] | None = None) -> Storage:
+    text = str(uri)
+    if text.startswith(("s3://", "s3a://")):
+        return S3Storage(text, options)
+    if "://" in text and not text.startswith("file://"):
+        raise ConfigError(f"unsupported source URI {text!r}: use a local path or s3://bucket/prefix")
+    return LocalStorage(text.removeprefix("file://"))

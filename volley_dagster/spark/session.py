@@ -1,0 +1,80 @@
+"""The one SparkSession a process runs its epochs on.
+
+Local mode by default; a standalone master URL (``spark://host:7077``) or a
+Spark Connect URL (``sc://host:15002``) when configured. Python workers must
+run this very interpreter (it has the engine installed), so PYSPARK_PYTHON is
+pinned to it unless the user set it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from typing import Any
+
+from pyspark.sql import SparkSession
+
+from volley_dagster.errors import ConfigError
+
+MIN_JAVA = 17
+
+
+def java_major_version(java: str | None = None) -> int:
+    """The major version of the ``java`` Spark will start, or ConfigError naming the fix."""
+    home = os.environ.get("JAVA_HOME")
+    java = java or (os.path.join(home, "bin", "java") if home else shutil.which("java"))
+    if not java or not os.path.exists(java):
+        raise ConfigError(
+            f"Spark needs Java {MIN_JAVA}+ and no java was found (JAVA_HOME={home!r}); "
+            "on Debian: apt-get install openjdk-17-jre-headless"
+        )
+    out = subprocess.run([java, "-version"], capture_output=True, text=True).stderr
+    match = re.search(r'version "(\d+)(?:\.(\d+))?', out)
+    if not match:
+        raise ConfigError(f"cannot tell the Java version from {java} -version: {out.strip()!r}")
+    major = int(match.group(1))
+    return int(match.group(2)) if major == 1 else major
+
+
+def default_conf() -> dict[str, str]:
+    cores = os.cpu_count() or 2
+    return {
+        "spark.sql.shuffle.partitions": str(max(4, 2 * cores)),
+        "spark.sql.execution.arrow.pyspark.enabled": "true",
+        "spark.sql.session.timeZone": "UTC",
+        "spark.ui.enabled": "false",
+        "spark.ui.showConsoleProgress": "false",
+        "spark.driver.memory": os.environ.get("VOLLEY_SPARK_DRIVER_MEMORY", "4g"),
+        "spark.python.worker.reuse": "true",
+    }
+
+
+def get_or_create_spark(
+    master: str | None = None,
+    remote: str | None = None,
+    conf: dict[str, Any] | None = None,
+    app_name: str = "volley",
+) -> SparkSession:
+    """The active session if there is one, else a new one on ``master``/``remote``."""
+    active = SparkSession.getActiveSession()
+    if active is not None:
+        return active
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    builder = SparkSession.builder.appName(app_name)
+    if remote:
+        builder = builder.remote(remote)
+    else:
+        version = java_major_version()
+        if version < MIN_JAVA:
+            raise ConfigError(f"Spark needs Java {MIN_JAVA}+, found Java {version}; set JAVA_HOME to a JDK 17")
+        builder = builder.master(master or os.environ.get("VOLLEY_SPARK_MASTER", "local[*]"))
+        for key, value in {**default_conf(), **(conf or {})}.items():
+            builder = builder.config(key, str(value))
+    spark = builder.getOrCreate()
+    if not remote:
+        spark.sparkContext.setLogLevel("ERROR")
+    return spark

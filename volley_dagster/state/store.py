@@ -1,0 +1,151 @@
+"""One RocksDB per state shard: restore from a snapshot, write, snapshot again.
+
+Snapshots are ``rocksdict.Checkpoint``s: SST files are hardlinked, so a
+snapshot costs what changed since the last one. A snapshot is never opened
+read-write (that rewrites its MANIFEST and may unlink SSTs): restores open it
+read-only and checkpoint it into an attempt-scoped working directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import rocksdict
+
+from volley_dagster.checkpoint.atomic import fsync_dir
+from volley_dagster.errors import SnapshotError
+from volley_dagster.state.options import RocksDBOptions
+from volley_dagster.state.transaction import ShardTransaction
+
+FileDigests = dict[str, dict[str, Any]]  # file name -> {"size": int, "sha256": str}
+
+
+@dataclass(frozen=True)
+class SnapshotInfo:
+    path: Path
+    files: FileDigests
+    bytes_total: int
+    bytes_new: int  # bytes not shared (by hardlink) with the previous snapshot
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def verify_snapshot(path: Path, files: FileDigests, full: bool = False) -> None:
+    """Check a snapshot against its manifest entry: every file present, same size
+    (and same SHA-256 when ``full``)."""
+    if not path.is_dir():
+        raise SnapshotError(f"snapshot {path} is missing")
+    for name, meta in files.items():
+        f = path / name
+        if not f.is_file():
+            raise SnapshotError(f"snapshot {path} is corrupt: file {name} is missing")
+        size = f.stat().st_size
+        if size != meta["size"]:
+            raise SnapshotError(f"snapshot {path} is corrupt: {name} has {size} bytes, manifest says {meta['size']}")
+        if full and sha256_file(f) != meta["sha256"]:
+            raise SnapshotError(f"snapshot {path} is corrupt: {name} does not match its SHA-256 in the manifest")
+
+
+def open_snapshot_read_only(path: Path, options: RocksDBOptions | None = None) -> rocksdict.Rdict:
+    """Open a snapshot without changing a byte of it."""
+    try:
+        return rocksdict.Rdict(
+            str(path), (options or RocksDBOptions()).build(), access_type=rocksdict.AccessType.read_only()
+        )
+    except Exception as exc:  # rocksdict raises plain Exception
+        raise SnapshotError(f"cannot open snapshot {path}: {exc}") from exc
+
+
+class ShardStore:
+    """A shard's writable RocksDB in its working directory."""
+
+    def __init__(self, db: rocksdict.Rdict, work_dir: Path) -> None:
+        self.db = db
+        self.work_dir = work_dir
+
+    @classmethod
+    def restore(
+        cls,
+        snapshot: Path | None,
+        snapshot_files: FileDigests | None,
+        work_dir: Path,
+        options: RocksDBOptions | None = None,
+        verify_checksums: bool = False,
+    ) -> ShardStore:
+        """A writable copy of ``snapshot`` (empty state when None) in ``work_dir``."""
+        options = options or RocksDBOptions()
+        if work_dir.exists():
+            shutil.rmtree(work_dir)
+        work_dir.parent.mkdir(parents=True, exist_ok=True)
+        if snapshot is not None:
+            verify_snapshot(snapshot, snapshot_files or {}, full=verify_checksums)
+            source = open_snapshot_read_only(snapshot, options)
+            try:
+                rocksdict.Checkpoint(source).create_checkpoint(str(work_dir))
+            finally:
+                source.close()
+        return cls(rocksdict.Rdict(str(work_dir), options.build()), work_dir)
+
+    def transaction(self, scan_fraction: float = 0.5) -> ShardTransaction:
+        return ShardTransaction(self.db, scan_fraction)
+
+    def snapshot(self, target: Path, previous: Path | None, previous_files: FileDigests | None) -> SnapshotInfo:
+        """Checkpoint into ``target``, replacing what an earlier failed attempt left there."""
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex}.tmp")
+        rocksdict.Checkpoint(self.db).create_checkpoint(str(tmp))
+        files, new_bytes = _digest(tmp, previous, previous_files or {})
+        if target.exists():
+            stale = target.with_name(f".{target.name}.{uuid.uuid4().hex}.stale")
+            os.replace(target, stale)
+            shutil.rmtree(stale)
+        os.replace(tmp, target)
+        fsync_dir(target.parent)
+        total = sum(meta["size"] for meta in files.values())
+        return SnapshotInfo(target, files, total, new_bytes)
+
+    def close(self, remove: bool = True) -> None:
+        self.db.close()
+        if remove:
+            shutil.rmtree(self.work_dir, ignore_errors=True)
+
+
+def _digest(path: Path, previous: Path | None, previous_files: FileDigests) -> tuple[FileDigests, int]:
+    """Digests of a new snapshot, reusing those of files hardlinked from the previous one."""
+    files: FileDigests = {}
+    new_bytes = 0
+    for entry in sorted(os.scandir(path), key=lambda e: e.name):
+        st = entry.stat()
+        prev = previous_files.get(entry.name)
+        shared = (
+            prev is not None
+            and previous is not None
+            and prev["size"] == st.st_size
+            and _same_inode(st, previous / entry.name)
+        )
+        if shared:
+            files[entry.name] = dict(prev)
+        else:
+            files[entry.name] = {"size": st.st_size, "sha256": sha256_file(Path(entry.path))}
+            new_bytes += st.st_size
+    return files, new_bytes
+
+
+def _same_inode(st: os.stat_result, other: Path) -> bool:
+    try:
+        o = other.stat()
+    except FileNotFoundError:
+        return False
+    return (st.st_ino, st.st_dev) == (o.st_ino, o.st_dev)

@@ -1,0 +1,82 @@
+"""The write-behind cache of one shard for one epoch.
+
+Reads go to the cache first and then to RocksDB in bulk (``multi_get``, or one
+ordered scan of the operator's prefix when most of its keys are touched);
+writes stay in memory and reach RocksDB as a single ``WriteBatch`` at
+``flush``. Modelled on Quix Streams' ``PartitionTransactionCache``.
+"""
+
+from __future__ import annotations
+
+import rocksdict
+
+from volley_dagster.state.options import write_options
+
+_DELETED = object()
+
+
+class ShardTransaction:
+    def __init__(self, db: rocksdict.Rdict, scan_fraction: float = 0.5) -> None:
+        self._db = db
+        self._scan_fraction = scan_fraction
+        self._cache: dict[bytes, object] = {}
+        self.reads = 0
+        self.scanned = False
+
+    def get_many(self, keys: list[bytes], prefix: bytes) -> list[bytes | None]:
+        """Values for ``keys`` (all under ``prefix``), None where absent."""
+        cache = self._cache
+        misses = [k for k in keys if k not in cache] if cache else keys
+        if misses:
+            self.reads += len(misses)
+            if self._should_scan(len(misses)):
+                found = self._scan(prefix)
+                self.scanned = True
+                loaded = list(map(found.get, misses))
+            else:
+                loaded = self._db.get(misses)
+            if not cache:
+                return loaded
+            fetched = dict(zip(misses, loaded))
+        else:
+            fetched = {}
+        out = []
+        for k in keys:
+            v = cache.get(k, fetched.get(k))
+            out.append(None if v is _DELETED else v)
+        return out
+
+    def set_many(self, keys: list[bytes], values: list[bytes]) -> None:
+        self._cache.update(zip(keys, values))
+
+    def delete_many(self, keys: list[bytes]) -> None:
+        self._cache.update(dict.fromkeys(keys, _DELETED))
+
+    @property
+    def dirty(self) -> int:
+        return len(self._cache)
+
+    def flush(self) -> int:
+        """Write every dirty key in one ``WriteBatch``; returns how many."""
+        if not self._cache:
+            return 0
+        batch = rocksdict.WriteBatch(raw_mode=True)
+        for key, value in self._cache.items():
+            if value is _DELETED:
+                batch.delete(key)
+            else:
+                batch.put(key, value)
+        self._db.write(batch, write_options())
+        written = len(self._cache)
+        self._cache = {}
+        return written
+
+    def _should_scan(self, n_keys: int) -> bool:
+        estimate = self._db.property_int_value("rocksdb.estimate-num-keys") or 0
+        return estimate > 0 and n_keys >= self._scan_fraction * estimate
+
+    def _scan(self, prefix: bytes) -> dict[bytes, bytes]:
+        read_opt = rocksdict.ReadOptions()
+        upper = (int.from_bytes(prefix, "big") + 1).to_bytes(len(prefix), "big")
+        read_opt.set_iterate_upper_bound(upper)
+        return dict(self._db.items(from_key=prefix, read_opt=read_opt))
