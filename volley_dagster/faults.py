@@ -1,8 +1,9 @@
 """Named crash points for recovery tests: real ``kill -9`` at a chosen place.
 
-Set ``VOLLEY_KILL_AT=<point>`` (or ``<point>:<shard>``) in a process's
-environment and it SIGKILLs itself (or its driver, from a Spark task) when it
-reaches that point. Unset, a fault point costs one dictionary lookup.
+Set ``VOLLEY_KILL_AT=<point>`` in a process's environment and it SIGKILLs
+itself (or its driver, from a Spark task) when it reaches that point;
+``VOLLEY_KILL_EPOCH`` and ``VOLLEY_KILL_SHARD`` narrow it to one epoch or
+shard. Unset, a fault point costs one dictionary lookup.
 """
 
 from __future__ import annotations
@@ -11,8 +12,11 @@ import os
 import signal
 
 ENV = "VOLLEY_KILL_AT"
+EPOCH_ENV = "VOLLEY_KILL_EPOCH"
+SHARD_ENV = "VOLLEY_KILL_SHARD"
 
 POINTS = (
+    "segment_read",  # inside the Spark stage: a read task kills the driver
     "shard_after_snapshot",  # inside the Spark stage: one shard snapshotted, others may not be
     "after_snapshot",  # every shard snapshotted, no sink written
     "after_sinks",  # every sink committed, no manifest
@@ -20,11 +24,11 @@ POINTS = (
 )
 
 
-def fault_point(name: str, *, pid: int | None = None, shard: int | None = None) -> None:
-    spec = os.environ.get(ENV)
-    if not spec:
+def fault_point(name: str, epoch: int, *, pid: int | None = None, shard: int | None = None) -> None:
+    if os.environ.get(ENV) != name:
         return
-    point, _, which = spec.partition(":")
-    if point != name or (which and shard is not None and int(which) != shard):
-        return
+    for env, value in ((EPOCH_ENV, epoch), (SHARD_ENV, shard)):
+        wanted = os.environ.get(env)
+        if wanted and value is not None and int(wanted) != value:
+            return
     os.kill(pid or os.getpid(), signal.SIGKILL)

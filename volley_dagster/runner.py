@@ -154,7 +154,7 @@ class EpochRunner:
             raise MalformedRecordError(_describe_bad(epoch, stage.dead_letters))
         if sorted(stage.shards) != list(range(pipeline.layout.num_shards)):
             raise VolleyError(f"epoch {epoch}: shard results {sorted(stage.shards)} do not cover every shard")
-        faults.fault_point("after_snapshot")
+        faults.fault_point("after_snapshot", epoch)
 
         t_sinks = time.perf_counter()
         dead_path = None
@@ -164,7 +164,7 @@ class EpochRunner:
             write_bytes_atomic(log.dead_letter_path(epoch), buf.getvalue())
             dead_path = str(log.dead_letter_path(epoch).relative_to(log.root))
         sink_results = self._commit_sinks(stage.output, epoch)
-        faults.fault_point("after_sinks")
+        faults.fault_point("after_sinks", epoch)
         t_commit = time.perf_counter()
 
         shards = {str(s): _relative_shard(info, log.root) for s, info in sorted(stage.shards.items())}
@@ -224,10 +224,12 @@ class EpochRunner:
         if epoch == 1:
             return {}
         manifest = self.log.manifest(epoch - 1)
-        return {
-            int(s): PreviousSnapshot(str(self.log.root / info["snapshot"]), info["files"])
-            for s, info in manifest["shards"].items()
-        }
+        previous = {}
+        for shard, info in manifest["shards"].items():
+            path = self.log.root / info["snapshot"]
+            verify_snapshot(path, info["files"], full=self.verify_checksums)  # fail before Spark starts work
+            previous[int(shard)] = PreviousSnapshot(str(path), info["files"])
+        return previous
 
     # -- reading state ---------------------------------------------------------------
 

@@ -119,7 +119,7 @@ class EpochLog:
         if snaps.is_dir():
             for p in sorted(snaps.iterdir()):
                 if p.name.isdigit() and int(p.name) <= committed - keep:
-                    faults.fault_point("during_retention")
+                    faults.fault_point("during_retention", committed)
                     shutil.rmtree(p)
                     removed.append(int(p.name))
         work = self.root / "work"

@@ -126,15 +126,15 @@ class FileLog:
         index = pos.file_index
         if pos.file is not None:
             before = sum(1 for n in names if n < pos.file)
-            if index >= len(names) or names[index] != pos.file:
-                raise SourceError(
-                    f"{self.uri}: partition {partition!r} no longer has {pos.file!r} at position {index}: "
-                    "a file that was read has been removed or renamed"
-                )
-            if before != index:
+            if before > index:
                 raise SourceError(
                     f"{self.uri}: partition {partition!r} has {before - index} new file(s) sorting before "
                     f"{pos.file!r}, which was already read; the log is append-only, so name new files to sort last"
+                )
+            if before < index or index >= len(names) or names[index] != pos.file:
+                raise SourceError(
+                    f"{self.uri}: partition {partition!r} no longer has {pos.file!r} at position {index}: "
+                    "a file that was read has been removed or renamed"
                 )
         out = []
         for i in range(index, len(files)):

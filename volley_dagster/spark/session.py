@@ -13,6 +13,7 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 from pyspark.sql import SparkSession
@@ -39,9 +40,17 @@ def java_major_version(java: str | None = None) -> int:
     return int(match.group(2)) if major == 1 else major
 
 
+_LOG4J = Path(__file__).with_name("log4j2.properties")
+
+
 def default_conf() -> dict[str, str]:
     cores = os.cpu_count() or 2
+    log4j = f"-Dlog4j2.configurationFile=file:{_LOG4J}"
     return {
+        "spark.driver.host": "127.0.0.1",
+        "spark.driver.bindAddress": "127.0.0.1",
+        "spark.driver.extraJavaOptions": log4j,
+        "spark.executor.extraJavaOptions": log4j,
         "spark.sql.shuffle.partitions": str(max(4, 2 * cores)),
         "spark.sql.execution.arrow.pyspark.enabled": "true",
         "spark.sql.session.timeZone": "UTC",
@@ -64,6 +73,7 @@ def get_or_create_spark(
         return active
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")  # bind to loopback unless told otherwise
     builder = SparkSession.builder.appName(app_name)
     if remote:
         builder = builder.remote(remote)
@@ -75,6 +85,4 @@ def get_or_create_spark(
         for key, value in {**default_conf(), **(conf or {})}.items():
             builder = builder.config(key, str(value))
     spark = builder.getOrCreate()
-    if not remote:
-        spark.sparkContext.setLogLevel("ERROR")
     return spark

@@ -8,9 +8,12 @@ expressions) -> one applyInArrow call per shard (state merge + snapshot).
 from __future__ import annotations
 
 import json
+import os
+import re
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -18,9 +21,10 @@ from pyspark import StorageLevel
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
+from pyspark.errors import PythonException
 from pyspark.sql.pandas.types import from_arrow_schema
 
-from volley_dagster import columns
+from volley_dagster import columns, errors
 from volley_dagster.errors import ConfigError
 from volley_dagster.operators.aggregate import ResolvedAggregate
 from volley_dagster.pipeline import Pipeline
@@ -71,7 +75,7 @@ def plan_epoch(spark: SparkSession, pipeline: Pipeline, rng: EpochRange) -> Plan
     read_schema = pa.schema(list(schema) + _META)
     n = len(rng.segments)
     raw = spark.range(0, n, 1, max(1, n)).mapInArrow(
-        SegmentReader(source, rng.segments, schema), from_arrow_schema(read_schema)
+        SegmentReader(source, rng.segments, schema, rng.epoch, os.getpid()), from_arrow_schema(read_schema)
     )
     parsed = raw.where(F.col(columns.ERROR).isNull()).drop(columns.ERROR, columns.RAW)
     transformed = pipeline.apply_transforms(parsed)
@@ -129,6 +133,23 @@ def _resolve_dead_letters(table: pa.Table, rng: EpochRange) -> pa.Table:
     )
 
 
+_TASK_ERROR = re.compile(r"volley_dagster\.errors\.(\w+): (.*)")
+
+
+@contextmanager
+def _engine_errors() -> Iterator[None]:
+    """Re-raise an engine error thrown inside a Spark task as itself, not as a
+    Python-worker traceback wrapped in a JVM exception."""
+    try:
+        yield
+    except PythonException as exc:
+        match = _TASK_ERROR.search(str(exc))
+        cls = getattr(errors, match.group(1), None) if match else None
+        if isinstance(cls, type) and issubclass(cls, errors.VolleyError):
+            raise cls(match.group(2)) from exc
+        raise
+
+
 def run_stage(
     spark: SparkSession,
     pipeline: Pipeline,
@@ -140,7 +161,8 @@ def run_stage(
     plan.raw.persist(StorageLevel.MEMORY_AND_DISK)
     try:
         t0 = time.perf_counter()
-        dead = _resolve_dead_letters(_dead_letter_frame(plan, pipeline).toArrow(), rng)
+        with _engine_errors():
+            dead = _resolve_dead_letters(_dead_letter_frame(plan, pipeline).toArrow(), rng)
         t1 = time.perf_counter()
         if dead.num_rows and pipeline.bad_records == "fail":
             return StageResult(pa.table({}), dead, {}, t1 - t0, 0.0)
@@ -160,12 +182,13 @@ def run_stage(
         out_schema = ", ".join(
             [f"`{pipeline.key_column}` {key_type}"] + plan.aggregate.output_ddl() + [f"`{columns.STATS}` string"]
         )
-        out = (
-            partials.unionByName(every_shard, allowMissingColumns=True)
-            .groupBy(columns.SHARD)
-            .applyInArrow(lambda table: merge(table), out_schema)  # Spark counts a callable's self
-            .toArrow()
-        )
+        with _engine_errors():
+            out = (
+                partials.unionByName(every_shard, allowMissingColumns=True)
+                .groupBy(columns.SHARD)
+                .applyInArrow(lambda table: merge(table), out_schema)  # Spark counts a callable's self
+                .toArrow()
+            )
         t2 = time.perf_counter()
     finally:
         plan.raw.unpersist()

@@ -34,10 +34,13 @@ class SegmentReader:
     source: FileLog
     segments: tuple[Segment, ...]
     schema: pa.Schema
+    epoch: int
+    driver_pid: int
 
     def __call__(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         for batch in batches:
             for seg_id in batch.column(0).to_pylist():
+                faults.fault_point("segment_read", self.epoch, pid=self.driver_pid)
                 table = self.source.read_segment(self.segments[seg_id], self.schema)
                 yield from table.to_batches(max_chunksize=65536)
 
@@ -95,7 +98,7 @@ class ShardMerge:
             t4 = time.perf_counter()
         finally:
             store.close()
-        faults.fault_point("shard_after_snapshot", pid=self.driver_pid, shard=shard)
+        faults.fault_point("shard_after_snapshot", self.epoch, pid=self.driver_pid, shard=shard)
         stats = {
             "shard": shard,
             "snapshot": str(snap.path),

@@ -1,0 +1,17 @@
+"""Runs the payments pipeline to the end in its own process, for kill -9 tests:
+``python -m tests.engine.crash_worker BASE MAX_RECORDS KEEP``."""
+
+import sys
+from pathlib import Path
+
+from tests.helpers import payments
+from volley_dagster import EpochRunner
+from volley_dagster.spark.session import get_or_create_spark
+
+if __name__ == "__main__":
+    base, max_records, keep = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    spark = get_or_create_spark(master="local[2]", conf={"spark.sql.shuffle.partitions": "4"})
+    runner = EpochRunner(payments(base / "events", base / "out"), base / "state", spark=spark,
+                         max_records_per_epoch=max_records, keep_epochs=keep)
+    for result in runner.run_available():
+        print("committed", result.epoch, flush=True)

@@ -1,0 +1,183 @@
+"""Malformed records, missing files, corrupt snapshots and wrong config: each a
+clear error naming the problem, or a counted dead-letter row; never a silent drop."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from volley_dagster import (
+    ConfigError,
+    EpochRunner,
+    FileLog,
+    MalformedRecordError,
+    MemorySink,
+    Pipeline,
+    SnapshotError,
+    SourceError,
+    StateLayoutError,
+    count,
+    sum_,
+)
+from volley_dagster.demo.events import generate
+from tests.helpers import payments
+
+SCHEMA = pa.schema([("user", pa.string()), ("amount", pa.float64()), ("ts", pa.timestamp("us", tz="UTC"))])
+GOOD = [{"user": f"u{i % 3}", "amount": float(i), "ts": "2026-01-01T00:00:00"} for i in range(6)]
+
+
+def write_lines(path, lines):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(line + "\n" for line in lines))
+
+
+def json_pipeline(root, policy="fail"):
+    return (
+        Pipeline("json_users")
+        .source(FileLog(root / "log", format="json", schema=SCHEMA))
+        .key_by("user")
+        .aggregate(total=sum_("amount"), n=count())
+        .sink(MemorySink())
+        .on_bad_records(policy)
+        .with_shards(2)
+    )
+
+
+BAD_LINES = [
+    json.dumps(GOOD[0]),
+    "{not json",  # unparseable
+    json.dumps({"user": "u1", "amount": "lots", "ts": "2026-01-01T00:00:00"}),  # wrong type
+    json.dumps({"user": None, "amount": 5.0, "ts": "2026-01-01T00:00:00"}),  # null key
+    json.dumps(GOOD[1]),
+    "",  # empty line
+    json.dumps(GOOD[2]),
+]
+
+
+def test_fail_policy_names_file_offset_and_reason(spark, tmp_path):
+    write_lines(tmp_path / "log" / "a-0001.jsonl", BAD_LINES)
+    runner = EpochRunner(json_pipeline(tmp_path), tmp_path / "state", spark=spark)
+    with pytest.raises(MalformedRecordError) as err:
+        runner.run_next()
+    msg = str(err.value)
+    assert "epoch 1: 4 malformed record(s)" in msg
+    assert "a-0001.jsonl record 1: unparseable JSON" in msg
+    assert "a-0001.jsonl record 2" in msg
+    assert runner.committed_epoch() == 0 and not runner.pipeline.sinks[0].epochs
+    # the range stays recorded: a retry sees exactly the same records and fails the same way
+    with pytest.raises(MalformedRecordError, match="4 malformed"):
+        runner.run(1)
+
+
+def test_dead_letter_policy_routes_and_counts(spark, tmp_path):
+    write_lines(tmp_path / "log" / "a-0001.jsonl", BAD_LINES)
+    runner = EpochRunner(json_pipeline(tmp_path, "dead_letter"), tmp_path / "state", spark=spark)
+    result = runner.run_next()
+    assert result.records_in == 7 and result.dead_letters == 4 and result.records_aggregated == 3
+    dead = pq.read_table(runner.log.root / result.dead_letter_path).to_pylist()
+    assert [(d["file"], d["offset"]) for d in dead] == [("a-0001.jsonl", i) for i in (1, 2, 3, 5)]
+    reasons = [d["reason"] for d in dead]
+    assert reasons[0].startswith("unparseable JSON") and "lots" in dead[1]["raw"]
+    assert reasons[2] == "null key: 'user' is null" and reasons[3] == "empty line"
+    state = runner.read_state().to_pylist()
+    assert state == [{"user": "u0", "total": 0.0, "n": 1}, {"user": "u1", "total": 1.0, "n": 1},
+                     {"user": "u2", "total": 2.0, "n": 1}]
+
+
+def test_parquet_wrong_type_is_a_bad_record(spark, tmp_path):
+    log = tmp_path / "log"
+    log.mkdir()
+    pq.write_table(pa.table({"user": ["a", "b"], "amount": ["1.5", "x"],
+                             "ts": pa.array([0, 0], pa.timestamp("us", tz="UTC"))}), log / "f-1.parquet")
+    pipeline = (
+        Pipeline("pq").source(FileLog(log, schema=SCHEMA)).key_by("user")
+        .aggregate(total=sum_("amount")).on_bad_records("dead_letter")
+    )
+    runner = EpochRunner(pipeline, tmp_path / "state", spark=spark)
+    result = runner.run_next()
+    assert result.dead_letters == 1
+    dead = pq.read_table(runner.log.root / result.dead_letter_path).to_pylist()[0]
+    assert dead["offset"] == 1 and "wrong type: column 'amount' value 'x'" in dead["reason"]
+    assert runner.read_state().to_pylist() == [{"user": "a", "total": 1.5}]
+
+
+def test_missing_source_file_of_a_cut_range_is_an_error(spark, tmp_path):
+    generate(tmp_path / "events", 2, 500, 50)
+    runner = EpochRunner(payments(tmp_path / "events", tmp_path / "out"), tmp_path / "state", spark=spark)
+    runner.cut_next()
+    os.unlink(tmp_path / "events" / "events-000001.parquet")
+    with pytest.raises(SourceError, match="epoch 1: source file .*events-000001.parquet is missing"):
+        runner.run(1)
+    assert runner.committed_epoch() == 0
+
+
+def test_file_sorting_before_the_position_is_refused(spark, tmp_path):
+    generate(tmp_path / "events", 2, 500, 50, first_file=5)
+    runner = EpochRunner(payments(tmp_path / "events", tmp_path / "out"), tmp_path / "state", spark=spark)
+    runner.run_next()
+    generate(tmp_path / "events", 1, 500, 50, first_file=1)  # sorts before what was read
+    with pytest.raises(SourceError, match="1 new file\\(s\\) sorting before 'events-000006.parquet'"):
+        runner.cut_next()
+
+
+def test_corrupt_snapshot_is_named(spark, tmp_path):
+    generate(tmp_path / "events", 2, 500, 50)
+    runner = EpochRunner(payments(tmp_path / "events", tmp_path / "out"), tmp_path / "state", spark=spark,
+                         max_records_per_epoch=500)
+    runner.run_next()
+    runner.cut_next()
+    sst = next((tmp_path / "state" / "snapshots" / "0000000001" / "shard-0001").glob("*.sst"))
+    sst.write_bytes(sst.read_bytes()[:-10])
+    with pytest.raises(SnapshotError, match=r"snapshot .*shard-0001 is corrupt: .*\.sst has \d+ bytes, manifest says"):
+        runner.run(2)
+    assert runner.committed_epoch() == 1
+    with pytest.raises(SnapshotError, match="is corrupt"):
+        runner.read_state(1)
+
+
+def test_changed_layout_is_refused(spark, tmp_path):
+    generate(tmp_path / "events", 2, 500, 50)
+    EpochRunner(payments(tmp_path / "events", tmp_path / "out"), tmp_path / "state", spark=spark,
+                max_records_per_epoch=500).run_next()
+    other = payments(tmp_path / "events", tmp_path / "out", shards=5)
+    with pytest.raises(StateLayoutError, match="num_shards"):
+        EpochRunner(other, tmp_path / "state", spark=spark).run_next()
+
+
+def test_config_errors_name_the_setting(spark, tmp_path):
+    with pytest.raises(ConfigError, match="needs an explicit schema"):
+        FileLog(tmp_path, format="json")
+    with pytest.raises(ConfigError, match="incomplete: add key_by"):
+        EpochRunner(Pipeline("p").source(FileLog(tmp_path)).aggregate(n=count()), tmp_path / "s")
+    write_lines(tmp_path / "log" / "a.jsonl", [json.dumps(GOOD[0])])
+    bad_key = (
+        Pipeline("p").source(FileLog(tmp_path / "log", format="json", schema=SCHEMA))
+        .key_by("amount_typo").aggregate(n=count())
+    )
+    with pytest.raises(ConfigError, match="key column 'amount_typo' is not among the columns"):
+        EpochRunner(bad_key, tmp_path / "s", spark=spark).run_next()
+    bad_acc = (
+        Pipeline("p").source(FileLog(tmp_path / "log", format="json", schema=SCHEMA))
+        .key_by("user").aggregate(total=sum_("user"))
+    )
+    with pytest.raises(ConfigError, match="cannot aggregate column 'user' of type string"):
+        EpochRunner(bad_acc, tmp_path / "s2", spark=spark).run_next()
+
+
+def test_file_changed_after_cut_fails_inside_the_stage(spark, tmp_path):
+    """Spark tasks re-check what they read; their engine errors surface as themselves."""
+    generate(tmp_path / "events", 1, 500, 50)
+    pipeline = payments(tmp_path / "events", tmp_path / "out")
+    runner = EpochRunner(pipeline, tmp_path / "state", spark=spark)
+    rng = runner.cut_next()
+    from volley_dagster.spark.stage import plan_epoch, run_stage
+
+    path = tmp_path / "events" / "events-000000.parquet"
+    plan = plan_epoch(spark, pipeline, rng)
+    path.write_bytes(path.read_bytes() + b"x")  # rewritten after the driver's check
+    with pytest.raises(SourceError, match="changed after its epoch was cut"):
+        run_stage(spark, pipeline, rng, plan, merge=None)

@@ -1,0 +1,70 @@
+"""kill -9 at each named fault point, in a real subprocess (driver, JVM and
+Python workers all die), then resume: the result equals a clean run."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import assert_epoch_outputs, assert_state_equal, log_records, payments, read_sink, reference_state
+from volley_dagster import EpochRunner
+from volley_dagster.demo.events import generate
+
+FILES, PER_FILE, KEYS, MAX, KEEP = 4, 1_500, 300, 1_500, 2
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_until_killed(base: Path, point: str, epoch: int, shard: int | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "VOLLEY_KILL_AT": point, "VOLLEY_KILL_EPOCH": str(epoch), "PYTHONPATH": str(ROOT)}
+    if shard is not None:
+        env["VOLLEY_KILL_SHARD"] = str(shard)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.engine.crash_worker", str(base), str(MAX), str(KEEP)],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=240)
+    finally:
+        try:  # the whole process group: a crashed machine leaves no JVM or worker behind
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+@pytest.mark.parametrize(
+    ("point", "epoch", "shard", "committed_after_crash"),
+    [
+        ("segment_read", 2, None, 1),
+        ("shard_after_snapshot", 2, 1, 1),
+        ("after_snapshot", 2, None, 1),
+        ("after_sinks", 2, None, 1),
+        ("during_retention", 3, None, 3),
+    ],
+)
+def test_kill_and_resume_equals_clean_run(spark, tmp_path, point, epoch, shard, committed_after_crash):
+    generate(tmp_path / "events", FILES, PER_FILE, KEYS)
+    crashed = run_until_killed(tmp_path, point, epoch, shard)
+    assert crashed.returncode == -signal.SIGKILL, crashed.stderr[-3000:]
+
+    runner = EpochRunner(payments(tmp_path / "events", tmp_path / "out"), tmp_path / "state", spark=spark,
+                         max_records_per_epoch=MAX, keep_epochs=KEEP)
+    assert runner.committed_epoch() == committed_after_crash
+    assert runner.log.last_cut() == epoch  # the crashed epoch's range stays recorded
+    resumed = runner.run_available()
+    assert [r.epoch for r in resumed] == list(range(committed_after_crash + 1, FILES + 1))
+
+    records = log_records(FILES, PER_FILE, KEYS)
+    assert_state_equal(runner.read_state(), reference_state(records))
+    records_in = {e: runner.result(e).records_in for e in range(1, FILES + 1)}
+    assert sum(records_in.values()) == records.num_rows
+    assert_epoch_outputs(read_sink(tmp_path / "out"), records, records_in)
+    assert runner.log.retained_snapshots() == [FILES - 1, FILES]
+    assert not any((tmp_path / "state" / "work").iterdir())  # attempt directories cleaned up
+    if point == "after_sinks":
+        assert runner.result(epoch).sinks["parquet"]["skipped"]  # the sink decided: already held

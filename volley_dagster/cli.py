@@ -1,0 +1,112 @@
+"""``volley``: the command line. ``volley demo`` is the README's first command."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from volley_dagster.checkpoint.epoch_log import EpochLog
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def disk_usage(root: Path) -> int:
+    """Bytes on disk under ``root``, each hardlinked file counted once."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            st = os.lstat(os.path.join(dirpath, name))
+            if (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                total += st.st_size
+    return total
+
+
+def describe_checkpoints(root: Path) -> str:
+    log = EpochLog(root)
+    lines = [f"{root}/  ({_human(disk_usage(root))} on disk, hardlinks counted once)"]
+    lines.append(f"  pipeline.json")
+    for epoch in log.epochs_cut():
+        state = "committed" if log.is_committed(epoch) else "cut, not committed"
+        lines.append(f"  epochs/{epoch:010d}/  offsets.json{', manifest.json' if log.is_committed(epoch) else ''}  [{state}]")
+    for epoch in log.retained_snapshots():
+        shards = sorted((root / "snapshots" / f"{epoch:010d}").iterdir())
+        sizes = ", ".join(f"{p.name} {_human(disk_usage(p))}" for p in shards)
+        lines.append(f"  snapshots/{epoch:010d}/  {sizes}")
+    return "\n".join(lines)
+
+
+def demo(args: argparse.Namespace) -> int:
+    from volley_dagster import EpochRunner
+    from volley_dagster.demo.events import generate
+    from volley_dagster.demo.payments import payments_pipeline
+
+    work = Path(args.workdir).absolute()
+    events, output, state = work / "events", work / "output", work / "state"
+    existing = len(list(events.glob("events-*.parquet"))) if events.exists() else 0
+    files = generate(events, args.files, args.records_per_file, args.keys, first_file=existing, seed=args.seed)
+    print(f"generated {len(files)} files of {args.records_per_file:,} payment events into {events}")
+
+    pipeline = payments_pipeline(events, output, shards=args.shards)
+    runner = EpochRunner(pipeline, state, max_records_per_epoch=args.max_records, keep_epochs=args.keep)
+    print(f"starting Spark ({os.environ.get('VOLLEY_SPARK_MASTER', 'local[*]')}) ...")
+    print(f"{'epoch':>5} {'records':>9} {'dead':>5} {'keys':>7} {'new':>7} {'rec/s':>9} {'seconds':>8}  range")
+    for r in runner.run_available():
+        rng = "; ".join(f"{p or '.'}: {v}" for p, v in r.range.items())
+        print(
+            f"{r.epoch:>5} {r.records_in:>9,} {r.dead_letters:>5} {r.keys_touched:>7,} {r.new_keys:>7,} "
+            f"{r.records_per_second:>9,.0f} {r.durations['total']:>8.2f}  {rng}"
+        )
+    committed = runner.committed_epoch()
+    if not committed:
+        print("no epochs committed")
+        return 1
+    state_table = runner.read_state()
+    top = state_table.sort_by([("total", "descending")]).slice(0, 5)
+    print(f"\nstate after epoch {committed}: {state_table.num_rows:,} merchants; top 5 by total:")
+    print(top.to_pandas().to_string(index=False))
+    print(f"\nper-epoch output (changed merchants) in {output / pipeline.name}/:")
+    for p in sorted((output / pipeline.name).glob("*.parquet"))[-3:]:
+        print(f"  {p.name}")
+    print("\ncheckpoint layout:")
+    print(describe_checkpoints(state))
+    print("\nnext: './dev dagster' serves the Dagster UI at http://127.0.0.1:3000 (see README)")
+    return 0
+
+
+def inspect_root(args: argparse.Namespace) -> int:
+    print(describe_checkpoints(Path(args.checkpoint_root).absolute()))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="volley", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    d = sub.add_parser("demo", help="generate payment events and run epochs on the embedded defaults")
+    d.add_argument("--workdir", default="demo")
+    d.add_argument("--files", type=int, default=6)
+    d.add_argument("--records-per-file", type=int, default=50_000)
+    d.add_argument("--keys", type=int, default=20_000)
+    d.add_argument("--max-records", type=int, default=100_000, help="records per epoch at most")
+    d.add_argument("--shards", type=int, default=4)
+    d.add_argument("--keep", type=int, default=3, help="snapshots of the last K epochs are kept")
+    d.add_argument("--seed", type=int, default=7)
+    d.set_defaults(func=demo)
+    i = sub.add_parser("inspect", help="show a checkpoint root's epochs and snapshots")
+    i.add_argument("checkpoint_root")
+    i.set_defaults(func=inspect_root)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
