@@ -1,0 +1,94 @@
+"""Cutting the log into ranges, and decoding segments record by record."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from volley_dagster.demo.events import generate
+from volley_dagster.errors import SourceError
+from volley_dagster.sources import formats
+from volley_dagster.sources.file_log import FileLog, _fair_shares
+from volley_dagster.sources.offsets import EpochRange, Position
+
+
+def test_cuts_follow_on_and_respect_the_budget(tmp_path):
+    generate(tmp_path, 3, 100, 10)
+    log = FileLog(tmp_path)
+    first = log.cut(1, {}, 150)
+    assert [(s.file, s.start, s.end) for s in first.segments] == [
+        ("events-000000.parquet", 0, 100), ("events-000001.parquet", 0, 50)]
+    assert first.end[""] == Position("events-000001.parquet", 1, 50)
+    second = log.cut(2, first.end, 1000)
+    assert [(s.file, s.start, s.end) for s in second.segments] == [
+        ("events-000001.parquet", 50, 100), ("events-000002.parquet", 0, 100)]
+    assert log.cut(3, second.end, 1000).records == 0
+    assert log.available_records(second.end) == 0
+    assert EpochRange.from_dict(second.to_dict()) == second
+
+
+def test_partitions_share_the_budget_fairly():
+    assert _fair_shares({"a": 10, "b": 1000, "c": 1000}, 210) == {"a": 10, "b": 100, "c": 100}
+    assert _fair_shares({"a": 0, "b": 5}, 100) == {"a": 0, "b": 5}
+    assert _fair_shares({"a": 7, "b": 9}, None) == {"a": 7, "b": 9}
+    assert sum(_fair_shares({"a": 50, "b": 50, "c": 50}, 100).values()) <= 100
+
+
+def test_ignores_temp_and_foreign_files_but_refuses_deep_nesting(tmp_path):
+    generate(tmp_path, 1, 10, 5)
+    (tmp_path / "_SUCCESS").write_text("")
+    (tmp_path / ".events-000009.parquet.tmp").write_text("in progress")
+    (tmp_path / "README.txt").write_text("not data")
+    assert FileLog(tmp_path).cut(1, {}, None).records == 10
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    pq.write_table(pa.table({"x": [1]}), tmp_path / "a" / "b" / "f.parquet")
+    with pytest.raises(SourceError, match="one partition folder deep"):
+        FileLog(tmp_path).partitions()
+
+
+def test_removed_file_that_was_read_is_refused(tmp_path):
+    generate(tmp_path, 2, 10, 5)
+    log = FileLog(tmp_path)
+    rng = log.cut(1, {}, None)
+    (tmp_path / "events-000001.parquet").unlink()
+    with pytest.raises(SourceError, match="no longer has 'events-000001.parquet'"):
+        log.cut(2, rng.end, None)
+
+
+def json_bytes(lines):
+    return "".join(line + "\n" for line in lines).encode()
+
+
+SCHEMA = pa.schema([("k", pa.string()), ("v", pa.int64())])
+
+
+def test_json_decoding_bisects_to_the_bad_lines():
+    lines = [f'{{"k": "a", "v": {i}}}' for i in range(1000)]
+    lines[10] = "garbage"
+    lines[777] = '{"k": "a", "v": "not a number"}'
+    out = formats.decode_segment("json", json_bytes(lines), 0, 1000, SCHEMA, position_base=0)
+    assert out.num_rows == 1000
+    bad = out.filter(out.column("_volley_error").is_valid())
+    assert sorted(bad.column("_volley_pos").to_pylist()) == [10, 777]
+    good = out.filter(out.column("_volley_error").is_null())
+    assert sorted(good.column("v").to_pylist()) == [i for i in range(1000) if i not in (10, 777)]
+
+
+def test_json_segment_reads_exactly_its_lines_and_counts_an_unterminated_last_line():
+    data = json_bytes([f'{{"k": "a", "v": {i}}}' for i in range(10)])[:-1]
+    assert formats.count_records("json", data) == 10
+    out = formats.decode_segment("json", data, 3, 10, SCHEMA, position_base=5 << 40)
+    assert out.column("v").to_pylist() == list(range(3, 10))
+    assert (np.array(out.column("_volley_pos").to_pylist()) - (5 << 40)).tolist() == list(range(3, 10))
+
+
+def test_parquet_segment_spanning_row_groups():
+    buf = io.BytesIO()
+    pq.write_table(pa.table({"k": ["x"] * 100, "v": list(range(100))}), buf, row_group_size=30)
+    out = formats.decode_segment("parquet", buf.getvalue(), 25, 65, SCHEMA, position_base=0)
+    assert out.column("v").to_pylist() == list(range(25, 65))
+    assert out.column("_volley_pos").to_pylist() == list(range(25, 65))

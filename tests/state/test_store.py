@@ -1,0 +1,122 @@
+"""RocksDB shard store: restore never mutates a snapshot, writes go through one
+WriteBatch, snapshots share unchanged files by hardlink and are verified."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from tests.helpers import tree_digest
+from volley_dagster.errors import SnapshotError
+from volley_dagster.state.keys import ShardLayout, decode_keys, encode_keys, namespace_prefix
+from volley_dagster.state.store import ShardStore, open_snapshot_read_only, verify_snapshot
+
+NS = namespace_prefix(1)
+
+
+def keys_for(values):
+    arr = pa.array(values, pa.int64())
+    return encode_keys(1, np.arange(len(values)) % 256, arr)
+
+
+def test_restore_write_snapshot_cycle(tmp_path):
+    store = ShardStore.restore(None, None, tmp_path / "work1")
+    txn = store.transaction()
+    keys = keys_for(range(1000))
+    txn.set_many(keys, [i.to_bytes(4, "big") for i in range(1000)])
+    assert txn.flush() == 1000 and txn.dirty == 0
+    snap1 = store.snapshot(tmp_path / "snaps" / "1", None, None)
+    store.close()
+    assert not (tmp_path / "work1").exists()
+    assert snap1.bytes_new == snap1.bytes_total > 0
+
+    before = tree_digest(snap1.path)
+    store = ShardStore.restore(snap1.path, snap1.files, tmp_path / "work2")
+    txn = store.transaction(scan_fraction=10.0)  # force multi_get
+    got = txn.get_many(keys[:3] + keys_for([5000]), NS)
+    assert got == [i.to_bytes(4, "big") for i in range(3)] + [None] and not txn.scanned
+    txn.set_many(keys[:10], [b"new"] * 10)
+    txn.delete_many(keys[10:20])
+    assert txn.get_many(keys[8:12], NS) == [b"new", b"new", None, None]  # reads see the cache
+    txn.flush()
+    snap2 = store.snapshot(tmp_path / "snaps" / "2", snap1.path, snap1.files)
+    store.close()
+    assert tree_digest(snap1.path) == before  # the restored snapshot is byte-identical
+    shared = [n for n in snap2.files if n.endswith(".sst") and n in snap1.files]
+    assert shared and os.path.samefile(snap1.path / shared[0], snap2.path / shared[0])
+    assert snap2.bytes_new < snap2.bytes_total
+
+    db = open_snapshot_read_only(snap2.path)
+    try:
+        items = dict(db.items())
+    finally:
+        db.close()
+    assert len(items) == 990 and items[keys[0]] == b"new" and keys[15] not in items
+
+
+def test_scan_is_used_when_most_keys_are_touched(tmp_path):
+    store = ShardStore.restore(None, None, tmp_path / "w")
+    keys = keys_for(range(200))
+    txn = store.transaction()
+    txn.set_many(keys, [b"v"] * 200)
+    txn.flush()
+    txn = store.transaction(scan_fraction=0.5)
+    assert txn.get_many(keys[:150], NS) == [b"v"] * 150 and txn.scanned
+    store.close()
+
+
+def test_snapshot_replaces_leftovers_of_a_failed_attempt(tmp_path):
+    target = tmp_path / "snaps" / "1"
+    target.mkdir(parents=True)
+    (target / "garbage").write_text("half-written by a killed attempt")
+    store = ShardStore.restore(None, None, tmp_path / "w")
+    store.transaction().flush()
+    info = store.snapshot(target, None, None)
+    store.close()
+    assert "garbage" not in info.files and not (target / "garbage").exists()
+
+
+def test_verify_snapshot_names_the_damage(tmp_path):
+    store = ShardStore.restore(None, None, tmp_path / "w")
+    txn = store.transaction()
+    txn.set_many(keys_for(range(10)), [b"x"] * 10)
+    txn.flush()
+    info = store.snapshot(tmp_path / "s", None, None)
+    store.close()
+    verify_snapshot(info.path, info.files, full=True)
+    sst = next(n for n in info.files if n.endswith(".sst"))
+    data = (info.path / sst).read_bytes()
+    (info.path / sst).write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    verify_snapshot(info.path, info.files)  # same size: only the full check sees it
+    with pytest.raises(SnapshotError, match=f"{sst} does not match its SHA-256"):
+        verify_snapshot(info.path, info.files, full=True)
+    (info.path / sst).unlink()
+    with pytest.raises(SnapshotError, match=f"file {sst} is missing"):
+        verify_snapshot(info.path, info.files)
+    with pytest.raises(SnapshotError, match="is missing"):
+        verify_snapshot(tmp_path / "nope", info.files)
+
+
+def test_keys_round_trip_and_sort_numerically():
+    ints = pa.array([-(2**63), -5, 0, 7, 2**63 - 1], pa.int64())
+    kg = np.array([3, 3, 3, 3, 3])
+    enc = encode_keys(2, kg, ints)
+    assert enc == sorted(enc)  # byte order is numeric order inside a key group
+    groups, back = decode_keys("int", enc)
+    assert back.to_pylist() == ints.to_pylist() and groups.tolist() == kg.tolist()
+    strs = pa.array(["", "é", "merchant-1"])
+    groups, back = decode_keys("str", encode_keys(2, np.array([0, 1, 65535]), strs))
+    assert back.to_pylist() == strs.to_pylist() and groups.tolist() == [0, 1, 65535]
+
+
+def test_shard_layout_ranges_are_contiguous_and_cover_all_groups():
+    for shards in (1, 3, 4, 7, 256):
+        layout = ShardLayout(shards)
+        ranges = [layout.key_group_range(s) for s in range(shards)]
+        assert ranges[0][0] == 0 and ranges[-1][1] == 256
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+        for s, (lo, hi) in enumerate(ranges):
+            assert all(layout.shard_of_group(g) == s for g in range(lo, hi))
