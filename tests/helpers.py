@@ -22,9 +22,10 @@ def log_records(files: int, records_per_file: int, keys: int, seed: int = 7, fir
     )
 
 
-def payments(events: Path, output: Path, shards: int = 3, name: str = "payments") -> Pipeline:
-    """Every accumulator kind over the payment events."""
-    return (
+def payments(events: Path, output: Path, shards: int = 3, name: str = "payments", tables: Path | None = None) -> Pipeline:
+    """Every accumulator kind over the payment events; with ``tables``, also a Delta
+    table (upsert: the current state) and an Iceberg table (append: every epoch's output)."""
+    pipeline = (
         Pipeline(name)
         .source(FileLog(events, format="parquet"))
         .where("status = 'active'")
@@ -41,6 +42,14 @@ def payments(events: Path, output: Path, shards: int = 3, name: str = "payments"
         .sink(ParquetSink(output))
         .with_shards(shards)
     )
+    if tables is not None:
+        from volley_dagster.sinks.delta import DeltaSink
+        from volley_dagster.sinks.iceberg import IcebergSink
+
+        pipeline = pipeline.sink(DeltaSink(tables / "delta", mode="upsert")).sink(
+            IcebergSink("volley.payments", path=tables / "iceberg", mode="append")
+        )
+    return pipeline
 
 
 def reference_state(records: pa.Table) -> pd.DataFrame:

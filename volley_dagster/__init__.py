@@ -18,12 +18,15 @@ from volley_dagster.operators.accumulators import count, first, last, max_, mean
 from volley_dagster.pipeline import Pipeline
 from volley_dagster.result import EpochResult
 from volley_dagster.runner import EpochRunner
-from volley_dagster.sinks import MemorySink, ParquetSink, Sink
+from volley_dagster.sinks import DeltaSink, IcebergSink, MemorySink, ParquetSink, S3Endpoint, Sink
 from volley_dagster.sources.file_log import FileLog
 from volley_dagster.spark.session import get_or_create_spark
 
 __all__ = [
     "ConfigError",
+    "DeltaSink",
+    "IcebergSink",
+    "S3Endpoint",
     "EpochNotCutError",
     "EpochOrderError",
     "EpochResult",

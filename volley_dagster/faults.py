@@ -19,6 +19,7 @@ POINTS = (
     "segment_read",  # inside the Spark stage: a read task kills the driver
     "shard_after_snapshot",  # inside the Spark stage: one shard snapshotted, others may not be
     "after_snapshot",  # every shard snapshotted, no sink written
+    "after_sink_<name>",  # that sink committed, the ones after it not yet
     "after_sinks",  # every sink committed, no manifest
     "during_retention",  # manifest written, old snapshots half deleted
 )

@@ -207,8 +207,9 @@ class EpochRunner:
             if held is not None and held >= epoch:
                 results[sink.name] = {"skipped": True, "held_epoch": held}
             else:
-                results[sink.name] = {**sink.commit(output, ctx), "skipped": False}
+                results[sink.name] = {"skipped": False, **sink.commit(output, ctx)}  # a lost race reports a skip
             results[sink.name]["seconds"] = time.perf_counter() - t
+            faults.fault_point(f"after_sink_{sink.name}", epoch)
         return results
 
     def _identity(self, aggregate: ResolvedAggregate, key_kind: str) -> dict[str, Any]:

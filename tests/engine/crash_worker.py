@@ -11,7 +11,7 @@ from volley_dagster.spark.session import get_or_create_spark
 if __name__ == "__main__":
     base, max_records, keep = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     spark = get_or_create_spark(master="local[2]", conf={"spark.sql.shuffle.partitions": "4"})
-    runner = EpochRunner(payments(base / "events", base / "out"), base / "state", spark=spark,
+    runner = EpochRunner(payments(base / "events", base / "out", tables=base / "tables"), base / "state", spark=spark,
                          max_records_per_epoch=max_records, keep_epochs=keep)
     for result in runner.run_available():
         print("committed", result.epoch, flush=True)

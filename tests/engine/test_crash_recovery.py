@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from tests.helpers import assert_epoch_outputs, assert_state_equal, log_records, payments, read_sink, reference_state
@@ -43,6 +44,7 @@ def run_until_killed(base: Path, point: str, epoch: int, shard: int | None = Non
         ("segment_read", 2, None, 1),
         ("shard_after_snapshot", 2, 1, 1),
         ("after_snapshot", 2, None, 1),
+        ("after_sink_delta", 2, None, 1),
         ("after_sinks", 2, None, 1),
         ("during_retention", 3, None, 3),
     ],
@@ -52,7 +54,8 @@ def test_kill_and_resume_equals_clean_run(spark, tmp_path, point, epoch, shard, 
     crashed = run_until_killed(tmp_path, point, epoch, shard)
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr[-3000:]
 
-    runner = EpochRunner(payments(tmp_path / "events", tmp_path / "out"), tmp_path / "state", spark=spark,
+    pipeline = payments(tmp_path / "events", tmp_path / "out", tables=tmp_path / "tables")
+    runner = EpochRunner(pipeline, tmp_path / "state", spark=spark,
                          max_records_per_epoch=MAX, keep_epochs=KEEP)
     assert runner.committed_epoch() == committed_after_crash
     assert runner.log.last_cut() == epoch  # the crashed epoch's range stays recorded
@@ -66,5 +69,22 @@ def test_kill_and_resume_equals_clean_run(spark, tmp_path, point, epoch, shard, 
     assert_epoch_outputs(read_sink(tmp_path / "out"), records, records_in)
     assert runner.log.retained_snapshots() == [FILES - 1, FILES]
     assert not any((tmp_path / "state" / "work").iterdir())  # attempt directories cleaned up
+    sinks = {s.name: s for s in pipeline.sinks}
+    final = reference_state(records)
+    assert_state_equal(sinks["delta"].read(), final)  # upsert: exactly the current state
+    appended = sinks["iceberg"].read().to_pandas()
+    expected_rows = read_sink(tmp_path / "out").drop(columns="epoch")
+    assert len(appended) == len(expected_rows)  # append: every epoch's rows exactly once
+    key = ["merchant_id", "events"]
+    pd.testing.assert_frame_equal(
+        appended.sort_values(key).reset_index(drop=True), expected_rows.sort_values(key).reset_index(drop=True),
+        check_dtype=False, rtol=1e-9,
+    )
+    assert sinks["delta"].committed_epoch("payments") == sinks["iceberg"].committed_epoch("payments") == FILES
+    skipped = {name for name, r in runner.result(epoch).sinks.items() if r["skipped"]}
     if point == "after_sinks":
-        assert runner.result(epoch).sinks["parquet"]["skipped"]  # the sink decided: already held
+        assert skipped == {"parquet", "delta", "iceberg"}  # each sink decided: already held
+    elif point == "after_sink_delta":
+        assert skipped == {"parquet", "delta"}  # only Iceberg was still missing
+    elif committed_after_crash < epoch:
+        assert skipped == set()
