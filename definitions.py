@@ -1,33 +1,41 @@
-"""The Dagster code location: the demo payments pipeline, epochs as partitions."""
+"""The Dagster code location: ``dagster dev -w workspace.yaml`` (or ``./dev dagster``).
 
-from __future__ import annotations
+Declares the demo payments pipeline: its source, its epoch state and its Delta
+and Iceberg tables, partitioned by epoch, with a running sensor that cuts an
+epoch whenever the demo generator (``volley generate``) appends events.
+Settings come from the environment; secrets only through ``EnvVar``.
+"""
 
 import os
 from pathlib import Path
+from typing import Optional
 
-from dagster import AssetSelection, Definitions, define_asset_job
+from dagster import EnvVar
 
-from assets.epochs import epoch_state_asset
-from resources import CheckpointResource, SparkResource
-from sensors import epoch_cutting_sensor
-from volley_dagster.demo.payments import payments_pipeline
+from assets.location import build_definitions
+from resources import CheckpointResource, S3Resource, SparkResource, TablesResource
+from volley_dagster.demo.payments import payments_deployment
 
 DEMO = Path(os.environ.get("VOLLEY_DEMO_DIR", "demo")).absolute()
 
 
-def demo_pipeline():
-    return payments_pipeline(DEMO / "events", DEMO / "output")
+def _s3() -> Optional[S3Resource]:
+    if not os.environ.get("VOLLEY_S3_ENDPOINT"):
+        return None
+    return S3Resource(
+        endpoint_url=EnvVar("VOLLEY_S3_ENDPOINT"),
+        access_key_id=EnvVar("AWS_ACCESS_KEY_ID"),
+        secret_access_key=EnvVar("AWS_SECRET_ACCESS_KEY"),
+    )
 
 
-state = epoch_state_asset(demo_pipeline)
-epochs_job = define_asset_job("payments_epochs_job", selection=AssetSelection.assets(state))
-
-defs = Definitions(
-    assets=[state],
-    jobs=[epochs_job],
-    sensors=[epoch_cutting_sensor(demo_pipeline, epochs_job.name)],
-    resources={
-        "spark": SparkResource(),
-        "checkpoints": CheckpointResource(root=str(DEMO / "state")),
-    },
+defs = build_definitions(
+    [payments_deployment(DEMO / "events")],
+    checkpoints=CheckpointResource(root=os.environ.get("VOLLEY_CHECKPOINTS", str(DEMO / "state"))),
+    tables=TablesResource(
+        warehouse=os.environ.get("VOLLEY_WAREHOUSE", str(DEMO / "tables")),
+        iceberg_catalog_uri=os.environ.get("VOLLEY_ICEBERG_CATALOG_URI") or None,
+        s3=_s3(),
+    ),
+    spark=SparkResource(master=os.environ.get("VOLLEY_SPARK_MASTER"), remote=os.environ.get("VOLLEY_SPARK_REMOTE")),
 )

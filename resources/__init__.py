@@ -1,16 +1,23 @@
-"""Dagster resources: swappable settings for the engine's runtime parts."""
+"""Dagster resources: the engine's runtime settings, swappable per deployment.
 
+Secrets come in through ``EnvVar`` (``DeltaResource(secret_access_key=EnvVar("AWS_SECRET_ACCESS_KEY"))``)
+and never reach metadata or logs: only ``describe()`` output does, which omits them.
+"""
 
 from typing import Optional
 
 from dagster import ConfigurableResource
 from pyspark.sql import SparkSession
 
+from volley_dagster.deploy import TableSettings
+from volley_dagster.sinks.iceberg import sqlite_catalog
+from volley_dagster.sinks.s3 import S3Endpoint
 from volley_dagster.spark.session import get_or_create_spark
 
 
 class SparkResource(ConfigurableResource):
-    """``local[*]`` by default; a standalone master URL or a Spark Connect URL when set."""
+    """``local[*]`` by default; a standalone master URL (``spark://host:7077``) or a
+    Spark Connect URL (``sc://host:15002``) when set."""
 
     master: Optional[str] = None
     remote: Optional[str] = None
@@ -20,8 +27,50 @@ class SparkResource(ConfigurableResource):
 
 
 class CheckpointResource(ConfigurableResource):
-    """Where a pipeline's epoch log and snapshots live, and how many to keep."""
+    """Where a pipeline's epoch log and snapshots live (``<root>/<pipeline>``), how
+    many snapshots to keep and how large an epoch may be."""
 
     root: str
     keep_epochs: int = 3
     max_records_per_epoch: int = 1_000_000
+
+
+class S3Resource(ConfigurableResource):
+    """An S3-compatible endpoint for the tables; empty means local paths."""
+
+    endpoint_url: Optional[str] = None
+    access_key_id: Optional[str] = None
+    secret_access_key: Optional[str] = None
+    region: str = "us-east-1"
+
+    def endpoint(self) -> Optional[S3Endpoint]:
+        if not self.endpoint_url:
+            return None
+        return S3Endpoint(self.endpoint_url, self.access_key_id, self.secret_access_key, self.region)
+
+
+class TablesResource(ConfigurableResource):
+    """Where the pipelines' Delta tables and Iceberg catalog live.
+
+    ``iceberg_catalog_uri`` empty means the embedded SQLite catalog under
+    ``warehouse``; a ``postgresql+psycopg2://...`` URI selects PostgreSQL."""
+
+    warehouse: str
+    iceberg_catalog_uri: Optional[str] = None
+    s3: Optional[S3Resource] = None
+
+    def settings(self) -> TableSettings:
+        endpoint = self.s3.endpoint() if self.s3 is not None else None
+        if self.iceberg_catalog_uri:
+            catalog = {"type": "sql", "uri": self.iceberg_catalog_uri, "warehouse": f"{self.warehouse}/iceberg"}
+        elif self.warehouse.startswith("s3://"):
+            raise ValueError("an S3 warehouse needs iceberg_catalog_uri (the SQLite catalog file must be local)")
+        else:
+            catalog = sqlite_catalog(f"{self.warehouse}/iceberg")
+        if endpoint is not None:
+            catalog = {**catalog, **endpoint.iceberg_properties()}
+        return TableSettings(
+            warehouse=self.warehouse,
+            iceberg_catalog=catalog,
+            delta_storage_options=endpoint.delta_storage_options() if endpoint is not None else None,
+        )

@@ -47,17 +47,14 @@ def describe_checkpoints(root: Path) -> str:
 
 def demo(args: argparse.Namespace) -> int:
     from volley_dagster import EpochRunner
-    from volley_dagster.demo.events import generate
-    from volley_dagster.demo.payments import payments_pipeline
+    from volley_dagster.demo.payments import local_tables, payments_pipeline
 
     work = Path(args.workdir).absolute()
-    events, output, state = work / "events", work / "output", work / "state"
-    existing = len(list(events.glob("events-*.parquet"))) if events.exists() else 0
-    files = generate(events, args.files, args.records_per_file, args.keys, first_file=existing, seed=args.seed)
-    print(f"generated {len(files)} files of {args.records_per_file:,} payment events into {events}")
-
-    pipeline = payments_pipeline(events, output, shards=args.shards)
-    runner = EpochRunner(pipeline, state, max_records_per_epoch=args.max_records, keep_epochs=args.keep)
+    generate_events(args)
+    tables = local_tables(work / "tables")
+    pipeline = payments_pipeline(work / "events", tables, shards=args.shards)
+    runner = EpochRunner(pipeline, work / "state" / pipeline.name, max_records_per_epoch=args.max_records,
+                         keep_epochs=args.keep)
     print(f"starting Spark ({os.environ.get('VOLLEY_SPARK_MASTER', 'local[*]')}) ...")
     print(f"{'epoch':>5} {'records':>9} {'dead':>5} {'keys':>7} {'new':>7} {'rec/s':>9} {'seconds':>8}  range")
     for r in runner.run_available():
@@ -70,17 +67,28 @@ def demo(args: argparse.Namespace) -> int:
     if not committed:
         print("no epochs committed")
         return 1
-    state_table = runner.read_state()
-    top = state_table.sort_by([("total", "descending")]).slice(0, 5)
-    print(f"\nstate after epoch {committed}: {state_table.num_rows:,} merchants; top 5 by total:")
-    print(top.to_pandas().to_string(index=False))
-    print(f"\nper-epoch output (changed merchants) in {output / pipeline.name}/:")
-    for p in sorted((output / pipeline.name).glob("*.parquet"))[-3:]:
-        print(f"  {p.name}")
+    balances, changes = pipeline.sinks
+    delta = balances.read().sort_by([("total", "descending")])
+    print(f"\nDelta table {balances.uri} (upsert, epoch {balances.committed_epoch(pipeline.name)}): "
+          f"{delta.num_rows:,} merchants; top 5 by total:")
+    print(delta.slice(0, 5).to_pandas().to_string(index=False))
+    history = changes.epoch_history(pipeline.name)
+    print(f"\nIceberg table {changes.identifier} (append, epoch {changes.committed_epoch(pipeline.name)}): "
+          + ", ".join(f"epoch {e}: {rows[0]:,} rows" for e, rows in sorted(history.items())))
     print("\ncheckpoint layout:")
-    print(describe_checkpoints(state))
-    print("\nnext: './dev dagster' serves the Dagster UI at http://127.0.0.1:3000 (see README)")
+    print(describe_checkpoints(runner.log.root))
+    print(f"\nnext: './dev dagster' serves the Dagster UI at http://127.0.0.1:3000 over {work}; "
+          f"'.venv/bin/volley generate --workdir {args.workdir}' appends events for its sensor to cut")
     return 0
+
+
+def generate_events(args: argparse.Namespace) -> None:
+    from volley_dagster.demo.events import generate
+
+    events = Path(args.workdir).absolute() / "events"
+    existing = len(list(events.glob("events-*.parquet"))) if events.exists() else 0
+    files = generate(events, args.files, args.records_per_file, args.keys, first_file=existing, seed=args.seed)
+    print(f"appended {len(files)} files of {args.records_per_file:,} payment events to {events}")
 
 
 def inspect_root(args: argparse.Namespace) -> int:
@@ -101,6 +109,13 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--keep", type=int, default=3, help="snapshots of the last K epochs are kept")
     d.add_argument("--seed", type=int, default=7)
     d.set_defaults(func=demo)
+    g = sub.add_parser("generate", help="append payment events to the demo's source log")
+    g.add_argument("--workdir", default="demo")
+    g.add_argument("--files", type=int, default=1)
+    g.add_argument("--records-per-file", type=int, default=50_000)
+    g.add_argument("--keys", type=int, default=20_000)
+    g.add_argument("--seed", type=int, default=7)
+    g.set_defaults(func=lambda a: generate_events(a) or 0)
     i = sub.add_parser("inspect", help="show a checkpoint root's epochs and snapshots")
     i.add_argument("checkpoint_root")
     i.set_defaults(func=inspect_root)

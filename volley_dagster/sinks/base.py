@@ -28,5 +28,15 @@ class Sink(ABC):
     def commit(self, output: pa.Table, ctx: CommitContext) -> dict[str, Any]:
         """Write one epoch's output atomically; returns what the manifest records."""
 
+    @abstractmethod
+    def epoch_history(self, pipeline: str) -> dict[int, list[int]]:
+        """Per epoch of ``pipeline``, the row count of each commit tagged with it, read
+        from the sink's own history. Exactly-once means one entry per epoch."""
+
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "type": type(self).__name__}
+
+
+def commit_tags(ctx: CommitContext, rows: int) -> dict[str, str]:
+    """The properties every sink stores with an epoch's commit."""
+    return {"volley.pipeline": ctx.pipeline, "volley.epoch": str(ctx.epoch), "volley.rows": str(rows)}

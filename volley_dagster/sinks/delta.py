@@ -21,7 +21,7 @@ from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundError
 
 from volley_dagster.errors import ConfigError
-from volley_dagster.sinks.base import CommitContext, Sink
+from volley_dagster.sinks.base import CommitContext, Sink, commit_tags
 from volley_dagster.sinks.s3 import S3Endpoint
 
 Mode = Literal["append", "upsert"]
@@ -88,7 +88,7 @@ class DeltaSink(Sink):
         app_id = self.app_id(ctx.pipeline)
         props = CommitProperties(
             app_transactions=[Transaction(app_id=app_id, version=ctx.epoch)],
-            custom_metadata={"volley.pipeline": ctx.pipeline, "volley.epoch": str(ctx.epoch)},
+            custom_metadata=commit_tags(ctx, output.num_rows),
             max_commit_retries=0,
         )
         conflicts = 0
@@ -149,6 +149,14 @@ class DeltaSink(Sink):
         )
         return {"inserted": metrics.get("num_target_rows_inserted", 0),
                 "updated": metrics.get("num_target_rows_updated", 0)}
+
+    def epoch_history(self, pipeline: str) -> dict[int, list[int]]:
+        table = self.table()
+        history: dict[int, list[int]] = {}
+        for commit in table.history() if table is not None else []:
+            if commit.get("volley.pipeline") == pipeline and "volley.epoch" in commit:
+                history.setdefault(int(commit["volley.epoch"]), []).append(int(commit.get("volley.rows", -1)))
+        return history
 
     def read(self) -> pa.Table:
         table = self.table()

@@ -33,7 +33,7 @@ from pyiceberg.table import Table, Transaction
 from sqlalchemy.exc import SQLAlchemyError
 
 from volley_dagster.errors import ConfigError
-from volley_dagster.sinks.base import CommitContext, Sink
+from volley_dagster.sinks.base import CommitContext, Sink, commit_tags
 from volley_dagster.sinks.s3 import S3Endpoint
 
 Mode = Literal["append", "upsert"]
@@ -125,7 +125,7 @@ class IcebergSink(Sink):
 
     def commit(self, output: pa.Table, ctx: CommitContext) -> dict[str, Any]:
         keys = self._keys(ctx)
-        summary = {"volley.pipeline": ctx.pipeline, "volley.epoch": str(ctx.epoch)}
+        summary = commit_tags(ctx, output.num_rows)
         conflicts = 0
         last: Exception = RuntimeError(f"Iceberg sink {self.name!r}: max_attempts={self.max_attempts} allows no commit")
         for _ in range(self.max_attempts):
@@ -205,6 +205,16 @@ class IcebergSink(Sink):
         except TableAlreadyExistsError:
             self._table = self.catalog.load_table(self.identifier)
         return self._table
+
+    def epoch_history(self, pipeline: str) -> dict[int, list[int]]:
+        """One APPEND snapshot per commit (an upsert's DELETE snapshot shares its tags)."""
+        table = self.table()
+        history: dict[int, list[int]] = {}
+        for snap in table.snapshots() if table is not None else []:
+            props = snap.summary.additional_properties if snap.summary else {}
+            if props.get("volley.pipeline") == pipeline and snap.summary.operation.value == "append":
+                history.setdefault(int(props["volley.epoch"]), []).append(int(props.get("volley.rows", -1)))
+        return history
 
     def read(self) -> pa.Table:
         table = self.table()

@@ -20,3 +20,6 @@ class MemorySink(Sink):
     def commit(self, output: pa.Table, ctx: CommitContext) -> dict[str, Any]:
         self.epochs.setdefault(ctx.pipeline, {})[ctx.epoch] = output
         return {"rows": output.num_rows}
+
+    def epoch_history(self, pipeline: str) -> dict[int, list[int]]:
+        return {epoch: [table.num_rows] for epoch, table in self.epochs.get(pipeline, {}).items()}

@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from volley_dagster.checkpoint.atomic import create_bytes_exclusive
-from volley_dagster.sinks.base import CommitContext, Sink
+from volley_dagster.sinks.base import CommitContext, Sink, commit_tags
 
 _FILE = re.compile(r"^epoch-(\d+)\.parquet$")
 
@@ -35,11 +35,18 @@ class ParquetSink(Sink):
 
     def commit(self, output: pa.Table, ctx: CommitContext) -> dict[str, Any]:
         buf = io.BytesIO()
-        meta = {b"volley.pipeline": ctx.pipeline.encode(), b"volley.epoch": str(ctx.epoch).encode()}
+        meta = {k.encode(): v.encode() for k, v in commit_tags(ctx, output.num_rows).items()}
         pq.write_table(output.replace_schema_metadata(meta), buf)
         target = self.file_for(ctx.pipeline, ctx.epoch)
         created = create_bytes_exclusive(target, buf.getvalue())
         return {"path": str(target), "rows": output.num_rows, "skipped": not created}
+
+    def epoch_history(self, pipeline: str) -> dict[int, list[int]]:
+        d = self._dir(pipeline)
+        history: dict[int, list[int]] = {}
+        for path in sorted(d.glob("epoch-*.parquet")) if d.is_dir() else []:
+            history.setdefault(int(_FILE.match(path.name).group(1)), []).append(pq.read_metadata(path).num_rows)
+        return history
 
     def read(self, pipeline: str) -> pa.Table:
         """Every committed epoch's rows, with an ``epoch`` column, in epoch order."""

@@ -1,0 +1,35 @@
+"""Assemble a code location from pipeline deployments and resources."""
+
+from dagster import AssetSelection, Definitions, define_asset_job
+
+from assets.epochs import PIPELINE_TAG, epoch_assets, epochs_partitions
+from resources import CheckpointResource, SparkResource, TablesResource
+from sensors import epoch_schedule, epoch_sensor
+from volley_dagster.deploy import Deployment
+
+
+def build_definitions(
+    deployments: list[Deployment], checkpoints: CheckpointResource, tables: TablesResource, spark: SparkResource
+) -> Definitions:
+    assets, jobs, sensors, schedules = [], [], [], []
+    for deployment in deployments:
+        source, epochs, checks = epoch_assets(deployment, tables.settings())
+        assets.extend([source, epochs, checks])
+        job = define_asset_job(
+            f"{deployment.name}_epochs_job",
+            selection=AssetSelection.assets(epochs).without_checks(),
+            partitions_def=epochs_partitions(deployment),
+            tags={PIPELINE_TAG: deployment.name},
+        )
+        jobs.append(job)
+        jobs.append(define_asset_job(f"{deployment.name}_checks_job", selection=AssetSelection.checks(checks)))
+        sensors.append(epoch_sensor(deployment, job))
+        if deployment.cron:
+            schedules.append(epoch_schedule(deployment, job))
+    return Definitions(
+        assets=assets,
+        jobs=jobs,
+        sensors=sensors,
+        schedules=schedules,
+        resources={"spark": spark, "checkpoints": checkpoints, "tables": tables},
+    )

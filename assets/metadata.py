@@ -1,0 +1,86 @@
+"""What the Dagster UI shows per epoch: plottable numbers on the right asset."""
+
+from typing import Any
+
+import pyarrow as pa
+from dagster import AssetKey, MetadataValue, TableColumn, TableSchema
+
+from volley_dagster import EpochResult, Pipeline
+from volley_dagster.sinks import DeltaSink, IcebergSink, ParquetSink, Sink
+
+
+def sink_kind(sink: Sink) -> str:
+    if isinstance(sink, DeltaSink):
+        return "delta"
+    if isinstance(sink, IcebergSink):
+        return "iceberg"
+    if isinstance(sink, ParquetSink):
+        return "parquet"
+    return type(sink).__name__.lower()
+
+
+def source_key(pipeline: Pipeline) -> AssetKey:
+    return AssetKey([pipeline.name, "source"])
+
+
+def state_key(pipeline: Pipeline) -> AssetKey:
+    return AssetKey([pipeline.name, "state"])
+
+
+def sink_key(pipeline: Pipeline, sink: Sink) -> AssetKey:
+    return AssetKey([pipeline.name, f"{sink_kind(sink)}_{sink.name}"])
+
+
+def sink_location(sink: Sink) -> dict[str, Any]:
+    """Where the table lives, under Dagster's metadata conventions."""
+    if isinstance(sink, DeltaSink):
+        return {"dagster/uri": sink.uri, "mode": sink.mode}
+    if isinstance(sink, IcebergSink):
+        return {"dagster/table_name": sink.identifier, "mode": sink.mode}
+    if isinstance(sink, ParquetSink):
+        return {"dagster/uri": str(sink.path)}
+    return {}
+
+
+def column_schema(table: pa.Schema) -> TableSchema:
+    return TableSchema(columns=[TableColumn(f.name, str(f.type)) for f in table])
+
+
+def epoch_metadata(pipeline: Pipeline, result: EpochResult) -> dict[AssetKey, dict[str, Any]]:
+    d = result.durations
+    state: dict[str, Any] = {
+        "epoch": MetadataValue.int(result.epoch),
+        "noop_already_committed": MetadataValue.int(int(result.already_committed)),
+        "offset_range": MetadataValue.json(result.range),
+        "records_in": MetadataValue.int(result.records_in),
+        "records_aggregated": MetadataValue.int(result.records_aggregated),
+        "records_out": MetadataValue.int(result.records_out),
+        "dead_letters": MetadataValue.int(result.dead_letters),
+        "keys_touched": MetadataValue.int(result.keys_touched),
+        "new_keys": MetadataValue.int(result.new_keys),
+        "state_bytes": MetadataValue.int(result.state_bytes),
+        "state_bytes_written": MetadataValue.int(result.state_bytes_written),
+        "snapshot_path": MetadataValue.path(f"snapshots/{result.epoch:010d}"),
+        "records_per_second": MetadataValue.float(float(result.records_per_second)),
+        **{f"seconds_{phase}": MetadataValue.float(float(v)) for phase, v in d.items()},
+    }
+    if result.watermark is not None:
+        state["watermark"] = MetadataValue.text(str(result.watermark))
+    out = {state_key(pipeline): state}
+    for sink in pipeline.sinks:
+        commit = result.sinks.get(sink.name, {})
+        md: dict[str, Any] = {
+            "epoch": MetadataValue.int(result.epoch),
+            "noop_already_committed": MetadataValue.int(int(result.already_committed or commit.get("skipped", False))),
+            "rows": MetadataValue.int(int(commit.get("rows", 0) or 0)),
+            "seconds_commit": MetadataValue.float(float(commit.get("seconds", 0.0))),
+            **sink_location(sink),
+        }
+        if "version" in commit and commit["version"] is not None:
+            md["delta_table_version"] = MetadataValue.int(int(commit["version"]))
+        if "snapshot_id" in commit and commit["snapshot_id"] is not None:
+            md["iceberg_snapshot_id"] = MetadataValue.text(str(commit["snapshot_id"]))
+        if result.output is not None:
+            md["dagster/column_schema"] = column_schema(result.output.schema)
+        out[sink_key(pipeline, sink)] = md
+    return out

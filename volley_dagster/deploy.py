@@ -1,0 +1,34 @@
+"""How a pipeline is deployed: what an orchestrator needs beyond the pipeline
+itself (when to cut epochs). The Dagster code location reads these."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from volley_dagster.pipeline import Pipeline
+
+
+@dataclass(frozen=True)
+class TableSettings:
+    """Where sinks put their tables; built from the orchestrator's resources."""
+
+    warehouse: str
+    iceberg_catalog: dict[str, str] | None = None
+    delta_storage_options: dict[str, str] | None = None
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """``build`` makes the pipeline for a table location. The sensor cuts an epoch
+    once ``min_records`` are waiting, or any are and the oldest waited ``max_wait_s``;
+    ``cron`` adds a schedule (off unless ``schedule_running``)."""
+
+    name: str
+    build: Callable[[TableSettings], Pipeline]
+    min_records: int = 1
+    max_wait_s: float | None = None
+    cron: str | None = None
+    sensor_running: bool = False
+    schedule_running: bool = False
+    sensor_interval_s: int = 30

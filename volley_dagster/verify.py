@@ -1,0 +1,78 @@
+"""Consistency checks between the epoch log, the state snapshots and the sinks'
+own histories. Dagster exposes them as asset checks; they need no Spark."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from volley_dagster.errors import SnapshotError
+from volley_dagster.runner import EpochRunner
+from volley_dagster.sinks.base import Sink
+from volley_dagster.state.store import verify_snapshot
+
+
+@dataclass(frozen=True)
+class CheckOutcome:
+    name: str
+    passed: bool
+    description: str
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+def check_sink(runner: EpochRunner, sink: Sink) -> list[CheckOutcome]:
+    """The sink holds the last committed epoch, each epoch once, with the manifest's row count."""
+    pipeline = runner.pipeline.name
+    committed = runner.committed_epoch()
+    held = sink.committed_epoch(pipeline)
+    history = sink.epoch_history(pipeline)
+    outcomes = [
+        CheckOutcome(
+            "recorded_epoch",
+            held == committed or (committed == 0 and held is None),
+            f"sink {sink.name!r} records epoch {held}; the last committed epoch is {committed}",
+            {"sink_epoch": held if held is not None else 0, "committed_epoch": committed},
+        )
+    ]
+    duplicated = sorted(e for e, commits in history.items() if len(commits) > 1)
+    outcomes.append(
+        CheckOutcome(
+            "no_duplicate_epochs",
+            not duplicated,
+            f"epochs committed more than once: {duplicated}" if duplicated else f"{len(history)} epochs, each once",
+            {"duplicated_epochs": len(duplicated)},
+        )
+    )
+    mismatched: list[str] = []
+    for epoch in range(1, committed + 1):
+        manifest = runner.log.manifest(epoch)
+        commits = history.get(epoch)
+        if commits is None:
+            mismatched.append(f"epoch {epoch}: missing")
+        elif commits != [manifest["records_out"]]:
+            mismatched.append(f"epoch {epoch}: {commits} rows, manifest says {manifest['records_out']}")
+    outcomes.append(
+        CheckOutcome(
+            "row_counts",
+            not mismatched,
+            "; ".join(mismatched[:5]) if mismatched else f"row counts of {committed} epochs match their manifests",
+            {"mismatched_epochs": len(mismatched)},
+        )
+    )
+    return outcomes
+
+
+def check_latest_snapshot(runner: EpochRunner) -> CheckOutcome:
+    """Every file of the last committed epoch's snapshots matches its SHA-256 in the manifest."""
+    epoch = runner.committed_epoch()
+    if epoch == 0:
+        return CheckOutcome("snapshot_checksums", True, "no committed epoch yet")
+    manifest = runner.log.manifest(epoch)
+    files = 0
+    try:
+        for info in manifest["shards"].values():
+            verify_snapshot(runner.log.root / info["snapshot"], info["files"], full=True)
+            files += len(info["files"])
+    except SnapshotError as exc:
+        return CheckOutcome("snapshot_checksums", False, str(exc), {"epoch": epoch})
+    return CheckOutcome("snapshot_checksums", True, f"epoch {epoch}: {files} files match", {"epoch": epoch, "files": files})
