@@ -25,7 +25,7 @@ from pyspark.sql import functions as F  # noqa: E402
 from volley_dagster import EpochRunner  # noqa: E402
 from volley_dagster.cli import disk_usage  # noqa: E402
 from volley_dagster.demo.events import generate  # noqa: E402
-from volley_dagster.demo.payments import payments_pipeline  # noqa: E402
+from volley_dagster.demo.payments import local_tables, payments_pipeline  # noqa: E402
 from volley_dagster.spark.session import get_or_create_spark  # noqa: E402
 
 
@@ -60,7 +60,8 @@ def main() -> None:
     print(f"generated {args.records:,} events over {args.keys:,} keys in {time.perf_counter() - t:.1f}s -> {work}")
 
     spark = get_or_create_spark(conf={"spark.sql.shuffle.partitions": str(args.shards)})
-    runner = EpochRunner(payments_pipeline(work / "events", work / "out", shards=args.shards), work / "state",
+    pipeline = payments_pipeline(work / "events", local_tables(work / "tables"), shards=args.shards)
+    runner = EpochRunner(pipeline, work / "state",
                          spark=spark, max_records_per_epoch=per_epoch, keep_epochs=args.keep)
     rows = []
     header = (f"{'epoch':>5} {'records':>10} {'rec/s':>10} {'total s':>8} {'read+tf':>8} {'stage':>7} "
