@@ -1,6 +1,6 @@
-"""Real servers for the sink tests: one SeaweedFS (S3) and one PostgreSQL per
-session, each on 127.0.0.1 and free ports, stopped at the end. Missing server
-binaries fail the tests with the install command; nothing is skipped."""
+"""Per-test views of the session's SeaweedFS and PostgreSQL (tests/conftest.py):
+fresh prefixes, databases and catalogs. Missing server binaries fail the tests
+with the install command; nothing is skipped."""
 
 from __future__ import annotations
 
@@ -10,28 +10,9 @@ from typing import Iterator
 
 import pytest
 
-from tests.servers import Postgres, SeaweedFS, start_postgres, start_seaweedfs
+from tests.conftest import BUCKET
+from tests.servers import Postgres, SeaweedFS
 from volley_dagster.sinks.s3 import S3Endpoint
-
-BUCKET = "volley-sinks"
-
-
-@pytest.fixture(scope="session")
-def seaweedfs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedFS]:
-    server = start_seaweedfs(tmp_path_factory.mktemp("seaweedfs"), bucket=BUCKET)
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-@pytest.fixture(scope="session")
-def postgres() -> Iterator[Postgres]:
-    server = start_postgres()  # raises with `apt-get install -y postgresql` when absent
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture
