@@ -1,6 +1,6 @@
 """Assemble a code location from pipeline deployments and resources."""
 
-from dagster import AssetSelection, Definitions, define_asset_job
+from dagster import AssetSelection, Definitions, define_asset_job, in_process_executor
 
 from assets.epochs import PIPELINE_TAG, epoch_assets, epochs_partitions
 from resources import CheckpointResource, SparkResource, TablesResource
@@ -32,4 +32,6 @@ def build_definitions(
         sensors=sensors,
         schedules=schedules,
         resources={"spark": spark, "checkpoints": checkpoints, "tables": tables},
+        # One step per run, and Spark in the run's own process: a second process buys nothing.
+        executor=in_process_executor,
     )
