@@ -9,6 +9,8 @@ from typing import Any
 
 import pyarrow as pa
 
+from volley_dagster.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class CommitContext:
@@ -40,3 +42,13 @@ class Sink(ABC):
 def commit_tags(ctx: CommitContext, rows: int) -> dict[str, str]:
     """The properties every sink stores with an epoch's commit."""
     return {"volley.pipeline": ctx.pipeline, "volley.epoch": str(ctx.epoch), "volley.rows": str(rows)}
+
+
+def upsert_keys(sink: Sink, mode: str, key_columns: tuple[str, ...] | None, ctx: CommitContext) -> tuple[str, ...]:
+    """The columns an upsert matches on: the sink's own, else the pipeline's key."""
+    if mode != "upsert":
+        return ()
+    keys = key_columns or ctx.key_columns
+    if not keys:
+        raise ConfigError(f"{type(sink).__name__} {sink.name!r} upserts but has no key columns")
+    return tuple(keys)

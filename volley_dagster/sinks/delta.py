@@ -21,7 +21,7 @@ from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundError
 
 from volley_dagster.errors import ConfigError
-from volley_dagster.sinks.base import CommitContext, Sink, commit_tags
+from volley_dagster.sinks.base import CommitContext, Sink, commit_tags, upsert_keys
 from volley_dagster.sinks.s3 import S3Endpoint
 
 Mode = Literal["append", "upsert"]
@@ -84,7 +84,7 @@ class DeltaSink(Sink):
         return None if table is None else table.transaction_version(self.app_id(pipeline))
 
     def commit(self, output: pa.Table, ctx: CommitContext) -> dict[str, Any]:
-        keys = self._keys(ctx)
+        keys = upsert_keys(self, self.mode, self.key_columns, ctx)
         app_id = self.app_id(ctx.pipeline)
         props = CommitProperties(
             app_transactions=[Transaction(app_id=app_id, version=ctx.epoch)],
@@ -113,14 +113,6 @@ class DeltaSink(Sink):
             return {"skipped": False, "version": table.version(), "rows": output.num_rows, "mode": self.mode,
                     "conflicts": conflicts, **metrics}
         raise last
-
-    def _keys(self, ctx: CommitContext) -> tuple[str, ...]:
-        if self.mode != "upsert":
-            return ()
-        keys = self.key_columns or ctx.key_columns
-        if not keys:
-            raise ConfigError(f"Delta sink {self.name!r} upserts but has no key columns")
-        return tuple(keys)
 
     def _write(self, table: DeltaTable | None, output: pa.Table, keys: tuple[str, ...],
                props: CommitProperties) -> dict[str, Any]:

@@ -33,7 +33,7 @@ from pyiceberg.table import Table, Transaction
 from sqlalchemy.exc import SQLAlchemyError
 
 from volley_dagster.errors import ConfigError
-from volley_dagster.sinks.base import CommitContext, Sink, commit_tags
+from volley_dagster.sinks.base import CommitContext, Sink, commit_tags, upsert_keys
 from volley_dagster.sinks.s3 import S3Endpoint
 
 Mode = Literal["append", "upsert"]
@@ -124,7 +124,7 @@ class IcebergSink(Sink):
         return None if table is None else _held(table, pipeline)
 
     def commit(self, output: pa.Table, ctx: CommitContext) -> dict[str, Any]:
-        keys = self._keys(ctx)
+        keys = upsert_keys(self, self.mode, self.key_columns, ctx)
         summary = commit_tags(ctx, output.num_rows)
         conflicts = 0
         last: Exception = RuntimeError(f"Iceberg sink {self.name!r}: max_attempts={self.max_attempts} allows no commit")
@@ -152,14 +152,6 @@ class IcebergSink(Sink):
             return {"skipped": False, "snapshot_id": _snapshot_id(committed), "rows": output.num_rows,
                     "mode": self.mode, "conflicts": conflicts, **stats}
         raise last
-
-    def _keys(self, ctx: CommitContext) -> tuple[str, ...]:
-        if self.mode != "upsert":
-            return ()
-        keys = self.key_columns or ctx.key_columns
-        if not keys:
-            raise ConfigError(f"Iceberg sink {self.name!r} upserts but has no key columns")
-        return tuple(keys)
 
     def _stage(self, txn: Transaction, table: Table, output: pa.Table, keys: tuple[str, ...],
                summary: dict[str, str]) -> dict[str, Any]:
