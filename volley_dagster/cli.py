@@ -34,7 +34,7 @@ def disk_usage(root: Path) -> int:
 def describe_checkpoints(root: Path) -> str:
     log = EpochLog(root)
     lines = [f"{root}/  ({_human(disk_usage(root))} on disk, hardlinks counted once)"]
-    lines.append(f"  pipeline.json")
+    lines.append("  pipeline.json")
     for epoch in log.epochs_cut():
         state = "committed" if log.is_committed(epoch) else "cut, not committed"
         lines.append(f"  epochs/{epoch:010d}/  offsets.json{', manifest.json' if log.is_committed(epoch) else ''}  [{state}]")

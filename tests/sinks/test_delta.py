@@ -14,13 +14,11 @@ import pytest
 from deltalake import DeltaTable
 
 from tests.sinks.commit_worker import epoch_output, race
+from tests.sinks.helpers import PIPELINE, ROWS, ctx, frame, reference
 from volley_dagster.sinks.base import CommitContext
 from volley_dagster.sinks.delta import DeltaSink
 from volley_dagster.sinks.s3 import S3Endpoint
 
-PIPELINE = "payments"
-KEY = ("merchant_id",)
-ROWS = 200
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -32,20 +30,6 @@ def location(request: pytest.FixtureRequest, tmp_path: Path) -> dict[str, Any]:
     return {"uri": request.getfixturevalue("s3_prefix") + "/table", "s3": s3}
 
 
-def ctx(epoch: int, pipeline: str = PIPELINE) -> CommitContext:
-    return CommitContext(pipeline, epoch, KEY)
-
-
-def frame(table: pa.Table) -> pd.DataFrame:
-    return table.to_pandas().sort_values(["epoch", "merchant_id"]).reset_index(drop=True)
-
-
-def reference(mode: str, epochs: range, rows: int = ROWS) -> pd.DataFrame:
-    """Append: every epoch's rows; upsert: the last row per key, across epochs."""
-    df = pd.concat([epoch_output(e, rows).to_pandas() for e in epochs], ignore_index=True)
-    if mode == "upsert":
-        df = df.drop_duplicates("merchant_id", keep="last")
-    return df.sort_values(["epoch", "merchant_id"]).reset_index(drop=True)
 
 
 def delta_table(location: dict[str, Any]) -> DeltaTable:

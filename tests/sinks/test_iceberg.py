@@ -15,30 +15,14 @@ from pyiceberg.catalog import load_catalog
 from pyiceberg.table import Table
 
 from tests.sinks.commit_worker import epoch_output, race
+from tests.sinks.helpers import PIPELINE, ROWS, ctx, frame, reference
 from volley_dagster.sinks.base import CommitContext
 from volley_dagster.sinks.iceberg import IcebergSink, sqlite_catalog
 
-PIPELINE = "payments"
-KEY = ("merchant_id",)
-ROWS = 200
 TABLE = "volley.payments"
 ALL = ["sqlite-local", "sqlite-s3", "postgres-local", "postgres-s3"]
 
 
-def ctx(epoch: int, pipeline: str = PIPELINE) -> CommitContext:
-    return CommitContext(pipeline, epoch, KEY)
-
-
-def frame(table: pa.Table) -> pd.DataFrame:
-    return table.to_pandas().sort_values(["epoch", "merchant_id"]).reset_index(drop=True)
-
-
-def reference(mode: str, epochs: range, rows: int = ROWS) -> pd.DataFrame:
-    """Append: every epoch's rows; upsert: the last row per key, across epochs."""
-    df = pd.concat([epoch_output(e, rows).to_pandas() for e in epochs], ignore_index=True)
-    if mode == "upsert":
-        df = df.drop_duplicates("merchant_id", keep="last")
-    return df.sort_values(["epoch", "merchant_id"]).reset_index(drop=True)
 
 
 def load(catalog: dict[str, str], name: str = TABLE) -> Table:
