@@ -1,7 +1,10 @@
 """Latency through Dagster: a file lands in the source -> the sensor cuts an epoch ->
 a run commits it, on a real ``dagster dev`` (sensor every 5 s, in-process executor).
 
-    ./dev bench dagster_latency [--files 5] [--records 1000]
+    ./dev bench dagster_latency [--files 5] [--records 1000] [--connect]
+
+With ``--connect`` runs use a Spark Connect server started here instead of a new
+local Spark JVM per run.
 
 Prints, per file, the seconds from landing to the epoch's manifest, and per run
 the run's wall time against the epoch's own processing time (the difference is
@@ -30,14 +33,22 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--files", type=int, default=5)
     parser.add_argument("--records", type=int, default=1_000)
+    parser.add_argument("--connect", action="store_true", help="runs use a Spark Connect server")
     args = parser.parse_args()
     base = Path(tempfile.mkdtemp(prefix="volley-dagster-bench-"))
     (base / "events").mkdir()
     log = EpochLog(base / "state" / "payments")
     rows = []
+    env = {"VOLLEY_BENCH_BASE": str(base)}
+    server = None
+    if args.connect:
+        from volley_dagster.spark.connect import start_connect_server
+
+        server = start_connect_server(15_077, "local[2]", base / "connect.log")
+        env["VOLLEY_SPARK_REMOTE"] = server.url
     with dagster_dev(ROOT / "bench" / "dagster_workspace.yaml", dagster_yaml=ROOT / "dagster.yaml",
                      overrides={"run_coordinator": {"config": {"dequeue_interval_seconds": 1}}},
-                     home=base / "dagster_home", env={"VOLLEY_BENCH_BASE": str(base)}) as srv:
+                     home=base / "dagster_home", env=env) as srv:
         for i in range(args.files):
             landed = time.time()
             generate(base / "events", 1, args.records, 100, first_file=i)
@@ -53,8 +64,10 @@ def main() -> None:
                          "epoch_processing_s": manifest["durations"]["total"]})
             print(f"epoch {epoch}: landed -> committed {latency:6.1f} s; run {run:5.1f} s, "
                   f"of which epoch processing {manifest['durations']['total']:4.1f} s")
+    if server is not None:
+        server.stop()
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0] if k != "epoch"}
-    print(f"\nmedian over {len(rows)} files of {args.records:,} records: landing -> committed "
+    print(f"\n{'Spark Connect' if args.connect else 'a local Spark per run'}: median over {len(rows)} files of {args.records:,} records: landing -> committed "
           f"{med['landing_to_commit_s']:.1f} s; run wall {med['run_wall_s']:.1f} s, epoch processing "
           f"{med['epoch_processing_s']:.1f} s -> run overhead {med['run_wall_s'] - med['epoch_processing_s']:.1f} s")
     out = ROOT / "bench" / "results"

@@ -16,5 +16,5 @@ defs = build_definitions(
              sensor_interval_s=5)],
     checkpoints=CheckpointResource(root=str(BASE / "state")),
     tables=TablesResource(warehouse=str(BASE / "tables")),
-    spark=SparkResource(master="local[2]"),
+    spark=SparkResource(master="local[2]", remote=os.environ.get("VOLLEY_SPARK_REMOTE") or None),
 )

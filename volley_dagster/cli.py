@@ -91,6 +91,18 @@ def generate_events(args: argparse.Namespace) -> None:
     print(f"appended {len(files)} files of {args.records_per_file:,} payment events to {events}")
 
 
+def spark_connect(args: argparse.Namespace) -> int:
+    from volley_dagster.spark.connect import start_connect_server
+
+    server = start_connect_server(args.port, args.master, Path(f"spark-connect-{args.port}.log").absolute())
+    print(f"Spark Connect at {server.url} (log {server.log}); runs use it with VOLLEY_SPARK_REMOTE={server.url}")
+    try:
+        return server.process.wait()
+    except KeyboardInterrupt:
+        server.stop()
+        return 0
+
+
 def inspect_root(args: argparse.Namespace) -> int:
     print(describe_checkpoints(Path(args.checkpoint_root).absolute()))
     return 0
@@ -116,6 +128,10 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--keys", type=int, default=20_000)
     g.add_argument("--seed", type=int, default=7)
     g.set_defaults(func=lambda a: generate_events(a) or 0)
+    c = sub.add_parser("spark-connect", help="run a Spark Connect server on 127.0.0.1 until interrupted")
+    c.add_argument("--port", type=int, default=15002)
+    c.add_argument("--master", default="local[*]")
+    c.set_defaults(func=spark_connect)
     i = sub.add_parser("inspect", help="show a checkpoint root's epochs and snapshots")
     i.add_argument("checkpoint_root")
     i.set_defaults(func=inspect_root)
