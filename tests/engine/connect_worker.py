@@ -1,0 +1,32 @@
+"""Runs epochs over Spark Connect in its own process (PySpark switches a whole
+process into Connect mode): ``python -m tests.engine.connect_worker URL BASE``.
+Prints one JSON line: records per epoch, and the error a task-side failure raised."""
+
+import json
+import sys
+from pathlib import Path
+
+from pyspark.sql import SparkSession
+
+from tests.helpers import payments
+from volley_dagster import EpochRunner, VolleyError
+from volley_dagster.demo.events import generate
+from volley_dagster.spark.stage import plan_epoch, run_stage
+
+if __name__ == "__main__":
+    url, base = sys.argv[1], Path(sys.argv[2])
+    spark = SparkSession.builder.remote(url).create()
+    runner = EpochRunner(payments(base / "events", base / "out"), base / "state", spark=spark,
+                         max_records_per_epoch=2_000)
+    records = [r.records_in for r in runner.run_available()]
+    generate(base / "events", 1, 500, 200, first_file=2)
+    rng = runner.cut_next()
+    plan = plan_epoch(spark, runner.pipeline, rng)
+    path = base / "events" / "events-000002.parquet"
+    path.write_bytes(path.read_bytes() + b"x")
+    try:
+        run_stage(spark, runner.pipeline, rng, plan, merge=None)
+        error = None
+    except VolleyError as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    print(json.dumps({"records": records, "error": error}))
