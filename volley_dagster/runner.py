@@ -20,11 +20,10 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-import rocksdict
 from pyspark.sql import SparkSession
 
 from volley_dagster import faults
-from volley_dagster.checkpoint.atomic import read_json, write_bytes_atomic
+from volley_dagster.checkpoint.atomic import write_bytes_atomic
 from volley_dagster.checkpoint.epoch_log import EpochLog
 from volley_dagster.errors import ConfigError, EpochOrderError, MalformedRecordError, SnapshotError, VolleyError
 from volley_dagster.operators.aggregate import ResolvedAggregate
@@ -38,6 +37,7 @@ from volley_dagster.spark.tasks import PreviousSnapshot, ShardMerge
 from volley_dagster.state.keys import decode_keys, namespace_prefix
 from volley_dagster.state.options import RocksDBOptions
 from volley_dagster.state.store import open_snapshot_read_only, verify_snapshot
+from volley_dagster.state.transaction import scan_prefix
 
 
 
@@ -241,7 +241,7 @@ class EpochRunner:
         manifest = self.log.manifest(epoch)
         if manifest is None:
             raise EpochOrderError(f"epoch {epoch} of pipeline {self.pipeline.name!r} is not committed")
-        identity = _read_identity(self.log)
+        identity = self.log.identity()
         aggregate = ResolvedAggregate(
             self.pipeline.operator.accumulators,
             tuple(a["kind"] for a in identity["aggregate"]["accumulators"]),
@@ -260,21 +260,15 @@ class EpochRunner:
             verify_snapshot(path, info["files"], full=self.verify_checksums)
             db = open_snapshot_read_only(path, self.rocksdb)
             try:
-                read_opt = rocksdict.ReadOptions()
-                read_opt.set_iterate_upper_bound((int.from_bytes(prefix, "big") + 1).to_bytes(2, "big"))
-                for k, v in db.items(from_key=prefix, read_opt=read_opt):
-                    keys.append(k)
-                    values.append(v)
+                entries = list(scan_prefix(db, prefix))
             finally:
                 db.close()
+            keys.extend(k for k, _ in entries)
+            values.extend(v for _, v in entries)
         _, key_values = decode_keys(identity["key_kind"], keys)
         state, _ = aggregate.decode(values)
         names = [self.pipeline.key_column] + [n for n, _ in aggregate.output_fields()]
         return pa.table([key_values] + aggregate.outputs(state), names=names).sort_by(self.pipeline.key_column)
-
-
-def _read_identity(log: EpochLog) -> dict[str, Any]:
-    return read_json(log.root / "pipeline.json")
 
 
 def _relative_shard(info: dict[str, Any], root: Path) -> dict[str, Any]:

@@ -49,12 +49,14 @@ class EpochLog:
 
     # -- identity ------------------------------------------------------------------
 
+    def identity(self) -> dict[str, Any]:
+        """The state layout recorded by the first epoch (see ``check_identity``)."""
+        return read_json(self.root / "pipeline.json")
+
     def check_identity(self, identity: dict[str, Any]) -> None:
         """Record the pipeline's state layout on first use; refuse a different one later."""
-        path = self.root / "pipeline.json"
-        if not path.exists():
-            create_json_exclusive(path, identity)
-        recorded = read_json(path)
+        create_json_exclusive(self.root / "pipeline.json", identity)  # no-op when recorded already
+        recorded = self.identity()
         if recorded != identity:
             diff = {k: (recorded.get(k), identity.get(k)) for k in set(recorded) | set(identity) if recorded.get(k) != identity.get(k)}
             raise StateLayoutError(

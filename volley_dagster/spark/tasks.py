@@ -83,7 +83,8 @@ class ShardMerge:
             t1 = time.perf_counter()
             txn = store.transaction(self.scan_fraction)
             key_groups = data.column(columns.KEY_GROUP).to_numpy(zero_copy_only=False)
-            keys = encode_keys(self.aggregate.namespace, key_groups, data.column(columns.KEY).combine_chunks())
+            key_values = data.column(columns.KEY).combine_chunks()
+            keys = encode_keys(self.aggregate.namespace, key_groups, key_values)
             state, existed = self.aggregate.decode(txn.get_many(keys, namespace_prefix(self.aggregate.namespace)))
             self.aggregate.merge(state, data)
             txn.set_many(keys, self.aggregate.encode(state))
@@ -115,12 +116,12 @@ class ShardMerge:
             "flush_s": t3 - t2,
             "snapshot_s": t4 - t3,
         }
-        return self._output(data, state, stats)
+        return self._output(key_values, state, stats)
 
-    def _output(self, data: pa.Table, state: np.ndarray, stats: dict) -> pa.Table:
+    def _output(self, key_values: pa.Array, state: np.ndarray, stats: dict) -> pa.Table:
         names = [self.key_column] + [name for name, _ in self.aggregate.output_fields()] + [columns.STATS]
-        values = [data.column(columns.KEY).combine_chunks()] + self.aggregate.outputs(state)
-        rows = pa.table(values + [pa.nulls(data.num_rows, pa.string())], names=names)
+        values = [key_values] + self.aggregate.outputs(state)
+        rows = pa.table(values + [pa.nulls(len(key_values), pa.string())], names=names)
         stats_row = pa.table(
             [pa.nulls(1, arr.type) for arr in values] + [pa.array([json.dumps(stats)], pa.string())], names=names
         )

@@ -8,6 +8,8 @@ writes stay in memory and reach RocksDB as a single ``WriteBatch`` at
 
 from __future__ import annotations
 
+from typing import Iterator
+
 import rocksdict
 
 from volley_dagster.state.options import write_options
@@ -76,7 +78,12 @@ class ShardTransaction:
         return estimate > 0 and n_keys >= self._scan_fraction * estimate
 
     def _scan(self, prefix: bytes) -> dict[bytes, bytes]:
-        read_opt = rocksdict.ReadOptions()
-        upper = (int.from_bytes(prefix, "big") + 1).to_bytes(len(prefix), "big")
-        read_opt.set_iterate_upper_bound(upper)
-        return dict(self._db.items(from_key=prefix, read_opt=read_opt))
+        return dict(scan_prefix(self._db, prefix))
+
+
+def scan_prefix(db: rocksdict.Rdict, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
+    """Every (key, value) under ``prefix`` in key order, iterated inside RocksDB."""
+    read_opt = rocksdict.ReadOptions()
+    read_opt.set_iterate_upper_bound((int.from_bytes(prefix, "big") + 1).to_bytes(len(prefix), "big"))
+    # yield from, not return: read_opt (which holds the bound) must outlive the iteration
+    yield from db.items(from_key=prefix, read_opt=read_opt)
