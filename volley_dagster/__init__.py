@@ -15,6 +15,7 @@ from volley_dagster.errors import (
     VolleyError,
 )
 from volley_dagster.operators.accumulators import count, first, last, max_, mean, min_, sum_
+from volley_dagster.operators.window import session, sliding, tumbling
 from volley_dagster.pipeline import Pipeline
 from volley_dagster.result import EpochResult
 from volley_dagster.runner import EpochRunner
@@ -48,5 +49,8 @@ __all__ = [
     "max_",
     "mean",
     "min_",
+    "session",
+    "sliding",
     "sum_",
+    "tumbling",
 ]

@@ -12,3 +12,5 @@ STATS = "_volley_stats"  # one JSON row per shard task with its statistics
 ROWS = "_volley_rows"  # records folded into a key's partial aggregate
 
 POS_OFFSET_BITS = 40
+WINDOW_START = "_volley_ws"  # window bounds in microseconds since the Unix epoch
+WINDOW_END = "_volley_we"

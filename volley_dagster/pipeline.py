@@ -16,6 +16,7 @@ from pyspark.sql import functions as F
 from volley_dagster.errors import ConfigError
 from volley_dagster.operators.accumulators import Accumulator
 from volley_dagster.operators.aggregate import Aggregate
+from volley_dagster.operators.window import Duration, WindowedAggregate, Windowing, Windows, duration_us
 from volley_dagster.sinks.base import Sink
 from volley_dagster.sources.file_log import FileLog
 from volley_dagster.state.keys import DEFAULT_KEY_GROUPS, ShardLayout
@@ -32,6 +33,7 @@ class Pipeline:
     transforms: tuple[Transform, ...] = ()
     key_column: str | None = None
     operator: Aggregate | None = None
+    windowing: Windowing | None = None
     sinks: tuple[Sink, ...] = ()
     bad_records: BadRecordPolicy = "fail"
     layout: ShardLayout = field(default_factory=ShardLayout)
@@ -59,7 +61,41 @@ class Pipeline:
         return replace(self, key_column=column)
 
     def aggregate(self, **accumulators: Accumulator) -> Pipeline:
+        """A running aggregate per key; after ``window(...)``, one per key and window."""
         return replace(self, operator=Aggregate(tuple(accumulators.items())))
+
+    def window(
+        self,
+        windows: Windows,
+        *,
+        on: str,
+        max_out_of_orderness: Duration = "0 seconds",
+        allowed_lateness: Duration = "0 seconds",
+        max_pending_windows: int | None = None,
+    ) -> Pipeline:
+        """Aggregate per event-time window (``tumbling``, ``sliding`` or ``session``) over
+        the timestamp column ``on``; fired windows are emitted once, in append mode.
+        The watermark trails the latest event time by ``max_out_of_orderness``; a window
+        fires once the watermark passes its end plus ``allowed_lateness``.
+        ``max_pending_windows`` bounds the in-memory pending-window index per shard
+        (the rest is evicted to RocksDB). The rules: ``volley_dagster.operators.window``."""
+        windowing = Windowing(
+            windows,
+            on,
+            duration_us(max_out_of_orderness, "max_out_of_orderness"),
+            duration_us(allowed_lateness, "allowed_lateness"),
+            max_pending_windows,
+        )
+        return replace(self, windowing=windowing)
+
+    def stateful_operator(self) -> Aggregate | WindowedAggregate:
+        if self.windowing is None:
+            return self.operator
+        return WindowedAggregate(self.windowing, self.operator)
+
+    def output_keys(self) -> tuple[str, ...]:
+        """The columns that identify one output row (what an upsert sink matches on)."""
+        return (self.key_column, "window_start") if self.windowing is not None else (self.key_column,)
 
     def sink(self, sink: Sink) -> Pipeline:
         if any(s.name == sink.name for s in self.sinks):

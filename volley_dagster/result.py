@@ -25,7 +25,10 @@ class EpochResult:
     sinks: dict[str, dict[str, Any]]
     durations: dict[str, float]
     dead_letter_path: str | None = None
-    watermark: Any = None
+    watermark: int | None = None  # windows: event time (microseconds) the next epoch starts from
+    late_records: int = 0  # windows: (record, window) pairs whose window had closed
+    late_records_path: str | None = None
+    end_of_stream: bool = False
     committed_at: str = ""
     already_committed: bool = False
     output: pa.Table | None = field(default=None, repr=False, compare=False)

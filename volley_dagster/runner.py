@@ -14,6 +14,7 @@ from __future__ import annotations
 import io
 import os
 import time
+from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,9 @@ from volley_dagster.checkpoint.atomic import write_bytes_atomic
 from volley_dagster.checkpoint.epoch_log import EpochLog
 from volley_dagster.errors import ConfigError, EpochOrderError, MalformedRecordError, SnapshotError, VolleyError
 from volley_dagster.operators.aggregate import ResolvedAggregate
+from volley_dagster.operators.base import ShardStep, StatefulOperator
+from volley_dagster.operators.window import WINDOW_END, WINDOW_START
+from volley_dagster.operators.window_state import WINDOW_NS, decode_windows, window_dtype
 from volley_dagster.pipeline import Pipeline
 from volley_dagster.result import EpochResult
 from volley_dagster.sinks.base import CommitContext
@@ -78,15 +82,31 @@ class EpochRunner:
 
     # -- cutting -------------------------------------------------------------------
 
-    def cut_next(self, allow_empty: bool = False) -> EpochRange | None:
+    def cut_next(self, allow_empty: bool = False, end_of_stream: bool = False) -> EpochRange | None:
         """Record the next epoch's range: from the end of the last cut epoch to what is
-        available now, bounded by ``max_records_per_epoch``. None when nothing is new."""
+        available now, bounded by ``max_records_per_epoch``. None when nothing is new.
+        ``end_of_stream`` marks it the final epoch: every open window fires."""
         last = self.log.last_cut()
-        after = self.log.offsets(last).end if last else {}
-        rng = self.pipeline.source_log.cut(last + 1, after, self.max_records_per_epoch)
-        if rng.records == 0 and not allow_empty:
+        previous = self.log.offsets(last) if last else None
+        if previous is not None and previous.end_of_stream:
+            raise EpochOrderError(
+                f"pipeline {self.pipeline.name!r} ended its stream at epoch {last}; "
+                "nothing can be cut after it (use a new checkpoint root to start over)"
+            )
+        rng = self.pipeline.source_log.cut(last + 1, previous.end if previous else {}, self.max_records_per_epoch)
+        if rng.records == 0 and not (allow_empty or end_of_stream):
             return None
-        return self.log.record_offsets(rng)
+        return self.log.record_offsets(replace(rng, end_of_stream=end_of_stream))
+
+    def flush(self) -> list[EpochResult]:
+        """End the stream: run what is cut, then cut and run the remaining records as a
+        final epoch that fires every pending window (an explicit end-of-stream)."""
+        results = []
+        while self.log.last_cut() > self.log.last_committed():
+            results.append(self.run(self.log.last_committed() + 1))
+        if not (results and results[-1].end_of_stream):
+            results.append(self.run(self.cut_next(end_of_stream=True).epoch))
+        return results
 
     # -- running -------------------------------------------------------------------
 
@@ -134,13 +154,12 @@ class EpochRunner:
         t0 = time.perf_counter()
         pipeline.source_log.verify(rng)
         plan = plan_epoch(self.spark, pipeline, rng)
-        log.check_identity(self._identity(plan.aggregate, plan.key_kind))
+        log.check_identity(self._identity(plan.operator, plan.key_kind))
         previous = self._previous_snapshots(epoch)
         merge = ShardMerge(
-            epoch=epoch,
+            step=ShardStep(epoch, plan.key_kind),
             key_column=pipeline.key_column,
-            aggregate=plan.aggregate,
-            layout=pipeline.layout,
+            operator=plan.operator,
             previous=previous,
             snapshot_root=str(log.snapshot_dir(epoch, 0).parent),
             work_root=str(log.work_dir(epoch)),
@@ -149,7 +168,8 @@ class EpochRunner:
             verify_checksums=self.verify_checksums,
             driver_pid=os.getpid(),
         )
-        stage = run_stage(self.spark, pipeline, rng, plan, merge)
+        watermark = log.manifest(epoch - 1)["watermark"] if epoch > 1 else None
+        stage = run_stage(self.spark, pipeline, rng, plan, merge, watermark, rng.end_of_stream)
         if stage.dead_letters.num_rows and pipeline.bad_records == "fail":
             raise MalformedRecordError(_describe_bad(epoch, stage.dead_letters))
         if sorted(stage.shards) != list(range(pipeline.layout.num_shards)):
@@ -157,12 +177,8 @@ class EpochRunner:
         faults.fault_point("after_snapshot", epoch)
 
         t_sinks = time.perf_counter()
-        dead_path = None
-        if stage.dead_letters.num_rows:
-            buf = io.BytesIO()
-            pq.write_table(stage.dead_letters, buf)
-            write_bytes_atomic(log.dead_letter_path(epoch), buf.getvalue())
-            dead_path = str(log.dead_letter_path(epoch).relative_to(log.root))
+        dead_path = self._write_side_output(stage.dead_letters, log.dead_letter_path(epoch))
+        late_path = self._write_side_output(stage.late, log.late_records_path(epoch))
         sink_results = self._commit_sinks(stage.output, epoch)
         faults.fault_point("after_sinks", epoch)
         t_commit = time.perf_counter()
@@ -190,6 +206,10 @@ class EpochRunner:
                 "total": t_commit - t0,
             },
             dead_letter_path=dead_path,
+            watermark=stage.watermark,
+            late_records=stage.late.num_rows if stage.late is not None else 0,
+            late_records_path=late_path,
+            end_of_stream=rng.end_of_stream,
             committed_at=datetime.now(timezone.utc).isoformat(),
             output=stage.output,
         )
@@ -198,8 +218,22 @@ class EpochRunner:
         log.prune(epoch, self.keep_epochs)
         return result
 
+    def _write_side_output(self, table: pa.Table | None, path: Path) -> str | None:
+        """Dead letters and late records: one Parquet file per epoch, before the commit."""
+        if table is None or not table.num_rows:
+            return None
+        buf = io.BytesIO()
+        pq.write_table(table, buf)
+        write_bytes_atomic(path, buf.getvalue())
+        return str(path.relative_to(self.log.root))
+
+    def late_records(self, epoch: int) -> pa.Table | None:
+        """A committed epoch's late-records output (None when it had none)."""
+        path = self.result(epoch).late_records_path
+        return pq.read_table(self.log.root / path) if path else None
+
     def _commit_sinks(self, output: pa.Table, epoch: int) -> dict[str, dict[str, Any]]:
-        ctx = CommitContext(self.pipeline.name, epoch, (self.pipeline.key_column,))
+        ctx = CommitContext(self.pipeline.name, epoch, self.pipeline.output_keys())
         results: dict[str, dict[str, Any]] = {}
         for sink in self.pipeline.sinks:
             t = time.perf_counter()
@@ -212,13 +246,13 @@ class EpochRunner:
             faults.fault_point(f"after_sink_{sink.name}", epoch)
         return results
 
-    def _identity(self, aggregate: ResolvedAggregate, key_kind: str) -> dict[str, Any]:
+    def _identity(self, operator: StatefulOperator, key_kind: str) -> dict[str, Any]:
         return {
             "pipeline": self.pipeline.name,
             "key_column": self.pipeline.key_column,
             "key_kind": key_kind,
             "layout": self.pipeline.layout.to_dict(),
-            "aggregate": aggregate.layout(),
+            "aggregate": operator.layout(),
         }
 
     def _previous_snapshots(self, epoch: int) -> dict[int, PreviousSnapshot]:
@@ -236,18 +270,34 @@ class EpochRunner:
 
     def read_state(self, epoch: int | None = None) -> pa.Table:
         """The full keyed state as of a committed, retained epoch, read from its snapshots
-        (without modifying them)."""
+        (without modifying them): each key's aggregate, or for windows every open
+        window (key, window_start, window_end, aggregates)."""
         epoch = self.log.last_committed() if epoch is None else epoch
-        manifest = self.log.manifest(epoch)
-        if manifest is None:
-            raise EpochOrderError(f"epoch {epoch} of pipeline {self.pipeline.name!r} is not committed")
         identity = self.log.identity()
         aggregate = ResolvedAggregate(
             self.pipeline.operator.accumulators,
             tuple(a["kind"] for a in identity["aggregate"]["accumulators"]),
             identity["aggregate"]["namespace"],
         )
-        prefix = namespace_prefix(aggregate.namespace)
+        names = [self.pipeline.key_column] + aggregate.output_names()
+        if self.pipeline.windowing is None:
+            keys, values = self._scan_snapshots(epoch, aggregate.namespace)
+            _, key_values = decode_keys(identity["key_kind"], keys)
+            state, _ = aggregate.decode(values)
+            return pa.table([key_values] + aggregate.outputs(state), names=names).sort_by(self.pipeline.key_column)
+        keys, values = self._scan_snapshots(epoch, WINDOW_NS)
+        rows, key_index = decode_windows(values, window_dtype(aggregate))
+        _, key_values = decode_keys(identity["key_kind"], [keys[i] for i in key_index])
+        ts = pa.timestamp("us", tz="UTC")
+        bounds = [pa.array(rows["start"]).cast(ts), pa.array(rows["end"]).cast(ts)]
+        table = pa.table([key_values] + bounds + aggregate.outputs(rows), names=names[:1] + [WINDOW_START, WINDOW_END] + names[1:])
+        return table.sort_by([(c, "ascending") for c in self.pipeline.output_keys()])
+
+    def _scan_snapshots(self, epoch: int, namespace: int) -> tuple[list[bytes], list[bytes]]:
+        manifest = self.log.manifest(epoch)
+        if manifest is None:
+            raise EpochOrderError(f"epoch {epoch} of pipeline {self.pipeline.name!r} is not committed")
+        prefix = namespace_prefix(namespace)
         keys: list[bytes] = []
         values: list[bytes] = []
         for shard, info in sorted(manifest["shards"].items(), key=lambda kv: int(kv[0])):
@@ -265,10 +315,7 @@ class EpochRunner:
                 db.close()
             keys.extend(k for k, _ in entries)
             values.extend(v for _, v in entries)
-        _, key_values = decode_keys(identity["key_kind"], keys)
-        state, _ = aggregate.decode(values)
-        names = [self.pipeline.key_column] + [n for n, _ in aggregate.output_fields()]
-        return pa.table([key_values] + aggregate.outputs(state), names=names).sort_by(self.pipeline.key_column)
+        return keys, values
 
 
 def _relative_shard(info: dict[str, Any], root: Path) -> dict[str, Any]:

@@ -6,6 +6,7 @@ Layout under the checkpoint root::
     epochs/0000000007/offsets.json     the range, written once before the first attempt
     epochs/0000000007/manifest.json    the commit point, written last
     epochs/0000000007/dead_letters.parquet
+    epochs/0000000007/late_records.parquet   windows: records whose window had closed
     snapshots/0000000007/shard-0003/   RocksDB checkpoint (hardlinked SSTs)
     work/0000000007/shard-0003-<attempt>/  a task attempt's writable DB (deleted after)
 
@@ -46,6 +47,9 @@ class EpochLog:
 
     def dead_letter_path(self, epoch: int) -> Path:
         return self.epoch_dir(epoch) / "dead_letters.parquet"
+
+    def late_records_path(self, epoch: int) -> Path:
+        return self.epoch_dir(epoch) / "late_records.parquet"
 
     # -- identity ------------------------------------------------------------------
 

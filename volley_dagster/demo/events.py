@@ -87,6 +87,8 @@ def generate(
     fmt: str = "parquet",
     partitions: int = 0,
     storage_options: dict | None = None,
+    disorder_s: float = 30.0,
+    events_per_second: float = 1000.0,
 ) -> list[str]:
     """Append ``files`` files to the log at ``uri`` (spread over ``partitions``
     sub-folders when > 0); returns their paths."""
@@ -96,6 +98,6 @@ def generate(
     for i in range(first_file, first_file + files):
         folder = f"p{i % partitions}/" if partitions else ""
         name = f"{folder}events-{i:06d}{suffix}"
-        write_events(storage, name, events_for_file(i, records_per_file, keys, seed, zipf), fmt)
+        write_events(storage, name, events_for_file(i, records_per_file, keys, seed, zipf, disorder_s, events_per_second), fmt)
         written.append(name)
     return written

@@ -4,7 +4,10 @@ merged and emitted.
 Each has three faces: Spark partial-aggregate expressions (combined per key
 before state is touched, the way Spark's own stateful aggregation does), a
 fixed-width state record (NumPy fields, so a batch of states is one buffer),
-and a vectorised merge of partials into states.
+and vectorised folds: partials loaded as states (``load``), and state into
+state (``combine``), which window merging needs as well as the running
+aggregate. ``combine`` is associative and commutative: first/last keep the log
+position (epoch, event position) of their value, so any fold order agrees.
 """
 
 from __future__ import annotations
@@ -94,8 +97,12 @@ class Accumulator(ABC):
         """State record fields (name, NumPy type)."""
 
     @abstractmethod
-    def merge(self, name: str, kind: ValueKind | None, state: np.ndarray, partials: pa.Table) -> None:
-        """Fold a batch of partials into the matching state rows, in place."""
+    def load(self, name: str, kind: ValueKind | None, state: np.ndarray, partials: pa.Table, epoch: int) -> None:
+        """Write the state of exactly these partials (from ``epoch``) into blank rows."""
+
+    @abstractmethod
+    def combine(self, name: str, kind: ValueKind | None, state: np.ndarray, other: np.ndarray) -> None:
+        """Fold the ``other`` states into ``state``, row by row, in place."""
 
     @abstractmethod
     def output(self, name: str, kind: ValueKind | None, state: np.ndarray) -> pa.Array:
@@ -122,8 +129,11 @@ class Count(Accumulator):
     def fields(self, name, kind):
         return [(f"{name}:n", np.int64)]
 
-    def merge(self, name, kind, state, partials):
-        state[f"{name}:n"] += partials[f"{name}:n"].to_numpy(zero_copy_only=False)
+    def load(self, name, kind, state, partials, epoch):
+        state[f"{name}:n"] = partials[f"{name}:n"].to_numpy(zero_copy_only=False)
+
+    def combine(self, name, kind, state, other):
+        state[f"{name}:n"] += other[f"{name}:n"]
 
     def output(self, name, kind, state):
         return pa.array(state[f"{name}:n"], pa.int64())
@@ -136,23 +146,31 @@ class Count(Accumulator):
 class _ValueAccumulator(Accumulator):
     """A single value with a validity flag: sum, min, max, first, last."""
 
-    def partials(self, name, kind):
-        return {f"{name}:v": self._spark_partial(numeric_expr(self.column, kind))}
-
     def fields(self, name, kind):
         return [(f"{name}:v", _NUMPY[kind]), (f"{name}:ok", np.bool_)]
 
-    def merge(self, name, kind, state, partials):
-        new, new_ok = _filled(partials[f"{name}:v"], _NUMPY[kind])
-        old, old_ok = state[f"{name}:v"], state[f"{name}:ok"]
-        state[f"{name}:v"] = self._combine(old, old_ok, new, new_ok)
-        state[f"{name}:ok"] = old_ok | new_ok
+    def load(self, name, kind, state, partials, epoch):
+        state[f"{name}:v"], state[f"{name}:ok"] = _filled(partials[f"{name}:v"], _NUMPY[kind])
 
     def output(self, name, kind, state):
         return to_output(state[f"{name}:v"], state[f"{name}:ok"], kind)
 
     def output_kind(self, kind):
         return kind
+
+
+@dataclass(frozen=True)
+class _Reducing(_ValueAccumulator):
+    """A value folded by one binary operation: sum, min, max."""
+
+    def partials(self, name, kind):
+        return {f"{name}:v": self._spark_partial(numeric_expr(self.column, kind))}
+
+    def combine(self, name, kind, state, other):
+        old, old_ok = state[f"{name}:v"], state[f"{name}:ok"]
+        new, new_ok = other[f"{name}:v"], other[f"{name}:ok"]
+        state[f"{name}:v"] = self._combine(old, old_ok, new, new_ok)
+        state[f"{name}:ok"] = old_ok | new_ok
 
     @abstractmethod
     def _spark_partial(self, value: Column) -> Column: ...
@@ -162,7 +180,7 @@ class _ValueAccumulator(Accumulator):
 
 
 @dataclass(frozen=True)
-class Sum(_ValueAccumulator):
+class Sum(_Reducing):
     """Sum of non-null values; null until the key has seen one (SQL semantics)."""
 
     def kind(self, schema):
@@ -179,7 +197,7 @@ class Sum(_ValueAccumulator):
 
 
 @dataclass(frozen=True)
-class Min(_ValueAccumulator):
+class Min(_Reducing):
     def _spark_partial(self, value):
         return F.min(value)
 
@@ -188,7 +206,7 @@ class Min(_ValueAccumulator):
 
 
 @dataclass(frozen=True)
-class Max(_ValueAccumulator):
+class Max(_Reducing):
     def _spark_partial(self, value):
         return F.max(value)
 
@@ -197,25 +215,47 @@ class Max(_ValueAccumulator):
 
 
 @dataclass(frozen=True)
-class First(_ValueAccumulator):
-    """The first non-null value in log order (earlier epochs first, then log position)."""
+class _Positional(_ValueAccumulator):
+    """A value chosen by log order; its position (epoch, event position) is kept with it."""
 
-    def _spark_partial(self, value):
-        return F.min_by(value, F.when(value.isNotNull(), F.col(columns.POS)))
+    def partials(self, name, kind):
+        value = numeric_expr(self.column, kind)
+        pos = F.when(value.isNotNull(), F.col(columns.POS))
+        pick, at = (F.min_by, F.min) if self._earliest else (F.max_by, F.max)
+        return {f"{name}:v": pick(value, pos), f"{name}:p": at(pos)}
 
-    def _combine(self, old, old_ok, new, new_ok):
-        return np.where(new_ok & ~old_ok, new, old)
+    def fields(self, name, kind):
+        return super().fields(name, kind) + [(f"{name}:e", np.int64), (f"{name}:p", np.int64)]
+
+    def load(self, name, kind, state, partials, epoch):
+        super().load(name, kind, state, partials, epoch)
+        state[f"{name}:e"] = np.where(state[f"{name}:ok"], epoch, 0)
+        state[f"{name}:p"] = _filled(partials[f"{name}:p"], np.int64)[0]
+
+    def combine(self, name, kind, state, other):
+        ok, o_ok = state[f"{name}:ok"], other[f"{name}:ok"]
+        e, o_e, p, o_p = state[f"{name}:e"], other[f"{name}:e"], state[f"{name}:p"], other[f"{name}:p"]
+        before = (o_e < e) | ((o_e == e) & (o_p < p))
+        take = o_ok & (~ok | (before if self._earliest else ~before))
+        for field in ("v", "e", "p"):
+            state[f"{name}:{field}"] = np.where(take, other[f"{name}:{field}"], state[f"{name}:{field}"])
+        state[f"{name}:ok"] = ok | o_ok
+
+    _earliest = True
 
 
 @dataclass(frozen=True)
-class Last(_ValueAccumulator):
+class First(_Positional):
+    """The first non-null value in log order (earlier epochs first, then log position)."""
+
+    _earliest = True
+
+
+@dataclass(frozen=True)
+class Last(_Positional):
     """The last non-null value in log order."""
 
-    def _spark_partial(self, value):
-        return F.max_by(value, F.when(value.isNotNull(), F.col(columns.POS)))
-
-    def _combine(self, old, old_ok, new, new_ok):
-        return np.where(new_ok, new, old)
+    _earliest = False
 
 
 @dataclass(frozen=True)
@@ -229,9 +269,13 @@ class Mean(Accumulator):
     def fields(self, name, kind):
         return [(f"{name}:s", np.float64), (f"{name}:n", np.int64)]
 
-    def merge(self, name, kind, state, partials):
-        state[f"{name}:s"] += _filled(partials[f"{name}:s"], np.float64)[0]
-        state[f"{name}:n"] += partials[f"{name}:n"].to_numpy(zero_copy_only=False)
+    def load(self, name, kind, state, partials, epoch):
+        state[f"{name}:s"] = _filled(partials[f"{name}:s"], np.float64)[0]
+        state[f"{name}:n"] = partials[f"{name}:n"].to_numpy(zero_copy_only=False)
+
+    def combine(self, name, kind, state, other):
+        state[f"{name}:s"] += other[f"{name}:s"]
+        state[f"{name}:n"] += other[f"{name}:n"]
 
     def output(self, name, kind, state):
         n = state[f"{name}:n"]

@@ -14,9 +14,12 @@ from pyspark.sql import types as T
 
 from volley_dagster import columns
 from volley_dagster.errors import ConfigError, StateLayoutError
-from volley_dagster.operators.accumulators import Accumulator, ValueKind, arrow_type, spark_ddl
+from volley_dagster.operators.accumulators import Accumulator, ValueKind, spark_ddl
+from volley_dagster.operators.base import ShardStep
+from volley_dagster.state.keys import encode_keys, namespace_prefix
+from volley_dagster.state.transaction import ShardTransaction
 
-STATE_FORMAT = 1
+STATE_FORMAT = 2  # 2: first/last keep their log position
 
 
 @dataclass(frozen=True)
@@ -78,8 +81,18 @@ class ResolvedAggregate:
     def output_ddl(self) -> list[str]:
         return [f"`{name}` {spark_ddl(kind)}" for name, kind in self.output_fields()]
 
-    def output_arrow_fields(self) -> list[pa.Field]:
-        return [pa.field(name, arrow_type(kind)) for name, kind in self.output_fields()]
+    def output_names(self) -> list[str]:
+        return [name for name, _ in self.output_fields()]
+
+    def apply(self, txn: ShardTransaction, data: pa.Table, step: ShardStep) -> tuple[list[pa.Array], dict[str, Any]]:
+        """Running aggregate: every touched key's new value is the output."""
+        key_groups = data.column(columns.KEY_GROUP).to_numpy(zero_copy_only=False)
+        key_values = data.column(columns.KEY).combine_chunks()
+        keys = encode_keys(self.namespace, key_groups, key_values)
+        state, existed = self.decode(txn.get_many(keys, namespace_prefix(self.namespace)))
+        self.merge(state, data, step.epoch)
+        txn.set_many(keys, self.encode(state))
+        return [key_values] + self.outputs(state), {"keys_touched": len(keys), "new_keys": int((~existed).sum())}
 
     def decode(self, values: list[bytes | None]) -> tuple[np.ndarray, np.ndarray]:
         """States for a batch of lookups (misses start zeroed) and which existed."""
@@ -98,16 +111,30 @@ class ResolvedAggregate:
         return state, existed
 
     def blank(self) -> bytes:
-        zero = np.zeros(1, dtype=self.dtype)
-        zero["_format"] = STATE_FORMAT
-        return zero.tobytes()
+        return self.blank_rows(1).tobytes()
 
     def encode(self, state: np.ndarray) -> list[bytes]:
         return np.ascontiguousarray(state).view(f"V{self.dtype.itemsize}").tolist()
 
-    def merge(self, state: np.ndarray, partials: pa.Table) -> None:
+    def load(self, state: np.ndarray, partials: pa.Table, epoch: int) -> None:
+        """Fill blank state rows with exactly these partials (from ``epoch``)."""
         for (name, acc), kind in zip(self.accumulators, self.kinds):
-            acc.merge(name, kind, state, partials)
+            acc.load(name, kind, state, partials, epoch)
+
+    def combine(self, state: np.ndarray, other: np.ndarray) -> None:
+        for (name, acc), kind in zip(self.accumulators, self.kinds):
+            acc.combine(name, kind, state, other)
+
+    def merge(self, state: np.ndarray, partials: pa.Table, epoch: int) -> None:
+        """Fold one epoch's partials into the matching state rows, in place."""
+        loaded = self.blank_rows(len(state))
+        self.load(loaded, partials, epoch)
+        self.combine(state, loaded)
+
+    def blank_rows(self, n: int) -> np.ndarray:
+        rows = np.zeros(n, dtype=self.dtype)
+        rows["_format"] = STATE_FORMAT
+        return rows
 
     def outputs(self, state: np.ndarray) -> list[pa.Array]:
         return [acc.output(name, kind, state) for (name, acc), kind in zip(self.accumulators, self.kinds)]

@@ -52,6 +52,7 @@ class EpochRange:
     start: dict[str, Position]
     end: dict[str, Position]
     segments: tuple[Segment, ...] = field(default_factory=tuple)
+    end_of_stream: bool = False  # the final epoch: windows all fire, nothing is cut after it
 
     @property
     def records(self) -> int:
@@ -69,6 +70,7 @@ class EpochRange:
             "start": {p: asdict(pos) for p, pos in self.start.items()},
             "end": {p: asdict(pos) for p, pos in self.end.items()},
             "segments": [asdict(s) for s in self.segments],
+            "end_of_stream": self.end_of_stream,
         }
 
     @classmethod
@@ -78,6 +80,7 @@ class EpochRange:
             start={p: Position.from_dict(v) for p, v in d["start"].items()},
             end={p: Position.from_dict(v) for p, v in d["end"].items()},
             segments=tuple(Segment(**s) for s in d["segments"]),
+            end_of_stream=bool(d.get("end_of_stream", False)),
         )
 
     def summary(self) -> dict[str, Any]:

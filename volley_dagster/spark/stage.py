@@ -1,8 +1,10 @@
 """One epoch's Spark work, planned on the driver.
 
-read range (mapInArrow) -> cache -> bad records out -> user transforms -> key
--> partial aggregate per key (native groupBy) -> key group and shard (Spark
-expressions) -> one applyInArrow call per shard (state merge + snapshot).
+read range (mapInArrow) -> cache -> user transforms -> key -> side outputs
+(bad records, late records, the epoch's latest event time: one job) ->
+[windows: assign, drop late] -> partial aggregate per key (or key and window)
+in the JVM -> key group and shard (Spark expressions) -> one applyInArrow
+call per shard (state merge, firing, snapshot).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import os
 import re
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterator
 
 import pyarrow as pa
@@ -27,6 +29,7 @@ from pyspark.sql.pandas.types import from_arrow_schema
 from volley_dagster import columns, errors
 from volley_dagster.errors import ConfigError
 from volley_dagster.operators.aggregate import ResolvedAggregate
+from volley_dagster.operators.window import ResolvedWindowAggregate
 from volley_dagster.pipeline import Pipeline
 from volley_dagster.sources.offsets import EpochRange
 from volley_dagster.spark.tasks import SegmentReader, ShardMerge
@@ -36,15 +39,11 @@ _META = [
     pa.field(columns.ERROR, pa.string()),
     pa.field(columns.RAW, pa.string()),
 ]
-DEAD_LETTER_SCHEMA = pa.schema(
-    [
-        pa.field("partition", pa.string()),
-        pa.field("file", pa.string()),
-        pa.field("offset", pa.int64()),
-        pa.field("reason", pa.string()),
-        pa.field("raw", pa.string()),
-    ]
-)
+_WHERE = [pa.field("partition", pa.string()), pa.field("file", pa.string()), pa.field("offset", pa.int64())]
+DEAD_LETTER_SCHEMA = pa.schema(_WHERE + [pa.field("reason", pa.string()), pa.field("raw", pa.string())])
+_SIDE = "_volley_side"  # which side output a row of the side-output job belongs to
+_MAX_EVENT = "_volley_max_event"
+LATE_REASON = "window closed: window end + allowed lateness <= watermark"
 
 
 @dataclass
@@ -53,8 +52,12 @@ class PlannedEpoch:
 
     raw: DataFrame
     keyed: DataFrame
-    aggregate: ResolvedAggregate
+    operator: ResolvedAggregate | ResolvedWindowAggregate
     key_kind: str
+
+    @property
+    def windowed(self) -> ResolvedWindowAggregate | None:
+        return self.operator if isinstance(self.operator, ResolvedWindowAggregate) else None
 
 
 @dataclass
@@ -64,6 +67,8 @@ class StageResult:
     shards: dict[int, dict[str, Any]]
     read_transform_s: float
     state_stage_s: float
+    late: pa.Table | None = None  # windows: (record, window) pairs that came too late
+    watermark: int | None = None  # windows: after this epoch, microseconds
 
 
 def plan_epoch(spark: SparkSession, pipeline: Pipeline, rng: EpochRange) -> PlannedEpoch:
@@ -95,11 +100,10 @@ def plan_epoch(spark: SparkSession, pipeline: Pipeline, rng: EpochRange) -> Plan
             "keys must be integers or strings"
         )
     keyed = transformed.withColumn(columns.KEY, key)
-    aggregate = pipeline.operator.resolve(keyed.schema)
-    clash = [name for name, _ in aggregate.output_fields() if name == pipeline.key_column]
-    if clash:
-        raise ConfigError(f"aggregate output {clash[0]!r} has the same name as the key column")
-    return PlannedEpoch(raw, keyed, aggregate, kind)
+    operator = pipeline.stateful_operator().resolve(keyed.schema)
+    if pipeline.key_column in operator.output_names():
+        raise ConfigError(f"output column {pipeline.key_column!r} has the same name as the key column")
+    return PlannedEpoch(raw, keyed, operator, kind)
 
 
 def _dead_letter_frame(plan: PlannedEpoch, pipeline: Pipeline) -> DataFrame:
@@ -113,24 +117,73 @@ def _dead_letter_frame(plan: PlannedEpoch, pipeline: Pipeline) -> DataFrame:
         F.lit(f"null key: {pipeline.key_column!r} is null").alias("reason"),
         F.to_json(F.struct(*user_cols)).alias("raw"),
     )
-    return parse_errors.unionByName(null_keys)
+    bad = parse_errors.unionByName(null_keys)
+    window = plan.windowed
+    if window is not None:
+        column = window.windowing.time_column
+        null_times = plan.keyed.where(F.col(columns.KEY).isNotNull() & F.col(column).isNull()).select(
+            pos.alias(columns.POS),
+            F.lit(f"null event time: {column!r} is null").alias("reason"),
+            F.to_json(F.struct(*user_cols)).alias("raw"),
+        )
+        bad = bad.unionByName(null_times)
+    return bad
 
 
-def _resolve_dead_letters(table: pa.Table, rng: EpochRange) -> pa.Table:
-    """Turn event positions back into partition, file and record offset."""
-    table = table.sort_by(columns.POS)
+def _valid(plan: PlannedEpoch) -> DataFrame:
+    """The rows state sees: keyed and, for windows, with an event time."""
+    valid = plan.keyed.where(F.col(columns.KEY).isNotNull())
+    if plan.windowed is not None:
+        valid = valid.where(F.col(plan.windowed.windowing.time_column).isNotNull())
+    return valid
+
+
+def _side_outputs(plan: PlannedEpoch, pipeline: Pipeline, assigned: DataFrame | None, watermark: int | None) -> DataFrame:
+    """Bad records, and for windows the late pairs and the latest event time: one Spark job."""
+    side = _dead_letter_frame(plan, pipeline).withColumn(_SIDE, F.lit("dead"))
+    window = plan.windowed
+    if window is None:
+        return side
+    late = assigned.where(window.is_late(watermark)).select(
+        F.col(columns.POS), F.lit(LATE_REASON).alias("reason"), F.col(columns.KEY),
+        F.col(window.windowing.time_column).cast("timestamp").alias("_volley_time"),
+        F.col(columns.WINDOW_START), F.col(columns.WINDOW_END), F.lit("late").alias(_SIDE),
+    )
+    latest = _valid(plan).agg(F.max(window.event_us()).alias(_MAX_EVENT)).withColumn(_SIDE, F.lit("max"))
+    return side.unionByName(late, allowMissingColumns=True).unionByName(latest, allowMissingColumns=True)
+
+
+def _positions(table: pa.Table, rng: EpochRange) -> list[pa.Array]:
+    """Event positions back as partition, file and record offset (bad and late records: few)."""
     parts, files, offsets = [], [], []
-    for pos in table.column(columns.POS).to_pylist():  # dead letters only: few by nature
+    for pos in table.column(columns.POS).to_pylist():
         if pos is None:
             parts.append(None), files.append(None), offsets.append(None)
             continue
         seg, offset = rng.segment_of(pos)
         parts.append(seg.partition), files.append(seg.file), offsets.append(offset)
-    return pa.table(
-        [pa.array(parts, pa.string()), pa.array(files, pa.string()), pa.array(offsets, pa.int64()),
-         table.column("reason"), table.column("raw")],
-        schema=DEAD_LETTER_SCHEMA,
-    )
+    return [pa.array(parts, pa.string()), pa.array(files, pa.string()), pa.array(offsets, pa.int64())]
+
+
+def _resolve_dead_letters(table: pa.Table, rng: EpochRange) -> pa.Table:
+    table = table.sort_by(columns.POS)
+    return pa.table(_positions(table, rng) + [table.column("reason"), table.column("raw")], schema=DEAD_LETTER_SCHEMA)
+
+
+def _resolve_late(table: pa.Table, rng: EpochRange, pipeline: Pipeline, window: ResolvedWindowAggregate, watermark: int | None) -> pa.Table:
+    table = table.sort_by([(columns.POS, "ascending"), (columns.WINDOW_START, "ascending")])
+    ts = pa.timestamp("us", tz="UTC")
+    n = table.num_rows
+    cols = _positions(table, rng) + [
+        table.column(columns.KEY),
+        table.column("_volley_time").cast(ts),
+        table.column(columns.WINDOW_START).cast(ts),
+        table.column(columns.WINDOW_END).cast(ts),
+        pa.array([watermark] * n, pa.int64()).cast(ts),
+        table.column("reason"),
+    ]
+    names = [f.name for f in _WHERE] + [pipeline.key_column, window.windowing.time_column, "window_start", "window_end", "watermark", "reason"]
+    return pa.table(cols, names=names)
 
 
 _TASK_ERROR = re.compile(r"volley_dagster\.errors\.(\w+): (.*)")
@@ -156,31 +209,42 @@ def run_stage(
     rng: EpochRange,
     plan: PlannedEpoch,
     merge: ShardMerge,
+    watermark: int | None = None,
+    end_of_stream: bool = False,
 ) -> StageResult:
-    layout = pipeline.layout
+    """``watermark``: the one the epoch starts from (windows only)."""
+    layout, window = pipeline.layout, plan.windowed
     plan.raw.persist(StorageLevel.MEMORY_AND_DISK)
     try:
         t0 = time.perf_counter()
+        assigned = window.assign(_valid(plan)) if window is not None else None
         with _engine_errors():
-            dead = _resolve_dead_letters(_dead_letter_frame(plan, pipeline).toArrow(), rng)
+            side = _side_outputs(plan, pipeline, assigned, watermark).toArrow()
+        kind = side.column(_SIDE)
+        dead = _resolve_dead_letters(side.filter(pc.equal(kind, "dead")).select([columns.POS, "reason", "raw"]), rng)
         t1 = time.perf_counter()
         if dead.num_rows and pipeline.bad_records == "fail":
             return StageResult(pa.table({}), dead, {}, t1 - t0, 0.0)
 
-        partials = (
-            plan.keyed.where(F.col(columns.KEY).isNotNull())
-            .groupBy(columns.KEY)
-            .agg(*plan.aggregate.partial_exprs())
-            .withColumn(columns.KEY_GROUP, F.pmod(F.xxhash64(columns.KEY), F.lit(layout.num_key_groups)).cast("int"))
-            .withColumn(
-                columns.SHARD,
-                F.expr(f"cast(({columns.KEY_GROUP} * {layout.num_shards}) div {layout.num_key_groups} as int)"),
-            )
+        late, new_watermark = None, watermark
+        if window is not None:
+            late = _resolve_late(side.filter(pc.equal(kind, "late")), rng, pipeline, window, watermark)
+            new_watermark = window.windowing.advance(watermark, side.filter(pc.equal(kind, "max")).column(_MAX_EVENT)[0].as_py())
+            limit = window.windowing.fire_limit(new_watermark, end_of_stream)
+            merge = replace(merge, step=replace(merge.step, fire_limit=limit))
+            partials = window.partials(assigned.where(~window.is_late(watermark)))
+        else:
+            partials = _valid(plan).groupBy(columns.KEY).agg(*plan.operator.partial_exprs())
+        partials = partials.withColumn(
+            columns.KEY_GROUP, F.pmod(F.xxhash64(columns.KEY), F.lit(layout.num_key_groups)).cast("int")
+        ).withColumn(
+            columns.SHARD,
+            F.expr(f"cast(({columns.KEY_GROUP} * {layout.num_shards}) div {layout.num_key_groups} as int)"),
         )
         every_shard = spark.range(layout.num_shards).select(F.col("id").cast("int").alias(columns.SHARD))
         key_type = plan.keyed.schema[columns.KEY].dataType.simpleString()
         out_schema = ", ".join(
-            [f"`{pipeline.key_column}` {key_type}"] + plan.aggregate.output_ddl() + [f"`{columns.STATS}` string"]
+            [f"`{pipeline.key_column}` {key_type}"] + plan.operator.output_ddl() + [f"`{columns.STATS}` string"]
         )
         with _engine_errors():
             out = (
@@ -196,5 +260,6 @@ def run_stage(
     shards = {
         s["shard"]: s for s in (json.loads(v) for v in out.filter(is_stats).column(columns.STATS).to_pylist())
     }
-    output = out.filter(pc.invert(is_stats)).drop_columns([columns.STATS]).sort_by(pipeline.key_column)
-    return StageResult(output, dead, shards, t1 - t0, t2 - t1)
+    output = out.filter(pc.invert(is_stats)).drop_columns([columns.STATS])
+    output = output.sort_by([(c, "ascending") for c in pipeline.output_keys()])
+    return StageResult(output, dead, shards, t1 - t0, t2 - t1, late, new_watermark)

@@ -1,5 +1,5 @@
 """The Python functions Spark runs on executors: reading log segments and
-merging a shard's partial aggregates into its RocksDB state.
+folding a shard's partials into its RocksDB state through the operator.
 
 Both are plain picklable objects holding settings only; everything they touch
 is on storage every executor reaches (the log, the checkpoint root).
@@ -8,21 +8,20 @@ is on storage every executor reaches (the log, the checkpoint root).
 from __future__ import annotations
 
 import json
+import resource
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from volley_dagster import columns, faults
-from volley_dagster.operators.aggregate import ResolvedAggregate
+from volley_dagster.operators.base import ShardStep, StatefulOperator
 from volley_dagster.sources.file_log import FileLog
 from volley_dagster.sources.offsets import Segment
-from volley_dagster.state.keys import ShardLayout, encode_keys, namespace_prefix
 from volley_dagster.state.options import RocksDBOptions
 from volley_dagster.state.store import FileDigests, ShardStore
 
@@ -55,10 +54,9 @@ class PreviousSnapshot:
 class ShardMerge:
     """``applyInArrow`` per shard: restore N-1, fold partials in, flush, snapshot N."""
 
-    epoch: int
+    step: ShardStep
     key_column: str
-    aggregate: ResolvedAggregate
-    layout: ShardLayout
+    operator: StatefulOperator
     previous: dict[int, PreviousSnapshot]
     snapshot_root: str  # snapshots/<epoch>/
     work_root: str  # work/<epoch>/
@@ -82,12 +80,7 @@ class ShardMerge:
         try:
             t1 = time.perf_counter()
             txn = store.transaction(self.scan_fraction)
-            key_groups = data.column(columns.KEY_GROUP).to_numpy(zero_copy_only=False)
-            key_values = data.column(columns.KEY).combine_chunks()
-            keys = encode_keys(self.aggregate.namespace, key_groups, key_values)
-            state, existed = self.aggregate.decode(txn.get_many(keys, namespace_prefix(self.aggregate.namespace)))
-            self.aggregate.merge(state, data)
-            txn.set_many(keys, self.aggregate.encode(state))
+            outputs, operator_stats = self.operator.apply(txn, data, self.step)
             t2 = time.perf_counter()
             written = txn.flush()
             t3 = time.perf_counter()
@@ -99,15 +92,14 @@ class ShardMerge:
             t4 = time.perf_counter()
         finally:
             store.close()
-        faults.fault_point("shard_after_snapshot", self.epoch, pid=self.driver_pid, shard=shard)
+        faults.fault_point("shard_after_snapshot", self.step.epoch, pid=self.driver_pid, shard=shard)
         stats = {
             "shard": shard,
             "snapshot": str(snap.path),
             "files": snap.files,
             "bytes_total": snap.bytes_total,
             "bytes_new": snap.bytes_new,
-            "keys_touched": len(keys),
-            "new_keys": int((~existed).sum()),
+            **operator_stats,
             "records": int(pc.sum(data.column(columns.ROWS)).as_py() or 0),
             "keys_written": written,
             "read_mode": "scan" if txn.scanned else "multi_get",
@@ -115,13 +107,13 @@ class ShardMerge:
             "merge_s": t2 - t1,
             "flush_s": t3 - t2,
             "snapshot_s": t4 - t3,
+            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         }
-        return self._output(key_values, state, stats)
+        return self._output(outputs, stats)
 
-    def _output(self, key_values: pa.Array, state: np.ndarray, stats: dict) -> pa.Table:
-        names = [self.key_column] + [name for name, _ in self.aggregate.output_fields()] + [columns.STATS]
-        values = [key_values] + self.aggregate.outputs(state)
-        rows = pa.table(values + [pa.nulls(len(key_values), pa.string())], names=names)
+    def _output(self, values: list[pa.Array], stats: dict) -> pa.Table:
+        names = [self.key_column] + self.operator.output_names() + [columns.STATS]
+        rows = pa.table(values + [pa.nulls(len(values[0]), pa.string())], names=names)
         stats_row = pa.table(
             [pa.nulls(1, arr.type) for arr in values] + [pa.array([json.dumps(stats)], pa.string())], names=names
         )

@@ -48,6 +48,10 @@ class ShardTransaction:
             out.append(None if v is _DELETED else v)
         return out
 
+    def scan_flushed(self, lower: bytes, upper: bytes) -> Iterator[tuple[bytes, bytes]]:
+        """``[lower, upper)`` as the last flush left it (the cache is not consulted)."""
+        return scan_range(self._db, lower, upper)
+
     def set_many(self, keys: list[bytes], values: list[bytes]) -> None:
         self._cache.update(zip(keys, values))
 
@@ -83,7 +87,12 @@ class ShardTransaction:
 
 def scan_prefix(db: rocksdict.Rdict, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
     """Every (key, value) under ``prefix`` in key order, iterated inside RocksDB."""
+    return scan_range(db, prefix, (int.from_bytes(prefix, "big") + 1).to_bytes(len(prefix), "big"))
+
+
+def scan_range(db: rocksdict.Rdict, lower: bytes, upper: bytes) -> Iterator[tuple[bytes, bytes]]:
+    """Every (key, value) in ``[lower, upper)`` in key order."""
     read_opt = rocksdict.ReadOptions()
-    read_opt.set_iterate_upper_bound((int.from_bytes(prefix, "big") + 1).to_bytes(len(prefix), "big"))
+    read_opt.set_iterate_upper_bound(upper)
     # yield from, not return: read_opt (which holds the bound) must outlive the iteration
-    yield from db.items(from_key=prefix, read_opt=read_opt)
+    yield from db.items(from_key=lower, read_opt=read_opt)

@@ -1,0 +1,108 @@
+"""Event-time windows on real Spark and RocksDB, against the documented rule
+applied record by record (``tests.window_reference``)."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from tests.window_reference import reference, window_pipeline, window_rows
+from volley_dagster import EpochOrderError, EpochRunner, session, sliding, tumbling
+from volley_dagster.demo.events import generate
+
+FILES, PER_FILE, KEYS = 10, 300, 20  # each file is one epoch of 30 s event time
+DELAY, LATENESS = "5 seconds", "2 seconds"
+
+
+def run_windows(spark, base, windows, max_pending=None):
+    files = generate(base / "events", FILES, PER_FILE, KEYS, events_per_second=10, disorder_s=30)
+    pipeline = window_pipeline(base / "events", base / "out", windows, delay=DELAY, lateness=LATENESS,
+                               max_pending=max_pending)
+    runner = EpochRunner(pipeline, base / "state", spark=spark, max_records_per_epoch=PER_FILE)
+    results = runner.run_available()
+    results += runner.flush()  # end of stream: an empty final epoch fires what is still open
+    ref = reference([base / "events" / f for f in files], windows, 5_000_000, 2_000_000, end_of_stream=False)
+    return runner, results, ref
+
+
+def check_against_reference(runner, results, ref):
+    assert [r.epoch for r in results] == list(range(1, FILES + 2))
+    emitted = set()
+    for r in results[:FILES]:
+        got = window_rows(r.output)
+        assert len(got) == r.output.num_rows == r.records_out
+        assert got == ref.fired[r.epoch], f"epoch {r.epoch}: fired windows differ from the reference"
+        assert r.watermark == ref.watermark[r.epoch]
+        late = runner.late_records(r.epoch)
+        got_late = set() if late is None else set(zip(
+            late.column("file").to_pylist(), late.column("offset").to_pylist(),
+            late.column("window_start").cast(pa.int64()).to_pylist()))
+        assert got_late == ref.late[r.epoch], f"epoch {r.epoch}: late records differ from the reference"
+        assert r.late_records == len(ref.late[r.epoch])
+        assert not emitted & got, "a window was emitted twice"
+        emitted |= got
+    final = results[-1]
+    assert final.end_of_stream and final.records_in == 0
+    assert window_rows(final.output) == ref.open  # end of stream fires every pending window
+    assert runner.read_state().num_rows == 0
+    assert sum(len(v) for v in ref.late.values()) > 0, "the data should include late records"
+    assert sum(len(v) for v in ref.fired.values()) > 10 * FILES, "the data should fire windows every epoch"
+
+
+@pytest.mark.parametrize(
+    "windows",
+    [tumbling("10 seconds"), sliding("20 seconds", "10 seconds"), session("8 seconds")],
+    ids=["tumbling", "sliding", "session"],
+)
+def test_windows_equal_reference(spark, tmp_path, windows):
+    runner, results, ref = run_windows(spark, tmp_path, windows)
+    check_against_reference(runner, results, ref)
+    assert all(s["pending_evicted"] == 0 for r in results for s in r.shards.values())
+    with pytest.raises(EpochOrderError, match="ended its stream"):
+        runner.cut_next()
+
+
+def test_bounded_pending_index_evicts_and_emits_the_same(spark, tmp_path):
+    bound = 3
+    runner, results, ref = run_windows(spark, tmp_path, sliding("20 seconds", "10 seconds"), max_pending=bound)
+    check_against_reference(runner, results, ref)
+    shards = [s for r in results[:FILES] for s in r.shards.values()]
+    assert all(s["pending_resident"] <= bound for s in shards)  # what stays in memory is bounded
+    assert all(s["pending_evicted_now"] > 0 for r in results[:FILES - 1] for s in r.shards.values())
+    assert sum(s["pending_evicted_fired"] for s in shards) > 0  # evicted windows still fire
+
+
+def test_session_spanning_three_epochs_and_bridging(spark, tmp_path):
+    """One session grows over three epochs; in another key, a record bridges two sessions
+    opened in earlier epochs."""
+    t0 = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
+    batches = [  # (merchant, seconds after t0); one file, then one epoch, each
+        [(1, 0), (2, 0), (2, 20)],
+        [(1, 8)],
+        [(1, 16), (2, 10)],
+        [(3, 100)],  # moves the watermark past everything above
+    ]
+    events = tmp_path / "events"
+    events.mkdir()
+    pipeline = window_pipeline(events, tmp_path / "out", session("10 seconds"), delay="60 seconds", lateness="0 s")
+    runner = EpochRunner(pipeline, tmp_path / "state", spark=spark)
+    fired = []
+    for i, batch in enumerate(batches):
+        pq.write_table(pa.table({
+            "event_id": pa.array([i * 10 + j for j in range(len(batch))], pa.int64()),
+            "merchant_id": pa.array([m for m, _ in batch], pa.int64()),
+            "amount": pa.array([1.0] * len(batch)),
+            "status": pa.array(["active"] * len(batch)),
+            "event_time": pa.array([t0 + dt.timedelta(seconds=s) for _, s in batch], pa.timestamp("us", tz="UTC")),
+        }), events / f"events-{i:06d}.parquet")
+        fired.append(window_rows(runner.run_next().output))
+    us = lambda s: int((t0 + dt.timedelta(seconds=s)).timestamp() * 1_000_000)  # noqa: E731
+    sessions = {(1, us(0), us(26), 3), (2, us(0), us(30), 3)}
+    assert {(k, s, e, n) for k, s, e, n, *_ in window_rows(runner.read_state(3))} == sessions
+    assert all(not f for f in fired[:3])
+    assert {(k, s, e, n) for k, s, e, n, *_ in fired[3]} == sessions
+    first_last = {k: (f, l) for k, _, _, _, _, _, f, l in fired[3]}
+    assert first_last == {1: (0, 20), 2: (1, 21)}  # log order across the merged sessions

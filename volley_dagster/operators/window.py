@@ -1,0 +1,234 @@
+"""Event-time windows per key: tumbling, sliding and session, with a watermark.
+
+The rules (Flink's and Spark Structured Streaming's, decided per epoch so a
+re-run decides the same):
+
+- The watermark after epoch N is ``max(W[N-1], max event time of epochs <= N
+  - max_out_of_orderness)``; it never moves back and is stored in the epoch's
+  manifest.
+- Epoch N judges lateness with the watermark it starts from, ``W[N-1]`` (as a
+  Structured Streaming micro-batch does): a record's window is closed when
+  ``window end + allowed_lateness <= W[N-1]``. Such a (record, window) pair
+  goes to the epoch's late-records output, counted, and never reopens the
+  window. For a session, the window judged is the record's own ``[t, t+gap)``.
+- After the epoch's records are merged, every open window with
+  ``end + allowed_lateness <= W[N]`` fires: its result is emitted once
+  (append) and its state deleted. An end-of-stream epoch fires all of them.
+- Windows are ``[start, end)``. Tumbling and sliding windows start at
+  multiples of the slide from the Unix epoch (as Spark's ``window``); a
+  session is ``[first event, last event + gap)`` and sessions of one key that
+  overlap or touch merge (as Flink's and Spark's ``session_window``), also
+  with a session opened in an earlier epoch.
+
+Spark assigns windows and pre-aggregates per (key, window) in the JVM; the
+shard tasks merge those partials with state (``window_state``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Literal
+
+import numpy as np
+import pyarrow as pa
+from pyspark.sql import Column, DataFrame
+from pyspark.sql import functions as F
+from pyspark.sql import types as T
+
+from volley_dagster import columns
+from volley_dagster.errors import ConfigError
+from volley_dagster.operators.aggregate import Aggregate, ResolvedAggregate
+from volley_dagster.operators.base import ShardStep
+from volley_dagster.operators.window_state import apply_windows
+from volley_dagster.state.transaction import ShardTransaction
+
+WindowKind = Literal["tumbling", "sliding", "session"]
+Duration = str | timedelta
+
+WINDOW_START = "window_start"
+WINDOW_END = "window_end"
+NO_LIMIT = np.iinfo(np.int64).max  # an end-of-stream epoch fires every window
+
+_UNITS_US = {
+    "us": 1, "microsecond": 1, "ms": 1_000, "millisecond": 1_000, "s": 1_000_000, "sec": 1_000_000,
+    "second": 1_000_000, "m": 60_000_000, "min": 60_000_000, "minute": 60_000_000, "h": 3_600_000_000,
+    "hour": 3_600_000_000, "d": 86_400_000_000, "day": 86_400_000_000,
+}
+_DURATION = re.compile(r"^\s*(\d+)\s*([a-z]+?)s?\s*$")
+
+
+def duration_us(value: Duration, what: str) -> int:
+    """``"30 seconds"``, ``"1 minute"``, ``"500ms"`` or a ``timedelta``, in microseconds."""
+    if isinstance(value, timedelta):
+        us = value // timedelta(microseconds=1)
+    else:
+        match = _DURATION.match(str(value).lower())
+        unit = match and (_UNITS_US.get(match.group(2)) or _UNITS_US.get(match.group(2) + "s"))
+        if not unit:
+            raise ConfigError(f"{what}: cannot read {value!r} as a duration; use e.g. '30 seconds', '1 minute', '250 ms'")
+        us = int(match.group(1)) * unit
+    if us < 0:
+        raise ConfigError(f"{what} must not be negative, got {value!r}")
+    return us
+
+
+@dataclass(frozen=True)
+class Windows:
+    """Which windows a record belongs to; build with ``tumbling``, ``sliding`` or ``session``."""
+
+    kind: WindowKind
+    size_us: int = 0  # tumbling, sliding
+    slide_us: int = 0  # sliding (tumbling: == size)
+    gap_us: int = 0  # session
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "size_us": self.size_us, "slide_us": self.slide_us, "gap_us": self.gap_us}
+
+
+def tumbling(size: Duration) -> Windows:
+    us = duration_us(size, "tumbling window size")
+    if us == 0:
+        raise ConfigError("tumbling window size must be positive")
+    return Windows("tumbling", size_us=us, slide_us=us)
+
+
+def sliding(size: Duration, slide: Duration) -> Windows:
+    size_us, slide_us = duration_us(size, "sliding window size"), duration_us(slide, "sliding window slide")
+    if not 0 < slide_us <= size_us:
+        raise ConfigError(
+            f"sliding window slide must be positive and at most the size ({size!r}), got {slide!r}: "
+            "a longer slide would leave records in no window"
+        )
+    return Windows("sliding", size_us=size_us, slide_us=slide_us)
+
+
+def session(gap: Duration) -> Windows:
+    us = duration_us(gap, "session gap")
+    if us == 0:
+        raise ConfigError("session gap must be positive")
+    return Windows("session", gap_us=us)
+
+
+@dataclass(frozen=True)
+class Windowing:
+    """``Pipeline.window(...)``: the windows, their event-time column and the watermark policy."""
+
+    windows: Windows
+    time_column: str
+    out_of_orderness_us: int = 0
+    lateness_us: int = 0
+    max_pending_windows: int | None = None  # per shard; None: the pending index stays in memory
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.windows, Windows):
+            raise ConfigError(f"window(...) takes tumbling(...), sliding(...) or session(...), got {self.windows!r}")
+        if self.max_pending_windows is not None and self.max_pending_windows < 1:
+            raise ConfigError(f"max_pending_windows must be positive or None, got {self.max_pending_windows}")
+
+    def layout(self) -> dict[str, Any]:
+        """What must not change between epochs of one checkpoint root (the bound may)."""
+        return {
+            "windows": self.windows.to_dict(),
+            "time_column": self.time_column,
+            "out_of_orderness_us": self.out_of_orderness_us,
+            "lateness_us": self.lateness_us,
+        }
+
+    def advance(self, previous: int | None, max_event_us: int | None) -> int | None:
+        """The watermark after an epoch whose latest event time is ``max_event_us``."""
+        if max_event_us is None:
+            return previous
+        candidate = max_event_us - self.out_of_orderness_us
+        return candidate if previous is None else max(previous, candidate)
+
+    def fire_limit(self, watermark: int | None, end_of_stream: bool) -> int | None:
+        """Windows ending at or before this fire; None: none can."""
+        if end_of_stream:
+            return int(NO_LIMIT)
+        return None if watermark is None else watermark - self.lateness_us
+
+
+@dataclass(frozen=True)
+class WindowedAggregate:
+    """``window(...)`` + ``aggregate(...)`` before it has seen a schema."""
+
+    windowing: Windowing
+    aggregate: Aggregate
+
+    def resolve(self, schema: T.StructType) -> ResolvedWindowAggregate:
+        column = self.windowing.time_column
+        if column not in schema.names:
+            raise ConfigError(f"window(on={column!r}): no such column; columns are {schema.names}")
+        if not isinstance(schema[column].dataType, (T.TimestampType, T.TimestampNTZType)):
+            raise ConfigError(
+                f"window(on={column!r}): the event-time column must be a timestamp, "
+                f"got {schema[column].dataType.simpleString()}"
+            )
+        clash = [n for n, _ in self.aggregate.accumulators if n in (WINDOW_START, WINDOW_END)]
+        if clash:
+            raise ConfigError(f"aggregate output {clash[0]!r} is reserved for the window bounds")
+        return ResolvedWindowAggregate(self.windowing, self.aggregate.resolve(schema))
+
+
+@dataclass(frozen=True)
+class ResolvedWindowAggregate:
+    windowing: Windowing
+    aggregate: ResolvedAggregate
+
+    @property
+    def windows(self) -> Windows:
+        return self.windowing.windows
+
+    def layout(self) -> dict[str, Any]:
+        return {**self.aggregate.layout(), "windowing": self.windowing.layout()}
+
+    def event_us(self) -> Column:
+        return F.unix_micros(F.col(self.windowing.time_column).cast("timestamp"))
+
+    def assign(self, keyed: DataFrame) -> DataFrame:
+        """One row per (record, window) with the window's bounds in microseconds; for a
+        session, the record's own ``[t, t+gap)`` (sessions are formed by ``partials``)."""
+        w = self.windows
+        t = self.event_us()
+        if w.kind == "session":
+            return keyed.withColumn(columns.WINDOW_START, t).withColumn(columns.WINDOW_END, t + F.lit(w.gap_us))
+        spark_window = F.window(
+            F.col(self.windowing.time_column), f"{w.size_us} microseconds", f"{w.slide_us} microseconds"
+        )
+        return (
+            keyed.withColumn("_volley_window", spark_window)
+            .withColumn(columns.WINDOW_START, F.unix_micros(F.col("_volley_window.start")))
+            .withColumn(columns.WINDOW_END, F.unix_micros(F.col("_volley_window.end")))
+            .drop("_volley_window")
+        )
+
+    def is_late(self, watermark: int | None) -> Column:
+        """Whether an assigned (record, window) pair belongs to a window already closed."""
+        if watermark is None:
+            return F.lit(False)
+        return F.col(columns.WINDOW_END) + F.lit(self.windowing.lateness_us) <= F.lit(watermark)
+
+    def partials(self, on_time: DataFrame) -> DataFrame:
+        """Pre-aggregate per (key, window) in Spark; sessions are merged here within the epoch."""
+        exprs = self.aggregate.partial_exprs()
+        if self.windows.kind != "session":
+            return on_time.groupBy(columns.KEY, columns.WINDOW_START, columns.WINDOW_END).agg(*exprs)
+        gap = f"{self.windows.gap_us} microseconds"
+        return (
+            on_time.groupBy(columns.KEY, F.session_window(F.col(self.windowing.time_column), gap).alias("_volley_s"))
+            .agg(*exprs)
+            .withColumn(columns.WINDOW_START, F.unix_micros(F.col("_volley_s.start")))
+            .withColumn(columns.WINDOW_END, F.unix_micros(F.col("_volley_s.end")))
+            .drop("_volley_s")
+        )
+
+    def output_ddl(self) -> list[str]:
+        return [f"`{WINDOW_START}` timestamp", f"`{WINDOW_END}` timestamp"] + self.aggregate.output_ddl()
+
+    def output_names(self) -> list[str]:
+        return [WINDOW_START, WINDOW_END] + [n for n, _ in self.aggregate.output_fields()]
+
+    def apply(self, txn: ShardTransaction, data: pa.Table, step: ShardStep) -> tuple[list[pa.Array], dict[str, Any]]:
+        return apply_windows(self, txn, data, step)

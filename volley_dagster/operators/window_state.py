@@ -1,0 +1,180 @@
+"""A shard task's half of the window operator: merge (key, window) partials into
+window state, fire what the watermark has passed, keep the pending index.
+
+State layout (one namespace each, see ``state.keys``):
+
+- ``WINDOW_NS``: one record per key holding all its open windows, a NumPy
+  structured array (start, end, accumulators), so touching a key is one
+  ``multi_get`` however many windows it has open;
+- ``PENDING_NS``: ``pending_index/`` entries evicted from memory, keyed by
+  (end, state key);
+- ``META_NS``: the in-memory part of the index and its meta record.
+
+Everything is columnar: a batch of windows is one array, grouped by sorting.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from volley_dagster import columns
+from volley_dagster.errors import StateLayoutError
+from volley_dagster.operators.aggregate import STATE_FORMAT, ResolvedAggregate
+from volley_dagster.operators.base import ShardStep
+from volley_dagster.state.keys import decode_keys, encode_keys, namespace_prefix
+from volley_dagster.state.pending_index import PersistentPendingIndex
+from volley_dagster.state.transaction import ShardTransaction
+
+if TYPE_CHECKING:
+    from volley_dagster.operators.window import ResolvedWindowAggregate
+
+WINDOW_NS, PENDING_NS, META_NS = 2, 3, 4
+_TIMESTAMP = pa.timestamp("us", tz="UTC")
+_MIN = np.iinfo(np.int64).min
+
+
+def window_dtype(aggregate: ResolvedAggregate) -> np.dtype:
+    fields = [(n, aggregate.dtype.fields[n][0]) for n in aggregate.dtype.names]
+    return np.dtype([("start", np.int64), ("end", np.int64)] + fields)
+
+
+def decode_windows(values: list[bytes | None], dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """The windows stored under each key, as rows, and the index of the key of each row."""
+    arr = pa.array(values, pa.binary())
+    offsets = np.frombuffer(arr.buffers()[1], dtype=np.int32, count=len(arr) + 1) if len(arr) else np.zeros(1, np.int32)
+    lengths = np.diff(offsets)
+    if (lengths % dtype.itemsize).any():
+        raise StateLayoutError(
+            f"stored window records do not match the window layout ({dtype.itemsize} bytes per window): "
+            "the checkpoint root belongs to a different window operator"
+        )
+    total = int(offsets[-1] - offsets[0])
+    if total:
+        rows = np.frombuffer(arr.buffers()[2], dtype=dtype, count=total // dtype.itemsize, offset=int(offsets[0])).copy()
+        if (rows["_format"] != STATE_FORMAT).any():
+            raise StateLayoutError(f"stored window state has an unknown format; this engine writes format {STATE_FORMAT}")
+    else:
+        rows = np.empty(0, dtype=dtype)
+    return rows, np.repeat(np.arange(len(values)), lengths // dtype.itemsize)
+
+
+def encode_windows(rows: np.ndarray, key_index: np.ndarray, num_keys: int) -> tuple[list[bytes], np.ndarray]:
+    """One record per key from rows sorted by key index; and how many windows each holds."""
+    counts = np.bincount(key_index, minlength=num_keys)
+    offsets = np.concatenate([[0], np.cumsum(counts)]) * rows.dtype.itemsize
+    binary = pa.binary() if offsets[-1] < 2**31 else pa.large_binary()
+    offset_type = np.int32 if binary == pa.binary() else np.int64
+    arr = pa.Array.from_buffers(
+        binary, num_keys, [None, pa.py_buffer(offsets.astype(offset_type)), pa.py_buffer(np.ascontiguousarray(rows).tobytes())]
+    )
+    return arr.to_pylist(), counts
+
+
+def group_windows(
+    aggregate: ResolvedAggregate, rows: np.ndarray, key_index: np.ndarray, is_new: np.ndarray, sessions: bool
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Fold rows of the same (key, window) into one; for sessions, rows of a key whose
+    intervals overlap or touch. Returns the windows, their key index, and whether each
+    is new or changed its end (so it needs a pending-index entry)."""
+    if not len(rows):
+        return rows, key_index, np.zeros(0, dtype=bool)
+    order = np.lexsort((rows["start"], key_index))
+    rows, key_index, is_new = rows[order], key_index[order], is_new[order]
+    boundary = np.ones(len(rows), dtype=bool)
+    boundary[1:] = key_index[1:] != key_index[:-1]
+    if sessions:
+        reach = pd.Series(rows["end"]).groupby(key_index).cummax().to_numpy()
+        boundary[1:] |= rows["start"][1:] > reach[:-1]
+    else:
+        boundary[1:] |= rows["start"][1:] != rows["start"][:-1]
+    leaders = np.flatnonzero(boundary)
+    group = np.cumsum(boundary) - 1
+    rank = np.arange(len(rows)) - leaders[group]
+    merged = rows[leaders].copy()
+    for r in range(1, int(rank.max()) + 1):
+        pick = rank == r
+        target = group[pick]
+        folded = merged[target]
+        aggregate.combine(folded, rows[pick])
+        merged[target] = folded
+    merged["end"] = np.maximum.reduceat(rows["end"], leaders)
+    stored_end = np.maximum.reduceat(np.where(is_new, _MIN, rows["end"]), leaders)
+    return merged, key_index[leaders], merged["end"] != stored_end
+
+
+def apply_windows(
+    op: ResolvedWindowAggregate, txn: ShardTransaction, data: pa.Table, step: ShardStep
+) -> tuple[list[pa.Array], dict[str, Any]]:
+    aggregate, windowing = op.aggregate, op.windowing
+    dtype = window_dtype(aggregate)
+    pending = PersistentPendingIndex(
+        txn, namespace_prefix(META_NS), namespace_prefix(PENDING_NS), windowing.max_pending_windows
+    )
+    n, limit = data.num_rows, step.fire_limit
+
+    touched: list[bytes] = []
+    row_key = np.empty(0, dtype=np.int64)
+    if n:
+        row_keys = pa.array(
+            encode_keys(WINDOW_NS, data.column(columns.KEY_GROUP).to_numpy(zero_copy_only=False),
+                        data.column(columns.KEY).combine_chunks()),
+            pa.binary(),
+        )
+        unique = pc.unique(row_keys)
+        row_key = pc.index_in(row_keys, value_set=unique).to_numpy(zero_copy_only=False).astype(np.int64)
+        touched = unique.to_pylist()
+    due = pending.pop_due(limit) if limit is not None and (n or pending.may_fire(limit)) else []
+    keys = touched + sorted(set(due).difference(touched))
+
+    stored = txn.get_many(keys, namespace_prefix(WINDOW_NS))
+    rows, key_index = decode_windows(stored, dtype)
+    new = np.zeros(n, dtype=dtype)
+    new["_format"] = STATE_FORMAT
+    new["start"] = data.column(columns.WINDOW_START).to_numpy(zero_copy_only=False)
+    new["end"] = data.column(columns.WINDOW_END).to_numpy(zero_copy_only=False)
+    aggregate.load(new, data, step.epoch)
+    windows, window_key, changed = group_windows(
+        aggregate,
+        np.concatenate([rows, new]),
+        np.concatenate([key_index, row_key]),
+        np.concatenate([np.zeros(len(rows), dtype=bool), np.ones(n, dtype=bool)]),
+        sessions=op.windows.kind == "session",
+    )
+    fire = windows["end"] <= limit if limit is not None else np.zeros(len(windows), dtype=bool)
+
+    records, counts = encode_windows(windows[~fire], window_key[~fire], len(keys))
+    keep = counts > 0
+    existed = np.fromiter((v is not None for v in stored), dtype=bool, count=len(stored))
+    key_array = np.array(keys, dtype=object) if keys else np.empty(0, dtype=object)
+    txn.set_many(list(key_array[keep]), [r for r, k in zip(records, keep) if k])
+    txn.delete_many(list(key_array[~keep & existed]))
+
+    opened = changed & ~fire
+    pending.add(key_array[window_key[opened]], windows["end"][opened], step.epoch)
+    pending.touch(touched, step.epoch)
+    pending.flush()
+
+    fired, fired_key = windows[fire], window_key[fire]
+    _, key_values = decode_keys(step.key_kind, list(key_array[fired_key]))
+    outputs = [
+        key_values,
+        pa.array(fired["start"], pa.int64()).cast(_TIMESTAMP),
+        pa.array(fired["end"], pa.int64()).cast(_TIMESTAMP),
+    ] + aggregate.outputs(fired)
+    stats = {
+        "keys_touched": len(touched),
+        "new_keys": int((~existed[: len(touched)]).sum()),
+        "windows_fired": int(fire.sum()),
+        "windows_opened": int(opened.sum()),
+        "pending_loaded": pending.loaded,
+        "pending_resident": pending.meta.resident,
+        "pending_evicted": pending.meta.evicted,
+        "pending_evicted_now": pending.evicted_now,
+        "pending_evicted_fired": pending.evicted_fired,
+    }
+    return outputs, stats

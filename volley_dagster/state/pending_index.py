@@ -1,0 +1,187 @@
+"""The pending-window index of one shard: which keys have a window open, by end time.
+
+It is the only record of what must fire (window state is read by key), so it
+is persisted with every epoch's ``WriteBatch`` and restored lazily: a small
+meta record says how many entries there are and the earliest end, and the
+entries themselves are read only when the epoch has records for the shard or
+the earliest end is due. That keeps an idle shard's epoch O(1).
+
+In memory the entries are columns sorted by end, so the due ones are a prefix
+found by binary search: firing costs O(windows fired). With
+``max_pending_windows`` the least recently used entries beyond the bound are
+evicted to the ``pending_index/`` namespace, keyed by (end, state key), so the
+due ones are again one range scan; it is scanned only while evictions are
+outstanding (a count in the meta record), and fired entries leave both places.
+
+An entry may outlive its window (a session that merged into a longer one):
+firing it finds nothing due under that key, which is harmless. Every open
+window always has an entry with its exact end, so none is ever orphaned.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from volley_dagster.state.transaction import ShardTransaction
+
+_SIGN_BIT = np.uint64(1 << 63)
+
+
+def _ordered_us(values: np.ndarray) -> np.ndarray:
+    """Big-endian, sign-flipped: byte order equals numeric order."""
+    return (np.asarray(values, dtype=np.int64).view(np.uint64) ^ _SIGN_BIT).astype(">u8")
+
+
+@dataclass
+class PendingMeta:
+    resident: int = 0  # entries in the in-memory part (persisted as one record)
+    min_end: int | None = None  # earliest end among them
+    evicted: int = 0  # entries in the pending_index/ namespace
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(self.__dict__).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes | None) -> PendingMeta:
+        return cls(**json.loads(data)) if data else cls()
+
+
+class PendingIndex:
+    """Entries ``(state key, window end, last epoch used)``, sorted by end."""
+
+    def __init__(self, keys: np.ndarray, ends: np.ndarray, used: np.ndarray) -> None:
+        self.keys, self.ends, self.used = keys, ends, used
+
+    @classmethod
+    def empty(cls) -> PendingIndex:
+        return cls(np.empty(0, dtype=object), np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64))
+
+    def __len__(self) -> int:
+        return len(self.ends)
+
+    def pop_due(self, limit: int) -> np.ndarray:
+        """Remove and return the state keys of entries ending at or before ``limit``."""
+        i = int(np.searchsorted(self.ends, limit, side="right"))
+        due = self.keys[:i]
+        self.keys, self.ends, self.used = self.keys[i:], self.ends[i:], self.used[i:]
+        return due
+
+    def add(self, keys: np.ndarray, ends: np.ndarray, epoch: int) -> None:
+        order = np.argsort(ends, kind="stable")
+        keys, ends = keys[order], ends[order]
+        at = np.searchsorted(self.ends, ends, side="right")
+        self.keys = np.insert(self.keys, at, keys)
+        self.ends = np.insert(self.ends, at, ends)
+        self.used = np.insert(self.used, at, np.full(len(ends), epoch, dtype=np.int64))
+
+    def touch(self, keys: list[bytes], epoch: int) -> None:
+        """Mark the entries of these keys used in ``epoch`` (for LRU eviction)."""
+        if len(self) and keys:
+            hit = pc.is_in(pa.array(self.keys, pa.binary()), value_set=pa.array(keys, pa.binary()))
+            self.used[hit.to_numpy(zero_copy_only=False)] = epoch
+
+    def evict_beyond(self, bound: int) -> tuple[np.ndarray, np.ndarray]:
+        """Drop the least recently used entries beyond ``bound`` (the latest ends first
+        among equals: they fire last) and return them."""
+        excess = len(self) - bound
+        if excess <= 0:
+            return np.empty(0, dtype=object), np.empty(0, dtype=np.int64)
+        victims = np.lexsort((-self.ends, self.used))[:excess]
+        keep = np.ones(len(self), dtype=bool)
+        keep[victims] = False
+        evicted = self.keys[~keep], self.ends[~keep]
+        self.keys, self.ends, self.used = self.keys[keep], self.ends[keep], self.used[keep]
+        return evicted
+
+    def to_bytes(self) -> bytes:
+        table = pa.table({"key": pa.array(self.keys, pa.binary()), "end": self.ends, "used": self.used})
+        sink = io.BytesIO()
+        with pa.ipc.new_stream(sink, table.schema) as writer:
+            writer.write_table(table)
+        return sink.getvalue()
+
+    @classmethod
+    def from_bytes(cls, data: bytes | None) -> PendingIndex:
+        if not data:
+            return cls.empty()
+        table = pa.ipc.open_stream(data).read_all()
+        return cls(
+            table.column("key").to_numpy(zero_copy_only=False),
+            table.column("end").to_numpy().astype(np.int64),
+            table.column("used").to_numpy().astype(np.int64),
+        )
+
+
+class PersistentPendingIndex:
+    """The index of one shard for one epoch: restored lazily, flushed with the shard's
+    transaction. ``meta_ns``/``evicted_ns`` are the two namespaces it owns."""
+
+    def __init__(self, txn: ShardTransaction, meta_ns: bytes, evicted_ns: bytes, max_resident: int | None) -> None:
+        self._txn = txn
+        self._meta_ns = meta_ns
+        self._meta_key = meta_ns + b"meta"
+        self._index_key = meta_ns + b"index"
+        self._evicted_ns = evicted_ns
+        self._max_resident = max_resident
+        self.meta = PendingMeta.from_bytes(txn.get_many([self._meta_key], meta_ns)[0])
+        self._index: PendingIndex | None = None
+        self.loaded = False
+        self.evicted_now = 0
+        self.evicted_fired = 0
+
+    @property
+    def index(self) -> PendingIndex:
+        if self._index is None:
+            self._index = PendingIndex.from_bytes(self._txn.get_many([self._index_key], self._meta_ns)[0])
+            self.loaded = True
+        return self._index
+
+    def may_fire(self, limit: int | None) -> bool:
+        """Whether anything can be due at ``limit``, without loading the entries."""
+        if limit is None:
+            return False
+        return self.meta.evicted > 0 or (self.meta.min_end is not None and self.meta.min_end <= limit)
+
+    def pop_due(self, limit: int) -> list[bytes]:
+        """State keys with an entry ending at or before ``limit``, removed from the index."""
+        due = list(self.index.pop_due(limit)) if self.meta.min_end is not None and self.meta.min_end <= limit else []
+        if self.meta.evicted:
+            upper = self._evicted_ns + _ordered_us(np.array([min(limit, np.iinfo(np.int64).max - 1) + 1])).tobytes()
+            entries = [k for k, _ in self._txn.scan_flushed(self._evicted_ns, upper)]
+            self._txn.delete_many(entries)
+            self.meta.evicted -= len(entries)
+            self.evicted_fired += len(entries)
+            skip = len(self._evicted_ns) + 8
+            due.extend(k[skip:] for k in entries)
+        return due
+
+    def add(self, keys: np.ndarray, ends: np.ndarray, epoch: int) -> None:
+        if len(keys):
+            self.index.add(keys, ends, epoch)
+
+    def touch(self, keys: list[bytes], epoch: int) -> None:
+        if self._max_resident is not None:  # recency only matters for eviction
+            self.index.touch(keys, epoch)
+
+    def flush(self) -> None:
+        """Evict beyond the bound and stage the index and its meta record in the
+        transaction (written by its WriteBatch). A no-op when never loaded."""
+        if self._index is None:
+            return
+        if self._max_resident is not None:
+            keys, ends = self.index.evict_beyond(self._max_resident)
+            if len(keys):
+                ns, ordered_ends = self._evicted_ns, _ordered_us(ends).view("V8").tolist()
+                self._txn.set_many([ns + end + key for end, key in zip(ordered_ends, keys)], [b""] * len(keys))
+                self.meta.evicted += len(keys)
+                self.evicted_now = len(keys)
+        index = self._index
+        self.meta.resident = len(index)
+        self.meta.min_end = int(index.ends[0]) if len(index) else None
+        self._txn.set_many([self._meta_key, self._index_key], [self.meta.to_bytes(), index.to_bytes()])
