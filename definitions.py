@@ -1,8 +1,9 @@
 """The Dagster code location: ``dagster dev -w workspace.yaml`` (or ``./dev dagster``).
 
-Declares the demo payments pipeline: its source, its epoch state and its Delta
-and Iceberg tables, partitioned by epoch, with a running sensor that cuts an
-epoch whenever the demo generator (``volley generate``) appends events.
+Declares the demo pipelines (running payments totals, and per-minute windows):
+their source, epoch state and Delta and Iceberg tables, partitioned by epoch,
+with running sensors that cut an epoch whenever the demo generator
+(``volley generate``) appends events.
 Settings come from the environment; secrets only through ``EnvVar``.
 """
 
@@ -14,7 +15,7 @@ from dagster import EnvVar
 
 from assets.location import build_definitions
 from resources import CheckpointResource, S3Resource, SparkResource, TablesResource
-from volley_dagster.demo.payments import payments_deployment
+from volley_dagster.demo.payments import merchant_minutes_deployment, payments_deployment
 
 DEMO = Path(os.environ.get("VOLLEY_DEMO_DIR", "demo")).absolute()
 
@@ -30,7 +31,7 @@ def _s3() -> Optional[S3Resource]:
 
 
 defs = build_definitions(
-    [payments_deployment(DEMO / "events")],
+    [payments_deployment(DEMO / "events"), merchant_minutes_deployment(DEMO / "events")],
     checkpoints=CheckpointResource(root=os.environ.get("VOLLEY_CHECKPOINTS", str(DEMO / "state"))),
     tables=TablesResource(
         warehouse=os.environ.get("VOLLEY_WAREHOUSE", str(DEMO / "tables")),

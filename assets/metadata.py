@@ -1,5 +1,6 @@
 """What the Dagster UI shows per epoch: plottable numbers on the right asset."""
 
+from datetime import datetime, timezone
 from typing import Any
 
 import pyarrow as pa
@@ -64,8 +65,11 @@ def epoch_metadata(pipeline: Pipeline, result: EpochResult) -> dict[AssetKey, di
         "records_per_second": MetadataValue.float(float(result.records_per_second)),
         **{f"seconds_{phase}": MetadataValue.float(float(v)) for phase, v in d.items()},
     }
-    if result.watermark is not None:
-        state["watermark"] = MetadataValue.text(str(result.watermark))
+    if result.watermark is not None:  # window pipelines
+        state["watermark"] = MetadataValue.text(
+            datetime.fromtimestamp(result.watermark / 1e6, tz=timezone.utc).isoformat()
+        )
+        state["late_records"] = MetadataValue.int(result.late_records)
     out = {state_key(pipeline): state}
     for sink in pipeline.sinks:
         commit = result.sinks.get(sink.name, {})

@@ -145,3 +145,10 @@ def window_rows(table: pa.Table) -> set[tuple]:
     to_us = lambda col: table.column(col).cast(pa.int64()).to_pylist()  # noqa: E731
     return set(zip(d[KEY], to_us("window_start"), to_us("window_end"), d["events"],
                    [round(x, 6) for x in d["total"]], d["largest"], d["first_event"], d["last_event"]))
+
+
+def crash_window_pipeline(events: Path, output: Path, tables: Path | None = None) -> Pipeline:
+    """The window pipeline the kill -9 tests run: sessions (they merge across epochs)."""
+    from volley_dagster import session
+
+    return window_pipeline(events, output, session("8 seconds"), delay="5 seconds", lateness="0 seconds", tables=tables)

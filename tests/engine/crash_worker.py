@@ -1,17 +1,20 @@
-"""Runs the payments pipeline to the end in its own process, for kill -9 tests:
-``python -m tests.engine.crash_worker BASE MAX_RECORDS KEEP``."""
+"""Runs a pipeline to the end in its own process, for kill -9 tests:
+``python -m tests.engine.crash_worker BASE MAX_RECORDS KEEP [payments|windows]``."""
 
 import sys
 from pathlib import Path
 
 from tests.helpers import payments
+from tests.window_reference import crash_window_pipeline
 from volley_dagster import EpochRunner
 from volley_dagster.spark.session import get_or_create_spark
 
 if __name__ == "__main__":
     base, max_records, keep = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    kind = sys.argv[4] if len(sys.argv) > 4 else "payments"
+    build = payments if kind == "payments" else crash_window_pipeline
     spark = get_or_create_spark(master="local[2]", conf={"spark.sql.shuffle.partitions": "4"})
-    runner = EpochRunner(payments(base / "events", base / "out", tables=base / "tables"), base / "state", spark=spark,
+    runner = EpochRunner(build(base / "events", base / "out", tables=base / "tables"), base / "state", spark=spark,
                          max_records_per_epoch=max_records, keep_epochs=keep)
     for result in runner.run_available():
         print("committed", result.epoch, flush=True)

@@ -10,9 +10,12 @@ import sys
 from pathlib import Path
 
 import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from tests.helpers import assert_epoch_outputs, assert_state_equal, log_records, payments, read_sink, reference_state
+from tests.window_reference import crash_window_pipeline, reference, window_rows
 from volley_dagster import EpochRunner
 from volley_dagster.demo.events import generate
 
@@ -20,12 +23,14 @@ FILES, PER_FILE, KEYS, MAX, KEEP = 4, 1_500, 300, 1_500, 2
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_until_killed(base: Path, point: str, epoch: int, shard: int | None = None) -> subprocess.CompletedProcess:
+def run_until_killed(
+    base: Path, point: str, epoch: int, shard: int | None = None, kind: str = "payments", max_records: int = MAX
+) -> subprocess.CompletedProcess:
     env = {**os.environ, "VOLLEY_KILL_AT": point, "VOLLEY_KILL_EPOCH": str(epoch), "PYTHONPATH": str(ROOT)}
     if shard is not None:
         env["VOLLEY_KILL_SHARD"] = str(shard)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.engine.crash_worker", str(base), str(MAX), str(KEEP)],
+        [sys.executable, "-m", "tests.engine.crash_worker", str(base), str(max_records), str(KEEP), kind],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )
     try:
@@ -88,3 +93,36 @@ def test_kill_and_resume_equals_clean_run(spark, tmp_path, point, epoch, shard, 
         assert skipped == {"parquet", "delta"}  # only Iceberg was still missing
     elif committed_after_crash < epoch:
         assert skipped == set()
+
+
+@pytest.mark.parametrize(
+    ("point", "shard"), [("shard_after_snapshot", 1), ("after_sink_delta", None), ("after_sinks", None)]
+)
+def test_kill_window_pipeline_and_resume_equals_reference(spark, tmp_path, point, shard):
+    """Sessions merge across epochs, so a resumed epoch must restore window state and
+    the pending index exactly as the crashed attempt found them."""
+    files, per_file = 4, 300
+    names = generate(tmp_path / "events", files, per_file, 20, events_per_second=10, disorder_s=30)
+    crashed = run_until_killed(tmp_path, point, 3, shard, kind="windows", max_records=per_file)
+    assert crashed.returncode == -signal.SIGKILL, crashed.stderr[-3000:]
+
+    pipeline = crash_window_pipeline(tmp_path / "events", tmp_path / "out", tables=tmp_path / "tables")
+    runner = EpochRunner(pipeline, tmp_path / "state", spark=spark, max_records_per_epoch=per_file, keep_epochs=KEEP)
+    assert runner.committed_epoch() == 2
+    assert [r.epoch for r in runner.run_available()] == [3, 4]
+
+    windows = pipeline.windowing.windows
+    ref = reference([tmp_path / "events" / n for n in names], windows, 5_000_000, 0, end_of_stream=False)
+    for epoch in range(1, files + 1):
+        assert window_rows(read_epoch(tmp_path / "out", epoch)) == ref.fired[epoch], f"epoch {epoch}"
+    assert window_rows(runner.read_state()) == ref.open
+    fired = set().union(*ref.fired.values())
+    sinks = {s.name: s for s in pipeline.sinks}
+    for name in ("delta", "iceberg"):  # append: every fired window exactly once
+        table = sinks[name].read()
+        assert table.num_rows == len(fired) and window_rows(table) == fired, name
+        assert sinks[name].committed_epoch("windows") == files
+
+
+def read_epoch(output: Path, epoch: int) -> pa.Table:
+    return pq.read_table(output / "windows" / f"epoch-{epoch:010d}.parquet")

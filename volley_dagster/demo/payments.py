@@ -1,12 +1,13 @@
-"""The demo pipeline: the running payments total per merchant, over active events,
-kept as a Delta table (upsert: one row per merchant) and an Iceberg changelog
-(append: each epoch's changed merchants)."""
+"""The demo pipelines over the payment events: the running total per merchant, over
+active events, kept as a Delta table (upsert: one row per merchant) and an Iceberg
+changelog (append: each epoch's changed merchants); and per merchant and minute of
+event time, a tumbling window appended to Delta once the watermark closes it."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from volley_dagster import FileLog, Pipeline, count, last, max_, mean, sum_
+from volley_dagster import FileLog, Pipeline, count, last, max_, mean, sum_, tumbling
 from volley_dagster.deploy import Deployment, TableSettings
 from volley_dagster.sinks import DeltaSink, IcebergSink, sqlite_catalog
 
@@ -42,6 +43,31 @@ def payments_deployment(events: str | Path) -> Deployment:
     return Deployment(
         name="payments",
         build=lambda tables: payments_pipeline(events, tables),
+        min_records=10_000,
+        max_wait_s=60,
+        cron="*/5 * * * *",
+        sensor_running=True,
+    )
+
+
+def merchant_minutes_pipeline(events: str | Path, tables: TableSettings, shards: int = 4) -> Pipeline:
+    return (
+        Pipeline("merchant_minutes")
+        .source(FileLog(events, format="parquet"))
+        .where("status = 'active'")
+        .key_by("merchant_id")
+        .window(tumbling("1 minute"), on="event_time", max_out_of_orderness="30 seconds")
+        .aggregate(events=count(), total=sum_("amount"), largest=max_("amount"))
+        .sink(DeltaSink(f"{tables.warehouse}/delta/merchant_minutes", name="minutes", mode="append",
+                        storage_options=tables.delta_storage_options))
+        .with_shards(shards)
+    )
+
+
+def merchant_minutes_deployment(events: str | Path) -> Deployment:
+    return Deployment(
+        name="merchant_minutes",
+        build=lambda tables: merchant_minutes_pipeline(events, tables),
         min_records=10_000,
         max_wait_s=60,
         cron="*/5 * * * *",

@@ -68,6 +68,7 @@ class ShardMerge:
     def __call__(self, table: pa.Table) -> pa.Table:
         shard = table.column(columns.SHARD)[0].as_py()
         data = table.filter(pc.is_valid(table.column(columns.KEY)))
+        _reset_peak_rss()
         t0 = time.perf_counter()
         prev = self.previous.get(shard)
         store = ShardStore.restore(
@@ -107,7 +108,7 @@ class ShardMerge:
             "merge_s": t2 - t1,
             "flush_s": t3 - t2,
             "snapshot_s": t4 - t3,
-            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "peak_rss_mib": _peak_rss_mib(),
         }
         return self._output(outputs, stats)
 
@@ -118,3 +119,24 @@ class ShardMerge:
             [pa.nulls(1, arr.type) for arr in values] + [pa.array([json.dumps(stats)], pa.string())], names=names
         )
         return pa.concat_tables([rows, stats_row])
+
+
+def _reset_peak_rss() -> None:
+    """Start this task's peak-RSS measurement (Linux: Python workers are reused across tasks)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+    except OSError:
+        pass
+
+
+def _peak_rss_mib() -> float:
+    """Peak resident memory of this worker since ``_reset_peak_rss``."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
