@@ -93,7 +93,7 @@ def epoch_assets(deployment: Deployment, spec_settings: TableSettings) -> list:
             deps=[source_key(pipeline)],
             kinds={"spark", "rocksdb"},
             description=f"Keyed state of {pipeline.name!r} after each epoch (RocksDB snapshots).",
-            metadata={"shards": pipeline.layout.num_shards, "key_groups": pipeline.layout.num_key_groups,
+            metadata={"initial_shards": pipeline.layout.num_shards, "key_groups": pipeline.layout.num_key_groups,
                       "key": pipeline.key_column},
         )
     ] + [

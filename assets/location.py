@@ -3,6 +3,7 @@
 from dagster import AssetSelection, Definitions, define_asset_job, in_process_executor
 
 from assets.epochs import PIPELINE_TAG, epoch_assets, epochs_partitions
+from assets.rescale import rescale_job
 from resources import CheckpointResource, SparkResource, TablesResource
 from sensors import epoch_schedule, epoch_sensor
 from volley_dagster.deploy import Deployment
@@ -23,6 +24,7 @@ def build_definitions(
         )
         jobs.append(job)
         jobs.append(define_asset_job(f"{deployment.name}_checks_job", selection=AssetSelection.checks(checks)))
+        jobs.append(rescale_job(deployment, tables.settings()))
         sensors.append(epoch_sensor(deployment, job))
         if deployment.cron:
             schedules.append(epoch_schedule(deployment, job))

@@ -58,6 +58,7 @@ def epoch_metadata(pipeline: Pipeline, result: EpochResult) -> dict[AssetKey, di
         "records_out": MetadataValue.int(result.records_out),
         "dead_letters": MetadataValue.int(result.dead_letters),
         "keys_touched": MetadataValue.int(result.keys_touched),
+        "shards": MetadataValue.int(len(result.shards)),  # rescales change it between epochs
         "new_keys": MetadataValue.int(result.new_keys),
         "state_bytes": MetadataValue.int(result.state_bytes),
         "state_bytes_written": MetadataValue.int(result.state_bytes_written),

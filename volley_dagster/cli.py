@@ -35,6 +35,9 @@ def describe_checkpoints(root: Path) -> str:
     log = EpochLog(root)
     lines = [f"{root}/  ({_human(disk_usage(root))} on disk, hardlinks counted once)"]
     lines.append("  pipeline.json")
+    for change in log.layout_changes():
+        lines.append(f"  layouts/{change.sequence:010d}.json  from epoch {change.from_epoch}: {change.num_shards} shards "
+                     f"(was {change.previous_shards}; epoch {change.snapshot_epoch}'s state rewritten)")
     for epoch in log.epochs_cut():
         state = "committed" if log.is_committed(epoch) else "cut, not committed"
         lines.append(f"  epochs/{epoch:010d}/  offsets.json{', manifest.json' if log.is_committed(epoch) else ''}  [{state}]")
@@ -128,6 +131,22 @@ def inspect_root(args: argparse.Namespace) -> int:
     return 0
 
 
+def rescale_root(args: argparse.Namespace) -> int:
+    """Rewrite the last committed epoch's state into ``--shards`` shards, from the
+    checkpoint root alone (no pipeline code, no Spark)."""
+    from volley_dagster.checkpoint.rescale import rescale
+    from volley_dagster.errors import VolleyError
+
+    root = Path(args.checkpoint_root).absolute()
+    try:
+        result = rescale(EpochLog(root), args.shards)
+    except VolleyError as exc:
+        print(f"volley rescale: {exc}", file=sys.stderr)
+        return 1
+    print(result.describe())
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="volley", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -155,6 +174,11 @@ def main(argv: list[str] | None = None) -> int:
     i = sub.add_parser("inspect", help="show a checkpoint root's epochs and snapshots")
     i.add_argument("checkpoint_root")
     i.set_defaults(func=inspect_root)
+    r = sub.add_parser("rescale", help="rewrite a checkpoint root's last committed state into N shards; "
+                                      "the next epoch runs with them")
+    r.add_argument("checkpoint_root")
+    r.add_argument("--shards", type=int, required=True, help="the new number of shards (1..key groups)")
+    r.set_defaults(func=rescale_root)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -37,3 +37,8 @@ class SnapshotError(VolleyError):
 
 class StateLayoutError(VolleyError):
     """The checkpoint root was written by an incompatible pipeline layout."""
+
+
+class SnapshotStorageError(SnapshotError):
+    """The snapshot store (S3) failed during an upload, download or delete; nothing
+    was committed, so retrying once the store is reachable again is safe."""

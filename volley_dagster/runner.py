@@ -26,7 +26,8 @@ from pyspark.sql import SparkSession
 from volley_dagster import faults
 from volley_dagster.checkpoint.atomic import write_bytes_atomic
 from volley_dagster.checkpoint.epoch_log import EpochLog
-from volley_dagster.errors import ConfigError, EpochOrderError, MalformedRecordError, SnapshotError, VolleyError
+from volley_dagster.checkpoint.rescale import RescaleResult, rescale as rescale_state
+from volley_dagster.errors import ConfigError, EpochOrderError, MalformedRecordError, SnapshotError, StateLayoutError, VolleyError
 from volley_dagster.operators.aggregate import ResolvedAggregate
 from volley_dagster.operators.base import ShardStep, StatefulOperator
 from volley_dagster.operators.window import WINDOW_END, WINDOW_START
@@ -38,7 +39,7 @@ from volley_dagster.sources.offsets import EpochRange
 from volley_dagster.spark.session import get_or_create_spark
 from volley_dagster.spark.stage import plan_epoch, run_stage
 from volley_dagster.spark.tasks import PreviousSnapshot, ShardMerge
-from volley_dagster.state.keys import decode_keys, namespace_prefix
+from volley_dagster.state.keys import ShardLayout, decode_keys, namespace_prefix
 from volley_dagster.state.options import RocksDBOptions
 from volley_dagster.state.store import open_snapshot_read_only, verify_snapshot
 from volley_dagster.state.transaction import scan_prefix
@@ -155,7 +156,8 @@ class EpochRunner:
         pipeline.source_log.verify(rng)
         plan = plan_epoch(self.spark, pipeline, rng)
         log.check_identity(self._identity(plan.operator, plan.key_kind))
-        previous = self._previous_snapshots(epoch)
+        pipeline = self._in_layout(epoch)
+        previous = self._previous_snapshots(epoch, pipeline.layout)
         merge = ShardMerge(
             step=ShardStep(epoch, plan.key_kind),
             key_column=pipeline.key_column,
@@ -213,6 +215,11 @@ class EpochRunner:
             committed_at=datetime.now(timezone.utc).isoformat(),
             output=stage.output,
         )
+        if log.layout_for(epoch) != pipeline.layout:  # a rescale committed while this epoch ran
+            raise StateLayoutError(
+                f"epoch {epoch} ran with {pipeline.layout.num_shards} shards, but a rescale committed meanwhile "
+                f"({log.describe_layouts()}); nothing was committed: run the epoch again"
+            )
         if not log.write_manifest(epoch, result.to_manifest()):
             return EpochResult.from_manifest(log.manifest(epoch))
         log.prune(epoch, self.keep_epochs)
@@ -255,15 +262,39 @@ class EpochRunner:
             "aggregate": operator.layout(),
         }
 
-    def _previous_snapshots(self, epoch: int) -> dict[int, PreviousSnapshot]:
+    # -- layout (rescaling) ------------------------------------------------------------
+
+    def rescale(self, num_shards: int) -> RescaleResult:
+        """Rewrite the last committed epoch's state into ``num_shards`` shards; the epochs
+        after it run with them (``checkpoint/rescale.py``; needs no Spark). Refused while
+        an epoch is cut but not committed; the current shard count is a no-op."""
+        return rescale_state(self.log, num_shards, self.rocksdb, self.verify_checksums)
+
+    def layout(self) -> ShardLayout:
+        """The layout the next epoch runs with: ``with_shards`` until a rescale."""
+        return self.log.current_layout() or self.pipeline.layout
+
+    def _in_layout(self, epoch: int) -> Pipeline:
+        """The pipeline with the layout the epoch log holds for ``epoch`` (``with_shards``
+        is the initial layout only; rescales record the later ones)."""
+        layout = self.log.layout_for(epoch) or self.pipeline.layout
+        return self.pipeline if layout == self.pipeline.layout else replace(self.pipeline, layout=layout)
+
+    def _previous_snapshots(self, epoch: int, layout: ShardLayout) -> dict[int, PreviousSnapshot]:
         if epoch == 1:
             return {}
-        manifest = self.log.manifest(epoch - 1)
+        shards = self.log.state_shards(epoch - 1) or {}
+        if sorted(shards) != list(range(layout.num_shards)):
+            raise StateLayoutError(
+                f"epoch {epoch - 1}'s state has {len(shards)} shards, epoch {epoch} runs with {layout.num_shards} "
+                f"({self.log.describe_layouts()}): an epoch and a rescale were committed concurrently; "
+                "restore the checkpoint root from a copy or remove the conflicting layouts/ record"
+            )
         previous = {}
-        for shard, info in manifest["shards"].items():
+        for shard, info in shards.items():
             path = self.log.root / info["snapshot"]
             verify_snapshot(path, info["files"], full=self.verify_checksums)  # fail before Spark starts work
-            previous[int(shard)] = PreviousSnapshot(str(path), info["files"])
+            previous[shard] = PreviousSnapshot(str(path), info["files"])
         return previous
 
     # -- reading state ---------------------------------------------------------------
@@ -294,13 +325,13 @@ class EpochRunner:
         return table.sort_by([(c, "ascending") for c in self.pipeline.output_keys()])
 
     def _scan_snapshots(self, epoch: int, namespace: int) -> tuple[list[bytes], list[bytes]]:
-        manifest = self.log.manifest(epoch)
-        if manifest is None:
+        shards = self.log.state_shards(epoch)  # after a rescale of the epoch: the rewritten snapshots
+        if shards is None:
             raise EpochOrderError(f"epoch {epoch} of pipeline {self.pipeline.name!r} is not committed")
         prefix = namespace_prefix(namespace)
         keys: list[bytes] = []
         values: list[bytes] = []
-        for shard, info in sorted(manifest["shards"].items(), key=lambda kv: int(kv[0])):
+        for shard, info in sorted(shards.items()):
             path = self.log.root / info["snapshot"]
             if not path.exists():
                 raise SnapshotError(

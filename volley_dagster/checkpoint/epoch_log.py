@@ -2,20 +2,30 @@
 
 Layout under the checkpoint root::
 
-    pipeline.json                      identity: layout the state was written with
+    pipeline.json                      identity: layout the state was first written with
+    layouts/0000000001.json            a committed rescale: epochs from N on run with S shards
     epochs/0000000007/offsets.json     the range, written once before the first attempt
     epochs/0000000007/manifest.json    the commit point, written last
     epochs/0000000007/dead_letters.parquet
     epochs/0000000007/late_records.parquet   windows: records whose window had closed
     snapshots/0000000007/shard-0003/   RocksDB checkpoint (hardlinked SSTs)
+    snapshots/0000000007/rescale-0001-<attempt>/shard-0005/   epoch 7's state rewritten by a rescale
     work/0000000007/shard-0003-<attempt>/  a task attempt's writable DB (deleted after)
 
-An epoch is committed exactly when its manifest exists.
+An epoch is committed exactly when its manifest exists; a rescale exactly when
+its ``layouts/`` record exists.
+
+The layout history: ``pipeline.json`` holds the layout of epoch 1 (the pipeline's
+``with_shards``); each ``layouts/<sequence>.json`` record says that epochs from
+``from_epoch`` on run with ``num_shards``, restoring epoch ``from_epoch - 1``'s
+state from the record's own snapshots (see ``checkpoint/rescale.py``). The layout
+of an epoch is the last record with ``from_epoch`` <= it, else the initial one.
 """
 
 from __future__ import annotations
 
 import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +33,57 @@ from volley_dagster import faults
 from volley_dagster.checkpoint.atomic import create_json_exclusive, read_json
 from volley_dagster.errors import EpochNotCutError, StateLayoutError
 from volley_dagster.sources.offsets import EpochRange
+from volley_dagster.state.keys import ShardLayout
+
+LAYOUT_VERSION = 1
 
 
 def epoch_key(epoch: int) -> str:
     """Zero-padded, so that names (and Dagster partition keys) sort as numbers."""
     return f"{epoch:010d}"
+
+
+@dataclass(frozen=True)
+class LayoutChange:
+    """One committed rescale (``layouts/<sequence>.json``): epochs from ``from_epoch``
+    on run with ``num_shards``; ``shards`` are epoch ``from_epoch - 1``'s state in
+    that layout, as manifest entries (relative snapshot path, file digests, bytes)."""
+
+    sequence: int
+    from_epoch: int
+    num_shards: int
+    num_key_groups: int
+    previous_shards: int
+    shards: dict[str, dict[str, Any]]
+    stats: dict[str, Any] = field(default_factory=dict)  # keys, keys_moved, seconds, bytes_written, created_at
+
+    @property
+    def layout(self) -> ShardLayout:
+        return ShardLayout(self.num_shards, self.num_key_groups)
+
+    @property
+    def snapshot_epoch(self) -> int:
+        """The committed epoch whose state was rewritten."""
+        return self.from_epoch - 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version": LAYOUT_VERSION,
+            "sequence": self.sequence,
+            "from_epoch": self.from_epoch,
+            "num_shards": self.num_shards,
+            "num_key_groups": self.num_key_groups,
+            "previous_shards": self.previous_shards,
+            "shards": self.shards,
+            "stats": self.stats,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> LayoutChange:
+        if d.get("version") != LAYOUT_VERSION:
+            raise StateLayoutError(f"layout record version {d.get('version')} is unknown; this engine reads {LAYOUT_VERSION}")
+        return cls(d["sequence"], d["from_epoch"], d["num_shards"], d["num_key_groups"], d["previous_shards"],
+                   d["shards"], d.get("stats", {}))
 
 
 class EpochLog:
@@ -51,22 +107,102 @@ class EpochLog:
     def late_records_path(self, epoch: int) -> Path:
         return self.epoch_dir(epoch) / "late_records.parquet"
 
+    def layout_path(self, sequence: int) -> Path:
+        return self.root / "layouts" / f"{sequence:010d}.json"
+
+    def rescale_snapshot_root(self, epoch: int, sequence: int, attempt: str) -> Path:
+        """Where a rescale attempt writes epoch ``epoch``'s state in the new layout: inside
+        the epoch's snapshot directory, so retention removes it with the epoch."""
+        return self.root / "snapshots" / epoch_key(epoch) / f"rescale-{sequence:04d}-{attempt}"
+
     # -- identity ------------------------------------------------------------------
 
     def identity(self) -> dict[str, Any]:
         """The state layout recorded by the first epoch (see ``check_identity``)."""
         return read_json(self.root / "pipeline.json")
 
+    def has_identity(self) -> bool:
+        return (self.root / "pipeline.json").exists()
+
     def check_identity(self, identity: dict[str, Any]) -> None:
-        """Record the pipeline's state layout on first use; refuse a different one later."""
+        """Record the pipeline's state layout on first use; refuse a different one later.
+        The pipeline's shard count may be the initial one (``with_shards`` is the first
+        layout only) or the current one after a rescale; nothing else may change."""
         create_json_exclusive(self.root / "pipeline.json", identity)  # no-op when recorded already
         recorded = self.identity()
-        if recorded != identity:
-            diff = {k: (recorded.get(k), identity.get(k)) for k in set(recorded) | set(identity) if recorded.get(k) != identity.get(k)}
-            raise StateLayoutError(
-                f"checkpoint root {self.root} was written by a different pipeline layout; "
-                f"differences (recorded, now): {diff}. Use a new checkpoint root, or rescale/migrate the state"
-            )
+        if recorded == identity:
+            return
+        shards = identity.get("layout", {}).get("num_shards")
+        current = self.current_layout()
+        if _without_shards(recorded) == _without_shards(identity) and current is not None and shards == current.num_shards:
+            return
+        diff = {k: (recorded.get(k), identity.get(k)) for k in set(recorded) | set(identity) if recorded.get(k) != identity.get(k)}
+        rescaled = (
+            f" After rescales the state has {current.num_shards} shards (layout history: {self.describe_layouts()});"
+            " the pipeline may name the initial or the current shard count."
+            if self.layout_changes() and current is not None else ""
+        )
+        raise StateLayoutError(
+            f"checkpoint root {self.root} was written by a different pipeline layout; "
+            f"differences (recorded, now): {diff}.{rescaled} Use a new checkpoint root, or rescale "
+            "(`volley rescale <root> --shards N`) or migrate the state"
+        )
+
+    # -- layout history ------------------------------------------------------------
+
+    def initial_layout(self) -> ShardLayout | None:
+        """The layout of epoch 1 (None before the first epoch ran)."""
+        if not self.has_identity():
+            return None
+        return ShardLayout(**self.identity()["layout"])
+
+    def layout_changes(self) -> list[LayoutChange]:
+        """Committed rescales, in the order they were committed."""
+        d = self.root / "layouts"
+        if not d.is_dir():
+            return []
+        paths = sorted(p for p in d.iterdir() if p.suffix == ".json" and p.stem.isdigit())
+        return [LayoutChange.from_dict(read_json(p)) for p in paths]
+
+    def layout_for(self, epoch: int) -> ShardLayout | None:
+        """The layout epoch ``epoch`` runs with: the last rescale taking effect at or
+        before it, else the initial layout (None before the first epoch ran)."""
+        changes = [c for c in self.layout_changes() if c.from_epoch <= epoch]
+        return changes[-1].layout if changes else self.initial_layout()
+
+    def current_layout(self) -> ShardLayout | None:
+        """The layout the next epoch runs with."""
+        changes = self.layout_changes()
+        return changes[-1].layout if changes else self.initial_layout()
+
+    def layout_history(self) -> list[tuple[int, ShardLayout]]:
+        """``(first epoch, layout)`` pairs, oldest first."""
+        initial = self.initial_layout()
+        history = [(1, initial)] if initial is not None else []
+        for change in self.layout_changes():
+            if history and history[-1][0] == change.from_epoch:
+                history[-1] = (change.from_epoch, change.layout)  # rescaled again at the same boundary
+            else:
+                history.append((change.from_epoch, change.layout))
+        return history
+
+    def describe_layouts(self) -> str:
+        return "; ".join(f"from epoch {e}: {layout.num_shards} shards" for e, layout in self.layout_history())
+
+    def state_shards(self, epoch: int) -> dict[int, dict[str, Any]] | None:
+        """A committed epoch's shard snapshots (manifest entries, paths relative to the
+        root) in the newest layout they exist in: a rescale's rewrite of the epoch when
+        there is one, else the epoch's own. None when the epoch is not committed."""
+        manifest = self.manifest(epoch)
+        if manifest is None:
+            return None
+        rewrites = [c for c in self.layout_changes() if c.snapshot_epoch == epoch]
+        shards = rewrites[-1].shards if rewrites else manifest["shards"]
+        return {int(s): info for s, info in shards.items()}
+
+    def record_layout_change(self, change: LayoutChange) -> bool:
+        """Commit a rescale; False when another rescale took this sequence number first."""
+        return create_json_exclusive(self.layout_path(change.sequence), change.to_dict())
 
     # -- offsets -------------------------------------------------------------------
 
@@ -138,3 +274,8 @@ class EpochLog:
     def retained_snapshots(self) -> list[int]:
         snaps = self.root / "snapshots"
         return sorted(int(p.name) for p in snaps.iterdir() if p.name.isdigit()) if snaps.is_dir() else []
+
+
+def _without_shards(identity: dict[str, Any]) -> dict[str, Any]:
+    layout = {k: v for k, v in identity.get("layout", {}).items() if k != "num_shards"}
+    return {**identity, "layout": layout}

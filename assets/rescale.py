@@ -1,0 +1,56 @@
+"""``<pipeline>_rescale_job``: change a pipeline's shard count between two epochs.
+
+One op, configured with ``num_shards``, over the engine's ``EpochRunner.rescale``
+(no Spark). The run carries the pipeline's ``volley/pipeline`` tag, so the
+instance's tag concurrency limit (``dagster.yaml``) never lets it overlap an
+epoch run of the same pipeline.
+"""
+
+from dagster import AssetObservation, Config, JobDefinition, MetadataValue, OpExecutionContext, job, op
+
+from assets.epochs import PIPELINE_TAG, make_runner
+from assets.metadata import state_key
+from resources import CheckpointResource, TablesResource
+from volley_dagster.deploy import Deployment, TableSettings
+
+
+class RescaleConfig(Config):
+    num_shards: int
+
+
+def rescale_job(deployment: Deployment, spec_settings: TableSettings) -> JobDefinition:
+    pipeline = deployment.build(spec_settings)  # only its name and the state asset's key
+    tags = {PIPELINE_TAG: pipeline.name}
+
+    @op(name=f"{pipeline.name}_rescale", tags=tags)
+    def rescale(
+        context: OpExecutionContext, config: RescaleConfig, checkpoints: CheckpointResource, tables: TablesResource
+    ) -> None:
+        """Rewrites the last committed epoch's state into ``num_shards`` shards; the next
+        epoch runs with them. Fails while an epoch is cut but not committed."""
+        runner = make_runner(deployment, checkpoints, tables)
+        result = runner.rescale(config.num_shards)
+        context.log.info(result.describe())
+        context.log_event(AssetObservation(
+            asset_key=state_key(pipeline),
+            description=result.describe(),
+            metadata={
+                "shards": MetadataValue.int(result.new_shards),
+                "previous_shards": MetadataValue.int(result.old_shards),
+                "rescaled_epoch": MetadataValue.int(result.epoch),
+                "from_epoch": MetadataValue.int(result.from_epoch),
+                "keys": MetadataValue.int(result.keys),
+                "keys_moved": MetadataValue.int(result.keys_moved),
+                "bytes_written": MetadataValue.int(result.bytes_written),
+                "seconds": MetadataValue.float(result.seconds),
+                "noop": MetadataValue.bool(result.noop),
+                "layout_history": MetadataValue.text(runner.log.describe_layouts()),
+            },
+        ))
+
+    @job(name=f"{pipeline.name}_rescale_job", tags=tags,
+         description=f"Change the shard count of {pipeline.name!r} between two epochs (config: num_shards).")
+    def rescale_pipeline() -> None:
+        rescale()
+
+    return rescale_pipeline

@@ -1,0 +1,297 @@
+"""Incremental shard snapshots on a real S3 server (SeaweedFS) from real RocksDB
+checkpoints: only new SSTs travel, SSTs are keyed by content, warm restores
+download nothing, retention never leaves a dangling reference, and an S3 fault
+commits nothing and is recovered by re-running the upload."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import random
+import uuid
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import rocksdict
+
+from tests.conftest import BUCKET
+from tests.servers import SeaweedFS, free_ports, start_seaweedfs
+from volley_dagster.checkpoint.s3_snapshots import S3SnapshotStore, SnapshotManifest
+from volley_dagster.errors import SnapshotError, SnapshotStorageError
+from volley_dagster.state.options import RocksDBOptions, write_options
+from volley_dagster.state.store import ShardStore, open_snapshot_read_only, sha256_file
+
+
+@pytest.fixture
+def store(seaweedfs: SeaweedFS) -> S3SnapshotStore:
+    return S3SnapshotStore(f"s3://{BUCKET}/snapshots-{uuid.uuid4().hex[:10]}", seaweedfs.s3, max_workers=4)
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(8, "big")
+
+
+def open_db(path: Path) -> rocksdict.Rdict:
+    return rocksdict.Rdict(str(path), RocksDBOptions().build())
+
+
+def write(db: rocksdict.Rdict, items: dict[bytes, bytes]) -> None:
+    batch = rocksdict.WriteBatch(raw_mode=True)
+    for k, v in items.items():
+        batch.put(k, v)
+    db.write(batch, write_options())
+    db.flush()  # the WAL is off: the flush makes the SST the checkpoint holds
+
+
+def checkpoint(db: rocksdict.Rdict, path: Path) -> Path:
+    rocksdict.Checkpoint(db).create_checkpoint(str(path))
+    return path
+
+
+def read_all(path: Path) -> dict[bytes, bytes]:
+    db = open_snapshot_read_only(path)
+    try:
+        return dict(db.items())
+    finally:
+        db.close()
+
+
+def ssts(path: Path) -> dict[str, str]:
+    """SST file name -> SHA-256 of its content."""
+    return {p.name: sha256_file(p) for p in sorted(path.glob("*.sst"))}
+
+
+def objects(seaweedfs: SeaweedFS, store: S3SnapshotStore, under: str) -> set[str]:
+    """Object keys (relative to the store root) listed straight from the server."""
+    base = f"{store.prefix}/"
+    found: set[str] = set()
+    for page in seaweedfs.boto3().get_paginator("list_objects_v2").paginate(Bucket=store.bucket, Prefix=base + under):
+        found.update(o["Key"][len(base):] for o in page.get("Contents", []))
+    return found
+
+
+def test_upload_is_incremental_and_warm_restore_downloads_nothing(store, seaweedfs, tmp_path):
+    rng = random.Random(1)
+    state = {key(i): rng.randbytes(32) for i in range(20_000)}
+    db = open_db(tmp_path / "db")
+    write(db, state)
+    cp1 = checkpoint(db, tmp_path / "cp1")
+    first = store.upload(1, 0, cp1)
+    assert first.files_reused == 0 and first.bytes_uploaded == first.total_bytes > 500_000
+
+    changed = {key(i): rng.randbytes(32) for i in rng.sample(range(20_000), 2_000)}
+    write(db, changed)
+    state.update(changed)
+    cp2 = checkpoint(db, tmp_path / "cp2")
+    db.close()
+    second = store.upload(2, 0, cp2)
+
+    old, new = ssts(cp1), ssts(cp2)
+    shared = {n for n in new if old.get(n) == new[n]}
+    fresh = set(new) - shared
+    assert shared and fresh
+    small = [p for p in cp2.iterdir() if not p.name.endswith(".sst")]
+    assert second.files_reused == len(shared)
+    assert second.files_uploaded == len(fresh) + len(small)
+    assert second.bytes_uploaded == sum((cp2 / n).stat().st_size for n in fresh) + sum(p.stat().st_size for p in small)
+    assert second.bytes_uploaded < second.total_bytes / 4
+    assert second.total_bytes == sum(p.stat().st_size for p in cp2.iterdir())
+    # Every SST is stored once, under its content hash; epoch 2's manifest is committed.
+    assert objects(seaweedfs, store, "sst/") == {f"sst/{h}.sst" for h in {*old.values(), *new.values()}}
+    assert store.epochs() == [1, 2]
+    assert {f.name for f in store.manifest(2, 0).files} == {p.name for p in cp2.iterdir()}
+
+    cache = tmp_path / "cache"
+    cold = store.restore(2, 0, cache)
+    assert store.last_restore is not None
+    assert store.last_restore.bytes_downloaded == second.total_bytes
+    assert store.last_restore.files_cached == 0
+    assert read_all(cold) == state
+    plain = rocksdict.Rdict(str(cold))  # rocksdict's own defaults open it too
+    try:
+        assert plain[key(7)] == state[key(7)]
+    finally:
+        plain.close()
+
+    # A warm restore through a pickled copy (what a Spark executor gets) downloads nothing.
+    shipped: S3SnapshotStore = pickle.loads(pickle.dumps(store))
+    warm = shipped.restore(2, 0, cache)
+    assert warm != cold and shipped.last_restore is not None
+    assert shipped.last_restore.bytes_downloaded == 0
+    assert shipped.last_restore.files_cached == len({f.sha256 for f in second.manifest.files})
+    assert read_all(warm) == state
+    sst_name = next(iter(new))
+    assert os.path.samefile(warm / sst_name, cache / "objects" / new[sst_name])  # hardlinked from the cache
+
+
+def test_same_named_ssts_from_two_restores_do_not_collide(store, tmp_path):
+    base = {key(i): b"base" * 8 for i in range(2_000)}
+    db = open_db(tmp_path / "db")
+    write(db, base)
+    store.upload(1, 0, checkpoint(db, tmp_path / "cp1"))
+    db.close()
+
+    # Two restores of the same snapshot (a retried task, a rescale) write different
+    # data; RocksDB numbers their new SSTs alike.
+    expected: dict[str, dict[bytes, bytes]] = {}
+    snapshots: dict[str, Path] = {}
+    for shard, tag in ((0, b"left"), (1, b"right")):
+        restored = store.restore(1, 0, tmp_path / f"cache-{tag.decode()}")
+        shard_store = ShardStore.restore(restored, None, tmp_path / f"work-{tag.decode()}")
+        changes = {key(i): tag * 8 for i in range(0, 2_000, 3)}
+        write(shard_store.db, changes)
+        snapshots[tag.decode()] = checkpoint(shard_store.db, tmp_path / f"cp-{tag.decode()}")
+        shard_store.close()
+        expected[tag.decode()] = {**base, **changes}
+
+    left, right = ssts(snapshots["left"]), ssts(snapshots["right"])
+    clashing = [n for n in left if n in right and left[n] != right[n]]
+    assert clashing, (left, right)
+
+    up_left = store.upload(2, 0, snapshots["left"])
+    up_right = store.upload(2, 1, snapshots["right"])
+    keys_left = {f.name: f.key for f in up_left.manifest.files}
+    keys_right = {f.name: f.key for f in up_right.manifest.files}
+    for name in clashing:
+        assert keys_left[name] == f"sst/{left[name]}.sst" != keys_right[name] == f"sst/{right[name]}.sst"
+
+    cache = tmp_path / "cache-both"  # one cache serves both: entries are content-addressed
+    assert read_all(store.restore(2, 0, cache)) == expected["left"]
+    assert read_all(store.restore(2, 1, cache)) == expected["right"]
+
+
+def test_retention_deletes_old_manifests_then_unreferenced_ssts(store, seaweedfs, tmp_path):
+    rng = random.Random(3)
+    state = {key(i): rng.randbytes(24) for i in range(5_000)}
+    db = open_db(tmp_path / "db")
+    write(db, state)
+    states, manifests = {}, {}
+    for epoch in range(1, 5):
+        if epoch > 1:
+            changed = {key(i): rng.randbytes(24) for i in rng.sample(range(5_000), 500)}
+            write(db, changed)
+            state.update(changed)
+        if epoch == 3:  # a full compaction rewrites every SST: epochs 1-2's SSTs become theirs alone
+            db.compact_range(None, None)
+        manifests[epoch] = store.upload(epoch, 0, checkpoint(db, tmp_path / f"cp{epoch}")).manifest
+        states[epoch] = dict(state)
+    db.close()
+
+    def sst_keys(*epochs: int) -> set[str]:
+        return {f.key for e in epochs for f in manifests[e].files if f.key.startswith("sst/")}
+
+    only_old = sst_keys(1, 2) - sst_keys(3, 4)
+    assert only_old and sst_keys(3, 4)
+    old_small = {f.key for e in (1, 2) for f in manifests[e].files if not f.key.startswith("sst/")}
+
+    result = store.retain(2)
+    assert result.epochs_removed == [1, 2] and result.manifests_deleted == 2
+    assert result.ssts_deleted == len(only_old) and result.epoch_objects_deleted == len(old_small)
+    assert store.epochs() == [3, 4]
+    for epoch in (1, 2):
+        with pytest.raises(SnapshotError, match=f"epoch {epoch} shard 0 has no snapshot"):
+            store.manifest(epoch, 0)
+        assert not objects(seaweedfs, store, f"epochs/{epoch:010d}/")
+    assert objects(seaweedfs, store, "sst/") == sst_keys(3, 4)
+    for epoch in (3, 4):
+        assert read_all(store.restore(epoch, 0, tmp_path / "cache")) == states[epoch]
+    assert store.retain(2).epochs_removed == []  # idempotent
+
+
+@pytest.mark.parametrize("fault", ["closed port", "wrong secret key"])
+def test_unreachable_store_commits_nothing_and_a_rerun_succeeds(store, seaweedfs, tmp_path, fault):
+    db = open_db(tmp_path / "db")
+    write(db, {key(i): b"v" * 16 for i in range(1_000)})
+    cp = checkpoint(db, tmp_path / "cp")
+    db.close()
+    if fault == "closed port":
+        (port,) = free_ports(1)
+        broken = S3SnapshotStore(store.uri, replace(seaweedfs.s3, endpoint_url=f"http://127.0.0.1:{port}"),
+                                 max_attempts=2)
+    else:  # rotated credentials: the server answers 403 to every request
+        broken = S3SnapshotStore(store.uri, replace(seaweedfs.s3, secret_access_key="not-the-secret"))
+    with pytest.raises(SnapshotStorageError, match=r"epoch 7 shard 3: uploading \S+ to s3://") as err:
+        broken.upload(7, 3, cp)
+    assert isinstance(err.value, SnapshotError)
+    assert not objects(seaweedfs, store, S3SnapshotStore.manifest_key(7, 3))
+    assert store.epochs() == []
+
+    done = store.upload(7, 3, cp)
+    assert done.files_uploaded == len(done.manifest.files)
+    assert store.epochs() == [7]
+    assert len(read_all(store.restore(7, 3, tmp_path / "cache"))) == 1_000
+
+
+def test_outage_between_epochs_then_rerun_reuses_stored_ssts(tmp_path):
+    """A test-local server (the session's one must stay up) stopped and restarted on its data."""
+    root = tmp_path / "weed"
+    server = start_seaweedfs(root, bucket="outage")
+    uri = "s3://outage/pipeline"
+    rng = random.Random(5)
+    state = {key(i): rng.randbytes(32) for i in range(5_000)}
+    db = open_db(tmp_path / "db")
+    try:
+        write(db, state)
+        first = S3SnapshotStore(uri, server.s3, max_attempts=2).upload(1, 0, checkpoint(db, tmp_path / "cp1"))
+        changed = {key(i): rng.randbytes(32) for i in range(0, 5_000, 10)}
+        write(db, changed)
+        state.update(changed)
+        cp2 = checkpoint(db, tmp_path / "cp2")
+        server.stop()
+        with pytest.raises(SnapshotStorageError, match="epoch 2 shard 0"):
+            S3SnapshotStore(uri, server.s3, max_attempts=2).upload(2, 0, cp2)
+        server = start_seaweedfs(root, bucket="outage")  # same data, new ports and credentials
+        store = S3SnapshotStore(uri, server.s3)
+        assert store.epochs() == [1]  # the failed attempt committed nothing
+        with pytest.raises(SnapshotError, match="epoch 2 shard 0 has no snapshot"):
+            store.restore(2, 0, tmp_path / "cache")
+
+        second = store.upload(2, 0, cp2)
+        assert second.files_reused >= 1 and second.bytes_uploaded < first.bytes_uploaded / 2
+        assert read_all(store.restore(2, 0, tmp_path / "cache")) == state
+    finally:
+        db.close()
+        server.stop()
+
+
+def test_missing_manifest_and_corrupt_files(store, seaweedfs, tmp_path):
+    with pytest.raises(SnapshotError, match=r"epoch 9 shard 0 has no snapshot: manifest s3://\S+/epochs/0000000009/shard-0000\.json"):
+        store.restore(9, 0, tmp_path / "cache")
+
+    state = {key(i): bytes([i % 251]) * 40 for i in range(3_000)}
+    db = open_db(tmp_path / "db")
+    write(db, state)
+    manifest: SnapshotManifest = store.upload(1, 0, checkpoint(db, tmp_path / "cp")).manifest
+    db.close()
+    cache = tmp_path / "cache"
+    store.restore(1, 0, cache)
+    sst = next(f for f in manifest.files if f.name.endswith(".sst"))
+
+    # A corrupted cache entry (same size, flipped bytes) is found by its hash and downloaded again.
+    cached = cache / "objects" / sst.sha256
+    data = bytearray(cached.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    with open(cached, "r+b") as fh:
+        fh.write(data)
+    again = store.restore(1, 0, cache)
+    assert store.last_restore is not None
+    assert (store.last_restore.files_downloaded, store.last_restore.bytes_downloaded) == (1, sst.size)
+    assert sha256_file(cache / "objects" / sst.sha256) == sst.sha256
+    assert read_all(again) == state
+
+    # An object corrupted in the store is refused after download, naming the file.
+    client: Any = seaweedfs.boto3()
+    full_key = f"{store.prefix}/{sst.key}"
+    client.put_object(Bucket=store.bucket, Key=full_key, Body=bytes(data))
+    fresh = tmp_path / "fresh-cache"
+    with pytest.raises(SnapshotError, match=rf"epoch 1 shard 0: downloaded {sst.name} \(s3://\S+{sst.sha256}\.sst\) is corrupt"):
+        store.restore(1, 0, fresh)
+    assert not (fresh / "objects" / sst.sha256).exists()
+    assert not (fresh / "restores").exists()  # no half-laid-out restore
+
+    # An object deleted behind the manifest's back is named as missing.
+    client.delete_object(Bucket=store.bucket, Key=full_key)
+    with pytest.raises(SnapshotError, match=rf"{sst.name} is missing from the store"):
+        store.restore(1, 0, fresh)

@@ -1,0 +1,412 @@
+"""Incremental shard snapshots on S3, as Flink's incremental RocksDB checkpoints.
+
+Layout under ``s3://bucket/prefix`` (one pipeline's checkpoint root)::
+
+    sst/<sha256>.sst                                  SSTs, named by content, shared by epochs
+    epochs/0000000007/shard-0003/<sha256>-<name>      the small files (MANIFEST-*, CURRENT, OPTIONS-*, ...)
+    epochs/0000000007/shard-0003.json                 the manifest, written last: the commit point
+
+SSTs are keyed by content hash, not by RocksDB's file name: two restores of one
+snapshot number their next SSTs alike, with different contents. An SST already
+in the store is not uploaded again, so an epoch costs what changed since the
+last one. Small files carry their hash too, so racing attempts of one epoch
+never overwrite an object another attempt's manifest references.
+
+A (epoch, shard) snapshot exists exactly when its manifest does. ``prune``
+deletes manifests before the SSTs only they referenced, so a crash in between
+leaves garbage, never a dangling reference. ``prune`` must not run while an
+upload to the same store is in flight (the runner prunes between epochs): it
+would delete SSTs that upload is about to reference.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import threading
+import time
+import uuid
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, TypeVar
+from urllib.parse import urlparse
+
+from botocore.exceptions import BotoCoreError, ClientError
+
+from volley_dagster.checkpoint.epoch_log import epoch_key
+from volley_dagster.errors import ConfigError, SnapshotError, SnapshotStorageError
+from volley_dagster.sinks.s3 import S3Endpoint
+from volley_dagster.state.store import sha256_file
+
+MANIFEST_VERSION = 1
+_MANIFEST_KEY = re.compile(r"^epochs/(\d{10})/shard-(\d{4})\.json$")
+_EPOCH_OBJECT = re.compile(r"^epochs/(\d{10})/")
+_T = TypeVar("_T")
+
+
+@dataclass(frozen=True)
+class SnapshotFile:
+    name: str  # the file's name in the RocksDB checkpoint directory
+    size: int
+    sha256: str
+    key: str  # object key relative to the store root, e.g. "sst/<sha256>.sst"
+
+
+@dataclass(frozen=True)
+class SnapshotManifest:
+    epoch: int
+    shard: int
+    files: tuple[SnapshotFile, ...]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+    def to_json(self) -> bytes:
+        body = {
+            "version": MANIFEST_VERSION,
+            "epoch": self.epoch,
+            "shard": self.shard,
+            "files": [{"name": f.name, "size": f.size, "sha256": f.sha256, "key": f.key} for f in self.files],
+        }
+        return json.dumps(body, indent=1, sort_keys=True).encode() + b"\n"
+
+    @classmethod
+    def from_json(cls, data: bytes) -> SnapshotManifest:
+        body = json.loads(data)
+        if body.get("version") != MANIFEST_VERSION:
+            raise SnapshotError(f"unsupported snapshot manifest version {body.get('version')!r}")
+        files = tuple(SnapshotFile(f["name"], int(f["size"]), f["sha256"], f["key"]) for f in body["files"])
+        return cls(int(body["epoch"]), int(body["shard"]), files)
+
+
+@dataclass(frozen=True)
+class UploadResult:
+    manifest: SnapshotManifest
+    bytes_uploaded: int
+    files_uploaded: int
+    files_reused: int  # SSTs the store already held
+    total_bytes: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class RestoreResult:
+    epoch: int
+    shard: int
+    path: Path
+    bytes_downloaded: int
+    files_downloaded: int  # distinct contents: equal files (empty WALs) count once
+    files_cached: int  # served from the local cache after a hash check
+    seconds: float
+
+
+@dataclass(frozen=True)
+class PruneResult:
+    epochs_removed: list[int]
+    manifests_deleted: int
+    epoch_objects_deleted: int  # small files of removed epochs and of uncommitted attempts
+    ssts_deleted: int
+
+
+class S3SnapshotStore:
+    """Shard snapshots of one pipeline under ``uri``. Picklable: Spark ships it to
+    executors, where the boto3 client and the cache of known SSTs are rebuilt."""
+
+    def __init__(self, uri: str, endpoint: S3Endpoint | None = None, *, max_workers: int = 8,
+                 max_attempts: int = 5) -> None:
+        parsed = urlparse(uri)
+        if parsed.scheme not in ("s3", "s3a") or not parsed.netloc:
+            raise ConfigError(f"not an S3 URI: {uri!r} (expected s3://bucket/prefix)")
+        if max_workers < 1 or max_attempts < 1:
+            raise ConfigError(f"max_workers and max_attempts must be >= 1, got {max_workers}, {max_attempts}")
+        self.uri = uri.rstrip("/")
+        self.bucket = parsed.netloc
+        self.prefix = parsed.path.strip("/")
+        self.endpoint = endpoint
+        self.max_workers = max_workers
+        self.max_attempts = max_attempts
+        self.last_restore: RestoreResult | None = None
+        self._client: Any = None
+        self._lock = threading.Lock()
+        self._known_ssts: set[str] = set()  # hashes this process saw in the store
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_client": None, "_lock": None, "_known_ssts": set(), "last_restore": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    @property
+    def client(self) -> Any:
+        """One boto3 client shared by the worker threads (clients are thread-safe;
+        creating them through the default session is not, hence the lock)."""
+        with self._lock:
+            if self._client is None:
+                import boto3
+                from botocore.config import Config
+
+                config = Config(s3={"addressing_style": "path"}, max_pool_connections=max(10, self.max_workers),
+                                retries={"max_attempts": self.max_attempts, "mode": "standard"})
+                options = self.endpoint.boto3_options() if self.endpoint else {}
+                self._client = boto3.session.Session().client("s3", config=config, **options)
+            return self._client
+
+    # -- keys ------------------------------------------------------------------------
+
+    def _full(self, key: str) -> str:
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def _url(self, key: str) -> str:
+        return f"s3://{self.bucket}/{self._full(key)}"
+
+    @staticmethod
+    def manifest_key(epoch: int, shard: int) -> str:
+        return f"epochs/{epoch_key(epoch)}/shard-{shard:04d}.json"
+
+    # -- upload ----------------------------------------------------------------------
+
+    def upload(self, epoch: int, shard: int, local_snapshot_dir: Path) -> UploadResult:
+        """Upload a RocksDB checkpoint directory, then commit it with its manifest.
+        On any failure nothing is committed; a re-run skips the SSTs already stored.
+        A second upload of one (epoch, shard) replaces the manifest: either
+        version references only its own objects, so whichever wins is whole."""
+        started = time.monotonic()
+        where = f"epoch {epoch} shard {shard}"
+        local = Path(local_snapshot_dir)
+        try:
+            entries = sorted(os.scandir(local), key=lambda e: e.name)
+        except OSError as exc:
+            raise SnapshotError(f"{where}: cannot list local snapshot {local}: {exc}") from exc
+        if not any(e.name == "CURRENT" for e in entries):
+            raise SnapshotError(f"{where}: {local} is not a RocksDB checkpoint (no CURRENT file)")
+        for e in entries:
+            if not e.is_file(follow_symlinks=False):
+                raise SnapshotError(f"{where}: {local / e.name} is not a regular file; snapshots are flat directories")
+
+        results = self._parallel([lambda e=e: self._put_file(epoch, shard, Path(e.path)) for e in entries],
+                                 what=f"uploading {where} from {local}")
+        files = tuple(f for f, _ in results)
+        uploaded = [f for f, did in results if did]
+        manifest = SnapshotManifest(epoch, shard, files)
+        key = self.manifest_key(epoch, shard)
+        try:
+            self.client.put_object(Bucket=self.bucket, Key=self._full(key), Body=manifest.to_json(),
+                                   ContentType="application/json")
+        except (BotoCoreError, ClientError) as exc:
+            raise SnapshotStorageError(f"{where}: writing the manifest {self._url(key)} failed, "
+                                       f"the snapshot is not committed: {exc}") from exc
+        return UploadResult(
+            manifest=manifest,
+            bytes_uploaded=sum(f.size for f in uploaded),
+            files_uploaded=len(uploaded),
+            files_reused=len(files) - len(uploaded),
+            total_bytes=manifest.total_bytes,
+            seconds=time.monotonic() - started,
+        )
+
+    def _put_file(self, epoch: int, shard: int, path: Path) -> tuple[SnapshotFile, bool]:
+        """Store one file; True when it was uploaded, False when an equal SST was there."""
+        where = f"epoch {epoch} shard {shard}"
+        try:
+            size = path.stat().st_size
+            digest = sha256_file(path)
+        except OSError as exc:
+            raise SnapshotError(f"{where}: cannot read {path}: {exc}") from exc
+        is_sst = path.name.endswith(".sst")
+        key = f"sst/{digest}.sst" if is_sst else f"epochs/{epoch_key(epoch)}/shard-{shard:04d}/{digest}-{path.name}"
+        entry = SnapshotFile(path.name, size, digest, key)
+        try:
+            if is_sst and (digest in self._known_ssts or self._stored_size(key) == size):
+                self._known_ssts.add(digest)
+                return entry, False
+            with open(path, "rb") as fh:
+                self.client.put_object(Bucket=self.bucket, Key=self._full(key), Body=fh, ContentLength=size)
+        except (BotoCoreError, ClientError) as exc:
+            raise SnapshotStorageError(f"{where}: uploading {path.name} to {self._url(key)} failed: {exc}") from exc
+        except OSError as exc:
+            raise SnapshotError(f"{where}: cannot read {path}: {exc}") from exc
+        if is_sst:
+            self._known_ssts.add(digest)
+        return entry, True
+
+    def _stored_size(self, key: str) -> int | None:
+        try:
+            return int(self.client.head_object(Bucket=self.bucket, Key=self._full(key))["ContentLength"])
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                return None
+            raise
+
+    # -- restore ---------------------------------------------------------------------
+
+    def manifest(self, epoch: int, shard: int) -> SnapshotManifest:
+        """The committed manifest; SnapshotError when the snapshot was never committed or was pruned."""
+        key = self.manifest_key(epoch, shard)
+        try:
+            data = self.client.get_object(Bucket=self.bucket, Key=self._full(key))["Body"].read()
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                raise SnapshotError(f"epoch {epoch} shard {shard} has no snapshot: manifest {self._url(key)} "
+                                    "does not exist (never committed, or pruned)") from None
+            raise SnapshotStorageError(f"epoch {epoch} shard {shard}: reading {self._url(key)} failed: {exc}") from exc
+        except BotoCoreError as exc:
+            raise SnapshotStorageError(f"epoch {epoch} shard {shard}: reading {self._url(key)} failed: {exc}") from exc
+        manifest = SnapshotManifest.from_json(data)
+        if (manifest.epoch, manifest.shard) != (epoch, shard):
+            raise SnapshotError(f"{self._url(key)} describes epoch {manifest.epoch} shard {manifest.shard}, "
+                                f"not epoch {epoch} shard {shard}")
+        return manifest
+
+    def restore(self, epoch: int, shard: int, cache_dir: Path) -> Path:
+        """A new directory under ``cache_dir/restores`` that RocksDB opens as the
+        snapshot. Files come from ``cache_dir/objects`` (content-addressed, each
+        re-hashed before use) and are downloaded only when missing or corrupt.
+        Statistics go to ``last_restore``."""
+        started = time.monotonic()
+        manifest = self.manifest(epoch, shard)
+        cache_dir = Path(cache_dir)
+        objects = cache_dir / "objects"
+        objects.mkdir(parents=True, exist_ok=True)
+        distinct = list({f.sha256: f for f in manifest.files}.values())  # equal files (empty WALs) fetched once
+        fetched = self._parallel([lambda f=f: self._fetch(manifest, f, objects) for f in distinct],
+                                 what=f"restoring epoch {epoch} shard {shard}")
+
+        restores = cache_dir / "restores"
+        restores.mkdir(parents=True, exist_ok=True)
+        name = f"{epoch_key(epoch)}-shard-{shard:04d}-{uuid.uuid4().hex[:12]}"
+        tmp = restores / f".{name}.tmp"
+        tmp.mkdir()
+        for f in manifest.files:
+            # SSTs are immutable, so a hardlink is safe; the small files are copied
+            # because opening a DB may rewrite them in place.
+            (os.link if f.name.endswith(".sst") else shutil.copyfile)(objects / f.sha256, tmp / f.name)
+        target = restores / name
+        os.replace(tmp, target)
+        self.last_restore = RestoreResult(
+            epoch=epoch,
+            shard=shard,
+            path=target,
+            bytes_downloaded=sum(n for n in fetched if n is not None),
+            files_downloaded=sum(1 for n in fetched if n is not None),
+            files_cached=sum(1 for n in fetched if n is None),
+            seconds=time.monotonic() - started,
+        )
+        return target
+
+    def _fetch(self, manifest: SnapshotManifest, f: SnapshotFile, objects: Path) -> int | None:
+        """Make ``objects/<sha256>`` hold the file; the bytes downloaded, None on a cache hit."""
+        where = f"epoch {manifest.epoch} shard {manifest.shard}"
+        cached = objects / f.sha256
+        if cached.is_file() and cached.stat().st_size == f.size and sha256_file(cached) == f.sha256:
+            return None
+        tmp = objects / f".{f.sha256}.{uuid.uuid4().hex}.tmp"
+        h = hashlib.sha256()
+        n = 0
+        try:
+            body = self.client.get_object(Bucket=self.bucket, Key=self._full(f.key))["Body"]
+            with open(tmp, "wb") as out:
+                for chunk in body.iter_chunks(1 << 20):
+                    h.update(chunk)
+                    out.write(chunk)
+                    n += len(chunk)
+        except ClientError as exc:
+            tmp.unlink(missing_ok=True)
+            if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                raise SnapshotError(f"{where}: {f.name} is missing from the store ({self._url(f.key)}), "
+                                    "though the manifest references it") from None
+            raise SnapshotStorageError(f"{where}: downloading {f.name} from {self._url(f.key)} failed: {exc}") from exc
+        except BotoCoreError as exc:
+            tmp.unlink(missing_ok=True)
+            raise SnapshotStorageError(f"{where}: downloading {f.name} from {self._url(f.key)} failed: {exc}") from exc
+        if n != f.size or h.hexdigest() != f.sha256:
+            tmp.unlink(missing_ok=True)
+            raise SnapshotError(f"{where}: downloaded {f.name} ({self._url(f.key)}) is corrupt: {n} bytes with "
+                                f"SHA-256 {h.hexdigest()}, the manifest says {f.size} bytes with {f.sha256}")
+        os.replace(tmp, cached)
+        return n
+
+    # -- retention -------------------------------------------------------------------
+
+    def epochs(self) -> list[int]:
+        """Epochs with at least one committed shard snapshot, ascending."""
+        return sorted({int(m.group(1)) for k in self._list("epochs/") if (m := _MANIFEST_KEY.match(k))})
+
+    def retain(self, last_k: int) -> PruneResult:
+        """Keep the snapshots of the last ``last_k`` committed epochs."""
+        if last_k < 1:
+            raise ConfigError(f"retain(last_k={last_k}): keep at least the last committed epoch")
+        return self.prune(self.epochs()[-last_k:])
+
+    def prune(self, keep_epochs: Iterable[int]) -> PruneResult:
+        """Delete every epoch not in ``keep_epochs``: its manifests first, then its
+        small files, then the SSTs no remaining manifest references."""
+        keep = set(keep_epochs)
+        listing = self._list("epochs/")
+        manifests = {k: (int(m.group(1)), int(m.group(2))) for k in listing if (m := _MANIFEST_KEY.match(k))}
+        drop = {e for e, _ in manifests.values() if e not in keep}
+        dropped_manifests = [k for k, (e, _) in manifests.items() if e in drop]
+        self._delete(dropped_manifests, what="manifests")
+        # Attempts that never committed left small files too; those of epochs
+        # newer than every kept one may belong to an upload in flight.
+        horizon = max(keep, default=max(drop, default=-1))
+        committed = {e for e, _ in manifests.values()}
+        garbage = [k for k in listing if k not in manifests and (m := _EPOCH_OBJECT.match(k))
+                   and ((e := int(m.group(1))) in drop or (e not in committed and e <= horizon))]
+        self._delete(garbage, what="small files")
+
+        remaining = [sid for sid in manifests.values() if sid[0] not in drop]
+        kept = self._parallel([lambda s=s: self.manifest(*s) for s in remaining], what="reading kept manifests")
+        referenced = {f.key for m in kept for f in m.files}
+        orphans = [k for k in self._list("sst/") if k not in referenced]
+        self._delete(orphans, what="unreferenced SSTs")
+        self._known_ssts.difference_update(k[len("sst/"):-len(".sst")] for k in orphans)
+        return PruneResult(sorted(drop), len(dropped_manifests), len(garbage), len(orphans))
+
+    def _list(self, under: str) -> list[str]:
+        base = f"{self.prefix}/" if self.prefix else ""
+        keys = []
+        try:
+            for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=base + under):
+                keys.extend(obj["Key"][len(base):] for obj in page.get("Contents", []))
+        except (BotoCoreError, ClientError) as exc:
+            raise SnapshotStorageError(f"listing {self._url(under)} failed: {exc}") from exc
+        return keys
+
+    def _delete(self, keys: list[str], what: str) -> None:
+        for i in range(0, len(keys), 1000):
+            batch = keys[i:i + 1000]
+            try:
+                resp = self.client.delete_objects(
+                    Bucket=self.bucket, Delete={"Objects": [{"Key": self._full(k)} for k in batch], "Quiet": True})
+            except (BotoCoreError, ClientError) as exc:
+                raise SnapshotStorageError(f"deleting {len(batch)} {what} under {self.uri} failed: {exc}") from exc
+            if resp.get("Errors"):
+                first = resp["Errors"][0]
+                raise SnapshotStorageError(f"deleting {what} under {self.uri} failed for {len(resp['Errors'])} "
+                                           f"objects, e.g. {first.get('Key')}: {first.get('Message')}")
+
+    # -- threads ---------------------------------------------------------------------
+
+    def _parallel(self, jobs: list[Callable[[], _T]], what: str) -> list[_T]:
+        """Run ``jobs`` on the thread pool, results in order; on the first failure
+        cancel what has not started and raise it (project errors pass unchanged)."""
+        if not jobs:
+            return []
+        pool = ThreadPoolExecutor(max_workers=min(self.max_workers, len(jobs)), thread_name_prefix="s3-snapshots")
+        try:
+            futures: list[Future[_T]] = [pool.submit(job) for job in jobs]
+            wait(futures, return_when=FIRST_EXCEPTION)
+            failed = next((f for f in futures if f.done() and f.exception() is not None), None)
+            if failed is not None:
+                failed.result()  # raises
+            return [f.result() for f in futures]
+        except (BotoCoreError, ClientError) as exc:
+            raise SnapshotStorageError(f"{what} failed: {exc}") from exc
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
