@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from volley_dagster import FileLog, ParquetSink, Pipeline, count, first, last, max_, mean, min_, sum_
-from volley_dagster.demo.events import events_for_file
+from volley_dagster.demo.events import EVENT_SCHEMA, events_for_file
 
 
 def log_records(files: int, records_per_file: int, keys: int, seed: int = 7, first_file: int = 0) -> pa.Table:
@@ -22,12 +22,15 @@ def log_records(files: int, records_per_file: int, keys: int, seed: int = 7, fir
     )
 
 
-def payments(events: Path, output: Path, shards: int = 3, name: str = "payments", tables: Path | None = None) -> Pipeline:
+def payments(
+    events: Path, output: Path, shards: int = 3, name: str = "payments", tables: Path | None = None, fmt: str = "parquet"
+) -> Pipeline:
     """Every accumulator kind over the payment events; with ``tables``, also a Delta
-    table (upsert: the current state) and an Iceberg table (append: every epoch's output)."""
+    table (upsert: the current state) and an Iceberg table (append: every epoch's output).
+    ``fmt="json"`` reads a JSON-lines log (through the Python segment reader)."""
     pipeline = (
         Pipeline(name)
-        .source(FileLog(events, format="parquet"))
+        .source(FileLog(events, format=fmt, schema=EVENT_SCHEMA if fmt == "json" else None))
         .where("status = 'active'")
         .key_by("merchant_id")
         .aggregate(

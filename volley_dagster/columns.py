@@ -14,3 +14,5 @@ ROWS = "_volley_rows"  # records folded into a key's partial aggregate
 POS_OFFSET_BITS = 40
 WINDOW_START = "_volley_ws"  # window bounds in microseconds since the Unix epoch
 WINDOW_END = "_volley_we"
+MARKER = "_volley_marker"  # one row per shard, so every shard task runs
+PARTITION = "_volley_part"  # the Spark partition a shard's rows go to (spark/partitioning.py)

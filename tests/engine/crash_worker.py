@@ -1,8 +1,10 @@
 """Runs a pipeline to the end in its own process, for kill -9 tests:
-``python -m tests.engine.crash_worker BASE MAX_RECORDS KEEP [payments|windows]``."""
+``python -m tests.engine.crash_worker BASE MAX_RECORDS KEEP [payments|payments_json|windows]``."""
 
 import sys
 from pathlib import Path
+
+from functools import partial
 
 from tests.helpers import payments
 from tests.window_reference import crash_window_pipeline
@@ -12,7 +14,7 @@ from volley_dagster.spark.session import get_or_create_spark
 if __name__ == "__main__":
     base, max_records, keep = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     kind = sys.argv[4] if len(sys.argv) > 4 else "payments"
-    build = payments if kind == "payments" else crash_window_pipeline
+    build = {"payments": payments, "payments_json": partial(payments, fmt="json"), "windows": crash_window_pipeline}[kind]
     spark = get_or_create_spark(master="local[2]", conf={"spark.sql.shuffle.partitions": "4"})
     runner = EpochRunner(build(base / "events", base / "out", tables=base / "tables"), base / "state", spark=spark,
                          max_records_per_epoch=max_records, keep_epochs=keep)

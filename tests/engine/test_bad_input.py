@@ -105,6 +105,30 @@ def test_parquet_wrong_type_is_a_bad_record(spark, tmp_path):
     assert runner.read_state().to_pylist() == [{"user": "a", "total": 1.5}]
 
 
+@pytest.mark.parametrize("policy", ["fail", "dead_letter"])
+def test_parquet_null_keys_in_a_single_job_epoch(spark, tmp_path, policy):
+    """Local Parquet of the log's schema is one Spark job: the shard tasks count the
+    null keys, and a second job finds them only when there are some."""
+    log = tmp_path / "log"
+    log.mkdir()
+    pq.write_table(pa.table({"user": ["a", None, "b", None, "a"], "amount": [1.0, 2.0, 3.0, 4.0, 5.0],
+                             "ts": pa.array([0] * 5, pa.timestamp("us", tz="UTC"))}, schema=SCHEMA), log / "f-1.parquet")
+    pipeline = (Pipeline("pq_null").source(FileLog(log)).key_by("user").aggregate(total=sum_("amount"), n=count())
+                .sink(MemorySink()).on_bad_records(policy).with_shards(2))
+    runner = EpochRunner(pipeline, tmp_path / "state", spark=spark)
+    assert runner.pipeline.source_log.native_parquet_paths(runner.cut_next(), SCHEMA) is not None
+    if policy == "fail":
+        with pytest.raises(MalformedRecordError, match=r"2 malformed record\(s\).*f-1.parquet record 1: null key"):
+            runner.run(1)
+        assert runner.committed_epoch() == 0 and not runner.pipeline.sinks[0].epochs
+        return
+    result = runner.run(1)
+    assert (result.records_in, result.dead_letters, result.records_aggregated) == (5, 2, 3)
+    dead = pq.read_table(runner.log.root / result.dead_letter_path).to_pylist()
+    assert [(d["offset"], d["reason"]) for d in dead] == [(1, "null key: 'user' is null"), (3, "null key: 'user' is null")]
+    assert runner.read_state().to_pylist() == [{"user": "a", "total": 6.0, "n": 2}, {"user": "b", "total": 3.0, "n": 1}]
+
+
 def test_missing_source_file_of_a_cut_range_is_an_error(spark, tmp_path):
     generate(tmp_path / "events", 2, 500, 50)
     runner = EpochRunner(payments(tmp_path / "events", tmp_path / "out"), tmp_path / "state", spark=spark)
@@ -179,5 +203,5 @@ def test_file_changed_after_cut_fails_inside_the_stage(spark, tmp_path):
     path = tmp_path / "events" / "events-000000.parquet"
     plan = plan_epoch(spark, pipeline, rng)
     path.write_bytes(path.read_bytes() + b"x")  # rewritten after the driver's check
-    with pytest.raises(SourceError, match="changed after its epoch was cut"):
+    with pytest.raises(SourceError, match="changed after the epoch was cut"):
         run_stage(spark, pipeline, rng, plan, merge=None)

@@ -14,11 +14,12 @@ import os
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from volley_dagster.errors import ConfigError, SourceError
 from volley_dagster.sources import formats
 from volley_dagster.sources.offsets import EpochRange, Position, Segment
-from volley_dagster.sources.storage import FileInfo, Storage, storage_for
+from volley_dagster.sources.storage import FileInfo, LocalStorage, Storage, storage_for
 
 DEFAULT_PARTITION = ""
 
@@ -45,6 +46,7 @@ class FileLog:
         self.uri = self.storage.uri
         self._schema = schema
         self._counts: dict[tuple[str, int], int] = {}
+        self._native_ok: dict[tuple[str, int], bool] = {}
 
     def describe(self) -> dict[str, Any]:
         return {"type": "file_log", "uri": self.uri, "format": self.format}
@@ -158,14 +160,38 @@ class FileLog:
                     f"({seg.size} -> {size} bytes); log files must not be rewritten"
                 )
 
+    def native_parquet_paths(self, rng: EpochRange, schema: pa.Schema) -> list[str] | None:
+        """Local paths of the range's files when Spark's own Parquet scan can read them
+        exactly: local Parquet files whose columns are the log's schema, name and type.
+        None otherwise (JSON, S3, a file of another schema): the Python reader then
+        turns what does not fit into bad records, one by one."""
+        if self.format != "parquet" or not isinstance(self.storage, LocalStorage):
+            return None
+        paths = []
+        for seg in rng.segments:
+            path = self.storage.root / seg.file
+            key = (seg.file, seg.size)
+            if key not in self._native_ok:
+                try:
+                    found = pq.read_schema(path)
+                except (OSError, pa.ArrowInvalid):
+                    found = None
+                self._native_ok[key] = found is not None and all(
+                    found.get_field_index(f.name) >= 0 and found.field(f.name).type == f.type for f in schema
+                )
+            if not self._native_ok[key]:
+                return None
+            paths.append(str(path))
+        return paths
+
     def read_segment(self, seg: Segment, schema: pa.Schema) -> pa.Table:
         data = self.storage.read(seg.file)
         if len(data) != seg.size:
-            raise SourceError(f"source file {self.uri}/{seg.file} changed after its epoch was cut")
+            raise SourceError(f"source file {self.uri}/{seg.file} changed after the epoch was cut; log files must not be rewritten")
         return formats.decode_segment(self.format, data, seg.start, seg.end, schema, seg.position_base())
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_counts": {}}
+        return {**self.__dict__, "_counts": {}, "_native_ok": {}}
 
 
 def _base(path: str) -> str:

@@ -10,7 +10,6 @@ call per shard (state merge, firing, snapshot).
 from __future__ import annotations
 
 import json
-import os
 import re
 import time
 from contextlib import contextmanager
@@ -24,7 +23,6 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 from pyspark.errors import PythonException
-from pyspark.sql.pandas.types import from_arrow_schema
 
 from volley_dagster import columns, errors
 from volley_dagster.errors import ConfigError
@@ -32,13 +30,11 @@ from volley_dagster.operators.aggregate import ResolvedAggregate
 from volley_dagster.operators.window import ResolvedWindowAggregate
 from volley_dagster.pipeline import Pipeline
 from volley_dagster.sources.offsets import EpochRange
-from volley_dagster.spark.tasks import SegmentReader, ShardMerge
+from volley_dagster.state.keys import ShardLayout
+from volley_dagster.spark.partitioning import shard_markers, to_shards, with_shard
+from volley_dagster.spark.read import read_range
+from volley_dagster.spark.tasks import ShardMerge
 
-_META = [
-    pa.field(columns.POS, pa.int64()),
-    pa.field(columns.ERROR, pa.string()),
-    pa.field(columns.RAW, pa.string()),
-]
 _WHERE = [pa.field("partition", pa.string()), pa.field("file", pa.string()), pa.field("offset", pa.int64())]
 DEAD_LETTER_SCHEMA = pa.schema(_WHERE + [pa.field("reason", pa.string()), pa.field("raw", pa.string())])
 _SIDE = "_volley_side"  # which side output a row of the side-output job belongs to
@@ -54,6 +50,14 @@ class PlannedEpoch:
     keyed: DataFrame
     operator: ResolvedAggregate | ResolvedWindowAggregate
     key_kind: str
+    may_have_bad_records: bool = True  # False: a native Parquet read, every record parsed
+
+    @property
+    def single_job(self) -> bool:
+        """One Spark job does the epoch: nothing has to be known before the state stage
+        (no parse errors to look for, no watermark to advance). Null keys are counted
+        by the shard tasks, and only then looked up, in a second job."""
+        return not self.may_have_bad_records and self.windowed is None
 
     @property
     def windowed(self) -> ResolvedWindowAggregate | None:
@@ -77,11 +81,8 @@ def plan_epoch(spark: SparkSession, pipeline: Pipeline, rng: EpochRange) -> Plan
     reserved = [n for n in schema.names if n.startswith("_volley_")]
     if reserved:
         raise ConfigError(f"source columns {reserved} use the engine's reserved prefix _volley_")
-    read_schema = pa.schema(list(schema) + _META)
-    n = len(rng.segments)
-    raw = spark.range(0, n, 1, max(1, n)).mapInArrow(
-        SegmentReader(source, rng.segments, schema, rng.epoch, os.getpid()), from_arrow_schema(read_schema)
-    )
+    read = read_range(spark, source, rng, schema)
+    raw = read.raw
     parsed = raw.where(F.col(columns.ERROR).isNull()).drop(columns.ERROR, columns.RAW)
     transformed = pipeline.apply_transforms(parsed)
     if pipeline.key_column not in transformed.columns:
@@ -103,7 +104,7 @@ def plan_epoch(spark: SparkSession, pipeline: Pipeline, rng: EpochRange) -> Plan
     operator = pipeline.stateful_operator().resolve(keyed.schema)
     if pipeline.key_column in operator.output_names():
         raise ConfigError(f"output column {pipeline.key_column!r} has the same name as the key column")
-    return PlannedEpoch(raw, keyed, operator, kind)
+    return PlannedEpoch(raw, keyed, operator, kind, read.may_have_bad_records)
 
 
 def _dead_letter_frame(plan: PlannedEpoch, pipeline: Pipeline) -> DataFrame:
@@ -203,6 +204,29 @@ def _engine_errors() -> Iterator[None]:
         raise
 
 
+def _shard_partials(rows: DataFrame, partial_exprs: list, layout: ShardLayout) -> DataFrame:
+    """The running aggregate's partials per key, already in their shard's partition:
+    one shuffle of the epoch's rows (``spark/partitioning.py``)."""
+    keys = [columns.PARTITION, columns.SHARD, columns.KEY_GROUP, columns.KEY, columns.MARKER]
+    return to_shards(rows, layout).groupBy(*keys).agg(*partial_exprs)
+
+
+@contextmanager
+def _source_unchanged(pipeline: Pipeline, rng: EpochRange, plan: PlannedEpoch) -> Iterator[None]:
+    """Spark's own Parquet scan cannot check, as the Python reader does, that a file
+    is the one the epoch was cut from; so the driver checks after the read (and when
+    the read failed, whether a changed file is why)."""
+    if plan.may_have_bad_records:  # the Python reader checks each segment itself
+        yield
+        return
+    try:
+        yield
+    except Exception:
+        pipeline.source_log.verify(rng)
+        raise
+    pipeline.source_log.verify(rng)
+
+
 def run_stage(
     spark: SparkSession,
     pipeline: Pipeline,
@@ -214,48 +238,46 @@ def run_stage(
 ) -> StageResult:
     """``watermark``: the one the epoch starts from (windows only)."""
     layout, window = pipeline.layout, plan.windowed
-    plan.raw.persist(StorageLevel.MEMORY_AND_DISK)
+    if not plan.single_job:
+        plan.raw.persist(StorageLevel.MEMORY_AND_DISK)
     try:
         t0 = time.perf_counter()
-        assigned = window.assign(_valid(plan)) if window is not None else None
-        with _engine_errors():
-            side = _side_outputs(plan, pipeline, assigned, watermark).toArrow()
-        kind = side.column(_SIDE)
-        dead = _resolve_dead_letters(side.filter(pc.equal(kind, "dead")).select([columns.POS, "reason", "raw"]), rng)
-        t1 = time.perf_counter()
-        if dead.num_rows and pipeline.bad_records == "fail":
-            return StageResult(pa.table({}), dead, {}, t1 - t0, 0.0)
-
-        late, new_watermark = None, watermark
-        if window is not None:
-            late = _resolve_late(side.filter(pc.equal(kind, "late")), rng, pipeline, window, watermark)
-            new_watermark = window.windowing.advance(watermark, side.filter(pc.equal(kind, "max")).column(_MAX_EVENT)[0].as_py())
-            limit = window.windowing.fire_limit(new_watermark, end_of_stream)
-            merge = replace(merge, step=replace(merge.step, fire_limit=limit))
-            partials = window.partials(assigned.where(~window.is_late(watermark)))
+        late, new_watermark, dead = None, watermark, None
+        if plan.single_job:  # null keys ride along: they fold into one partial row, counted per shard
+            partials = _shard_partials(plan.keyed, plan.operator.partial_exprs(), layout)
         else:
-            partials = _valid(plan).groupBy(columns.KEY).agg(*plan.operator.partial_exprs())
-        partials = partials.withColumn(
-            columns.KEY_GROUP, F.pmod(F.xxhash64(columns.KEY), F.lit(layout.num_key_groups)).cast("int")
-        ).withColumn(
-            columns.SHARD,
-            F.expr(f"cast(({columns.KEY_GROUP} * {layout.num_shards}) div {layout.num_key_groups} as int)"),
-        )
-        every_shard = spark.range(layout.num_shards).select(F.col("id").cast("int").alias(columns.SHARD))
+            assigned = window.assign(_valid(plan)) if window is not None else None
+            with _engine_errors():
+                side = _side_outputs(plan, pipeline, assigned, watermark).toArrow()
+            kind = side.column(_SIDE)
+            dead = _resolve_dead_letters(side.filter(pc.equal(kind, "dead")).select([columns.POS, "reason", "raw"]), rng)
+            if dead.num_rows and pipeline.bad_records == "fail":
+                return StageResult(pa.table({}), dead, {}, time.perf_counter() - t0, 0.0)
+            if window is not None:
+                late = _resolve_late(side.filter(pc.equal(kind, "late")), rng, pipeline, window, watermark)
+                new_watermark = window.windowing.advance(watermark, side.filter(pc.equal(kind, "max")).column(_MAX_EVENT)[0].as_py())
+                limit = window.windowing.fire_limit(new_watermark, end_of_stream)
+                merge = replace(merge, step=replace(merge.step, fire_limit=limit))
+                partials = shard_markers(with_shard(window.partials(assigned.where(~window.is_late(watermark))), layout), layout)
+            else:
+                partials = _shard_partials(_valid(plan), plan.operator.partial_exprs(), layout)
+        t1 = time.perf_counter()
         key_type = plan.keyed.schema[columns.KEY].dataType.simpleString()
         out_schema = ", ".join(
             [f"`{pipeline.key_column}` {key_type}"] + plan.operator.output_ddl() + [f"`{columns.STATS}` string"]
         )
-        with _engine_errors():
+        with _engine_errors(), _source_unchanged(pipeline, rng, plan):
             out = (
-                partials.unionByName(every_shard, allowMissingColumns=True)
-                .groupBy(columns.SHARD)
+                partials.groupBy(columns.PARTITION)
                 .applyInArrow(lambda table: merge(table), out_schema)  # Spark counts a callable's self
                 .toArrow()
             )
         t2 = time.perf_counter()
+        if dead is None:
+            dead = _null_key_dead_letters(plan, pipeline, rng, out)
     finally:
-        plan.raw.unpersist()
+        if not plan.single_job:
+            plan.raw.unpersist()
     is_stats = pc.is_valid(out.column(columns.STATS))
     shards = {
         s["shard"]: s for s in (json.loads(v) for v in out.filter(is_stats).column(columns.STATS).to_pylist())
@@ -263,3 +285,15 @@ def run_stage(
     output = out.filter(pc.invert(is_stats)).drop_columns([columns.STATS])
     output = output.sort_by([(c, "ascending") for c in pipeline.output_keys()])
     return StageResult(output, dead, shards, t1 - t0, t2 - t1, late, new_watermark)
+
+
+def _null_key_dead_letters(plan: PlannedEpoch, pipeline: Pipeline, rng: EpochRange, out: pa.Table) -> pa.Table:
+    """Single-job epochs: the shard tasks counted records with a null key; only when
+    there are some, a second job finds which (file, offset) they are."""
+    stats = out.filter(pc.is_valid(out.column(columns.STATS))).column(columns.STATS).to_pylist()
+    if not sum(json.loads(s).get("null_key_records", 0) for s in stats):
+        return _resolve_dead_letters(pa.table({columns.POS: pa.array([], pa.int64()), "reason": pa.array([], pa.string()),
+                                               "raw": pa.array([], pa.string())}), rng)
+    with _engine_errors():
+        bad = _dead_letter_frame(plan, pipeline).toArrow()
+    return _resolve_dead_letters(bad, rng)

@@ -8,6 +8,7 @@ is on storage every executor reaches (the log, the checkpoint root).
 from __future__ import annotations
 
 import json
+import os
 import resource
 import time
 import uuid
@@ -67,7 +68,12 @@ class ShardMerge:
 
     def __call__(self, table: pa.Table) -> pa.Table:
         shard = table.column(columns.SHARD)[0].as_py()
-        data = table.filter(pc.is_valid(table.column(columns.KEY)))
+        valid = pc.is_valid(table.column(columns.KEY))
+        data = table.filter(valid)
+        # a single-job epoch's null-key records arrive as one partial row per shard;
+        # the marker rows (one per shard) are no records
+        null_key_rows = pc.and_(pc.invert(valid), pc.is_null(table.column(columns.MARKER)))
+        null_keys = int(pc.sum(table.filter(null_key_rows).column(columns.ROWS)).as_py() or 0)
         _reset_peak_rss()
         t0 = time.perf_counter()
         prev = self.previous.get(shard)
@@ -91,6 +97,7 @@ class ShardMerge:
                 prev.files if prev else None,
             )
             t4 = time.perf_counter()
+            faults.fault_pause("shard_after_snapshot", self.step.epoch, shard)  # tests: hold the attempt
         finally:
             store.close()
         faults.fault_point("shard_after_snapshot", self.step.epoch, pid=self.driver_pid, shard=shard)
@@ -102,6 +109,7 @@ class ShardMerge:
             "bytes_new": snap.bytes_new,
             **operator_stats,
             "records": int(pc.sum(data.column(columns.ROWS)).as_py() or 0),
+            "null_key_records": null_keys,
             "keys_written": written,
             "read_mode": "scan" if txn.scanned else "multi_get",
             "restore_s": t1 - t0,
@@ -109,6 +117,7 @@ class ShardMerge:
             "flush_s": t3 - t2,
             "snapshot_s": t4 - t3,
             "peak_rss_mib": _peak_rss_mib(),
+            "task_pid": os.getpid(),  # the executor-side process that ran the shard
         }
         return self._output(outputs, stats)
 

@@ -1,0 +1,82 @@
+"""Routing rows to state shards inside Spark, with one shuffle per epoch.
+
+A shard is a contiguous range of key groups (``state/keys.py``). To send every
+row of a shard to one Spark partition, and only that shard's rows, the epoch
+repartitions by a small integer per shard chosen so that Spark's own hash
+partitioning (``pmod(murmur3(value, 42), n)``) puts shard ``s`` in partition
+``s``. The per-key aggregation after that exchange and the per-shard
+``applyInArrow`` both find their rows already in place, so Spark plans no
+second exchange; and each partition is one shard task.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from pyspark.sql import Column, DataFrame
+from pyspark.sql import functions as F
+
+from volley_dagster import columns
+from volley_dagster.state.keys import ShardLayout
+
+_SEED = 42  # Spark's HashPartitioning seed
+
+
+def murmur3_int(value: int, seed: int = _SEED) -> int:
+    """Spark's ``Murmur3_x86_32.hashInt``: what ``hash(int)`` and hash partitioning compute."""
+    def rotl(x: int, r: int) -> int:
+        return ((x << r) | (x >> (32 - r))) & 0xFFFFFFFF
+
+    k = rotl((value * 0xCC9E2D51) & 0xFFFFFFFF, 15)
+    k = (k * 0x1B873593) & 0xFFFFFFFF
+    h = rotl(seed ^ k, 13)
+    h = (h * 5 + 0xE6546B64) & 0xFFFFFFFF
+    h ^= 4  # the input length in bytes
+    h ^= h >> 16
+    h = (h * 0x85EBCA6B) & 0xFFFFFFFF
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) & 0xFFFFFFFF
+    h ^= h >> 16
+    return h - (1 << 32) if h >= 1 << 31 else h
+
+
+@lru_cache(maxsize=64)
+def partition_values(num_shards: int) -> tuple[int, ...]:
+    """For each shard, the smallest non-negative int that Spark hash-partitions into it."""
+    found: dict[int, int] = {}
+    value = 0
+    while len(found) < num_shards:
+        found.setdefault(murmur3_int(value) % num_shards, value)
+        value += 1
+    return tuple(found[s] for s in range(num_shards))
+
+
+def with_shard(df: DataFrame, layout: ShardLayout) -> DataFrame:
+    """Key group (a stable hash of the key) and shard (its range) as Spark expressions."""
+    return df.withColumn(
+        columns.KEY_GROUP, F.pmod(F.xxhash64(columns.KEY), F.lit(layout.num_key_groups)).cast("int")
+    ).withColumn(
+        columns.SHARD,
+        F.expr(f"cast(({columns.KEY_GROUP} * {layout.num_shards}) div {layout.num_key_groups} as int)"),
+    )
+
+
+def partition_of_shard(layout: ShardLayout) -> Column:
+    values = partition_values(layout.num_shards)
+    return F.element_at(F.array(*[F.lit(v) for v in values]), F.col(columns.SHARD) + 1)
+
+
+def shard_markers(df: DataFrame, layout: ShardLayout) -> DataFrame:
+    """``df`` plus one marker row per shard, so every shard task runs (and snapshots)
+    even when the epoch has no rows for it."""
+    markers = df.sparkSession.range(layout.num_shards).select(
+        F.col("id").cast("int").alias(columns.SHARD), F.lit(True).alias(columns.MARKER)
+    )
+    return df.unionByName(markers, allowMissingColumns=True).withColumn(
+        columns.PARTITION, partition_of_shard(layout)
+    )
+
+
+def to_shards(rows: DataFrame, layout: ShardLayout) -> DataFrame:
+    """Keyed rows, one Spark partition per shard (marker rows included)."""
+    return shard_markers(with_shard(rows, layout), layout).repartition(layout.num_shards, columns.PARTITION)
