@@ -58,7 +58,7 @@ class EpochRunner:
         max_records_per_epoch: int | None = 1_000_000,
         keep_epochs: int = 3,
         rocksdb: RocksDBOptions | None = None,
-        scan_fraction: float = 0.5,
+        scan_fraction: float = 0.2,  # scan when touching >= 20% of a shard: measured break-even ~18%
         verify_checksums: bool = False,
     ) -> None:
         pipeline.validate()

@@ -122,3 +122,29 @@ def test_partitioned_log_with_string_keys(spark, tmp_path):
     expected = pd.DataFrame({"total": g["amount"].sum(), "events": g.size()}).reset_index()
     got = runner.read_state().to_pandas()
     pd.testing.assert_frame_equal(got, expected, check_dtype=False, rtol=1e-9)
+
+
+def test_empty_epoch_carries_state_forward_without_spark_work(spark, tmp_path):
+    """An epoch with no records links N-1's snapshot files (no RocksDB opened, nothing
+    written), and each sink still records the epoch; the next epoch restores from it."""
+    generate(tmp_path / "events", 1, 1_000, 100)
+    pipeline = payments(tmp_path / "events", tmp_path / "out", tables=tmp_path / "tables")
+    runner = EpochRunner(pipeline, tmp_path / "state", spark=spark, max_records_per_epoch=1_000)
+    runner.run_next()
+    empty = runner.run(runner.cut_next(allow_empty=True).epoch)
+    assert (empty.epoch, empty.records_in, empty.records_out, empty.state_bytes_written) == (2, 0, 0, 0)
+    assert all(s["read_mode"] == "carried_forward" for s in empty.shards.values())
+    for shard, info in runner.result(1).shards.items():
+        new = runner.log.root / empty.shards[shard]["snapshot"]
+        assert empty.shards[shard]["files"] == info["files"]
+        assert all((new / n).stat().st_ino == (runner.log.root / info["snapshot"] / n).stat().st_ino
+                   for n in info["files"])  # hardlinks: the same files
+    sinks = {s.name: s for s in pipeline.sinks}
+    assert sinks["delta"].committed_epoch("payments") == sinks["iceberg"].committed_epoch("payments") == 2
+    assert_state_equal(runner.read_state(2), reference_state(log_records(1, 1_000, 100)))
+
+    generate(tmp_path / "events", 1, 1_000, 100, first_file=1)
+    runner.run_next()
+    records = log_records(2, 1_000, 100)
+    assert_state_equal(runner.read_state(), reference_state(records))
+    assert_state_equal(sinks["delta"].read(), reference_state(records))

@@ -129,7 +129,9 @@ class DeltaSink(Sink):
                     raise
                 raise CommitFailedError(f"table {self.uri} was created concurrently: {exc}") from exc
             return {"inserted": output.num_rows, "updated": 0}
-        if self.mode == "append":
+        if self.mode == "append" or output.num_rows == 0:
+            # An empty MERGE commits nothing (delta-rs skips a commit without actions), so
+            # an epoch without rows is an append of nothing: a commit that carries the txn.
             write_deltalake(table, output, mode="append", commit_properties=props)
             return {"inserted": output.num_rows, "updated": 0}
         predicate = " AND ".join(f"target.{_quote(k)} = source.{_quote(k)}" for k in keys)

@@ -14,6 +14,7 @@ import re
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, Iterator
 
 import pyarrow as pa
@@ -31,6 +32,7 @@ from volley_dagster.operators.window import ResolvedWindowAggregate
 from volley_dagster.pipeline import Pipeline
 from volley_dagster.sources.offsets import EpochRange
 from volley_dagster.state.keys import ShardLayout
+from volley_dagster.state.store import carry_forward
 from volley_dagster.spark.partitioning import shard_markers, to_shards, with_shard
 from volley_dagster.spark.read import read_range
 from volley_dagster.spark.tasks import ShardMerge
@@ -238,6 +240,8 @@ def run_stage(
 ) -> StageResult:
     """``watermark``: the one the epoch starts from (windows only)."""
     layout, window = pipeline.layout, plan.windowed
+    if not rng.segments and window is None and len(merge.previous) == layout.num_shards:
+        return _carry_forward_stage(spark, pipeline, plan, merge)
     if not plan.single_job:
         plan.raw.persist(StorageLevel.MEMORY_AND_DISK)
     try:
@@ -262,10 +266,7 @@ def run_stage(
             else:
                 partials = _shard_partials(_valid(plan), plan.operator.partial_exprs(), layout)
         t1 = time.perf_counter()
-        key_type = plan.keyed.schema[columns.KEY].dataType.simpleString()
-        out_schema = ", ".join(
-            [f"`{pipeline.key_column}` {key_type}"] + plan.operator.output_ddl() + [f"`{columns.STATS}` string"]
-        )
+        out_schema = ", ".join(_output_ddl(pipeline, plan) + [f"`{columns.STATS}` string"])
         with _engine_errors(), _source_unchanged(pipeline, rng, plan):
             out = (
                 partials.groupBy(columns.PARTITION)
@@ -287,13 +288,36 @@ def run_stage(
     return StageResult(output, dead, shards, t1 - t0, t2 - t1, late, new_watermark)
 
 
+def _output_ddl(pipeline: Pipeline, plan: PlannedEpoch) -> list[str]:
+    key_type = plan.keyed.schema[columns.KEY].dataType.simpleString()
+    return [f"`{pipeline.key_column}` {key_type}"] + plan.operator.output_ddl()
+
+
+def _carry_forward_stage(spark: SparkSession, pipeline: Pipeline, plan: PlannedEpoch, merge: ShardMerge) -> StageResult:
+    """An epoch with no records (running aggregate): state is unchanged, so each shard's
+    snapshot is the previous one, hardlinked; no Spark job runs. The output is empty,
+    typed as a processed epoch's would be, so each sink still records the epoch."""
+    t0 = time.perf_counter()
+    shards: dict[int, dict[str, Any]] = {}
+    for shard, prev in sorted(merge.previous.items()):
+        t = time.perf_counter()
+        snap = carry_forward(Path(prev.path), prev.files, Path(merge.snapshot_root) / f"shard-{shard:04d}")
+        shards[shard] = {
+            "shard": shard, "snapshot": str(snap.path), "files": snap.files, "bytes_total": snap.bytes_total,
+            "bytes_new": 0, "keys_touched": 0, "new_keys": 0, "records": 0, "null_key_records": 0,
+            "keys_written": 0, "read_mode": "carried_forward", "restore_s": 0.0, "merge_s": 0.0, "flush_s": 0.0,
+            "snapshot_s": time.perf_counter() - t, "peak_rss_mib": 0.0,
+        }
+    output = spark.createDataFrame([], ", ".join(_output_ddl(pipeline, plan))).toArrow()
+    return StageResult(output, DEAD_LETTER_SCHEMA.empty_table(), shards, 0.0, time.perf_counter() - t0)
+
+
 def _null_key_dead_letters(plan: PlannedEpoch, pipeline: Pipeline, rng: EpochRange, out: pa.Table) -> pa.Table:
     """Single-job epochs: the shard tasks counted records with a null key; only when
     there are some, a second job finds which (file, offset) they are."""
     stats = out.filter(pc.is_valid(out.column(columns.STATS))).column(columns.STATS).to_pylist()
     if not sum(json.loads(s).get("null_key_records", 0) for s in stats):
-        return _resolve_dead_letters(pa.table({columns.POS: pa.array([], pa.int64()), "reason": pa.array([], pa.string()),
-                                               "raw": pa.array([], pa.string())}), rng)
+        return DEAD_LETTER_SCHEMA.empty_table()
     with _engine_errors():
         bad = _dead_letter_frame(plan, pipeline).toArrow()
     return _resolve_dead_letters(bad, rng)
