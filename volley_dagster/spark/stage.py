@@ -242,7 +242,11 @@ def run_stage(
     layout, window = pipeline.layout, plan.windowed
     if not rng.segments and window is None and len(merge.previous) == layout.num_shards:
         return _carry_forward_stage(spark, pipeline, plan, merge)
-    if not plan.single_job:
+    # A Python-decoded read is cached for the side-output job and the state stage to
+    # share; a native Parquet scan is cheaper to run twice (each job reads only the
+    # columns it needs) than to cache whole.
+    cached = plan.may_have_bad_records
+    if cached:
         plan.raw.persist(StorageLevel.MEMORY_AND_DISK)
     try:
         t0 = time.perf_counter()
@@ -277,7 +281,7 @@ def run_stage(
         if dead is None:
             dead = _null_key_dead_letters(plan, pipeline, rng, out)
     finally:
-        if not plan.single_job:
+        if cached:
             plan.raw.unpersist()
     is_stats = pc.is_valid(out.column(columns.STATS))
     shards = {
