@@ -32,7 +32,11 @@ def _s3() -> Optional[S3Resource]:
 
 defs = build_definitions(
     [payments_deployment(DEMO / "events"), merchant_minutes_deployment(DEMO / "events")],
-    checkpoints=CheckpointResource(root=os.environ.get("VOLLEY_CHECKPOINTS", str(DEMO / "state"))),
+    checkpoints=CheckpointResource(
+        root=os.environ.get("VOLLEY_CHECKPOINTS", str(DEMO / "state")),
+        snapshot_store_uri=os.environ.get("VOLLEY_SNAPSHOT_STORE") or None,  # s3://bucket/prefix
+        s3=_s3(),
+    ),
     tables=TablesResource(
         warehouse=os.environ.get("VOLLEY_WAREHOUSE", str(DEMO / "tables")),
         iceberg_catalog_uri=os.environ.get("VOLLEY_ICEBERG_CATALOG_URI") or None,

@@ -49,6 +49,7 @@ def make_runner(
         spark=spark.session() if spark is not None else None,
         keep_epochs=checkpoints.keep_epochs,
         max_records_per_epoch=checkpoints.max_records_per_epoch,
+        snapshot_store=checkpoints.snapshot_store(pipeline.name),
     )
 
 

@@ -9,6 +9,7 @@ from typing import Optional
 from dagster import ConfigurableResource
 from pyspark.sql import SparkSession
 
+from volley_dagster.checkpoint.s3_snapshots import S3SnapshotStore
 from volley_dagster.deploy import TableSettings
 from volley_dagster.sinks.iceberg import sqlite_catalog
 from volley_dagster.sinks.s3 import S3Endpoint
@@ -26,15 +27,6 @@ class SparkResource(ConfigurableResource):
         return get_or_create_spark(master=self.master, remote=self.remote)
 
 
-class CheckpointResource(ConfigurableResource):
-    """Where a pipeline's epoch log and snapshots live (``<root>/<pipeline>``), how
-    many snapshots to keep and how large an epoch may be."""
-
-    root: str
-    keep_epochs: int = 3
-    max_records_per_epoch: int = 1_000_000
-
-
 class S3Resource(ConfigurableResource):
     """An S3-compatible endpoint for the tables; empty means local paths."""
 
@@ -47,6 +39,25 @@ class S3Resource(ConfigurableResource):
         if not self.endpoint_url:
             return None
         return S3Endpoint(self.endpoint_url, self.access_key_id, self.secret_access_key, self.region)
+
+
+class CheckpointResource(ConfigurableResource):
+    """Where a pipeline's epoch log and snapshots live (``<root>/<pipeline>``), how
+    many snapshots to keep and how large an epoch may be. ``snapshot_store_uri``
+    (``s3://bucket/prefix``) also keeps every shard snapshot on S3, incrementally,
+    for executors that do not share the root's disk (``<uri>/<pipeline>``)."""
+
+    root: str
+    keep_epochs: int = 3
+    max_records_per_epoch: int = 1_000_000
+    snapshot_store_uri: Optional[str] = None
+    s3: Optional[S3Resource] = None
+
+    def snapshot_store(self, pipeline: str) -> Optional[S3SnapshotStore]:
+        if not self.snapshot_store_uri:
+            return None
+        endpoint = self.s3.endpoint() if self.s3 is not None else None
+        return S3SnapshotStore(f"{self.snapshot_store_uri.rstrip('/')}/{pipeline}", endpoint)
 
 
 class TablesResource(ConfigurableResource):

@@ -4,14 +4,17 @@ The engine is importable and testable without Dagster; the Dagster code
 location (``assets/``, ``resources/``, ``sensors/``) is a thin layer over it.
 """
 
+from volley_dagster.checkpoint.s3_snapshots import S3SnapshotStore
 from volley_dagster.errors import (
     ConfigError,
     EpochNotCutError,
     EpochOrderError,
     MalformedRecordError,
     SnapshotError,
+    SnapshotStorageError,
     SourceError,
     StateLayoutError,
+    StorageFullError,
     VolleyError,
 )
 from volley_dagster.operators.accumulators import count, first, last, max_, mean, min_, sum_
@@ -28,6 +31,7 @@ __all__ = [
     "DeltaSink",
     "IcebergSink",
     "S3Endpoint",
+    "S3SnapshotStore",
     "EpochNotCutError",
     "EpochOrderError",
     "EpochResult",
@@ -39,8 +43,10 @@ __all__ = [
     "Pipeline",
     "Sink",
     "SnapshotError",
+    "SnapshotStorageError",
     "SourceError",
     "StateLayoutError",
+    "StorageFullError",
     "VolleyError",
     "count",
     "first",

@@ -42,3 +42,8 @@ class StateLayoutError(VolleyError):
 class SnapshotStorageError(SnapshotError):
     """The snapshot store (S3) failed during an upload, download or delete; nothing
     was committed, so retrying once the store is reachable again is safe."""
+
+
+class StorageFullError(VolleyError):
+    """The disk under the checkpoint root filled up while an epoch wrote state; the
+    epoch is not committed, so re-running it once there is room is safe."""

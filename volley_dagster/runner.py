@@ -11,6 +11,7 @@ The order of one epoch (each step survives a crash at any point)::
 
 from __future__ import annotations
 
+import errno
 import io
 import os
 import time
@@ -26,8 +27,9 @@ from pyspark.sql import SparkSession
 from volley_dagster import faults
 from volley_dagster.checkpoint.atomic import write_bytes_atomic
 from volley_dagster.checkpoint.epoch_log import EpochLog
+from volley_dagster.checkpoint.s3_snapshots import S3SnapshotStore
 from volley_dagster.checkpoint.rescale import RescaleResult, rescale as rescale_state
-from volley_dagster.errors import ConfigError, EpochOrderError, MalformedRecordError, SnapshotError, StateLayoutError, VolleyError
+from volley_dagster.errors import ConfigError, EpochOrderError, MalformedRecordError, SnapshotError, StateLayoutError, StorageFullError, VolleyError
 from volley_dagster.operators.aggregate import ResolvedAggregate
 from volley_dagster.operators.base import ShardStep, StatefulOperator
 from volley_dagster.operators.window import WINDOW_END, WINDOW_START
@@ -60,7 +62,12 @@ class EpochRunner:
         rocksdb: RocksDBOptions | None = None,
         scan_fraction: float = 0.2,  # scan when touching >= 20% of a shard: measured break-even ~18%
         verify_checksums: bool = False,
+        snapshot_store: S3SnapshotStore | None = None,
+        snapshot_cache: str | Path | None = None,
     ) -> None:
+        """``snapshot_store``: also keep every shard snapshot on S3, incrementally (only
+        new SSTs upload); a task whose machine lacks N-1's snapshot restores it from
+        there into ``snapshot_cache`` (default: a folder under the system temp dir)."""
         pipeline.validate()
         if keep_epochs < 1:
             raise ConfigError(f"keep_epochs must be at least 1 (the last committed epoch), got {keep_epochs}")
@@ -74,6 +81,8 @@ class EpochRunner:
         self.rocksdb = rocksdb or RocksDBOptions()
         self.scan_fraction = scan_fraction
         self.verify_checksums = verify_checksums
+        self.snapshot_store = snapshot_store
+        self.snapshot_cache = str(snapshot_cache) if snapshot_cache is not None else None
 
     @property
     def spark(self) -> SparkSession:
@@ -122,7 +131,15 @@ class EpochRunner:
                 f"epoch {epoch} of pipeline {self.pipeline.name!r} needs epoch {epoch - 1} committed first "
                 f"(the last committed epoch is {self.log.last_committed()})"
             )
-        return self._process(rng)
+        try:
+            return self._process(rng)
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
+            raise StorageFullError(
+                f"epoch {epoch}: no space left on the disk under {self.log.root} ({exc}); nothing was committed: "
+                "free space and run the epoch again"
+            ) from exc
 
     def run_next(self) -> EpochResult | None:
         """Finish the oldest cut-but-uncommitted epoch, else cut and run a new one."""
@@ -169,6 +186,8 @@ class EpochRunner:
             scan_fraction=self.scan_fraction,
             verify_checksums=self.verify_checksums,
             driver_pid=os.getpid(),
+            remote=self.snapshot_store,
+            cache_root=self.snapshot_cache,
         )
         watermark = log.manifest(epoch - 1)["watermark"] if epoch > 1 else None
         stage = run_stage(self.spark, pipeline, rng, plan, merge, watermark, rng.end_of_stream)
@@ -223,6 +242,8 @@ class EpochRunner:
         if not log.write_manifest(epoch, result.to_manifest()):
             return EpochResult.from_manifest(log.manifest(epoch))
         log.prune(epoch, self.keep_epochs)
+        if self.snapshot_store is not None:
+            self.snapshot_store.prune(log.retained_snapshots())  # the same epochs as on the root
         return result
 
     def _write_side_output(self, table: pa.Table | None, path: Path) -> str | None:
@@ -293,8 +314,11 @@ class EpochRunner:
         previous = {}
         for shard, info in shards.items():
             path = self.log.root / info["snapshot"]
-            verify_snapshot(path, info["files"], full=self.verify_checksums)  # fail before Spark starts work
-            previous[shard] = PreviousSnapshot(str(path), info["files"])
+            # the epoch's own snapshot was uploaded too (a rescale's rewrite was not)
+            remote = epoch - 1 if self.snapshot_store is not None and "s3_upload_s" in info else None
+            if remote is None or path.exists():  # else the task restores it from the store
+                verify_snapshot(path, info["files"], full=self.verify_checksums)  # fail before Spark starts work
+            previous[shard] = PreviousSnapshot(str(path), info["files"], remote)
         return previous
 
     # -- reading state ---------------------------------------------------------------

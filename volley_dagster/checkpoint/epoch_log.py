@@ -128,7 +128,8 @@ class EpochLog:
         """Record the pipeline's state layout on first use; refuse a different one later.
         The pipeline's shard count may be the initial one (``with_shards`` is the first
         layout only) or the current one after a rescale; nothing else may change."""
-        create_json_exclusive(self.root / "pipeline.json", identity)  # no-op when recorded already
+        if not self.has_identity():  # written once: later epochs only read it (a full disk stays readable)
+            create_json_exclusive(self.root / "pipeline.json", identity)
         recorded = self.identity()
         if recorded == identity:
             return

@@ -7,19 +7,24 @@ is on storage every executor reaches (the log, the checkpoint root).
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import resource
+import shutil
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from volley_dagster import columns, faults
+from volley_dagster.checkpoint.s3_snapshots import S3SnapshotStore
+from volley_dagster.errors import SnapshotError, StorageFullError
 from volley_dagster.operators.base import ShardStep, StatefulOperator
 from volley_dagster.sources.file_log import FileLog
 from volley_dagster.sources.offsets import Segment
@@ -49,6 +54,7 @@ class SegmentReader:
 class PreviousSnapshot:
     path: str
     files: FileDigests
+    remote_epoch: int | None = None  # the epoch whose copy in the snapshot store this is (None: no copy)
 
 
 @dataclass(frozen=True)
@@ -65,9 +71,22 @@ class ShardMerge:
     scan_fraction: float
     verify_checksums: bool
     driver_pid: int
+    remote: S3SnapshotStore | None = None  # snapshots also go to S3, and come back from it when
+    cache_root: str | None = None  # the local copy is missing (another machine); its local cache
 
     def __call__(self, table: pa.Table) -> pa.Table:
         shard = table.column(columns.SHARD)[0].as_py()
+        try:
+            return self._merge(shard, table)
+        except Exception as exc:
+            if _disk_full(exc):
+                raise StorageFullError(
+                    f"epoch {self.step.epoch} shard {shard}: no space left on the disk under {self.work_root} "
+                    f"or {self.snapshot_root} ({exc}); nothing was committed: free space and run the epoch again"
+                ) from exc
+            raise
+
+    def _merge(self, shard: int, table: pa.Table) -> pa.Table:
         valid = pc.is_valid(table.column(columns.KEY))
         data = table.filter(valid)
         # a single-job epoch's null-key records arrive as one partial row per shard;
@@ -77,13 +96,18 @@ class ShardMerge:
         _reset_peak_rss()
         t0 = time.perf_counter()
         prev = self.previous.get(shard)
-        store = ShardStore.restore(
-            Path(prev.path) if prev else None,
-            prev.files if prev else None,
-            Path(self.work_root) / f"shard-{shard:04d}-{uuid.uuid4().hex[:12]}",
-            self.rocksdb,
-            self.verify_checksums,
-        )
+        source, remote_stats = self._local_previous(shard, prev)
+        try:
+            store = ShardStore.restore(
+                source,
+                prev.files if prev else None,
+                Path(self.work_root) / f"shard-{shard:04d}-{uuid.uuid4().hex[:12]}",
+                self.rocksdb,
+                self.verify_checksums,
+            )
+        finally:
+            if source is not None and prev is not None and str(source) != prev.path:
+                shutil.rmtree(source, ignore_errors=True)  # the S3 restore was checkpointed into work/
         try:
             t1 = time.perf_counter()
             txn = store.transaction(self.scan_fraction)
@@ -100,6 +124,10 @@ class ShardMerge:
             faults.fault_pause("shard_after_snapshot", self.step.epoch, shard)  # tests: hold the attempt
         finally:
             store.close()
+        if self.remote is not None:
+            upload = self.remote.upload(self.step.epoch, shard, snap.path)
+            remote_stats.update(s3_bytes_uploaded=upload.bytes_uploaded, s3_files_uploaded=upload.files_uploaded,
+                                s3_files_reused=upload.files_reused, s3_upload_s=upload.seconds)
         faults.fault_point("shard_after_snapshot", self.step.epoch, pid=self.driver_pid, shard=shard)
         stats = {
             "shard": shard,
@@ -117,9 +145,25 @@ class ShardMerge:
             "flush_s": t3 - t2,
             "snapshot_s": t4 - t3,
             "peak_rss_mib": _peak_rss_mib(),
+            **remote_stats,
             "task_pid": os.getpid(),  # the executor-side process that ran the shard
         }
         return self._output(outputs, stats)
+
+    def _local_previous(self, shard: int, prev: PreviousSnapshot | None) -> tuple[Path | None, dict[str, Any]]:
+        """N-1's snapshot on this machine: the shared checkpoint root's copy, or when it
+        is not here, one restored from the snapshot store into the local cache."""
+        if prev is None or Path(prev.path).exists() or self.remote is None:
+            return (Path(prev.path) if prev else None), {}
+        if prev.remote_epoch is None:
+            raise SnapshotError(
+                f"snapshot {prev.path} is not on this machine and the snapshot store has no copy of it "
+                "(a rescale's rewrite is kept on the checkpoint root only)"
+            )
+        cache = Path(self.cache_root or Path(tempfile.gettempdir()) / "volley-snapshot-cache")
+        path = self.remote.restore(prev.remote_epoch, shard, cache)
+        r = self.remote.last_restore
+        return path, {"s3_restore_bytes": r.bytes_downloaded if r else 0, "s3_restore_s": r.seconds if r else 0.0}
 
     def _output(self, values: list[pa.Array], stats: dict) -> pa.Table:
         names = [self.key_column] + self.operator.output_names() + [columns.STATS]
@@ -128,6 +172,11 @@ class ShardMerge:
             [pa.nulls(1, arr.type) for arr in values] + [pa.array([json.dumps(stats)], pa.string())], names=names
         )
         return pa.concat_tables([rows, stats_row])
+
+
+def _disk_full(exc: BaseException) -> bool:
+    """ENOSPC from Python, or RocksDB's IO error for it (rocksdict raises plain Exception)."""
+    return getattr(exc, "errno", None) == errno.ENOSPC or "No space left on device" in str(exc)
 
 
 def _reset_peak_rss() -> None:

@@ -1,0 +1,109 @@
+"""Shard snapshots on S3 (SeaweedFS), incremental like Flink's, under real epochs; and
+the faults that storage brings: S3 down, disk full. Each fails the epoch with an
+error naming it, commits nothing, and a re-run after the fault clears succeeds."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import uuid
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from tests.conftest import BUCKET
+from tests.helpers import assert_state_equal, log_records, payments, reference_state
+from tests.servers import SeaweedFS, start_seaweedfs
+from volley_dagster import EpochRunner
+from volley_dagster.checkpoint.s3_snapshots import S3SnapshotStore
+from volley_dagster.demo.events import generate
+from volley_dagster.errors import SnapshotStorageError, StorageFullError
+
+FILES, PER_FILE, KEYS = 4, 2_000, 3_000
+
+
+def runner_for(base: Path, spark, store: S3SnapshotStore | None, state: Path | None = None) -> EpochRunner:
+    return EpochRunner(payments(base / "events", base / "out"), state or base / "state", spark=spark,
+                       max_records_per_epoch=PER_FILE, keep_epochs=2, snapshot_store=store,
+                       snapshot_cache=base / "cache")
+
+
+def test_snapshots_upload_incrementally_and_restore_from_s3(spark, seaweedfs: SeaweedFS, tmp_path):
+    generate(tmp_path / "events", FILES, PER_FILE, KEYS)
+    store = S3SnapshotStore(f"s3://{BUCKET}/ckpt-{uuid.uuid4().hex[:8]}", seaweedfs.s3)
+    runner = runner_for(tmp_path, spark, store)
+    results = [runner.run_next() for _ in range(FILES - 1)]
+    for r in results:
+        uploaded = sum(s["s3_bytes_uploaded"] for s in r.shards.values())
+        assert uploaded == r.state_bytes_written  # what the epoch wrote locally, and nothing more
+        if r.epoch > 1:  # the SSTs epoch N-1 left unchanged are reused, not uploaded again
+            assert sum(s["s3_files_reused"] for s in r.shards.values()) > 0 and uploaded < r.state_bytes
+    assert store.epochs() == runner.log.retained_snapshots() == [FILES - 2, FILES - 1]  # retention on both
+
+    # another machine: the last epoch's snapshots are not on its disk, so its tasks restore them from S3
+    shutil.rmtree(runner.log.root / "snapshots" / f"{FILES - 1:010d}")
+    last = runner.run_next()
+    assert all(s["s3_restore_bytes"] > 0 for s in last.shards.values())
+    assert_state_equal(runner.read_state(), reference_state(log_records(FILES, PER_FILE, KEYS)))
+    assert not any((tmp_path / "cache" / "restores").iterdir())  # restores were checkpointed into work/, then removed
+
+
+def test_s3_down_fails_the_epoch_and_a_rerun_resumes(spark, tmp_path):
+    generate(tmp_path / "events", 2, PER_FILE, KEYS)
+    server = start_seaweedfs(tmp_path / "weed", bucket="outage")
+    try:
+        runner = runner_for(tmp_path, spark, S3SnapshotStore("s3://outage/ckpt", server.s3))
+        runner.run_next()
+        epoch = runner.cut_next().epoch
+    finally:
+        server.stop()
+    with pytest.raises(SnapshotStorageError, match=rf"epoch {epoch} shard \d: uploading"):
+        runner.run(epoch)
+    assert runner.committed_epoch() == 1 and runner.log.manifest(epoch) is None
+
+    server = start_seaweedfs(tmp_path / "weed", bucket="outage")  # the same data back, on new ports
+    try:
+        store = S3SnapshotStore("s3://outage/ckpt", server.s3)
+        runner = runner_for(tmp_path, spark, store)
+        result = runner.run(epoch)
+        assert not result.already_committed and store.epochs() == [1, 2]
+    finally:
+        server.stop()
+    assert_state_equal(runner.read_state(), reference_state(log_records(2, PER_FILE, KEYS)))
+
+
+@pytest.fixture
+def small_disk(tmp_path) -> Iterator[Path]:
+    """A 24 MiB tmpfs for the checkpoint root, so the disk can really fill up."""
+    mount = tmp_path / "small_disk"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(mount)], check=True)
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+def test_disk_full_fails_the_epoch_and_a_rerun_after_freeing_space_succeeds(spark, tmp_path, small_disk):
+    generate(tmp_path / "events", 2, PER_FILE, KEYS)
+    runner = runner_for(tmp_path, spark, None, state=small_disk / "state")
+    runner.run_next()
+    epoch = runner.cut_next().epoch
+    filler = small_disk / "filler"
+    with filler.open("wb") as fh:  # take every byte left
+        try:
+            while True:
+                fh.write(b"\0" * 65536)
+                fh.flush()
+        except OSError:
+            pass
+    with pytest.raises(StorageFullError, match=rf"epoch {epoch} shard \d: no space left on the disk"):
+        runner.run(epoch)
+    assert runner.committed_epoch() == 1 and runner.log.manifest(epoch) is None
+
+    filler.unlink()
+    result = runner.run(epoch)
+    assert not result.already_committed
+    assert_state_equal(runner.read_state(), reference_state(log_records(2, PER_FILE, KEYS)))
+    assert not any((small_disk / "state" / "work").iterdir())
