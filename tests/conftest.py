@@ -1,5 +1,6 @@
-"""Fixtures shared by the whole suite: one SparkSession, one SeaweedFS (S3) and
-one PostgreSQL per test session, each on 127.0.0.1, started and stopped here."""
+"""Fixtures shared by the whole suite: one SparkSession, one SeaweedFS (S3), one
+PostgreSQL and one Spark standalone cluster per test session, each on 127.0.0.1,
+started (only when a test asks for it) and stopped here."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Iterator
 
 import pytest
 
-from tests.servers import Postgres, SeaweedFS, start_postgres, start_seaweedfs
+from tests.servers import Postgres, SeaweedFS, SparkCluster, start_postgres, start_seaweedfs, start_spark_cluster
 
 BUCKET = "volley-sinks"
 
@@ -42,3 +43,14 @@ def postgres() -> Iterator[Postgres]:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def spark_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SparkCluster]:
+    """A standalone master and two 1-core workers (each with its own work dir); tests
+    drive it from their own processes (tests/engine/cluster_worker.py)."""
+    cluster = start_spark_cluster(tmp_path_factory.mktemp("spark-cluster"), workers=2, cores_per_worker=1)
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
