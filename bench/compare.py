@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 import pyarrow as pa  # noqa: E402
 
+from bench.common import finish, log_arguments  # noqa: E402
 from bench.workloads import Workload, check_table, event_log, reference_totals, reference_windows, scaling_log  # noqa: E402
 
 MiB = 2**20
@@ -257,10 +258,7 @@ def print_row(workload: str, engine: str, mode: str, s: dict[str, Any], correct:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--records", type=int, default=10_000_000)
-    parser.add_argument("--keys", type=int, default=1_000_000)
-    parser.add_argument("--epochs", type=int, default=10)
-    parser.add_argument("--shards", type=int, default=4)
+    log_arguments(parser)
     parser.add_argument("--zipf", type=float, default=None, help="Zipf exponent for skewed keys (default uniform)")
     parser.add_argument("--workloads", default="A,B,C,D")
     parser.add_argument("--modes", default="warm,cold")
@@ -269,7 +267,6 @@ def main() -> None:
     parser.add_argument("--state-keys", type=int, default=10_000_000)
     parser.add_argument("--touched", type=int, default=100_000)
     parser.add_argument("--empty-epochs", type=int, default=5)
-    parser.add_argument("--workdir", default=None)
     # one engine process (internal)
     parser.add_argument("--child", choices=["volley", "peer", "floor"])
     for name in ("--workload", "--events", "--files", "--work", "--indices", "--out"):
@@ -329,11 +326,7 @@ def main() -> None:
                 result["batches"] = result["batches"][1:]  # the state-building epoch is set-up
                 record(label, engine, "warm", summarize(result), check_table("C", engine_table(engine, w, place), expected))
     print_targets(report)
-    out = ROOT / "bench" / "results"
-    out.mkdir(exist_ok=True)
-    (out / "compare.json").write_text(json.dumps(report, indent=1))
-    if not args.workdir:
-        shutil.rmtree(work, ignore_errors=True)
+    finish("compare", report, work, keep=bool(args.workdir))
 
 
 def len_records(w: Workload, index: int) -> int:

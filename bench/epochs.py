@@ -10,7 +10,6 @@ medians; the machine is shared and noisy, so compare ratios within one run.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
 import sys
@@ -22,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pyspark.sql import functions as F  # noqa: E402
 
+from bench.common import finish, log_arguments  # noqa: E402
 from volley_dagster import EpochRunner  # noqa: E402
 from volley_dagster.cli import disk_usage  # noqa: E402
 from volley_dagster.demo.events import generate  # noqa: E402
@@ -44,12 +44,8 @@ def stateless_floor(spark, files: list[str]) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--records", type=int, default=10_000_000)
-    parser.add_argument("--keys", type=int, default=1_000_000)
-    parser.add_argument("--epochs", type=int, default=10)
-    parser.add_argument("--shards", type=int, default=4)
+    log_arguments(parser)
     parser.add_argument("--keep", type=int, default=3)
-    parser.add_argument("--workdir", default=None)
     args = parser.parse_args()
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="volley-bench-"))
@@ -111,11 +107,7 @@ def main() -> None:
           f"-> {summary['ratio_total_to_floor']:.2f}x the floor")
     print(f"checkpoint root after {args.epochs} epochs with keep={args.keep}: {disk / 2**20:.1f} MiB on disk "
           f"(snapshots {summary['retained_snapshots']})")
-    out = Path(__file__).with_name("results")
-    out.mkdir(exist_ok=True)
-    (out / "epochs.json").write_text(json.dumps(summary, indent=1))
-    if not args.workdir:
-        shutil.rmtree(work, ignore_errors=True)
+    finish("epochs", summary, work, keep=bool(args.workdir))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ bench/results/scale_out.json.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
 import sys
@@ -25,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.workloads import Workload, scaling_log  # noqa: E402
 from tests.servers import start_seaweedfs  # noqa: E402
+from bench.common import finish  # noqa: E402
 from volley_dagster import EpochRunner, S3SnapshotStore  # noqa: E402
 from volley_dagster.spark.session import get_or_create_spark  # noqa: E402
 
@@ -111,11 +111,7 @@ def main() -> None:
         report["rescale"].append({"keys": keys, "seconds": result.seconds, "bytes_written": result.bytes_written})
         print(f"rescale 4 -> 7 shards of {keys:,} keys: {result.seconds:.2f} s, "
               f"{result.bytes_written / MiB:.1f} MiB written")
-    out = Path(__file__).with_name("results")
-    out.mkdir(exist_ok=True)
-    (out / "scale_out.json").write_text(json.dumps(report, indent=1))
-    if not args.workdir:
-        shutil.rmtree(work, ignore_errors=True)
+    finish("scale_out", report, work, keep=bool(args.workdir))
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ the driver; writes bench/results/windows.json.
 from __future__ import annotations
 
 import argparse
-import json
 import resource
 import shutil
 import statistics
@@ -25,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pyspark.sql import functions as F  # noqa: E402
 
+from bench.common import finish, log_arguments  # noqa: E402
 from volley_dagster import DeltaSink, EpochRunner, FileLog, Pipeline, count, max_, sum_, tumbling  # noqa: E402
 from volley_dagster.demo.events import generate  # noqa: E402
 from volley_dagster.spark.session import get_or_create_spark  # noqa: E402
@@ -56,12 +56,8 @@ def stateless_floor(spark, file: str) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--records", type=int, default=10_000_000)
-    parser.add_argument("--keys", type=int, default=1_000_000)
-    parser.add_argument("--epochs", type=int, default=10)
-    parser.add_argument("--shards", type=int, default=4)
+    log_arguments(parser)
     parser.add_argument("--bound", type=int, default=10_000, help="max_pending_windows per shard for the bounded run")
-    parser.add_argument("--workdir", default=None)
     args = parser.parse_args()
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="volley-bench-windows-"))
@@ -114,11 +110,7 @@ def main() -> None:
     print(f"bounded / unbounded: {b['total_s'] / u['total_s']:.2f}x time, "
           f"{b['worker_peak_rss_mib'] / u['worker_peak_rss_mib']:.2f}x worker RSS; "
           f"driver peak RSS {summary['driver_peak_rss_mib']:.0f} MiB")
-    out = Path(__file__).with_name("results")
-    out.mkdir(exist_ok=True)
-    (out / "windows.json").write_text(json.dumps(summary, indent=1))
-    if not args.workdir:
-        shutil.rmtree(work, ignore_errors=True)
+    finish("windows", summary, work, keep=bool(args.workdir))
 
 
 if __name__ == "__main__":

@@ -45,14 +45,20 @@ def payments(
         .sink(ParquetSink(output))
         .with_shards(shards)
     )
-    if tables is not None:
-        from volley_dagster.sinks.delta import DeltaSink
-        from volley_dagster.sinks.iceberg import IcebergSink
+    return with_tables(pipeline, tables, delta_mode="upsert", iceberg_table="volley.payments")
 
-        pipeline = pipeline.sink(DeltaSink(tables / "delta", mode="upsert")).sink(
-            IcebergSink("volley.payments", path=tables / "iceberg", mode="append")
-        )
-    return pipeline
+
+def with_tables(pipeline: Pipeline, tables: Path | None, delta_mode: str, iceberg_table: str) -> Pipeline:
+    """``pipeline`` plus a Delta table (``delta_mode``) and an Iceberg table (append)
+    under ``tables``; unchanged when ``tables`` is None."""
+    if tables is None:
+        return pipeline
+    from volley_dagster.sinks.delta import DeltaSink
+    from volley_dagster.sinks.iceberg import IcebergSink
+
+    return pipeline.sink(DeltaSink(tables / "delta", mode=delta_mode)).sink(
+        IcebergSink(iceberg_table, path=tables / "iceberg", mode="append")
+    )
 
 
 def reference_state(records: pa.Table) -> pd.DataFrame:

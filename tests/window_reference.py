@@ -10,6 +10,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from tests.helpers import with_tables
 from volley_dagster import FileLog, ParquetSink, Pipeline, count, first, last, max_, sum_
 from volley_dagster.operators.window import Windows
 
@@ -33,14 +34,7 @@ def window_pipeline(
         .sink(ParquetSink(output))
         .with_shards(shards)
     )
-    if tables is not None:
-        from volley_dagster.sinks.delta import DeltaSink
-        from volley_dagster.sinks.iceberg import IcebergSink
-
-        pipeline = pipeline.sink(DeltaSink(tables / "delta", mode="append")).sink(
-            IcebergSink("volley.windows", path=tables / "iceberg", mode="append")
-        )
-    return pipeline
+    return with_tables(pipeline, tables, delta_mode="append", iceberg_table="volley.windows")
 
 
 @dataclass
