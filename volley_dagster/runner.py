@@ -11,9 +11,12 @@ The order of one epoch (each step survives a crash at any point)::
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import io
 import os
+import shutil
+import tempfile
 import time
 from dataclasses import replace
 from datetime import datetime, timezone
@@ -356,21 +359,31 @@ class EpochRunner:
         keys: list[bytes] = []
         values: list[bytes] = []
         for shard, info in sorted(shards.items()):
-            path = self.log.root / info["snapshot"]
+            path, restored = self.log.root / info["snapshot"], None
+            if not path.exists() and self.snapshot_store is not None and "s3_upload_s" in info:
+                with contextlib.suppress(SnapshotError):  # not on this machine: S3 has it unless pruned there too
+                    restored = path = self.snapshot_store.restore(epoch, shard, self._cache_root())
             if not path.exists():
                 raise SnapshotError(
                     f"epoch {epoch}'s snapshot of shard {shard} was removed by retention "
                     f"(keep_epochs={self.keep_epochs}); retained epochs: {self.log.retained_snapshots()}"
                 )
-            verify_snapshot(path, info["files"], full=self.verify_checksums)
-            db = open_snapshot_read_only(path, self.rocksdb)
             try:
-                entries = list(scan_prefix(db, prefix))
+                verify_snapshot(path, info["files"], full=self.verify_checksums)
+                db = open_snapshot_read_only(path, self.rocksdb)
+                try:
+                    entries = list(scan_prefix(db, prefix))
+                finally:
+                    db.close()
             finally:
-                db.close()
+                if restored is not None:
+                    shutil.rmtree(restored, ignore_errors=True)
             keys.extend(k for k, _ in entries)
             values.extend(v for _, v in entries)
         return keys, values
+
+    def _cache_root(self) -> Path:
+        return Path(self.snapshot_cache or Path(tempfile.gettempdir()) / "volley-snapshot-cache")
 
 
 def _relative_shard(info: dict[str, Any], root: Path) -> dict[str, Any]:

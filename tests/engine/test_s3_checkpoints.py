@@ -41,10 +41,13 @@ def test_snapshots_upload_incrementally_and_restore_from_s3(spark, seaweedfs: Se
             assert sum(s["s3_files_reused"] for s in r.shards.values()) > 0 and uploaded < r.state_bytes
     assert store.epochs() == runner.log.retained_snapshots() == [FILES - 2, FILES - 1]  # retention on both
 
-    # another machine: the last epoch's snapshots are not on its disk, so its tasks restore them from S3
+    # another machine: the last epoch's snapshots are not on its disk, so read_state and the
+    # next epoch's tasks restore them from S3 (downloaded once into the local cache)
     shutil.rmtree(runner.log.root / "snapshots" / f"{FILES - 1:010d}")
+    assert_state_equal(runner.read_state(FILES - 1), reference_state(log_records(FILES - 1, PER_FILE, KEYS)))
     last = runner.run_next()
-    assert all(s["s3_restore_bytes"] > 0 for s in last.shards.values())
+    assert all("s3_restore_s" in s for s in last.shards.values())  # each shard came back from S3,
+    assert sum(s["s3_restore_bytes"] for s in last.shards.values()) == 0  # from the cache read_state filled
     assert_state_equal(runner.read_state(), reference_state(log_records(FILES, PER_FILE, KEYS)))
     assert not any((tmp_path / "cache" / "restores").iterdir())  # restores were checkpointed into work/, then removed
 
