@@ -33,6 +33,10 @@ class Workload:
     files: tuple[str, ...]
     shards: int
 
+    def records(self, index: int) -> int:
+        """Records in file ``index`` (one epoch), from the Parquet footer."""
+        return pq.ParquetFile(self.events / self.files[index]).metadata.num_rows
+
     def pipeline(self, tables: Path) -> Pipeline:
         """Our engine's pipeline for this workload, its one sink under ``tables``."""
         base = Pipeline(f"bench_{self.name.lower()}").source(FileLog(self.events, format="parquet"))

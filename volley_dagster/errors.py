@@ -6,6 +6,8 @@ operator can act on the message alone.
 
 from __future__ import annotations
 
+import errno
+
 
 class VolleyError(Exception):
     """Base class of the engine's deliberate errors."""
@@ -47,3 +49,8 @@ class SnapshotStorageError(SnapshotError):
 class StorageFullError(VolleyError):
     """The disk under the checkpoint root filled up while an epoch wrote state; the
     epoch is not committed, so re-running it once there is room is safe."""
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """ENOSPC from Python, or RocksDB's IO error for it (rocksdict raises plain Exception)."""
+    return getattr(exc, "errno", None) == errno.ENOSPC or "No space left on device" in str(exc)

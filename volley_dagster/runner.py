@@ -12,7 +12,6 @@ The order of one epoch (each step survives a crash at any point)::
 from __future__ import annotations
 
 import contextlib
-import errno
 import io
 import os
 import shutil
@@ -32,7 +31,7 @@ from volley_dagster.checkpoint.atomic import write_bytes_atomic
 from volley_dagster.checkpoint.epoch_log import EpochLog
 from volley_dagster.checkpoint.s3_snapshots import S3SnapshotStore
 from volley_dagster.checkpoint.rescale import RescaleResult, rescale as rescale_state
-from volley_dagster.errors import ConfigError, EpochOrderError, MalformedRecordError, SnapshotError, StateLayoutError, StorageFullError, VolleyError
+from volley_dagster.errors import ConfigError, EpochOrderError, MalformedRecordError, SnapshotError, StateLayoutError, StorageFullError, VolleyError, is_disk_full
 from volley_dagster.operators.aggregate import ResolvedAggregate
 from volley_dagster.operators.base import ShardStep, StatefulOperator
 from volley_dagster.operators.window import WINDOW_END, WINDOW_START
@@ -47,7 +46,7 @@ from volley_dagster.spark.tasks import PreviousSnapshot, ShardMerge
 from volley_dagster.state.keys import ShardLayout, decode_keys, namespace_prefix
 from volley_dagster.state.options import RocksDBOptions
 from volley_dagster.state.store import open_snapshot_read_only, verify_snapshot
-from volley_dagster.state.transaction import scan_prefix
+from volley_dagster.state.transaction import DEFAULT_SCAN_FRACTION, scan_prefix
 
 
 
@@ -63,7 +62,7 @@ class EpochRunner:
         max_records_per_epoch: int | None = 1_000_000,
         keep_epochs: int = 3,
         rocksdb: RocksDBOptions | None = None,
-        scan_fraction: float = 0.2,  # scan when touching >= 20% of a shard: measured break-even ~18%
+        scan_fraction: float = DEFAULT_SCAN_FRACTION,
         verify_checksums: bool = False,
         snapshot_store: S3SnapshotStore | None = None,
         snapshot_cache: str | Path | None = None,
@@ -85,7 +84,7 @@ class EpochRunner:
         self.scan_fraction = scan_fraction
         self.verify_checksums = verify_checksums
         self.snapshot_store = snapshot_store
-        self.snapshot_cache = str(snapshot_cache) if snapshot_cache is not None else None
+        self.snapshot_cache = str(snapshot_cache or Path(tempfile.gettempdir()) / "volley-snapshot-cache")
 
     @property
     def spark(self) -> SparkSession:
@@ -137,7 +136,7 @@ class EpochRunner:
         try:
             return self._process(rng)
         except OSError as exc:
-            if exc.errno != errno.ENOSPC:
+            if not is_disk_full(exc):
                 raise
             raise StorageFullError(
                 f"epoch {epoch}: no space left on the disk under {self.log.root} ({exc}); nothing was committed: "
@@ -317,8 +316,7 @@ class EpochRunner:
         previous = {}
         for shard, info in shards.items():
             path = self.log.root / info["snapshot"]
-            # the epoch's own snapshot was uploaded too (a rescale's rewrite was not)
-            remote = epoch - 1 if self.snapshot_store is not None and "s3_upload_s" in info else None
+            remote = epoch - 1 if self._stored_remotely(info) else None
             if remote is None or path.exists():  # else the task restores it from the store
                 verify_snapshot(path, info["files"], full=self.verify_checksums)  # fail before Spark starts work
             previous[shard] = PreviousSnapshot(str(path), info["files"], remote)
@@ -360,9 +358,9 @@ class EpochRunner:
         values: list[bytes] = []
         for shard, info in sorted(shards.items()):
             path, restored = self.log.root / info["snapshot"], None
-            if not path.exists() and self.snapshot_store is not None and "s3_upload_s" in info:
+            if not path.exists() and self._stored_remotely(info):
                 with contextlib.suppress(SnapshotError):  # not on this machine: S3 has it unless pruned there too
-                    restored = path = self.snapshot_store.restore(epoch, shard, self._cache_root())
+                    restored = path = self.snapshot_store.restore(epoch, shard, Path(self.snapshot_cache))
             if not path.exists():
                 raise SnapshotError(
                     f"epoch {epoch}'s snapshot of shard {shard} was removed by retention "
@@ -382,8 +380,10 @@ class EpochRunner:
             values.extend(v for _, v in entries)
         return keys, values
 
-    def _cache_root(self) -> Path:
-        return Path(self.snapshot_cache or Path(tempfile.gettempdir()) / "volley-snapshot-cache")
+    def _stored_remotely(self, info: dict[str, Any]) -> bool:
+        """Whether a manifest's shard entry was uploaded to the snapshot store (an epoch's
+        own snapshots are; a rescale's rewrite is not)."""
+        return self.snapshot_store is not None and "s3_upload_s" in info
 
 
 def _relative_shard(info: dict[str, Any], root: Path) -> dict[str, Any]:

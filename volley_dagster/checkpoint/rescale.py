@@ -188,6 +188,7 @@ class _Rewriter:
                  options: RocksDBOptions) -> None:
         self.dbs, self.old, self.ns, self.options = dbs, old, namespaces, options
         self._indexes: dict[int, PendingIndex] = {}
+        self._evicted: dict[int, tuple[list[tuple[bytes, bytes]], np.ndarray]] = {}
 
     def build(self, shard: int, new: ShardLayout, work: Path, target: Path) -> tuple[SnapshotInfo, dict[str, int]]:
         lo, hi = new.key_group_range(shard)
@@ -220,11 +221,13 @@ class _Rewriter:
         return info, counts
 
     def _pending_entries(self, shard: int, lo: int, hi: int) -> list[tuple[bytes, bytes]]:
-        """The old shard's evicted index entries whose state key is in key groups [lo, hi)."""
-        entries = list(scan_prefix(self.dbs[shard], namespace_prefix(self.ns.pending)))
-        if not entries:
-            return []
-        groups = _key_groups([k for k, _ in entries], _PENDING_KEY_GROUP_AT)
+        """The old shard's evicted index entries whose state key is in key groups [lo, hi)
+        (each old shard scanned once, however many new shards it feeds)."""
+        if shard not in self._evicted:
+            entries = list(scan_prefix(self.dbs[shard], namespace_prefix(self.ns.pending)))
+            groups = _key_groups([k for k, _ in entries], _PENDING_KEY_GROUP_AT) if entries else np.empty(0, np.int64)
+            self._evicted[shard] = (entries, groups)
+        entries, groups = self._evicted[shard]
         keep = (groups >= lo) & (groups < hi)
         return [e for e, k in zip(entries, keep) if k]
 

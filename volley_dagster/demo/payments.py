@@ -6,6 +6,7 @@ event time, a tumbling window appended to Delta once the watermark closes it."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 from volley_dagster import FileLog, Pipeline, count, last, max_, mean, sum_, tumbling
 from volley_dagster.deploy import Deployment, TableSettings
@@ -38,16 +39,14 @@ def payments_pipeline(events: str | Path, tables: TableSettings, shards: int = 4
 
 
 def payments_deployment(events: str | Path) -> Deployment:
+    return _demo_deployment("payments", lambda tables: payments_pipeline(events, tables))
+
+
+def _demo_deployment(name: str, build: Callable[[TableSettings], Pipeline]) -> Deployment:
     """Under Dagster: the sensor runs from the start, cutting an epoch whenever
     10,000 events wait or any have waited a minute; the 5-minute schedule is off."""
-    return Deployment(
-        name="payments",
-        build=lambda tables: payments_pipeline(events, tables),
-        min_records=10_000,
-        max_wait_s=60,
-        cron="*/5 * * * *",
-        sensor_running=True,
-    )
+    return Deployment(name=name, build=build, min_records=10_000, max_wait_s=60, cron="*/5 * * * *",
+                      sensor_running=True)
 
 
 def merchant_minutes_pipeline(events: str | Path, tables: TableSettings, shards: int = 4) -> Pipeline:
@@ -65,11 +64,4 @@ def merchant_minutes_pipeline(events: str | Path, tables: TableSettings, shards:
 
 
 def merchant_minutes_deployment(events: str | Path) -> Deployment:
-    return Deployment(
-        name="merchant_minutes",
-        build=lambda tables: merchant_minutes_pipeline(events, tables),
-        min_records=10_000,
-        max_wait_s=60,
-        cron="*/5 * * * *",
-        sensor_running=True,
-    )
+    return _demo_deployment("merchant_minutes", lambda tables: merchant_minutes_pipeline(events, tables))

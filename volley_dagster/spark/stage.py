@@ -35,7 +35,7 @@ from volley_dagster.state.keys import ShardLayout
 from volley_dagster.state.store import carry_forward
 from volley_dagster.spark.partitioning import shard_markers, to_shards, with_shard
 from volley_dagster.spark.read import read_range
-from volley_dagster.spark.tasks import ShardMerge
+from volley_dagster.spark.tasks import ShardMerge, shard_stats
 
 _WHERE = [pa.field("partition", pa.string()), pa.field("file", pa.string()), pa.field("offset", pa.int64())]
 DEAD_LETTER_SCHEMA = pa.schema(_WHERE + [pa.field("reason", pa.string()), pa.field("raw", pa.string())])
@@ -278,15 +278,15 @@ def run_stage(
                 .toArrow()
             )
         t2 = time.perf_counter()
+        is_stats = pc.is_valid(out.column(columns.STATS))
+        shards = {
+            s["shard"]: s for s in (json.loads(v) for v in out.filter(is_stats).column(columns.STATS).to_pylist())
+        }
         if dead is None:
-            dead = _null_key_dead_letters(plan, pipeline, rng, out)
+            dead = _null_key_dead_letters(plan, pipeline, rng, shards)
     finally:
         if cached:
             plan.raw.unpersist()
-    is_stats = pc.is_valid(out.column(columns.STATS))
-    shards = {
-        s["shard"]: s for s in (json.loads(v) for v in out.filter(is_stats).column(columns.STATS).to_pylist())
-    }
     output = out.filter(pc.invert(is_stats)).drop_columns([columns.STATS])
     output = output.sort_by([(c, "ascending") for c in pipeline.output_keys()])
     return StageResult(output, dead, shards, t1 - t0, t2 - t1, late, new_watermark)
@@ -306,21 +306,17 @@ def _carry_forward_stage(spark: SparkSession, pipeline: Pipeline, plan: PlannedE
     for shard, prev in sorted(merge.previous.items()):
         t = time.perf_counter()
         snap = carry_forward(Path(prev.path), prev.files, Path(merge.snapshot_root) / f"shard-{shard:04d}")
-        shards[shard] = {
-            "shard": shard, "snapshot": str(snap.path), "files": snap.files, "bytes_total": snap.bytes_total,
-            "bytes_new": 0, "keys_touched": 0, "new_keys": 0, "records": 0, "null_key_records": 0,
-            "keys_written": 0, "read_mode": "carried_forward", "restore_s": 0.0, "merge_s": 0.0, "flush_s": 0.0,
-            "snapshot_s": time.perf_counter() - t, "peak_rss_mib": 0.0,
-        }
+        shards[shard] = shard_stats(shard, snap, read_mode="carried_forward", snapshot_s=time.perf_counter() - t)
     output = spark.createDataFrame([], ", ".join(_output_ddl(pipeline, plan))).toArrow()
     return StageResult(output, DEAD_LETTER_SCHEMA.empty_table(), shards, 0.0, time.perf_counter() - t0)
 
 
-def _null_key_dead_letters(plan: PlannedEpoch, pipeline: Pipeline, rng: EpochRange, out: pa.Table) -> pa.Table:
+def _null_key_dead_letters(
+    plan: PlannedEpoch, pipeline: Pipeline, rng: EpochRange, shards: dict[int, dict[str, Any]]
+) -> pa.Table:
     """Single-job epochs: the shard tasks counted records with a null key; only when
     there are some, a second job finds which (file, offset) they are."""
-    stats = out.filter(pc.is_valid(out.column(columns.STATS))).column(columns.STATS).to_pylist()
-    if not sum(json.loads(s).get("null_key_records", 0) for s in stats):
+    if not sum(s["null_key_records"] for s in shards.values()):
         return DEAD_LETTER_SCHEMA.empty_table()
     with _engine_errors():
         bad = _dead_letter_frame(plan, pipeline).toArrow()

@@ -7,12 +7,10 @@ is on storage every executor reaches (the log, the checkpoint root).
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import resource
 import shutil
-import tempfile
 import time
 import uuid
 from dataclasses import dataclass
@@ -24,12 +22,12 @@ import pyarrow.compute as pc
 
 from volley_dagster import columns, faults
 from volley_dagster.checkpoint.s3_snapshots import S3SnapshotStore
-from volley_dagster.errors import SnapshotError, StorageFullError
+from volley_dagster.errors import SnapshotError, StorageFullError, is_disk_full
 from volley_dagster.operators.base import ShardStep, StatefulOperator
 from volley_dagster.sources.file_log import FileLog
 from volley_dagster.sources.offsets import Segment
 from volley_dagster.state.options import RocksDBOptions
-from volley_dagster.state.store import FileDigests, ShardStore
+from volley_dagster.state.store import FileDigests, ShardStore, SnapshotInfo
 
 
 @dataclass(frozen=True)
@@ -72,14 +70,14 @@ class ShardMerge:
     verify_checksums: bool
     driver_pid: int
     remote: S3SnapshotStore | None = None  # snapshots also go to S3, and come back from it when
-    cache_root: str | None = None  # the local copy is missing (another machine); its local cache
+    cache_root: str = ""  # the local copy is missing (another machine): into this local cache
 
     def __call__(self, table: pa.Table) -> pa.Table:
         shard = table.column(columns.SHARD)[0].as_py()
         try:
             return self._merge(shard, table)
         except Exception as exc:
-            if _disk_full(exc):
+            if is_disk_full(exc):
                 raise StorageFullError(
                     f"epoch {self.step.epoch} shard {shard}: no space left on the disk under {self.work_root} "
                     f"or {self.snapshot_root} ({exc}); nothing was committed: free space and run the epoch again"
@@ -129,25 +127,21 @@ class ShardMerge:
             remote_stats.update(s3_bytes_uploaded=upload.bytes_uploaded, s3_files_uploaded=upload.files_uploaded,
                                 s3_files_reused=upload.files_reused, s3_upload_s=upload.seconds)
         faults.fault_point("shard_after_snapshot", self.step.epoch, pid=self.driver_pid, shard=shard)
-        stats = {
-            "shard": shard,
-            "snapshot": str(snap.path),
-            "files": snap.files,
-            "bytes_total": snap.bytes_total,
-            "bytes_new": snap.bytes_new,
+        stats = shard_stats(
+            shard, snap,
             **operator_stats,
-            "records": int(pc.sum(data.column(columns.ROWS)).as_py() or 0),
-            "null_key_records": null_keys,
-            "keys_written": written,
-            "read_mode": "scan" if txn.scanned else "multi_get",
-            "restore_s": t1 - t0,
-            "merge_s": t2 - t1,
-            "flush_s": t3 - t2,
-            "snapshot_s": t4 - t3,
-            "peak_rss_mib": _peak_rss_mib(),
+            records=int(pc.sum(data.column(columns.ROWS)).as_py() or 0),
+            null_key_records=null_keys,
+            keys_written=written,
+            read_mode="scan" if txn.scanned else "multi_get",
+            restore_s=t1 - t0,
+            merge_s=t2 - t1,
+            flush_s=t3 - t2,
+            snapshot_s=t4 - t3,
+            peak_rss_mib=_peak_rss_mib(),
             **remote_stats,
-            "task_pid": os.getpid(),  # the executor-side process that ran the shard
-        }
+            task_pid=os.getpid(),  # the executor-side process that ran the shard
+        )
         return self._output(outputs, stats)
 
     def _local_previous(self, shard: int, prev: PreviousSnapshot | None) -> tuple[Path | None, dict[str, Any]]:
@@ -160,8 +154,7 @@ class ShardMerge:
                 f"snapshot {prev.path} is not on this machine and the snapshot store has no copy of it "
                 "(a rescale's rewrite is kept on the checkpoint root only)"
             )
-        cache = Path(self.cache_root or Path(tempfile.gettempdir()) / "volley-snapshot-cache")
-        path = self.remote.restore(prev.remote_epoch, shard, cache)
+        path = self.remote.restore(prev.remote_epoch, shard, Path(self.cache_root))
         r = self.remote.last_restore
         return path, {"s3_restore_bytes": r.bytes_downloaded if r else 0, "s3_restore_s": r.seconds if r else 0.0}
 
@@ -174,9 +167,15 @@ class ShardMerge:
         return pa.concat_tables([rows, stats_row])
 
 
-def _disk_full(exc: BaseException) -> bool:
-    """ENOSPC from Python, or RocksDB's IO error for it (rocksdict raises plain Exception)."""
-    return getattr(exc, "errno", None) == errno.ENOSPC or "No space left on device" in str(exc)
+def shard_stats(shard: int, snap: SnapshotInfo, **measured: Any) -> dict[str, Any]:
+    """One shard's row of the epoch manifest: its snapshot, and what the task measured
+    (zero for what it did not do)."""
+    return {
+        "shard": shard, "snapshot": str(snap.path), "files": snap.files, "bytes_total": snap.bytes_total,
+        "bytes_new": snap.bytes_new, "keys_touched": 0, "new_keys": 0, "records": 0, "null_key_records": 0,
+        "keys_written": 0, "restore_s": 0.0, "merge_s": 0.0, "flush_s": 0.0, "snapshot_s": 0.0,
+        "peak_rss_mib": 0.0, **measured,
+    }
 
 
 def _reset_peak_rss() -> None:

@@ -21,7 +21,7 @@ import rocksdict
 from volley_dagster.checkpoint.atomic import fsync_dir
 from volley_dagster.errors import SnapshotError
 from volley_dagster.state.options import RocksDBOptions
-from volley_dagster.state.transaction import ShardTransaction
+from volley_dagster.state.transaction import DEFAULT_SCAN_FRACTION, ShardTransaction
 
 FileDigests = dict[str, dict[str, Any]]  # file name -> {"size": int, "sha256": str}
 
@@ -98,7 +98,7 @@ class ShardStore:
                 source.close()
         return cls(rocksdict.Rdict(str(work_dir), options.build()), work_dir)
 
-    def transaction(self, scan_fraction: float = 0.2) -> ShardTransaction:
+    def transaction(self, scan_fraction: float = DEFAULT_SCAN_FRACTION) -> ShardTransaction:
         return ShardTransaction(self.db, scan_fraction)
 
     def snapshot(self, target: Path, previous: Path | None, previous_files: FileDigests | None) -> SnapshotInfo:
