@@ -26,6 +26,7 @@ from pyspark.sql import types as T
 from pyspark.errors import PythonException
 
 from volley_dagster import columns, errors
+from volley_dagster.columns import POS_OFFSET_BITS
 from volley_dagster.errors import ConfigError
 from volley_dagster.operators.aggregate import ResolvedAggregate
 from volley_dagster.operators.window import ResolvedWindowAggregate
@@ -157,15 +158,12 @@ def _side_outputs(plan: PlannedEpoch, pipeline: Pipeline, assigned: DataFrame | 
 
 
 def _positions(table: pa.Table, rng: EpochRange) -> list[pa.Array]:
-    """Event positions back as partition, file and record offset (bad and late records: few)."""
-    parts, files, offsets = [], [], []
-    for pos in table.column(columns.POS).to_pylist():
-        if pos is None:
-            parts.append(None), files.append(None), offsets.append(None)
-            continue
-        seg, offset = rng.segment_of(pos)
-        parts.append(seg.partition), files.append(seg.file), offsets.append(offset)
-    return [pa.array(parts, pa.string()), pa.array(files, pa.string()), pa.array(offsets, pa.int64())]
+    """Event positions back as partition, file and record offset, in bulk (late records
+    can be many): segment = position >> 40, offset = the low 40 bits."""
+    pos = table.column(columns.POS).combine_chunks().cast(pa.int64())
+    segment = pc.shift_right(pos, POS_OFFSET_BITS)
+    by_segment = [pa.array([getattr(s, a) for s in rng.segments], pa.string()) for a in ("partition", "file")]
+    return [pc.take(values, segment) for values in by_segment] + [pc.bit_wise_and(pos, (1 << POS_OFFSET_BITS) - 1)]
 
 
 def _resolve_dead_letters(table: pa.Table, rng: EpochRange) -> pa.Table:
