@@ -4,8 +4,11 @@ started (only when a test asks for it) and stopped here."""
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 from typing import Iterator
 
 import pytest
@@ -16,6 +19,11 @@ BUCKET = "volley-sinks"
 
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+# Resident state mirrors (volley_dagster/state/resident.py) of this run's checkpoint roots
+# go to a folder of its own, removed at the end, not to the machine's /dev/shm.
+_RESIDENT = tempfile.mkdtemp(prefix="volley-test-resident-")
+os.environ["VOLLEY_RESIDENT_STATE_DIR"] = _RESIDENT
+atexit.register(shutil.rmtree, _RESIDENT, True)
 
 
 @pytest.fixture(scope="session")

@@ -45,6 +45,7 @@ from volley_dagster.spark.stage import plan_epoch, run_stage
 from volley_dagster.spark.tasks import PreviousSnapshot, ShardMerge
 from volley_dagster.state.keys import ShardLayout, decode_keys, namespace_prefix
 from volley_dagster.state.options import RocksDBOptions
+from volley_dagster.state.resident import ResidentStateCache
 from volley_dagster.state.store import open_snapshot_read_only, verify_snapshot
 from volley_dagster.state.transaction import DEFAULT_SCAN_FRACTION, scan_prefix
 
@@ -66,10 +67,14 @@ class EpochRunner:
         verify_checksums: bool = False,
         snapshot_store: S3SnapshotStore | None = None,
         snapshot_cache: str | Path | None = None,
+        resident_state: ResidentStateCache | bool = True,
     ) -> None:
         """``snapshot_store``: also keep every shard snapshot on S3, incrementally (only
         new SSTs upload); a task whose machine lacks N-1's snapshot restores it from
-        there into ``snapshot_cache`` (default: a folder under the system temp dir)."""
+        there into ``snapshot_cache`` (default: a folder under the system temp dir).
+        ``resident_state``: keep running-aggregate shards' state in the machines' memory
+        between epochs (``state/resident.py``); True takes the settings from the
+        environment, False reads state from RocksDB every epoch."""
         pipeline.validate()
         if keep_epochs < 1:
             raise ConfigError(f"keep_epochs must be at least 1 (the last committed epoch), got {keep_epochs}")
@@ -85,6 +90,9 @@ class EpochRunner:
         self.verify_checksums = verify_checksums
         self.snapshot_store = snapshot_store
         self.snapshot_cache = str(snapshot_cache or Path(tempfile.gettempdir()) / "volley-snapshot-cache")
+        if resident_state is True:
+            resident_state = ResidentStateCache.from_env()
+        self.resident_state = resident_state or None
 
     @property
     def spark(self) -> SparkSession:
@@ -190,6 +198,8 @@ class EpochRunner:
             driver_pid=os.getpid(),
             remote=self.snapshot_store,
             cache_root=self.snapshot_cache,
+            resident=self.resident_state,
+            state_identity=f"{log.root.resolve()}|{pipeline.name}",
         )
         watermark = log.manifest(epoch - 1)["watermark"] if epoch > 1 else None
         stage = run_stage(self.spark, pipeline, rng, plan, merge, watermark, rng.end_of_stream)

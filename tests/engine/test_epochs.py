@@ -148,3 +148,26 @@ def test_empty_epoch_carries_state_forward_without_spark_work(spark, tmp_path):
     records = log_records(2, 1_000, 100)
     assert_state_equal(runner.read_state(), reference_state(records))
     assert_state_equal(sinks["delta"].read(), reference_state(records))
+
+
+def test_resident_state_is_used_only_while_it_is_the_restored_snapshot(spark, tmp_path):
+    """Shards read state from their memory mirror between epochs; a mirror left behind
+    by an epoch some other runner moved past (with the mirror off) is never used, and
+    the next epoch that scans rebuilds it. State and outputs equal the reference."""
+    from volley_dagster.state.resident import ResidentStateCache
+
+    generate(tmp_path / "events", 5, 1_000, 400)
+    pipeline = payments(tmp_path / "events", tmp_path / "out")
+    cache = ResidentStateCache(str(tmp_path / "resident"))
+    mirrored = EpochRunner(pipeline, tmp_path / "state", spark=spark, max_records_per_epoch=1_000, resident_state=cache)
+    plain = EpochRunner(pipeline, tmp_path / "state", spark=spark, max_records_per_epoch=1_000, resident_state=False)
+    modes = []
+    for runner in (mirrored, mirrored, plain, mirrored, mirrored):
+        result = runner.run_next()
+        modes.append({s["read_mode"] for s in result.shards.values()})
+    assert modes[0] == modes[1] == modes[4] == {"resident"}
+    assert "resident" not in modes[2] | modes[3]  # epoch 4: the mirror is epoch 2's state
+    assert modes[3] == {"scan"}  # 1,000 records touch most of 400 keys: scanned, so mirrored again
+    records = log_records(5, 1_000, 400)
+    assert_state_equal(mirrored.read_state(), reference_state(records))
+    assert_epoch_outputs(read_sink(tmp_path / "out"), records, {e: 1_000 for e in range(1, 6)})

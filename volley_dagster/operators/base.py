@@ -4,7 +4,7 @@ shard task that folds them into the shard's state through its transaction."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import pyarrow as pa
 
@@ -21,6 +21,8 @@ class ShardStep:
 
 
 class StatefulOperator(Protocol):
+    mirrors_state: ClassVar[bool]  # its state can stay resident between epochs (``state/resident.py``)
+
     def layout(self) -> dict[str, Any]:
         """What must not change between epochs of one checkpoint root."""
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 import pyarrow as pa
@@ -176,6 +176,7 @@ class WindowedAggregate:
 class ResolvedWindowAggregate:
     windowing: Windowing
     aggregate: ResolvedAggregate
+    mirrors_state: ClassVar[bool] = False  # open windows per key vary in number: RocksDB only
 
     @property
     def windows(self) -> Windows:

@@ -27,6 +27,7 @@ from volley_dagster.operators.base import ShardStep, StatefulOperator
 from volley_dagster.sources.file_log import FileLog
 from volley_dagster.sources.offsets import Segment
 from volley_dagster.state.options import RocksDBOptions
+from volley_dagster.state.resident import ResidentShard, ResidentStateCache
 from volley_dagster.state.store import FileDigests, ShardStore, SnapshotInfo
 
 
@@ -71,6 +72,8 @@ class ShardMerge:
     driver_pid: int
     remote: S3SnapshotStore | None = None  # snapshots also go to S3, and come back from it when
     cache_root: str = ""  # the local copy is missing (another machine): into this local cache
+    resident: ResidentStateCache | None = None  # shards' state kept in this machine's memory between epochs
+    state_identity: str = ""  # whose state (checkpoint root and pipeline): a mirror is only ever its own
 
     def __call__(self, table: pa.Table) -> pa.Table:
         shard = table.column(columns.SHARD)[0].as_py()
@@ -94,6 +97,17 @@ class ShardMerge:
         _reset_peak_rss()
         t0 = time.perf_counter()
         prev = self.previous.get(shard)
+        resident = self._open_resident(shard, prev)
+        try:
+            return self._merge_into(shard, data, null_keys, prev, resident, t0)
+        finally:
+            if resident is not None:
+                resident.release()
+
+    def _merge_into(
+        self, shard: int, data: pa.Table, null_keys: int, prev: PreviousSnapshot | None,
+        resident: ResidentShard | None, t0: float,
+    ) -> pa.Table:
         source, remote_stats = self._local_previous(shard, prev)
         try:
             store = ShardStore.restore(
@@ -108,7 +122,8 @@ class ShardMerge:
                 shutil.rmtree(source, ignore_errors=True)  # the S3 restore was checkpointed into work/
         try:
             t1 = time.perf_counter()
-            txn = store.transaction(self.scan_fraction)
+            txn = store.transaction(self.scan_fraction, resident)
+            hit = resident is not None and resident.complete
             outputs, operator_stats = self.operator.apply(txn, data, self.step)
             t2 = time.perf_counter()
             written = txn.flush()
@@ -118,6 +133,8 @@ class ShardMerge:
                 Path(prev.path) if prev else None,
                 prev.files if prev else None,
             )
+            if resident is not None:
+                resident.commit(snap.files)
             t4 = time.perf_counter()
             faults.fault_pause("shard_after_snapshot", self.step.epoch, shard)  # tests: hold the attempt
         finally:
@@ -133,7 +150,7 @@ class ShardMerge:
             records=int(pc.sum(data.column(columns.ROWS)).as_py() or 0),
             null_key_records=null_keys,
             keys_written=written,
-            read_mode="scan" if txn.scanned else "multi_get",
+            read_mode="resident" if hit else "scan" if txn.scanned else "multi_get",
             restore_s=t1 - t0,
             merge_s=t2 - t1,
             flush_s=t3 - t2,
@@ -143,6 +160,12 @@ class ShardMerge:
             task_pid=os.getpid(),  # the executor-side process that ran the shard
         )
         return self._output(outputs, stats)
+
+    def _open_resident(self, shard: int, prev: PreviousSnapshot | None) -> ResidentShard | None:
+        if self.resident is None or not self.operator.mirrors_state or self.step.key_kind != "int":
+            return None
+        identity = {"state": self.state_identity, "shard": shard, "layout": self.operator.layout()}
+        return self.resident.open(identity, prev.files if prev else None)
 
     def _local_previous(self, shard: int, prev: PreviousSnapshot | None) -> tuple[Path | None, dict[str, Any]]:
         """N-1's snapshot on this machine: the shared checkpoint root's copy, or when it

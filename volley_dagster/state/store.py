@@ -21,6 +21,7 @@ import rocksdict
 from volley_dagster.checkpoint.atomic import fsync_dir
 from volley_dagster.errors import SnapshotError
 from volley_dagster.state.options import RocksDBOptions
+from volley_dagster.state.resident import ResidentShard
 from volley_dagster.state.transaction import DEFAULT_SCAN_FRACTION, ShardTransaction
 
 FileDigests = dict[str, dict[str, Any]]  # file name -> {"size": int, "sha256": str}
@@ -98,8 +99,10 @@ class ShardStore:
                 source.close()
         return cls(rocksdict.Rdict(str(work_dir), options.build()), work_dir)
 
-    def transaction(self, scan_fraction: float = DEFAULT_SCAN_FRACTION) -> ShardTransaction:
-        return ShardTransaction(self.db, scan_fraction)
+    def transaction(
+        self, scan_fraction: float = DEFAULT_SCAN_FRACTION, resident: ResidentShard | None = None
+    ) -> ShardTransaction:
+        return ShardTransaction(self.db, scan_fraction, resident)
 
     def snapshot(self, target: Path, previous: Path | None, previous_files: FileDigests | None) -> SnapshotInfo:
         """Checkpoint into ``target``, replacing what an earlier failed attempt left there."""

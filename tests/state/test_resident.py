@@ -1,0 +1,128 @@
+"""Resident state: a shard's mirror is trusted only while its lineage is the snapshot
+being restored, one attempt at a time, and a failed attempt leaves none to trust."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from volley_dagster.state.resident import ResidentStateCache, lineage_of
+
+DTYPE = np.dtype([("_format", np.uint8), ("total", np.float64), ("events", np.int64)])
+IDENTITY = {"state": "/root|payments", "shard": 0, "layout": {"namespace": 1}}
+FILES_1 = {"000010.sst": {"size": 10, "sha256": "a" * 64}}
+FILES_2 = {"000011.sst": {"size": 12, "sha256": "b" * 64}}
+
+
+def blank(n: int) -> np.ndarray:
+    rows = np.zeros(n, DTYPE)
+    rows["_format"] = 2
+    return rows
+
+
+def states(keys: np.ndarray) -> np.ndarray:
+    rows = blank(len(keys))
+    rows["total"], rows["events"] = keys * 1.5, keys % 7
+    return rows
+
+
+def commit_new(cache: ResidentStateCache, keys: np.ndarray, files: dict, identity: dict = IDENTITY) -> None:
+    shard = cache.open(identity, None)
+    shard.update(keys, states(keys))
+    shard.commit(files)
+    shard.release()
+
+
+@pytest.fixture
+def cache(tmp_path) -> ResidentStateCache:
+    return ResidentStateCache(str(tmp_path / "resident"))
+
+
+def test_mirror_round_trip_merges_new_keys_in_order(cache):
+    rng = np.random.default_rng(3)
+    first = rng.choice(10_000, 3_000, replace=False).astype(np.int64) - 5_000  # negative keys too
+    commit_new(cache, first, FILES_1)
+
+    shard = cache.open(IDENTITY, FILES_1)
+    assert shard.complete
+    touched = np.concatenate([first[:500], np.arange(20_000, 20_400, dtype=np.int64)])
+    got, existed = shard.lookup(touched, blank)
+    assert existed.tolist() == [True] * 500 + [False] * 400
+    np.testing.assert_array_equal(got[:500], states(first[:500]))
+    assert (got["events"][500:] == 0).all() and (got["_format"] == 2).all()
+    updated = states(touched)
+    updated["events"] += 100
+    shard.update(touched, updated)
+    shard.commit(FILES_2)
+    shard.release()
+
+    shard = cache.open(IDENTITY, FILES_2)
+    expected = {int(k): r for k, r in zip(first, states(first))} | {int(k): r for k, r in zip(touched, updated)}
+    assert np.all(np.diff(shard.keys) > 0) and len(shard.keys) == len(expected)
+    got, existed = shard.lookup(np.array(sorted(expected), np.int64), blank)
+    assert existed.all()
+    np.testing.assert_array_equal(got, np.array([expected[k] for k in sorted(expected)], DTYPE))
+    shard.release()
+
+
+def test_mirror_of_another_snapshot_or_state_is_not_used(cache):
+    commit_new(cache, np.arange(100, dtype=np.int64), FILES_1)
+    for identity, files in ((IDENTITY, FILES_2), ({**IDENTITY, "shard": 1}, FILES_1),
+                            ({**IDENTITY, "state": "/other|payments"}, FILES_1)):
+        shard = cache.open(identity, files)
+        assert not shard.complete
+        shard.release()
+    assert lineage_of(FILES_1) != lineage_of(FILES_2)
+
+
+def test_failed_attempt_leaves_no_mirror_to_trust(cache):
+    keys = np.arange(100, dtype=np.int64)
+    commit_new(cache, keys, FILES_1)
+    shard = cache.open(IDENTITY, FILES_1)
+    changed = states(keys)
+    changed["total"] = -1
+    shard.update(keys, changed)  # in place, then the attempt dies before its snapshot
+    shard.release()
+    shard = cache.open(IDENTITY, FILES_1)
+    assert not shard.complete
+    shard.release()
+
+
+def test_one_attempt_at_a_time(cache):
+    commit_new(cache, np.arange(10, dtype=np.int64), FILES_1)
+    first = cache.open(IDENTITY, FILES_1)
+    assert first.complete and cache.open(IDENTITY, FILES_1) is None  # a concurrent attempt reads RocksDB
+    first.release()
+    again = cache.open(IDENTITY, FILES_1)
+    assert again.complete
+    again.release()
+
+
+def test_damaged_mirror_falls_back(cache):
+    commit_new(cache, np.arange(1_000, dtype=np.int64), FILES_1)
+    shard = cache.open(IDENTITY, FILES_1)
+    path = shard.path
+    shard.release()
+    (path / "values.npy").write_bytes((path / "values.npy").read_bytes()[:100])
+    shard = cache.open(IDENTITY, FILES_1)
+    assert not shard.complete
+    shard.release()
+
+
+def test_memory_budget_drops_least_recent_mirrors(tmp_path):
+    keys = np.arange(1_000, dtype=np.int64)  # 8 + 17 bytes a key: about 25 KB a mirror
+    cache = ResidentStateCache(str(tmp_path / "resident"), max_bytes=60_000)
+    for shard in range(3):
+        commit_new(cache, keys, FILES_1, {**IDENTITY, "shard": shard})
+    kept = []
+    for shard in range(3):
+        opened = cache.open({**IDENTITY, "shard": shard}, FILES_1)
+        kept.append(opened.complete)
+        opened.release()
+    assert kept == [False, True, True]
+
+    small = ResidentStateCache(str(tmp_path / "small"), max_bytes=10_000)  # one mirror alone is over
+    commit_new(small, keys, FILES_1)
+    opened = small.open(IDENTITY, FILES_1)
+    assert not opened.complete
+    opened.release()
