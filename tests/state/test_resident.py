@@ -126,3 +126,16 @@ def test_memory_budget_drops_least_recent_mirrors(tmp_path):
     opened = small.open(IDENTITY, FILES_1)
     assert not opened.complete
     opened.release()
+
+
+def test_mirror_that_cannot_be_written_is_dropped_not_fatal(cache, tmp_path):
+    shard = cache.open(IDENTITY, None)
+    (shard.path / "keys.npy").mkdir()  # a write that fails, as on a full /dev/shm
+    shard.update(np.arange(10, dtype=np.int64), states(np.arange(10, dtype=np.int64)))
+    shard.commit(FILES_1)
+    shard.release()
+    again = cache.open(IDENTITY, FILES_1)
+    assert not again.complete
+    again.release()
+    (tmp_path / "not-a-dir").write_text("")
+    assert ResidentStateCache(str(tmp_path / "not-a-dir")).open(IDENTITY, None) is None

@@ -21,7 +21,7 @@ the whole shard in hand anyway: a first epoch, or one that scans the shard.
 
 from __future__ import annotations
 
-import errno
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -65,7 +65,8 @@ class ResidentStateCache:
         mib = int(os.environ.get("VOLLEY_RESIDENT_STATE_MIB", DEFAULT_MAX_MIB))
         if mib <= 0:
             return None
-        return cls(os.environ.get("VOLLEY_RESIDENT_STATE_DIR") or default_directory(), mib * 2**20)
+        directory = os.environ.get("VOLLEY_RESIDENT_STATE_DIR") or default_directory()
+        return cls(directory, min(mib * 2**20, _half_free(directory)))
 
     def open(self, identity: dict[str, Any], previous_files: dict[str, Any] | None) -> ResidentShard | None:
         """The shard's mirror, locked for this attempt: complete when its lineage is
@@ -73,15 +74,16 @@ class ResidentStateCache:
         None when another attempt holds it."""
         name = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:24]
         path = Path(self.directory) / name
-        path.mkdir(parents=True, exist_ok=True)
-        lock = os.open(path / _LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            lock = os.open(path / _LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError:
+            return None  # no room or no right to keep a mirror here: RocksDB answers
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
+        except OSError:
             os.close(lock)
-            if exc.errno in (errno.EAGAIN, errno.EACCES):
-                return None
-            raise
+            return None  # another attempt of this shard holds it
         shard = ResidentShard(self, path, lock, identity)
         if previous_files is None:
             shard.start_empty()
@@ -182,18 +184,24 @@ class ResidentShard:
         if size > self._cache.max_bytes:
             self.discard()
             return
-        if self._rewrite:
-            for name, arr in ((_KEYS, self.keys), (_VALUES, self.values)):
-                tmp = self.path / f".{name}.tmp"
-                with open(tmp, "wb") as fh:
-                    np.save(fh, np.asarray(arr))
-                os.replace(tmp, self.path / name)
-        else:
-            for arr in (self.keys, self.values):
-                if isinstance(arr, np.memmap):
-                    arr.flush()
-        write_json_atomic(self.path / _LINEAGE, {"identity": self._identity, "snapshot": lineage_of(snapshot_files)})
-        _evict(Path(self._cache.directory), self._cache.max_bytes, keep=self.path)
+        try:
+            if self._rewrite:
+                for name, arr in ((_KEYS, self.keys), (_VALUES, self.values)):
+                    tmp = self.path / f".{name}.tmp"
+                    with open(tmp, "wb") as fh:
+                        np.save(fh, np.asarray(arr))
+                    os.replace(tmp, self.path / name)
+            else:
+                for arr in (self.keys, self.values):
+                    if isinstance(arr, np.memmap):
+                        arr.flush()
+            write_json_atomic(self.path / _LINEAGE, {"identity": self._identity, "snapshot": lineage_of(snapshot_files)})
+            _evict(Path(self._cache.directory), self._cache.max_bytes, keep=self.path)
+        except OSError:  # the memory filesystem is full (or gone): the epoch goes on without a mirror
+            self.discard()
+            for name in (_KEYS, _VALUES, f".{_KEYS}.tmp", f".{_VALUES}.tmp"):
+                with contextlib.suppress(OSError):
+                    (self.path / name).unlink(missing_ok=True)
 
     def release(self) -> None:
         self.keys = self.values = None  # unmaps
@@ -201,6 +209,16 @@ class ResidentShard:
 
     def _unstamp(self) -> None:
         (self.path / _LINEAGE).unlink(missing_ok=True)
+
+
+def _half_free(directory: str) -> int:
+    """Half the free space of the filesystem the mirrors go to (a container's /dev/shm
+    may be 64 MiB): mirrors never crowd out what else lives there."""
+    path = Path(directory)
+    while not path.exists():
+        path = path.parent
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize // 2
 
 
 def _evict(directory: Path, max_bytes: int, keep: Path) -> None:
