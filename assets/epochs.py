@@ -50,6 +50,7 @@ def make_runner(
         keep_epochs=checkpoints.keep_epochs,
         max_records_per_epoch=checkpoints.max_records_per_epoch,
         snapshot_store=checkpoints.snapshot_store(pipeline.name),
+        resident_state=checkpoints.resident_state() or False,
     )
 
 

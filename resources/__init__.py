@@ -14,6 +14,7 @@ from volley_dagster.deploy import TableSettings
 from volley_dagster.sinks.iceberg import sqlite_catalog
 from volley_dagster.sinks.s3 import S3Endpoint
 from volley_dagster.spark.session import get_or_create_spark
+from volley_dagster.state.resident import ResidentStateCache
 
 
 class SparkResource(ConfigurableResource):
@@ -52,6 +53,11 @@ class CheckpointResource(ConfigurableResource):
     max_records_per_epoch: int = 1_000_000
     snapshot_store_uri: Optional[str] = None
     s3: Optional[S3Resource] = None
+    resident_state_mib: Optional[int] = None  # shard state kept in memory between epochs: None = the
+    # environment's VOLLEY_RESIDENT_STATE_MIB (default 1024), 0 = off (docs/architecture.md)
+
+    def resident_state(self) -> Optional[ResidentStateCache]:
+        return ResidentStateCache.from_env(self.resident_state_mib)
 
     def snapshot_store(self, pipeline: str) -> Optional[S3SnapshotStore]:
         if not self.snapshot_store_uri:

@@ -60,9 +60,11 @@ class ResidentStateCache:
     max_bytes: int = DEFAULT_MAX_MIB * 2**20
 
     @classmethod
-    def from_env(cls) -> ResidentStateCache | None:
-        """``VOLLEY_RESIDENT_STATE_MIB`` (0 turns mirrors off) and ``VOLLEY_RESIDENT_STATE_DIR``."""
-        mib = int(os.environ.get("VOLLEY_RESIDENT_STATE_MIB", DEFAULT_MAX_MIB))
+    def from_env(cls, mib: int | None = None) -> ResidentStateCache | None:
+        """``mib`` or ``VOLLEY_RESIDENT_STATE_MIB`` (0 turns mirrors off), in
+        ``VOLLEY_RESIDENT_STATE_DIR`` or memory."""
+        if mib is None:
+            mib = int(os.environ.get("VOLLEY_RESIDENT_STATE_MIB", DEFAULT_MAX_MIB))
         if mib <= 0:
             return None
         directory = os.environ.get("VOLLEY_RESIDENT_STATE_DIR") or default_directory()
