@@ -1,5 +1,6 @@
 """What the Dagster UI shows per epoch: plottable numbers on the right asset."""
 
+from collections import Counter
 from datetime import datetime, timezone
 from typing import Any
 
@@ -59,6 +60,8 @@ def epoch_metadata(pipeline: Pipeline, result: EpochResult) -> dict[AssetKey, di
         "dead_letters": MetadataValue.int(result.dead_letters),
         "keys_touched": MetadataValue.int(result.keys_touched),
         "shards": MetadataValue.int(len(result.shards)),  # rescales change it between epochs
+        # how shards read state: "resident" (memory), "scan", "multi_get", "carried_forward"
+        "state_reads": MetadataValue.json(dict(Counter(s.get("read_mode", "-") for s in result.shards.values()))),
         "new_keys": MetadataValue.int(result.new_keys),
         "state_bytes": MetadataValue.int(result.state_bytes),
         "state_bytes_written": MetadataValue.int(result.state_bytes_written),

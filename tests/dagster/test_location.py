@@ -70,6 +70,7 @@ def test_sensor_backfill_order_guard_and_checks(location):
         "epoch 1 was already committed", "epoch 2 was already committed", "epoch 3 committed"]
     last = in_backfill[key(3)]
     assert last["records_in"].value == 2_000 and last["epoch"].value == 3
+    assert last["state_reads"].value == {"resident": last["shards"].value}  # epoch 2's mirror, from another run
     assert isinstance(last["seconds_total"].value, float)
     delta_md = dict(materializations(instance, DELTA))[key(3)]
     assert delta_md["delta_table_version"].value == 2 and delta_md["dagster/uri"].value.endswith("merchant_balances")

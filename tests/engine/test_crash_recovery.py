@@ -96,6 +96,16 @@ def test_kill_and_resume_equals_clean_run(spark, tmp_path, point, epoch, shard, 
         assert skipped == {"parquet", "delta"}  # only Iceberg was still missing
     elif committed_after_crash < epoch:
         assert skipped == set()
+    # Resident state (state/resident.py) outlives the killed process: the first resumed
+    # epoch reads it where it is the restored snapshot, and RocksDB where the killed
+    # attempt already stamped it with a snapshot of an epoch that never committed.
+    first = {int(s): info["read_mode"] for s, info in runner.result(committed_after_crash + 1).shards.items()}
+    if point in ("segment_read", "during_retention"):
+        assert set(first.values()) == {"resident"}
+    elif point == "shard_after_snapshot":
+        assert first[shard] != "resident"
+    else:
+        assert "resident" not in first.values()
 
 
 @pytest.mark.parametrize(

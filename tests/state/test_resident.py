@@ -27,7 +27,7 @@ def states(keys: np.ndarray) -> np.ndarray:
 
 
 def commit_new(cache: ResidentStateCache, keys: np.ndarray, files: dict, identity: dict = IDENTITY) -> None:
-    shard = cache.open(identity, None)
+    shard = cache.open(identity, None, DTYPE)
     shard.update(keys, states(keys))
     shard.commit(files)
     shard.release()
@@ -43,7 +43,7 @@ def test_mirror_round_trip_merges_new_keys_in_order(cache):
     first = rng.choice(10_000, 3_000, replace=False).astype(np.int64) - 5_000  # negative keys too
     commit_new(cache, first, FILES_1)
 
-    shard = cache.open(IDENTITY, FILES_1)
+    shard = cache.open(IDENTITY, FILES_1, DTYPE)
     assert shard.complete
     touched = np.concatenate([first[:500], np.arange(20_000, 20_400, dtype=np.int64)])
     got, existed = shard.lookup(touched, blank)
@@ -56,7 +56,7 @@ def test_mirror_round_trip_merges_new_keys_in_order(cache):
     shard.commit(FILES_2)
     shard.release()
 
-    shard = cache.open(IDENTITY, FILES_2)
+    shard = cache.open(IDENTITY, FILES_2, DTYPE)
     expected = {int(k): r for k, r in zip(first, states(first))} | {int(k): r for k, r in zip(touched, updated)}
     assert np.all(np.diff(shard.keys) > 0) and len(shard.keys) == len(expected)
     got, existed = shard.lookup(np.array(sorted(expected), np.int64), blank)
@@ -69,7 +69,7 @@ def test_mirror_of_another_snapshot_or_state_is_not_used(cache):
     commit_new(cache, np.arange(100, dtype=np.int64), FILES_1)
     for identity, files in ((IDENTITY, FILES_2), ({**IDENTITY, "shard": 1}, FILES_1),
                             ({**IDENTITY, "state": "/other|payments"}, FILES_1)):
-        shard = cache.open(identity, files)
+        shard = cache.open(identity, files, DTYPE)
         assert not shard.complete
         shard.release()
     assert lineage_of(FILES_1) != lineage_of(FILES_2)
@@ -78,33 +78,33 @@ def test_mirror_of_another_snapshot_or_state_is_not_used(cache):
 def test_failed_attempt_leaves_no_mirror_to_trust(cache):
     keys = np.arange(100, dtype=np.int64)
     commit_new(cache, keys, FILES_1)
-    shard = cache.open(IDENTITY, FILES_1)
+    shard = cache.open(IDENTITY, FILES_1, DTYPE)
     changed = states(keys)
     changed["total"] = -1
     shard.update(keys, changed)  # in place, then the attempt dies before its snapshot
     shard.release()
-    shard = cache.open(IDENTITY, FILES_1)
+    shard = cache.open(IDENTITY, FILES_1, DTYPE)
     assert not shard.complete
     shard.release()
 
 
 def test_one_attempt_at_a_time(cache):
     commit_new(cache, np.arange(10, dtype=np.int64), FILES_1)
-    first = cache.open(IDENTITY, FILES_1)
-    assert first.complete and cache.open(IDENTITY, FILES_1) is None  # a concurrent attempt reads RocksDB
+    first = cache.open(IDENTITY, FILES_1, DTYPE)
+    assert first.complete and cache.open(IDENTITY, FILES_1, DTYPE) is None  # a concurrent attempt reads RocksDB
     first.release()
-    again = cache.open(IDENTITY, FILES_1)
+    again = cache.open(IDENTITY, FILES_1, DTYPE)
     assert again.complete
     again.release()
 
 
 def test_damaged_mirror_falls_back(cache):
     commit_new(cache, np.arange(1_000, dtype=np.int64), FILES_1)
-    shard = cache.open(IDENTITY, FILES_1)
+    shard = cache.open(IDENTITY, FILES_1, DTYPE)
     path = shard.path
     shard.release()
     (path / "values.npy").write_bytes((path / "values.npy").read_bytes()[:100])
-    shard = cache.open(IDENTITY, FILES_1)
+    shard = cache.open(IDENTITY, FILES_1, DTYPE)
     assert not shard.complete
     shard.release()
 
@@ -116,26 +116,26 @@ def test_memory_budget_drops_least_recent_mirrors(tmp_path):
         commit_new(cache, keys, FILES_1, {**IDENTITY, "shard": shard})
     kept = []
     for shard in range(3):
-        opened = cache.open({**IDENTITY, "shard": shard}, FILES_1)
+        opened = cache.open({**IDENTITY, "shard": shard}, FILES_1, DTYPE)
         kept.append(opened.complete)
         opened.release()
     assert kept == [False, True, True]
 
     small = ResidentStateCache(str(tmp_path / "small"), max_bytes=10_000)  # one mirror alone is over
     commit_new(small, keys, FILES_1)
-    opened = small.open(IDENTITY, FILES_1)
+    opened = small.open(IDENTITY, FILES_1, DTYPE)
     assert not opened.complete
     opened.release()
 
 
 def test_mirror_that_cannot_be_written_is_dropped_not_fatal(cache, tmp_path):
-    shard = cache.open(IDENTITY, None)
+    shard = cache.open(IDENTITY, None, DTYPE)
     (shard.path / "keys.npy").mkdir()  # a write that fails, as on a full /dev/shm
     shard.update(np.arange(10, dtype=np.int64), states(np.arange(10, dtype=np.int64)))
     shard.commit(FILES_1)
     shard.release()
-    again = cache.open(IDENTITY, FILES_1)
+    again = cache.open(IDENTITY, FILES_1, DTYPE)
     assert not again.complete
     again.release()
     (tmp_path / "not-a-dir").write_text("")
-    assert ResidentStateCache(str(tmp_path / "not-a-dir")).open(IDENTITY, None) is None
+    assert ResidentStateCache(str(tmp_path / "not-a-dir")).open(IDENTITY, None, DTYPE) is None

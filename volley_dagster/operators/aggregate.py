@@ -4,7 +4,7 @@ those partials into RocksDB state and emit each changed key's new value."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -52,13 +52,16 @@ class ResolvedAggregate:
     kinds: tuple[ValueKind | None, ...]
     namespace: int
     dtype: np.dtype = field(init=False, compare=False)
-    mirrors_state: ClassVar[bool] = True  # fixed-width records: a shard's state can stay resident
 
     def __post_init__(self) -> None:
         fields: list[tuple[str, Any]] = [("_format", np.uint8)]
         for (name, acc), kind in zip(self.accumulators, self.kinds):
             fields.extend(acc.fields(name, kind))
         object.__setattr__(self, "dtype", np.dtype(fields))
+
+    @property
+    def resident_records(self) -> np.dtype:
+        return self.dtype
 
     def layout(self) -> dict[str, Any]:
         """What must not change between epochs of one checkpoint root."""

@@ -4,8 +4,9 @@ shard task that folds them into the shard's state through its transaction."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from typing import Any, Protocol
 
+import numpy as np
 import pyarrow as pa
 
 from volley_dagster.state.transaction import ShardTransaction
@@ -21,7 +22,10 @@ class ShardStep:
 
 
 class StatefulOperator(Protocol):
-    mirrors_state: ClassVar[bool]  # its state can stay resident between epochs (``state/resident.py``)
+    @property
+    def resident_records(self) -> np.dtype | None:
+        """One key's state as a fixed-width record, when a shard's state can stay
+        resident between epochs (``state/resident.py``); None: RocksDB only."""
 
     def layout(self) -> dict[str, Any]:
         """What must not change between epochs of one checkpoint root."""

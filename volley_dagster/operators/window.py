@@ -176,7 +176,7 @@ class WindowedAggregate:
 class ResolvedWindowAggregate:
     windowing: Windowing
     aggregate: ResolvedAggregate
-    mirrors_state: ClassVar[bool] = False  # open windows per key vary in number: RocksDB only
+    resident_records: ClassVar[None] = None  # open windows per key vary in number: RocksDB only
 
     @property
     def windows(self) -> Windows:

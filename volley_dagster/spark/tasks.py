@@ -162,10 +162,11 @@ class ShardMerge:
         return self._output(outputs, stats)
 
     def _open_resident(self, shard: int, prev: PreviousSnapshot | None) -> ResidentShard | None:
-        if self.resident is None or not self.operator.mirrors_state or self.step.key_kind != "int":
+        records = self.operator.resident_records
+        if self.resident is None or records is None or self.step.key_kind != "int":
             return None
         identity = {"state": self.state_identity, "shard": shard, "layout": self.operator.layout()}
-        return self.resident.open(identity, prev.files if prev else None)
+        return self.resident.open(identity, prev.files if prev else None, records)
 
     def _local_previous(self, shard: int, prev: PreviousSnapshot | None) -> tuple[Path | None, dict[str, Any]]:
         """N-1's snapshot on this machine: the shared checkpoint root's copy, or when it

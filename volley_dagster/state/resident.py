@@ -70,9 +70,11 @@ class ResidentStateCache:
         directory = os.environ.get("VOLLEY_RESIDENT_STATE_DIR") or default_directory()
         return cls(directory, min(mib * 2**20, _half_free(directory)))
 
-    def open(self, identity: dict[str, Any], previous_files: dict[str, Any] | None) -> ResidentShard | None:
-        """The shard's mirror, locked for this attempt: complete when its lineage is
-        ``previous_files`` (or the shard starts empty), else empty and incomplete.
+    def open(
+        self, identity: dict[str, Any], previous_files: dict[str, Any] | None, records: np.dtype
+    ) -> ResidentShard | None:
+        """The shard's mirror of ``records``, locked for this attempt: complete when its
+        lineage is ``previous_files`` (or the shard starts empty), else incomplete.
         None when another attempt holds it."""
         name = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:24]
         path = Path(self.directory) / name
@@ -86,7 +88,7 @@ class ResidentStateCache:
         except OSError:
             os.close(lock)
             return None  # another attempt of this shard holds it
-        shard = ResidentShard(self, path, lock, identity)
+        shard = ResidentShard(self, path, lock, identity, records)
         if previous_files is None:
             shard.start_empty()
         else:
@@ -102,11 +104,14 @@ def lineage_of(snapshot_files: dict[str, Any]) -> str:
 class ResidentShard:
     """One shard's mirror during one attempt (holds the lock until ``release``)."""
 
-    def __init__(self, cache: ResidentStateCache, path: Path, lock: int, identity: dict[str, Any]) -> None:
+    def __init__(
+        self, cache: ResidentStateCache, path: Path, lock: int, identity: dict[str, Any], records: np.dtype
+    ) -> None:
         self._cache = cache
         self.path = path
         self._lock = lock
         self._identity = identity
+        self._records = records
         self.keys: np.ndarray | None = None  # sorted int64; None: not complete
         self.values: np.ndarray | None = None
         self._rewrite = False  # the arrays changed shape: write them whole at commit
@@ -118,7 +123,7 @@ class ResidentShard:
 
     def start_empty(self) -> None:
         self._unstamp()
-        self.keys, self.values, self._rewrite = np.empty(0, np.int64), None, True
+        self.keys, self.values, self._rewrite = np.empty(0, np.int64), np.empty(0, self._records), True
 
     def load(self, expected: str) -> None:
         try:
@@ -132,20 +137,18 @@ class ResidentShard:
             values = np.load(self.path / _VALUES, mmap_mode="r+")
         except (OSError, ValueError):
             return  # damaged: RocksDB answers instead
-        if keys.dtype != np.int64 or keys.ndim != 1 or len(values) != len(keys):
+        if keys.dtype != np.int64 or keys.ndim != 1 or values.dtype != self._records or len(values) != len(keys):
             return
         self.keys, self.values = keys, values
 
     def lookup(self, keys: np.ndarray, blank_rows: Callable[[int], np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
         """States of ``keys`` (blank where absent) and which existed."""
-        assert self.keys is not None
+        assert self.keys is not None and self.values is not None
         state = blank_rows(len(keys))
         if not len(self.keys):
             return state, np.zeros(len(keys), dtype=bool)
         idx = np.minimum(np.searchsorted(self.keys, keys), len(self.keys) - 1)
         existed = self.keys[idx] == keys
-        if self.values is not None and self.values.dtype != state.dtype:
-            raise ValueError(f"resident state of {self.path} has records {self.values.dtype}, expected {state.dtype}")
         state[existed] = self.values[idx[existed]]
         return state, existed
 
@@ -157,10 +160,8 @@ class ResidentShard:
 
     def update(self, keys: np.ndarray, states: np.ndarray) -> None:
         """Set the epoch's new states: in place for known keys, merged in for new ones."""
-        assert self.keys is not None
+        assert self.keys is not None and self.values is not None
         self._unstamp()
-        if self.values is None:
-            self.values = states[:0].copy()
         idx = np.searchsorted(self.keys, keys)
         known = idx < len(self.keys)
         known[known] = self.keys[idx[known]] == keys[known]
