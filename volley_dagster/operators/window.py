@@ -211,14 +211,20 @@ class ResolvedWindowAggregate:
             return F.lit(False)
         return F.col(columns.WINDOW_END) + F.lit(self.windowing.lateness_us) <= F.lit(watermark)
 
-    def partials(self, on_time: DataFrame) -> DataFrame:
-        """Pre-aggregate per (key, window) in Spark; sessions are merged here within the epoch."""
+    def partials(self, on_time: DataFrame, by: list[str]) -> DataFrame:
+        """Pre-aggregate per (``by``, key, window) in Spark; sessions are merged here
+        within the epoch. ``by``: the routing columns (``spark/partitioning.py``)."""
         exprs = self.aggregate.partial_exprs()
         if self.windows.kind != "session":
-            return on_time.groupBy(columns.KEY, columns.WINDOW_START, columns.WINDOW_END).agg(*exprs)
+            return on_time.groupBy(*by, columns.KEY, columns.WINDOW_START, columns.WINDOW_END).agg(*exprs)
         gap = f"{self.windows.gap_us} microseconds"
+        column = self.windowing.time_column
+        time = F.col(column)
+        # only the shard marker rows have no event time: give them one so that no session
+        # window drops them (their group, key null, is no record to the shard task)
+        on_time = on_time.withColumn(column, F.coalesce(time, F.lit(0).cast(on_time.schema[column].dataType)))
         return (
-            on_time.groupBy(columns.KEY, F.session_window(F.col(self.windowing.time_column), gap).alias("_volley_s"))
+            on_time.groupBy(*by, columns.KEY, F.session_window(time, gap).alias("_volley_s"))
             .agg(*exprs)
             .withColumn(columns.WINDOW_START, F.unix_micros(F.col("_volley_s.start")))
             .withColumn(columns.WINDOW_END, F.unix_micros(F.col("_volley_s.end")))
