@@ -79,7 +79,8 @@ class ResidentStateCache:
         name = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:24]
         path = Path(self.directory) / name
         try:
-            path.mkdir(parents=True, exist_ok=True)
+            os.makedirs(self.directory, mode=0o700, exist_ok=True)  # state is data: this user's only
+            path.mkdir(mode=0o700, exist_ok=True)
             lock = os.open(path / _LOCK, os.O_RDWR | os.O_CREAT, 0o600)
         except OSError:
             return None  # no room or no right to keep a mirror here: RocksDB answers
