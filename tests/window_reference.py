@@ -21,11 +21,14 @@ VALUES = ["events", "total", "largest", "first_event", "last_event"]
 def window_pipeline(
     events: Path, output: Path, windows: Windows, *, delay: str, lateness: str,
     max_pending: int | None = None, shards: int = 2, name: str = "windows", tables: Path | None = None,
+    ntz: bool = False,
 ) -> Pipeline:
+    """``ntz``: event time as TIMESTAMP_NTZ (same wall-clock values: the session is UTC)."""
+    pipeline = Pipeline(name).source(FileLog(events, format="parquet")).where("status != 'failed'")
+    if ntz:
+        pipeline = pipeline.with_column("event_time", "cast(event_time as timestamp_ntz)")
     pipeline = (
-        Pipeline(name)
-        .source(FileLog(events, format="parquet"))
-        .where("status != 'failed'")
+        pipeline
         .key_by(KEY)
         .window(windows, on="event_time", max_out_of_orderness=delay, allowed_lateness=lateness,
                 max_pending_windows=max_pending)

@@ -17,10 +17,10 @@ FILES, PER_FILE, KEYS = 10, 300, 20  # each file is one epoch of 30 s event time
 DELAY, LATENESS = "5 seconds", "2 seconds"
 
 
-def run_windows(spark, base, windows, max_pending=None):
+def run_windows(spark, base, windows, max_pending=None, ntz=False):
     files = generate(base / "events", FILES, PER_FILE, KEYS, events_per_second=10, disorder_s=30)
     pipeline = window_pipeline(base / "events", base / "out", windows, delay=DELAY, lateness=LATENESS,
-                               max_pending=max_pending)
+                               max_pending=max_pending, ntz=ntz)
     runner = EpochRunner(pipeline, base / "state", spark=spark, max_records_per_epoch=PER_FILE)
     results = runner.run_available()
     results += runner.flush()  # end of stream: an empty final epoch fires what is still open
@@ -106,3 +106,9 @@ def test_session_spanning_three_epochs_and_bridging(spark, tmp_path):
     assert {(k, s, e, n) for k, s, e, n, *_ in fired[3]} == sessions
     first_last = {k: (f, l) for k, _, _, _, _, _, f, l in fired[3]}
     assert first_last == {1: (0, 20), 2: (1, 21)}  # log order across the merged sessions
+
+
+def test_session_windows_on_a_timestamp_ntz_column(spark, tmp_path):
+    """TIMESTAMP_NTZ event time (accepted by window(on=...)) sessions like TIMESTAMP."""
+    runner, results, ref = run_windows(spark, tmp_path, session("8 seconds"), ntz=True)
+    check_against_reference(runner, results, ref)

@@ -107,6 +107,23 @@ def test_damaged_mirror_falls_back(cache):
     shard = cache.open(IDENTITY, FILES_1, DTYPE)
     assert not shard.complete
     shard.release()
+    commit_new(cache, np.arange(1_000, dtype=np.int64), FILES_1)
+    (path / "keys.npy").write_bytes(b"")  # emptied
+    shard = cache.open(IDENTITY, FILES_1, DTYPE)
+    assert shard is not None and not shard.complete
+    shard.release()  # and the lock with it: the next attempt gets the mirror
+    commit_new(cache, np.arange(10, dtype=np.int64), FILES_1)
+    shard = cache.open(IDENTITY, FILES_1, DTYPE)
+    assert shard.complete and len(shard.keys) == 10
+    shard.release()
+
+
+def test_folder_others_can_write_is_never_trusted(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    cache = ResidentStateCache(str(shared))
+    assert cache.open(IDENTITY, None, DTYPE) is None
 
 
 def test_memory_budget_drops_least_recent_mirrors(tmp_path):

@@ -222,7 +222,8 @@ class ResolvedWindowAggregate:
         time = F.col(column)
         # only the shard marker rows have no event time: give them one so that no session
         # window drops them (their group, key null, is no record to the shard task)
-        on_time = on_time.withColumn(column, F.coalesce(time, F.lit(0).cast(on_time.schema[column].dataType)))
+        epoch_start = F.lit("1970-01-01 00:00:00").cast(on_time.schema[column].dataType)  # timestamp or _ntz
+        on_time = on_time.withColumn(column, F.coalesce(time, epoch_start))
         return (
             on_time.groupBy(*by, columns.KEY, F.session_window(time, gap).alias("_volley_s"))
             .agg(*exprs)

@@ -27,6 +27,7 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,10 +45,19 @@ DEFAULT_MAX_MIB = 1024
 
 
 def default_directory() -> str:
-    """Memory, not disk, where the machine has a ``/dev/shm``."""
+    """Memory, not disk, where the machine has a ``/dev/shm``; one folder per user."""
     shm = Path("/dev/shm")
     base = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
-    return str(base / "volley-resident-state")
+    return str(base / f"volley-resident-state-{os.getuid()}")
+
+
+def _boot_id() -> str:
+    """Mirrors on a disk-backed folder do not survive a reboot half-written: a stamp
+    names the boot it was written in."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
 
 
 @dataclass(frozen=True)
@@ -68,7 +78,7 @@ class ResidentStateCache:
         if mib <= 0:
             return None
         directory = os.environ.get("VOLLEY_RESIDENT_STATE_DIR") or default_directory()
-        return cls(directory, min(mib * 2**20, _half_free(directory)))
+        return cls(directory, min(mib * 2**20, _half_free(directory) or mib * 2**20))
 
     def open(
         self, identity: dict[str, Any], previous_files: dict[str, Any] | None, records: np.dtype
@@ -79,27 +89,38 @@ class ResidentStateCache:
         name = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:24]
         path = Path(self.directory) / name
         try:
-            os.makedirs(self.directory, mode=0o700, exist_ok=True)  # state is data: this user's only
+            if not _private_folder(Path(self.directory)):
+                return None  # a folder another user could write to: never trusted
             path.mkdir(mode=0o700, exist_ok=True)
-            lock = os.open(path / _LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+            lock = os.open(path / _LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         except OSError:
             return None  # no room or no right to keep a mirror here: RocksDB answers
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+            if os.fstat(lock).st_ino != os.stat(path / _LOCK).st_ino:
+                raise OSError("the mirror was evicted while this attempt locked it")
+            shard = ResidentShard(self, path, lock, identity, records)
+            if previous_files is None:
+                shard.start_empty()
+            else:
+                shard.load(lineage_of(previous_files))
+            return shard
+        except Exception:  # held by another attempt, evicted or unreadable: RocksDB answers
             os.close(lock)
-            return None  # another attempt of this shard holds it
-        shard = ResidentShard(self, path, lock, identity, records)
-        if previous_files is None:
-            shard.start_empty()
-        else:
-            shard.load(lineage_of(previous_files))
-        return shard
+            return None
 
 
 def lineage_of(snapshot_files: dict[str, Any]) -> str:
-    """A snapshot's identity: the digests of its files."""
-    return hashlib.sha256(json.dumps(snapshot_files, sort_keys=True).encode()).hexdigest()
+    """A snapshot's identity (the digests of its files), in this boot."""
+    digest = hashlib.sha256(json.dumps(snapshot_files, sort_keys=True).encode()).hexdigest()
+    return f"{digest}@{_boot_id()}"
+
+
+def _private_folder(directory: Path) -> bool:
+    """Create ``directory`` (0700) if need be; True when it is this user's alone."""
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    st = os.lstat(directory)
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077
 
 
 class ResidentShard:
@@ -136,8 +157,8 @@ class ResidentShard:
         try:
             keys = np.load(self.path / _KEYS, mmap_mode="r+")
             values = np.load(self.path / _VALUES, mmap_mode="r+")
-        except (OSError, ValueError):
-            return  # damaged: RocksDB answers instead
+        except Exception:  # damaged (truncated, emptied): RocksDB answers instead
+            return
         if keys.dtype != np.int64 or keys.ndim != 1 or values.dtype != self._records or len(values) != len(keys):
             return
         self.keys, self.values = keys, values
@@ -192,7 +213,8 @@ class ResidentShard:
             if self._rewrite:
                 for name, arr in ((_KEYS, self.keys), (_VALUES, self.values)):
                     tmp = self.path / f".{name}.tmp"
-                    with open(tmp, "wb") as fh:
+                    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+                    with os.fdopen(fd, "wb") as fh:
                         np.save(fh, np.asarray(arr))
                     os.replace(tmp, self.path / name)
             else:
@@ -217,11 +239,14 @@ class ResidentShard:
 
 def _half_free(directory: str) -> int:
     """Half the free space of the filesystem the mirrors go to (a container's /dev/shm
-    may be 64 MiB): mirrors never crowd out what else lives there."""
+    may be 64 MiB): mirrors never crowd out what else lives there. 0: unknown."""
     path = Path(directory)
-    while not path.exists():
-        path = path.parent
-    st = os.statvfs(path)
+    try:
+        while not path.exists():
+            path = path.parent
+        st = os.statvfs(path)
+    except OSError:
+        return 0
     return st.f_bavail * st.f_frsize // 2
 
 
@@ -230,15 +255,23 @@ def _evict(directory: Path, max_bytes: int, keep: Path) -> None:
     until the machine's mirrors fit ``max_bytes``."""
     mirrors = []
     for entry in directory.iterdir():
-        stamp = entry / _LINEAGE
-        size = sum(f.stat().st_size for f in entry.glob("*.npy"))
-        mtime = stamp.stat().st_mtime if stamp.exists() else 0.0
+        size = 0
+        for f in entry.glob("*.npy"):
+            with contextlib.suppress(OSError):  # another attempt may be replacing it
+                size += f.stat().st_size
+        try:
+            mtime = (entry / _LINEAGE).stat().st_mtime
+        except OSError:  # unstamped: first to go
+            mtime = 0.0
         mirrors.append((entry == keep, mtime, size, entry))
     total = sum(m[2] for m in mirrors)
     for is_keep, _, size, entry in sorted(mirrors):
         if total <= max_bytes or is_keep:
             break
-        fd = os.open(entry / _LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fd = os.open(entry / _LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        except OSError:
+            continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:

@@ -104,22 +104,33 @@ class ShardTransaction:
         return dict(scan_prefix(self._db, prefix))
 
 
+def key_order(keys: list[bytes]) -> np.ndarray:
+    """The permutation that sorts ``keys`` as RocksDB does (bytewise), in bulk: NumPy
+    when the keys are of similar length (fixed-width bytes), else Python's sort, so one
+    long string key cannot blow the fixed width up. Keys differing only in trailing NUL
+    bytes tie under NumPy; callers use the order for speed only."""
+    lengths = np.fromiter(map(len, keys), dtype=np.int64, count=len(keys))
+    if not len(keys) or int(lengths.max()) * len(keys) <= 2 * int(lengths.sum()) + (1 << 20):
+        return np.argsort(np.array(keys, dtype=bytes), kind="stable")
+    return np.array(sorted(range(len(keys)), key=keys.__getitem__), dtype=np.int64)
+
+
 def _multi_get_sorted(db: rocksdict.Rdict, keys: list[bytes]) -> list[bytes | None]:
     """``multi_get`` in key order (RocksDB batches sorted lookups: about 15% faster on
     a large shard), the values back in the caller's order."""
-    order = np.argsort(np.array(keys, dtype=bytes), kind="stable")
+    order = key_order(keys)
     out = np.empty(len(keys), dtype=object)
     out[order] = db.get(np.array(keys, dtype=object)[order].tolist())
     return out.tolist()
 
 
 def _in_key_order(cache: dict[bytes, object]) -> tuple[list[bytes], list[object]]:
-    """The dirty entries sorted (NumPy, in bulk): RocksDB applies a sorted batch to its
-    memtable about 7x faster than one in arrival order (measured, 137k keys)."""
-    keys = np.array(list(cache), dtype=object)
-    order = np.argsort(keys.astype(bytes), kind="stable")  # ties (trailing NULs) are distinct keys: any order
+    """The dirty entries sorted: RocksDB applies a sorted batch to its memtable about
+    7x faster than one in arrival order (measured, 137k keys)."""
+    keys = list(cache)
+    order = key_order(keys)
     values = np.array(list(cache.values()), dtype=object)
-    return keys[order].tolist(), values[order].tolist()
+    return np.array(keys, dtype=object)[order].tolist(), values[order].tolist()
 
 
 def scan_prefix(db: rocksdict.Rdict, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
