@@ -96,7 +96,7 @@ class ResolvedAggregate:
         key_groups = data.column(columns.KEY_GROUP).to_numpy(zero_copy_only=False)
         key_values = data.column(columns.KEY).combine_chunks()
         keys = encode_keys(self.namespace, key_groups, key_values)
-        resident = txn.resident if step.key_kind == "int" else None
+        resident = txn.resident  # only for int keys (``spark/tasks.py``)
         ints = key_values.to_numpy(zero_copy_only=False).astype(np.int64) if resident is not None else None
         if resident is not None and resident.complete:
             state, existed = resident.lookup(ints, self.blank_rows)

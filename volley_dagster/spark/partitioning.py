@@ -77,6 +77,11 @@ def shard_markers(df: DataFrame, layout: ShardLayout) -> DataFrame:
     )
 
 
+# What ``to_shards`` adds: an aggregate grouping by these (and its own keys) finds its
+# rows already in place, and Spark plans no second exchange.
+ROUTING_COLUMNS = [columns.PARTITION, columns.SHARD, columns.KEY_GROUP, columns.MARKER]
+
+
 def to_shards(rows: DataFrame, layout: ShardLayout) -> DataFrame:
     """Keyed rows, one Spark partition per shard (marker rows included)."""
     return shard_markers(with_shard(rows, layout), layout).repartition(layout.num_shards, columns.PARTITION)

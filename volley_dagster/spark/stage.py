@@ -34,7 +34,7 @@ from volley_dagster.pipeline import Pipeline
 from volley_dagster.sources.offsets import EpochRange
 from volley_dagster.state.keys import ShardLayout
 from volley_dagster.state.store import carry_forward
-from volley_dagster.spark.partitioning import to_shards
+from volley_dagster.spark.partitioning import ROUTING_COLUMNS, to_shards
 from volley_dagster.spark.read import read_range
 from volley_dagster.spark.tasks import ShardMerge, shard_stats
 
@@ -204,13 +204,10 @@ def _engine_errors() -> Iterator[None]:
         raise
 
 
-_ROUTING = [columns.PARTITION, columns.SHARD, columns.KEY_GROUP, columns.MARKER]
-
-
 def _shard_partials(rows: DataFrame, partial_exprs: list, layout: ShardLayout) -> DataFrame:
     """The running aggregate's partials per key, already in their shard's partition:
     one shuffle of the epoch's rows (``spark/partitioning.py``); windows do the same."""
-    return to_shards(rows, layout).groupBy(*_ROUTING, columns.KEY).agg(*partial_exprs)
+    return to_shards(rows, layout).groupBy(*ROUTING_COLUMNS, columns.KEY).agg(*partial_exprs)
 
 
 @contextmanager
@@ -266,7 +263,7 @@ def run_stage(
                 new_watermark = window.windowing.advance(watermark, side.filter(pc.equal(kind, "max")).column(_MAX_EVENT)[0].as_py())
                 limit = window.windowing.fire_limit(new_watermark, end_of_stream)
                 merge = replace(merge, step=replace(merge.step, fire_limit=limit))
-                partials = window.partials(to_shards(assigned.where(~window.is_late(watermark)), layout), _ROUTING)
+                partials = window.partials(to_shards(assigned.where(~window.is_late(watermark)), layout), ROUTING_COLUMNS)
             else:
                 partials = _shard_partials(_valid(plan), plan.operator.partial_exprs(), layout)
         t1 = time.perf_counter()

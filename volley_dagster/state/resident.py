@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -51,6 +52,7 @@ def default_directory() -> str:
     return str(base / f"volley-resident-state-{os.getuid()}")
 
 
+@functools.cache
 def _boot_id() -> str:
     """Mirrors on a disk-backed folder do not survive a reboot half-written: a stamp
     names the boot it was written in."""
@@ -92,11 +94,12 @@ class ResidentStateCache:
             if not _private_folder(Path(self.directory)):
                 return None  # a folder another user could write to: never trusted
             path.mkdir(mode=0o700, exist_ok=True)
-            lock = os.open(path / _LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         except OSError:
             return None  # no room or no right to keep a mirror here: RocksDB answers
+        lock = _try_lock(path)
+        if lock is None:
+            return None  # another attempt of this shard holds it
         try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             if os.fstat(lock).st_ino != os.stat(path / _LOCK).st_ino:
                 raise OSError("the mirror was evicted while this attempt locked it")
             shard = ResidentShard(self, path, lock, identity, records)
@@ -105,7 +108,7 @@ class ResidentStateCache:
             else:
                 shard.load(lineage_of(previous_files))
             return shard
-        except Exception:  # held by another attempt, evicted or unreadable: RocksDB answers
+        except Exception:  # evicted meanwhile, or unreadable: RocksDB answers
             os.close(lock)
             return None
 
@@ -250,6 +253,21 @@ def _half_free(directory: str) -> int:
     return st.f_bavail * st.f_frsize // 2
 
 
+def _try_lock(mirror: Path) -> int | None:
+    """The mirror's lock, held by this process (its descriptor), or None when another
+    attempt holds it or the lock file cannot be opened."""
+    try:
+        fd = os.open(mirror / _LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
 def _evict(directory: Path, max_bytes: int, keep: Path) -> None:
     """Drop the least recently stamped mirrors (not locked by a running attempt)
     until the machine's mirrors fit ``max_bytes``."""
@@ -268,14 +286,8 @@ def _evict(directory: Path, max_bytes: int, keep: Path) -> None:
     for is_keep, _, size, entry in sorted(mirrors):
         if total <= max_bytes or is_keep:
             break
-        try:
-            fd = os.open(entry / _LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
+        fd = _try_lock(entry)
+        if fd is None:
             continue
         try:
             shutil.rmtree(entry, ignore_errors=True)
