@@ -1,33 +1,49 @@
 """A pipeline as Dagster assets: source -> state -> one asset per sink table, all
 partitioned by epoch. A thin layer: every decision is the engine's."""
 
+from datetime import datetime
 from pathlib import Path
 from typing import Optional
 
 from dagster import (
+    AssetCheckExecutionContext,
     AssetCheckResult,
+    AssetMaterialization,
     AssetCheckSpec,
     AssetExecutionContext,
     AssetSpec,
     BackfillPolicy,
+    DagsterInstance,
+    DagsterRunStatus,
     DataVersion,
     DynamicPartitionsDefinition,
-    MaterializeResult,
+    Failure,
     MetadataValue,
     ObserveResult,
+    RetryRequested,
     multi_asset,
     multi_asset_check,
     observable_source_asset,
 )
 
 from assets.metadata import epoch_metadata, sink_key, sink_kind, sink_location, source_key, state_key
+from assets.runs import MAX_RECOVERY_REQUESTS, PIPELINE_TAG, pipeline_pool, pool_runs
 from resources import CheckpointResource, SparkResource, TablesResource
 from volley_dagster import ConfigError, EpochRunner
 from volley_dagster.checkpoint.epoch_log import epoch_key
+from volley_dagster.errors import is_retryable
 from volley_dagster.deploy import Deployment, TableSettings
-from volley_dagster.verify import check_latest_snapshot, check_sink
+from volley_dagster.verify import CheckOutcome, check_latest_snapshot, check_sink
 
-PIPELINE_TAG = "volley/pipeline"
+# A failed epoch retried inside its run (a lost executor, S3 unreachable, a lost commit
+# race or lease): this many times, this far apart. A killed run is retried as a new run
+# (dagster.yaml's run_retries).
+STEP_RETRIES = 3
+STEP_RETRY_WAIT_S = 5
+
+
+def epochs_job_name(pipeline: str) -> str:
+    return f"{pipeline}_epochs_job"
 
 
 def epochs_partitions(deployment: Deployment) -> DynamicPartitionsDefinition:
@@ -49,6 +65,7 @@ def make_runner(
         spark=spark.session() if spark is not None else None,
         keep_epochs=checkpoints.keep_epochs,
         max_records_per_epoch=checkpoints.max_records_per_epoch,
+        lease_wait_s=checkpoints.lease_wait_s,
         snapshot_store=checkpoints.snapshot_store(pipeline.name),
         resident_state=checkpoints.resident_state() or False,
     )
@@ -75,8 +92,7 @@ def epoch_assets(deployment: Deployment, spec_settings: TableSettings) -> list:
     def source(checkpoints: CheckpointResource, tables: TablesResource) -> ObserveResult:
         runner = make_runner(deployment, checkpoints, tables)
         last = runner.log.last_cut()
-        after = runner.log.offsets(last).end if last else {}
-        waiting = runner.pipeline.source_log.available_records(after)
+        waiting = runner.records_waiting()
         files = runner.pipeline.source_log.partitions()
         latest = {p or "(root)": infos[-1].path for p, infos in files.items() if infos}
         return ObserveResult(
@@ -95,6 +111,7 @@ def epoch_assets(deployment: Deployment, spec_settings: TableSettings) -> list:
             deps=[source_key(pipeline)],
             kinds={"spark", "rocksdb"},
             description=f"Keyed state of {pipeline.name!r} after each epoch (RocksDB snapshots).",
+            skippable=True,  # materialized per committed epoch, by events (see the op)
             metadata={"initial_shards": pipeline.layout.num_shards, "key_groups": pipeline.layout.num_key_groups,
                       "key": pipeline.key_column},
         )
@@ -105,6 +122,7 @@ def epoch_assets(deployment: Deployment, spec_settings: TableSettings) -> list:
             kinds={sink_kind(sink)},
             description=f"{sink_kind(sink).title()} table written by sink {sink.name!r}, one commit per epoch.",
             metadata=sink_location(sink),
+            skippable=True,
         )
         for sink in pipeline.sinks
     ]
@@ -116,35 +134,50 @@ def epoch_assets(deployment: Deployment, spec_settings: TableSettings) -> list:
         backfill_policy=BackfillPolicy.single_run(),
         can_subset=False,
         op_tags={PIPELINE_TAG: pipeline.name},
+        pool=pipeline_pool(pipeline.name),
     )
     def epochs(
         context: AssetExecutionContext, spark: SparkResource, checkpoints: CheckpointResource, tables: TablesResource
     ):
-        """Runs the partitions' epochs in ascending order on one SparkSession; committed
-        epochs come back as no-ops, and an epoch whose predecessor is not committed
-        fails naming it."""
+        """Runs the partitions' epochs in ascending order on one SparkSession, holding
+        the pipeline's lease; committed epochs come back as no-ops, and an epoch whose
+        predecessor is not committed fails naming it. Each epoch is materialized as it
+        commits, so a run that fails at epoch K keeps the epochs before K."""
         runner = make_runner(deployment, checkpoints, tables, spark)
-        for key in sorted(context.partition_keys, key=parse_epoch):
-            result = runner.run(parse_epoch(key))
-            for asset_key, metadata in epoch_metadata(runner.pipeline, result).items():
-                context.add_asset_metadata(metadata, asset_key=asset_key, partition_key=key)
-            verb = "was already committed" if result.already_committed else "committed"
-            context.log.info(f"epoch {result.epoch} {verb}: {result.records_in} records in, {result.records_out} out")
-        # Metadata went per partition above; one result per asset covers the run's partitions.
-        return tuple(MaterializeResult(asset_key=spec.key) for spec in specs)
+        attempt = {"run_retry": int(context.run.tags.get("dagster/retry_number", 0)), "step_retry": context.retry_number}
+        if any(attempt.values()):
+            context.log.info(f"retrying: run retry {attempt['run_retry']}, step retry {attempt['step_retry']}")
+        try:
+            with runner.lease(owner=f"dagster run {context.run_id}", on_wait=context.log.info) as lease:
+                context.log.info(f"holding the lease of {pipeline.name!r} (fencing token {lease.fence.token}, "
+                                 f"waited {lease.waited_s:.1f}s)")
+                for key in sorted(context.partition_keys, key=parse_epoch):
+                    result = runner.run(parse_epoch(key))
+                    extra = {"fencing_token": MetadataValue.int(lease.fence.token),
+                             "lease_wait_s": MetadataValue.float(lease.waited_s),
+                             **{k: MetadataValue.int(v) for k, v in attempt.items()}}
+                    for asset_key, metadata in epoch_metadata(runner.pipeline, result).items():
+                        yield AssetMaterialization(asset_key=asset_key, partition=key, metadata={**metadata, **extra})
+                    verb = "was already committed" if result.already_committed else "committed"
+                    context.log.info(f"epoch {result.epoch} {verb}: {result.records_in} records in, "
+                                     f"{result.records_out} out")
+        except Exception as exc:
+            if not is_retryable(exc):
+                raise Failure(description=f"{type(exc).__name__}: {exc}", allow_retries=False) from exc
+            raise RetryRequested(max_retries=STEP_RETRIES, seconds_to_wait=STEP_RETRY_WAIT_S) from exc
 
-    check_specs = [AssetCheckSpec("snapshot_checksums", asset=state)] + [
+    check_specs = [AssetCheckSpec("snapshot_checksums", asset=state), AssetCheckSpec("epochs_progress", asset=state)] + [
         AssetCheckSpec(name, asset=sink_key(pipeline, sink))
         for sink in pipeline.sinks
         for name in ("recorded_epoch", "no_duplicate_epochs", "row_counts")
     ]
 
     @multi_asset_check(specs=check_specs, name=f"{pipeline.name}_consistency")
-    def checks(checkpoints: CheckpointResource, tables: TablesResource):
+    def checks(context: AssetCheckExecutionContext, checkpoints: CheckpointResource, tables: TablesResource):
         runner = make_runner(deployment, checkpoints, tables)
-        outcome = check_latest_snapshot(runner)
-        yield AssetCheckResult(asset_key=state, check_name=outcome.name, passed=outcome.passed,
-                               description=outcome.description, metadata=outcome.metadata)
+        for outcome in (check_latest_snapshot(runner), check_progress(context.instance, runner)):
+            yield AssetCheckResult(asset_key=state, check_name=outcome.name, passed=outcome.passed,
+                                   description=outcome.description, metadata=outcome.metadata)
         for sink in runner.pipeline.sinks:
             for outcome in check_sink(runner, sink):
                 yield AssetCheckResult(asset_key=sink_key(runner.pipeline, sink), check_name=outcome.name,
@@ -152,3 +185,25 @@ def epoch_assets(deployment: Deployment, spec_settings: TableSettings) -> list:
                                        metadata=outcome.metadata)
 
     return [source, epochs, checks]
+
+
+def check_progress(instance: DagsterInstance, runner: EpochRunner) -> CheckOutcome:
+    """Fails when the earliest uncommitted epoch failed in more runs than the sensor's
+    recovery allows since the epoch before it committed: a person must act."""
+    committed, cut = runner.committed_epoch(), runner.log.last_cut()
+    if committed == cut:
+        return CheckOutcome("epochs_progress", True, f"every cut epoch is committed (the last is {committed})",
+                            {"committed_epoch": committed, "failed_runs": 0})
+    since = runner.result(committed).committed_at if committed else None
+    after = datetime.fromisoformat(since).timestamp() if since else None
+    failed = pool_runs(instance, runner.pipeline.name, [DagsterRunStatus.FAILURE], created_after=after)
+    stuck = len(failed) > MAX_RECOVERY_REQUESTS
+    last = f"; the last failed run is {failed[0].dagster_run.run_id}" if failed else ""
+    verdict = ("recovery is exhausted: fix the cause that run names, then backfill the uncommitted epochs"
+               if stuck else "the sensor keeps requesting it")
+    return CheckOutcome(
+        "epochs_progress", not stuck,
+        f"epoch {committed + 1} (of {cut} cut) is not committed; {len(failed)} run(s) failed since epoch "
+        f"{committed} committed{last}: {verdict}",
+        {"committed_epoch": committed, "last_cut_epoch": cut, "failed_runs": len(failed)},
+    )

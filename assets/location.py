@@ -2,7 +2,7 @@
 
 from dagster import AssetSelection, Definitions, define_asset_job, in_process_executor
 
-from assets.epochs import PIPELINE_TAG, epoch_assets, epochs_partitions
+from assets.epochs import PIPELINE_TAG, epoch_assets, epochs_job_name, epochs_partitions
 from assets.rescale import rescale_job
 from resources import CheckpointResource, SparkResource, TablesResource
 from sensors import epoch_schedule, epoch_sensor
@@ -17,15 +17,14 @@ def build_definitions(
         source, epochs, checks = epoch_assets(deployment, tables.settings())
         assets.extend([source, epochs, checks])
         job = define_asset_job(
-            f"{deployment.name}_epochs_job",
+            epochs_job_name(deployment.name),
             selection=AssetSelection.assets(epochs).without_checks(),
             partitions_def=epochs_partitions(deployment),
             tags={PIPELINE_TAG: deployment.name},
         )
-        jobs.append(job)
-        jobs.append(define_asset_job(f"{deployment.name}_checks_job", selection=AssetSelection.checks(checks)))
-        jobs.append(rescale_job(deployment, tables.settings()))
-        sensors.append(epoch_sensor(deployment, job))
+        checks_job = define_asset_job(f"{deployment.name}_checks_job", selection=AssetSelection.checks(checks))
+        jobs.extend([job, checks_job, rescale_job(deployment, tables.settings())])
+        sensors.append(epoch_sensor(deployment, job, checks_job))
         if deployment.cron:
             schedules.append(epoch_schedule(deployment, job))
     return Definitions(

@@ -1,14 +1,15 @@
 """``<pipeline>_rescale_job``: change a pipeline's shard count between two epochs.
 
 One op, configured with ``num_shards``, over the engine's ``EpochRunner.rescale``
-(no Spark). The run carries the pipeline's ``volley/pipeline`` tag, so the
-instance's tag concurrency limit (``dagster.yaml``) never lets it overlap an
-epoch run of the same pipeline.
+(no Spark). The op is in the pipeline's concurrency pool, so the instance
+(``dagster.yaml``) never runs it next to an epoch run of the same pipeline, and it
+holds the pipeline's lease while it rewrites the state.
 """
 
 from dagster import AssetObservation, Config, JobDefinition, MetadataValue, OpExecutionContext, job, op
 
 from assets.epochs import PIPELINE_TAG, make_runner
+from assets.runs import pipeline_pool
 from assets.metadata import state_key
 from resources import CheckpointResource, TablesResource
 from volley_dagster.deploy import Deployment, TableSettings
@@ -22,14 +23,15 @@ def rescale_job(deployment: Deployment, spec_settings: TableSettings) -> JobDefi
     pipeline = deployment.build(spec_settings)  # only its name and the state asset's key
     tags = {PIPELINE_TAG: pipeline.name}
 
-    @op(name=f"{pipeline.name}_rescale", tags=tags)
+    @op(name=f"{pipeline.name}_rescale", tags=tags, pool=pipeline_pool(pipeline.name))
     def rescale(
         context: OpExecutionContext, config: RescaleConfig, checkpoints: CheckpointResource, tables: TablesResource
     ) -> None:
         """Rewrites the last committed epoch's state into ``num_shards`` shards; the next
         epoch runs with them. Fails while an epoch is cut but not committed."""
         runner = make_runner(deployment, checkpoints, tables)
-        result = runner.rescale(config.num_shards)
+        with runner.lease(owner=f"dagster run {context.run_id}", on_wait=context.log.info):
+            result = runner.rescale(config.num_shards)
         context.log.info(result.describe())
         context.log_event(AssetObservation(
             asset_key=state_key(pipeline),

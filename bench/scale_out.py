@@ -44,10 +44,11 @@ def run_epochs(runner: EpochRunner, w: Workload) -> list[dict]:
     return rows
 
 
-def restore_all(store: S3SnapshotStore, epoch: int, shards: int, cache: Path) -> tuple[float, int]:
+def restore_all(store: S3SnapshotStore, attempts: dict[int, str], epoch: int, cache: Path) -> tuple[float, int]:
+    """Every shard of ``epoch`` from S3: the attempts its manifest names (shard -> attempt)."""
     t, downloaded = time.perf_counter(), 0
-    for shard in range(shards):
-        path = store.restore(epoch, shard, cache)
+    for shard, attempt in sorted(attempts.items()):
+        path = store.restore(epoch, shard, cache, attempt=attempt)
         downloaded += store.last_restore.bytes_downloaded
         shutil.rmtree(path)
     return time.perf_counter() - t, downloaded
@@ -86,8 +87,9 @@ def main() -> None:
         report["epochs"] = rows
         report["median_uploaded_fraction"] = statistics.median(r["uploaded_bytes"] / r["state_bytes"] for r in later)
         last = rows[-1]["epoch"]
-        cold = [restore_all(store, last, args.shards, work / f"cache-cold-{i}") for i in range(3)]
-        warm = [restore_all(store, last, args.shards, work / "cache-cold-0") for _ in range(3)]
+        attempts = {int(s): info["attempt"] for s, info in runner.result(last).shards.items()}
+        cold = [restore_all(store, attempts, last, work / f"cache-cold-{i}") for i in range(3)]
+        warm = [restore_all(store, attempts, last, work / "cache-cold-0") for _ in range(3)]
         report["restore"] = {"cold_s": [c[0] for c in cold], "cold_bytes": cold[0][1],
                              "warm_s": [c[0] for c in warm], "warm_bytes": warm[0][1]}
         print(f"median uploaded/state over epochs 2..{args.epochs}: {report['median_uploaded_fraction']:.1%}")

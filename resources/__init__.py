@@ -53,6 +53,7 @@ class CheckpointResource(ConfigurableResource):
     max_records_per_epoch: int = 1_000_000
     snapshot_store_uri: Optional[str] = None
     s3: Optional[S3Resource] = None
+    lease_wait_s: float = 120.0  # how long a run waits for another run of the pipeline to give up its lease
     resident_state_mib: Optional[int] = None  # shard state kept in memory between epochs: None = the
     # environment's VOLLEY_RESIDENT_STATE_MIB (default 1024), 0 = off (docs/architecture.md)
 

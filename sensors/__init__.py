@@ -1,9 +1,14 @@
 """Cutting epochs: a sensor when data arrives, a schedule on a clock.
 
-The epoch log is the source of truth: a tick first re-requests any epoch that
-was cut but has no run (a daemon killed mid-tick), then cuts new ones. The
-cursor remembers the last epoch requested and since when records have waited,
-so a restarted daemon neither skips nor repeats an epoch.
+The epoch log is the source of truth. A tick cuts new epochs when records wait, then
+requests one run of every epoch cut but not committed, from the earliest, but only
+while no run of the pipeline is queued, running or about to be retried: so a run
+never starts on an epoch whose predecessor is not committed, and an epoch whose run
+crashed or failed is requested again by the next tick (a new run key each time), up
+to ``MAX_RECOVERY_REQUESTS`` times; then the tick says that recovery is exhausted and
+runs the pipeline's checks, whose ``epochs_progress`` check fails. The cursor holds
+since when records have waited and how often the earliest uncommitted epoch was
+requested, so a restarted daemon neither skips nor repeats an epoch.
 """
 
 import json
@@ -14,7 +19,6 @@ from dagster import (
     DefaultScheduleStatus,
     DefaultSensorStatus,
     RunRequest,
-    RunsFilter,
     ScheduleEvaluationContext,
     SensorEvaluationContext,
     SensorResult,
@@ -23,7 +27,8 @@ from dagster import (
     sensor,
 )
 
-from assets.epochs import PIPELINE_TAG, epochs_partitions, make_runner
+from assets.epochs import PIPELINE_TAG, epochs_job_name, epochs_partitions, make_runner
+from assets.runs import MAX_RECOVERY_REQUESTS, pool_limits_ensured, run_in_flight
 from resources import CheckpointResource, TablesResource
 from volley_dagster import EpochRunner
 from volley_dagster.checkpoint.epoch_log import epoch_key
@@ -32,23 +37,18 @@ from volley_dagster.deploy import Deployment
 MAX_CUTS_PER_TICK = 10
 
 
-def _run_request(deployment: Deployment, epoch: int) -> RunRequest:
-    key = epoch_key(epoch)
-    return RunRequest(partition_key=key, run_key=f"{deployment.name}-{key}", tags={PIPELINE_TAG: deployment.name})
-
-
-def _has_run(context, deployment: Deployment, epoch: int) -> bool:
-    runs = context.instance.get_run_records(
-        RunsFilter(tags={PIPELINE_TAG: deployment.name, "dagster/partition": epoch_key(epoch)}), limit=1
-    )
-    return bool(runs)
+def range_request(deployment: Deployment, first: int, last: int, run_key: Optional[str] = None) -> RunRequest:
+    """One run over epochs ``first..last`` (one partition range, run in order)."""
+    tags, job = {PIPELINE_TAG: deployment.name}, epochs_job_name(deployment.name)
+    if first == last:
+        return RunRequest(partition_key=epoch_key(first), run_key=run_key, tags=tags, job_name=job)
+    return RunRequest(run_key=run_key, job_name=job, tags={**tags, "dagster/asset_partition_range_start": epoch_key(first),
+                                                           "dagster/asset_partition_range_end": epoch_key(last)})
 
 
 def _should_cut(runner: EpochRunner, deployment: Deployment, waiting_since: Optional[float], now: float):
     """(cut now?, waiting_since to remember)."""
-    last = runner.log.last_cut()
-    after = runner.log.offsets(last).end if last else {}
-    waiting = runner.pipeline.source_log.available_records(after)
+    waiting = runner.records_waiting()
     if waiting == 0:
         return False, None
     if waiting >= deployment.min_records:
@@ -57,41 +57,55 @@ def _should_cut(runner: EpochRunner, deployment: Deployment, waiting_since: Opti
     return deployment.max_wait_s is not None and now - since >= deployment.max_wait_s, since
 
 
-def epoch_sensor(deployment: Deployment, job):
+def epoch_sensor(deployment: Deployment, job, checks_job=None):
     partitions = epochs_partitions(deployment)
 
     @sensor(
         name=f"{deployment.name}_new_data",
-        job=job,
+        jobs=[job] + ([checks_job] if checks_job is not None else []),
         minimum_interval_seconds=deployment.sensor_interval_s,
         default_status=DefaultSensorStatus.RUNNING if deployment.sensor_running else DefaultSensorStatus.STOPPED,
         description=f"Cuts an epoch of {deployment.name!r} when {deployment.min_records}+ records wait"
-        + (f" or records waited {deployment.max_wait_s:.0f}s" if deployment.max_wait_s else ""),
+        + (f" or records waited {deployment.max_wait_s:.0f}s" if deployment.max_wait_s else "")
+        + "; runs uncommitted epochs in order, one run at a time, and requests a failed epoch again",
     )
     def new_data(context: SensorEvaluationContext, checkpoints: CheckpointResource, tables: TablesResource):
-        cursor = json.loads(context.cursor) if context.cursor else {"requested": 0, "waiting_since": None}
+        cursor = {"waiting_since": None, "recovering": 0, "requests": 0, **(json.loads(context.cursor or "{}"))}
+        pool_limits_ensured(context.instance, [deployment.name])
         runner = make_runner(deployment, checkpoints, tables)
-        requests = [
-            _run_request(deployment, e)
-            for e in range(cursor["requested"] + 1, runner.log.last_cut() + 1)
-            if not _has_run(context, deployment, e)
-        ]
         waiting_since = cursor["waiting_since"]
         for _ in range(MAX_CUTS_PER_TICK):
             cut, waiting_since = _should_cut(runner, deployment, waiting_since, time.time())
             if not cut:
                 break
-            requests.append(_run_request(deployment, runner.cut_next().epoch))
+            runner.cut_next()
         known = set(context.instance.get_dynamic_partitions(partitions.name))
         new_keys = [epoch_key(e) for e in runner.log.epochs_cut() if epoch_key(e) not in known]
-        new_cursor = json.dumps({"requested": runner.log.last_cut(), "waiting_since": waiting_since})
-        if not requests and not new_keys:
-            return SensorResult(skip_reason=SkipReason("no epoch to cut yet"), cursor=new_cursor)
-        return SensorResult(
-            run_requests=requests,
-            dynamic_partitions_requests=[partitions.build_add_request(new_keys)] if new_keys else [],
-            cursor=new_cursor,
-        )
+        add = [partitions.build_add_request(new_keys)] if new_keys else []
+
+        first, last = runner.committed_epoch() + 1, runner.log.last_cut()
+        requests, skip = [], None
+        recovering, count = first, cursor["requests"] if cursor["recovering"] == first else 0
+        if first > last:
+            skip = "no epoch to run: every cut epoch is committed"
+        elif (busy := run_in_flight(context.instance, deployment.name)) is not None:
+            skip = f"epochs {first}..{last} wait: {busy}"
+        elif count > MAX_RECOVERY_REQUESTS:
+            skip = (f"recovery exhausted: epoch {first} failed in {count} runs; fix the cause named in the last "
+                    f"failed run, then launch a backfill of epochs {first}..{last}")
+            if count == MAX_RECOVERY_REQUESTS + 1 and checks_job is not None:  # once: the checks say so too
+                requests.append(RunRequest(job_name=checks_job.name, run_key=f"{deployment.name}-stuck-{first}"))
+                count += 1
+        else:
+            count += 1
+            requests.append(range_request(deployment, first, last, run_key=f"{deployment.name}-{first}-{last}-{count}"))
+            if count > 1:
+                context.log.info(f"epoch {first} is not committed after a failed run: requesting it again ({count - 1}"
+                                 f" of {MAX_RECOVERY_REQUESTS})")
+        new_cursor = json.dumps({"waiting_since": waiting_since, "recovering": recovering, "requests": count})
+        if not requests and not add:
+            return SensorResult(skip_reason=SkipReason(skip), cursor=new_cursor)
+        return SensorResult(run_requests=requests, dynamic_partitions_requests=add, cursor=new_cursor)
 
     return new_data
 
@@ -112,6 +126,6 @@ def epoch_schedule(deployment: Deployment, job):
             return SkipReason("no new records in the source")
         # A schedule cannot return partition requests: add the partition directly.
         context.instance.add_dynamic_partitions(partitions.name, [epoch_key(rng.epoch)])
-        return _run_request(deployment, rng.epoch)
+        return range_request(deployment, rng.epoch, rng.epoch, run_key=f"{deployment.name}-{epoch_key(rng.epoch)}")
 
     return clock

@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
 
 from volley_dagster.checkpoint.epoch_log import EpochLog
+from volley_dagster.checkpoint.lease import current_holder
 
 
 def _human(n: float) -> str:
@@ -35,6 +37,10 @@ def describe_checkpoints(root: Path) -> str:
     log = EpochLog(root)
     lines = [f"{root}/  ({_human(disk_usage(root))} on disk, hardlinks counted once)"]
     lines.append("  pipeline.json")
+    holder = current_holder(root)
+    if holder is not None:
+        held = "released" if holder.released_at else "held" if holder.is_live(time.time()) else "holder gone"
+        lines.append(f"  lease/  {held}: {holder.describe()}")
     for change in log.layout_changes():
         lines.append(f"  layouts/{change.sequence:010d}.json  from epoch {change.from_epoch}: {change.num_shards} shards "
                      f"(was {change.previous_shards}; epoch {change.snapshot_epoch}'s state rewritten)")

@@ -51,6 +51,29 @@ class StorageFullError(VolleyError):
     epoch is not committed, so re-running it once there is room is safe."""
 
 
+class PipelineBusyError(VolleyError):
+    """Another runner holds the pipeline's lease (``checkpoint/lease.py``) and did not
+    release it within the wait; the message names the holder. Retrying later is safe."""
+
+
+class FencedError(VolleyError):
+    """A newer runner took the pipeline's lease: this one's fencing token is stale, so
+    it stopped before making anything visible. Retrying (with a new lease) is safe."""
+
+
+# Errors that name bad input or a setting: the same run fails the same way, so a retry
+# only hides them. Everything else (a killed executor, S3 unreachable, a lost lease or
+# commit race, a full disk) may pass on its own, and a retry of an epoch is always safe.
+_PERMANENT = (ConfigError, EpochOrderError, SourceError, MalformedRecordError, StateLayoutError)
+
+
+def is_retryable(exc: BaseException) -> bool:
+    """Whether re-running the failed epoch may succeed without a person acting."""
+    if isinstance(exc, SnapshotError) and not isinstance(exc, SnapshotStorageError):
+        return False  # a corrupt or pruned snapshot stays so
+    return not isinstance(exc, _PERMANENT)
+
+
 def is_disk_full(exc: BaseException) -> bool:
     """ENOSPC from Python, or RocksDB's IO error for it (rocksdict raises plain Exception)."""
     return getattr(exc, "errno", None) == errno.ENOSPC or "No space left on device" in str(exc)

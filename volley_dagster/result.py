@@ -30,6 +30,7 @@ class EpochResult:
     late_records_path: str | None = None
     end_of_stream: bool = False
     committed_at: str = ""
+    fencing_token: int = 0  # the lease token of the runner that committed it (0: run without one)
     already_committed: bool = False
     output: pa.Table | None = field(default=None, repr=False, compare=False)
 

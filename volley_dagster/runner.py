@@ -7,6 +7,10 @@ The order of one epoch (each step survives a crash at any point)::
              restores N-1, merges, flushes one WriteBatch, snapshots N
     sinks:   each sink commits unless it already holds the epoch (it decides)
     commit:  the manifest is written last; then retention prunes old snapshots
+
+Running, rescaling and pruning happen under the pipeline's lease
+(``checkpoint/lease.py``): one runner at a time, and each write that makes work
+visible checks the lease's fencing token first.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import time
 from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -29,6 +33,7 @@ from pyspark.sql import SparkSession
 from volley_dagster import faults
 from volley_dagster.checkpoint.atomic import write_bytes_atomic
 from volley_dagster.checkpoint.epoch_log import EpochLog
+from volley_dagster.checkpoint.lease import DEFAULT_TTL_S, DEFAULT_WAIT_S, Fence, PipelineLease
 from volley_dagster.checkpoint.s3_snapshots import S3SnapshotStore
 from volley_dagster.checkpoint.rescale import RescaleResult, rescale as rescale_state
 from volley_dagster.errors import ConfigError, EpochOrderError, MalformedRecordError, SnapshotError, StateLayoutError, StorageFullError, VolleyError, is_disk_full
@@ -68,13 +73,18 @@ class EpochRunner:
         snapshot_store: S3SnapshotStore | None = None,
         snapshot_cache: str | Path | None = None,
         resident_state: ResidentStateCache | bool = True,
+        lease_wait_s: float = DEFAULT_WAIT_S,
+        lease_ttl_s: float = DEFAULT_TTL_S,
     ) -> None:
         """``snapshot_store``: also keep every shard snapshot on S3, incrementally (only
         new SSTs upload); a task whose machine lacks N-1's snapshot restores it from
         there into ``snapshot_cache`` (default: a folder under the system temp dir).
         ``resident_state``: keep running-aggregate shards' state in the machines' memory
         between epochs (``state/resident.py``); True takes the settings from the
-        environment, False reads state from RocksDB every epoch."""
+        environment, False reads state from RocksDB every epoch.
+        ``lease_wait_s``: how long a run waits for another runner of the pipeline to
+        finish before ``PipelineBusyError``; ``lease_ttl_s``: how long a holder on
+        another machine counts as alive after its last heartbeat."""
         pipeline.validate()
         if keep_epochs < 1:
             raise ConfigError(f"keep_epochs must be at least 1 (the last committed epoch), got {keep_epochs}")
@@ -93,12 +103,50 @@ class EpochRunner:
         if resident_state is True:
             resident_state = ResidentStateCache.from_env()
         self.resident_state = resident_state or None
+        self.lease_wait_s = lease_wait_s
+        self.lease_ttl_s = lease_ttl_s
+        self._lease: PipelineLease | None = None
 
     @property
     def spark(self) -> SparkSession:
         if self._spark is None:
             self._spark = get_or_create_spark()
         return self._spark
+
+    # -- the lease -------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def lease(self, owner: str = "", on_wait: Callable[[str], None] | None = None) -> Iterator[PipelineLease]:
+        """Hold the pipeline's lease across several calls (a Dagster run holds it for its
+        epochs). Every run, rescale and prune takes it anyway, so a bare ``run_next()``
+        is fenced too; nested calls reuse the held lease."""
+        if self._lease is not None:
+            yield self._lease
+            return
+        lease = PipelineLease(self.log.root, owner or f"pid {os.getpid()}", wait_s=self.lease_wait_s,
+                              ttl_s=self.lease_ttl_s, pipeline=self.pipeline.name, on_wait=on_wait)
+        try:
+            lease.acquire()
+        except OSError as exc:
+            if not is_disk_full(exc):
+                raise
+            raise StorageFullError(
+                f"pipeline {self.pipeline.name!r}: no space left on the disk under {self.log.root} to take its lease "
+                f"({exc}); nothing was run: free space and run again"
+            ) from exc
+        with lease:
+            self._lease = lease
+            try:
+                yield lease
+            finally:
+                self._lease = None
+
+    def _fence(self) -> Fence:
+        assert self._lease is not None, "epochs run, and retention prunes, under the lease"
+        return self._lease.fence
+
+    def _check_fence(self, what: str) -> None:
+        self._fence().check(what)
 
     # -- cutting -------------------------------------------------------------------
 
@@ -118,14 +166,20 @@ class EpochRunner:
             return None
         return self.log.record_offsets(replace(rng, end_of_stream=end_of_stream))
 
+    def records_waiting(self) -> int:
+        """Records in the source after the last cut epoch's range: what the next cut takes."""
+        last = self.log.last_cut()
+        return self.pipeline.source_log.available_records(self.log.offsets(last).end if last else {})
+
     def flush(self) -> list[EpochResult]:
         """End the stream: run what is cut, then cut and run the remaining records as a
         final epoch that fires every pending window (an explicit end-of-stream)."""
         results = []
-        while self.log.last_cut() > self.log.last_committed():
-            results.append(self.run(self.log.last_committed() + 1))
-        if not (results and results[-1].end_of_stream):
-            results.append(self.run(self.cut_next(end_of_stream=True).epoch))
+        with self.lease():
+            while self.log.last_cut() > self.log.last_committed():
+                results.append(self.run(self.log.last_committed() + 1))
+            if not (results and results[-1].end_of_stream):
+                results.append(self.run(self.cut_next(end_of_stream=True).epoch))
         return results
 
     # -- running -------------------------------------------------------------------
@@ -135,14 +189,9 @@ class EpochRunner:
         manifest = self.log.manifest(epoch)
         if manifest is not None:
             return EpochResult.from_manifest(manifest)
-        rng = self.log.offsets(epoch)
-        if epoch > 1 and not self.log.is_committed(epoch - 1):
-            raise EpochOrderError(
-                f"epoch {epoch} of pipeline {self.pipeline.name!r} needs epoch {epoch - 1} committed first "
-                f"(the last committed epoch is {self.log.last_committed()})"
-            )
         try:
-            return self._process(rng)
+            with self.lease():
+                return self._run_leased(epoch)
         except OSError as exc:
             if not is_disk_full(exc):
                 raise
@@ -150,6 +199,18 @@ class EpochRunner:
                 f"epoch {epoch}: no space left on the disk under {self.log.root} ({exc}); nothing was committed: "
                 "free space and run the epoch again"
             ) from exc
+
+    def _run_leased(self, epoch: int) -> EpochResult:
+        manifest = self.log.manifest(epoch)  # the runner that held the lease before may have committed it
+        if manifest is not None:
+            return EpochResult.from_manifest(manifest)
+        rng = self.log.offsets(epoch)
+        if epoch > 1 and not self.log.is_committed(epoch - 1):
+            raise EpochOrderError(
+                f"epoch {epoch} of pipeline {self.pipeline.name!r} needs epoch {epoch - 1} committed first "
+                f"(the last committed epoch is {self.log.last_committed()})"
+            )
+        return self._process(rng)
 
     def run_next(self) -> EpochResult | None:
         """Finish the oldest cut-but-uncommitted epoch, else cut and run a new one."""
@@ -161,11 +222,12 @@ class EpochRunner:
 
     def run_available(self, max_epochs: int | None = None) -> list[EpochResult]:
         results: list[EpochResult] = []
-        while max_epochs is None or len(results) < max_epochs:
-            result = self.run_next()
-            if result is None:
-                break
-            results.append(result)
+        with self.lease():
+            while max_epochs is None or len(results) < max_epochs:
+                result = self.run_next()
+                if result is None:
+                    break
+                results.append(result)
         return results
 
     def committed_epoch(self) -> int:
@@ -180,6 +242,7 @@ class EpochRunner:
     def _process(self, rng: EpochRange) -> EpochResult:
         epoch, pipeline, log = rng.epoch, self.pipeline, self.log
         t0 = time.perf_counter()
+        _refuse_speculation(self.spark)
         pipeline.source_log.verify(rng)
         plan = plan_epoch(self.spark, pipeline, rng)
         log.check_identity(self._identity(plan.operator, plan.key_kind))
@@ -190,7 +253,7 @@ class EpochRunner:
             key_column=pipeline.key_column,
             operator=plan.operator,
             previous=previous,
-            snapshot_root=str(log.snapshot_dir(epoch, 0).parent),
+            snapshot_root=str(log.snapshots_dir(epoch)),
             work_root=str(log.work_dir(epoch)),
             rocksdb=self.rocksdb,
             scan_fraction=self.scan_fraction,
@@ -200,6 +263,7 @@ class EpochRunner:
             cache_root=self.snapshot_cache,
             resident=self.resident_state,
             state_identity=f"{log.root.resolve()}|{pipeline.name}",
+            fence=self._fence(),
         )
         watermark = log.manifest(epoch - 1)["watermark"] if epoch > 1 else None
         stage = run_stage(self.spark, pipeline, rng, plan, merge, watermark, rng.end_of_stream)
@@ -244,6 +308,7 @@ class EpochRunner:
             late_records_path=late_path,
             end_of_stream=rng.end_of_stream,
             committed_at=datetime.now(timezone.utc).isoformat(),
+            fencing_token=self._fence().token,
             output=stage.output,
         )
         if log.layout_for(epoch) != pipeline.layout:  # a rescale committed while this epoch ran
@@ -251,12 +316,21 @@ class EpochRunner:
                 f"epoch {epoch} ran with {pipeline.layout.num_shards} shards, but a rescale committed meanwhile "
                 f"({log.describe_layouts()}); nothing was committed: run the epoch again"
             )
+        self._check_fence(f"epoch {epoch}: writing its manifest")
         if not log.write_manifest(epoch, result.to_manifest()):
             return EpochResult.from_manifest(log.manifest(epoch))
-        log.prune(epoch, self.keep_epochs)
-        if self.snapshot_store is not None:
-            self.snapshot_store.prune(log.retained_snapshots())  # the same epochs as on the root
+        self._prune(epoch)
         return result
+
+    def _prune(self, committed: int) -> None:
+        """Retention after a commit: old epochs, and the attempts that lost."""
+        self._check_fence(f"pruning after epoch {committed}")
+        self.log.prune(committed, self.keep_epochs)
+        if self.snapshot_store is not None:
+            retained = self.log.retained_snapshots()  # the same epochs as on the root
+            winners = {(e, int(s)): info.get("attempt")
+                       for e in retained for s, info in (self.log.manifest(e) or {}).get("shards", {}).items()}
+            self.snapshot_store.prune(retained, winners)
 
     def _write_side_output(self, table: pa.Table | None, path: Path) -> str | None:
         """Dead letters and late records: one Parquet file per epoch, before the commit."""
@@ -281,6 +355,7 @@ class EpochRunner:
             if held is not None and held >= epoch:
                 results[sink.name] = {"skipped": True, "held_epoch": held}
             else:
+                self._check_fence(f"epoch {epoch}: committing sink {sink.name!r}")
                 results[sink.name] = {"skipped": False, **sink.commit(output, ctx)}  # a lost race reports a skip
             results[sink.name]["seconds"] = time.perf_counter() - t
             faults.fault_point(f"after_sink_{sink.name}", epoch)
@@ -301,7 +376,9 @@ class EpochRunner:
         """Rewrite the last committed epoch's state into ``num_shards`` shards; the epochs
         after it run with them (``checkpoint/rescale.py``; needs no Spark). Refused while
         an epoch is cut but not committed; the current shard count is a no-op."""
-        return rescale_state(self.log, num_shards, self.rocksdb, self.verify_checksums)
+        with self.lease():
+            return rescale_state(self.log, num_shards, self.rocksdb, self.verify_checksums,
+                                 before_commit=lambda: self._check_fence(f"rescaling to {num_shards} shards"))
 
     def layout(self) -> ShardLayout:
         """The layout the next epoch runs with: ``with_shards`` until a rescale."""
@@ -329,7 +406,7 @@ class EpochRunner:
             remote = epoch - 1 if self._stored_remotely(info) else None
             if remote is None or path.exists():  # else the task restores it from the store
                 verify_snapshot(path, info["files"], full=self.verify_checksums)  # fail before Spark starts work
-            previous[shard] = PreviousSnapshot(str(path), info["files"], remote)
+            previous[shard] = PreviousSnapshot(str(path), info["files"], remote, info.get("attempt"))
         return previous
 
     # -- reading state ---------------------------------------------------------------
@@ -370,7 +447,8 @@ class EpochRunner:
             path, restored = self.log.root / info["snapshot"], None
             if not path.exists() and self._stored_remotely(info):
                 with contextlib.suppress(SnapshotError):  # not on this machine: S3 has it unless pruned there too
-                    restored = path = self.snapshot_store.restore(epoch, shard, Path(self.snapshot_cache))
+                    restored = path = self.snapshot_store.restore(epoch, shard, Path(self.snapshot_cache),
+                                                                  attempt=info.get("attempt"))
             if not path.exists():
                 raise SnapshotError(
                     f"epoch {epoch}'s snapshot of shard {shard} was removed by retention "
@@ -408,3 +486,17 @@ def _describe_bad(epoch: int, dead: pa.Table) -> str:
         f"epoch {epoch}: {dead.num_rows} malformed record(s): {first}{more}. Nothing was committed; "
         "fix the source or use .on_bad_records('dead_letter') to route them to the dead-letter output"
     )
+
+
+def _refuse_speculation(spark: SparkSession) -> None:
+    """A speculative copy of a shard task would be a second attempt on purpose; attempts
+    cannot overwrite each other, but nothing is gained, so the setting is refused."""
+    try:
+        speculation = spark.conf.get("spark.speculation", "false")
+    except Exception:  # Spark Connect may not expose every static setting
+        return
+    if str(speculation).lower() == "true":
+        raise ConfigError(
+            "spark.speculation=true is not supported: a shard task restores, writes and snapshots RocksDB state, "
+            "so a speculative copy only doubles that work; set spark.speculation=false for volley pipelines"
+        )

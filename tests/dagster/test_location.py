@@ -26,6 +26,13 @@ def tick(defs, instance: DagsterInstance, cursor: str | None = None):
     return result
 
 
+def range_of(request) -> tuple[str, str]:
+    """The epochs a sensor's run request covers."""
+    if request.partition_key is not None:
+        return request.partition_key, request.partition_key
+    return request.tags["dagster/asset_partition_range_start"], request.tags["dagster/asset_partition_range_end"]
+
+
 def run_range(defs, instance, start: int, end: int | None = None):
     """What a single-run backfill launches: one run over a partition range."""
     job = defs.resolve_job_def("payments_epochs_job")
@@ -46,23 +53,22 @@ def test_sensor_backfill_order_guard_and_checks(location):
 
     generate(base / "events", 2, 2_000, KEYS, first_file=1)
     second = tick(defs, instance, first.cursor)
-    assert [r.partition_key for r in second.run_requests] == [key(1), key(2)]  # 6,000 -> 2,000 + 2,000
+    assert [range_of(r) for r in second.run_requests] == [(key(1), key(2))]  # 6,000 -> 2,000 + 2,000, one run
     assert all(r.tags["volley/pipeline"] == "payments" for r in second.run_requests)
     assert instance.get_dynamic_partitions("payments_epochs") == [key(1), key(2)]
-    restarted = tick(defs, instance, second.cursor)  # a restarted daemon: same cursor, nothing repeats
-    assert not restarted.run_requests
 
-    # runs commit the sensor's epochs, one partition each
-    for epoch in (1, 2):
-        assert run_range(defs, instance, epoch).success
+    # the run the daemon launches for it commits both epochs, in order
+    assert run_range(defs, instance, 1, 2).success
+    restarted = tick(defs, instance, second.cursor)  # a restarted daemon: same cursor, nothing repeats
+    assert not restarted.run_requests and "every cut epoch is committed" in restarted.skip_reason.skip_message
     # a single-run backfill over 1..3 after epoch 3 was cut: 1 and 2 are no-ops, 3 commits
     generate(base / "events", 1, 2_000, KEYS, first_file=3)
     third = tick(defs, instance, restarted.cursor)
-    assert [r.partition_key for r in third.run_requests] == [key(3)]
+    assert [range_of(r) for r in third.run_requests] == [(key(3), key(3))]
     backfill = run_range(defs, instance, 1, 3)
     assert backfill.success
     state_events = materializations(instance, STATE)
-    assert [p for p, _ in state_events[:2]] == [key(1), key(2)]
+    assert [p for p, _ in state_events[:2]] == [key(1), key(2)]  # one event per epoch, as it commits
     in_backfill = dict((p, m) for p, m in state_events[2:])
     assert {p: m["noop_already_committed"].value for p, m in in_backfill.items()} == {key(1): 1, key(2): 1, key(3): 0}
     messages = [e.user_message for e in instance.all_logs(backfill.run_id) if e.user_message.startswith("epoch ")]
@@ -88,7 +94,7 @@ def test_sensor_backfill_order_guard_and_checks(location):
     # the guard: epoch 5 before epoch 4 fails naming epoch 4, and commits nothing
     generate(base / "events", 2, 2_000, KEYS, first_file=4)
     fourth = tick(defs, instance, third.cursor)
-    assert [r.partition_key for r in fourth.run_requests] == [key(4), key(5)]
+    assert [range_of(r) for r in fourth.run_requests] == [(key(4), key(5))]
     early = run_range(defs, instance, 5)
     assert not early.success
     failure = [e for e in early.all_events if e.is_failure]
@@ -105,7 +111,8 @@ def test_sensor_backfill_order_guard_and_checks(location):
     checks = defs.resolve_job_def("payments_checks_job").execute_in_process(instance=instance)
     results = {(e.asset_check_evaluation_data.asset_key, e.asset_check_evaluation_data.check_name):
                e.asset_check_evaluation_data.passed for e in checks.all_events if e.event_type_value == "ASSET_CHECK_EVALUATION"}
-    assert len(results) == 7 and all(results.values()), results
+    assert len(results) == 8, results
+    assert all(results.values()), results
     sst = next((base / "state" / "payments" / "snapshots" / key(3)).glob("shard-*/*.sst"))
     data = bytearray(sst.read_bytes())
     data[-1] ^= 1

@@ -154,9 +154,9 @@ def test_corrupt_snapshot_is_named(spark, tmp_path):
                          max_records_per_epoch=500)
     runner.run_next()
     runner.cut_next()
-    sst = next((tmp_path / "state" / "snapshots" / "0000000001" / "shard-0001").glob("*.sst"))
+    sst = next((runner.log.root / runner.result(1).shards["1"]["snapshot"]).glob("*.sst"))
     sst.write_bytes(sst.read_bytes()[:-10])
-    with pytest.raises(SnapshotError, match=r"snapshot .*shard-0001 is corrupt: .*\.sst has \d+ bytes, manifest says"):
+    with pytest.raises(SnapshotError, match=r"snapshot .*shard-0001-[0-9a-f]+ is corrupt: .*\.sst has \d+ bytes, manifest says"):
         runner.run(2)
     assert runner.committed_epoch() == 1
     with pytest.raises(SnapshotError, match="is corrupt"):

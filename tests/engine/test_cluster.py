@@ -148,7 +148,8 @@ def test_killed_worker_during_shard_stage(spark_cluster: SparkCluster, tmp_path:
         # the paused attempt snapshotted but holds its working directory open
         attempt_dirs = list((tmp_path / "state" / "work" / f"{epoch:010d}").glob(f"shard-{shard:04d}-*"))
         assert len(attempt_dirs) == 1 and (attempt_dirs[0] / "CURRENT").is_file(), attempt_dirs
-        assert (tmp_path / "state" / "snapshots" / f"{epoch:010d}" / f"shard-{shard:04d}").is_dir()
+        killed_snapshot = f"shard-{shard:04d}-{attempt_dirs[0].name.rsplit('-', 1)[1]}"  # the attempt's own
+        assert (tmp_path / "state" / "snapshots" / f"{epoch:010d}" / killed_snapshot).is_dir()
         executors = victim.executor_pids()
         assert set(executors) & set(proc_ancestors(paused_pid)), (executors, proc_ancestors(paused_pid))
         t_kill = time.monotonic()
@@ -168,11 +169,13 @@ def test_killed_worker_during_shard_stage(spark_cluster: SparkCluster, tmp_path:
         assert ran_on[(epoch, str(shard))] == survivor.pid  # the retry ran on the other worker
         assert all(ran_on[(e, s)] == survivor.pid for (e, s) in ran_on if e > epoch)
         runner = assert_exactly_once(tmp_path)
-        # the retry replaced the killed attempt's snapshot; it matches the manifest's digests
-        info = runner.log.manifest(epoch)["shards"][str(shard)]
+        # the retry wrote its own snapshot, which the manifest names; retention removed the killed attempt's
+        shards = runner.log.manifest(epoch)["shards"]
+        info = shards[str(shard)]
+        assert Path(info["snapshot"]).name != killed_snapshot
         verify_snapshot(tmp_path / "state" / info["snapshot"], info["files"], full=True)
         leftovers = [p.name for p in (tmp_path / "state" / "snapshots" / f"{epoch:010d}").iterdir()]
-        assert sorted(leftovers) == [f"shard-{s:04d}" for s in range(SHARDS)]
+        assert sorted(leftovers) == sorted(Path(shards[str(s)]["snapshot"]).name for s in range(SHARDS))
         assert not marker.exists() and not list(pause.glob("*.armed"))
         print(f"killed worker {victim.index} (pids {killed}); the run finished {recovered:.1f}s later; "
               f"the driver logged: {lost}")

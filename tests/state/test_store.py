@@ -68,15 +68,20 @@ def test_scan_is_used_when_most_keys_are_touched(tmp_path):
     store.close()
 
 
-def test_snapshot_replaces_leftovers_of_a_failed_attempt(tmp_path):
-    target = tmp_path / "snaps" / "1"
+def test_snapshot_never_replaces_an_existing_one(tmp_path):
+    """Attempts write their own snapshot directories: one that exists (another
+    attempt's, perhaps the one a manifest names) is left byte for byte as it was."""
+    target = tmp_path / "snaps" / "shard-0000-aaaa"
     target.mkdir(parents=True)
-    (target / "garbage").write_text("half-written by a killed attempt")
+    (target / "CURRENT").write_text("written by the attempt that won")
     store = ShardStore.restore(None, None, tmp_path / "w")
     store.transaction().flush()
-    info = store.snapshot(target, None, None)
+    with pytest.raises(SnapshotError, match=r"snapshot .*shard-0000-aaaa already exists; .*nothing was replaced"):
+        store.snapshot(target, None, None)
     store.close()
-    assert "garbage" not in info.files and not (target / "garbage").exists()
+    assert [p.name for p in target.iterdir()] == ["CURRENT"]
+    assert (target / "CURRENT").read_text() == "written by the attempt that won"
+    assert [p.name for p in target.parent.iterdir()] == ["shard-0000-aaaa"]  # no temporary left behind
 
 
 def test_verify_snapshot_names_the_damage(tmp_path):

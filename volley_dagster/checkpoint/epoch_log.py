@@ -8,9 +8,10 @@ Layout under the checkpoint root::
     epochs/0000000007/manifest.json    the commit point, written last
     epochs/0000000007/dead_letters.parquet
     epochs/0000000007/late_records.parquet   windows: records whose window had closed
-    snapshots/0000000007/shard-0003/   RocksDB checkpoint (hardlinked SSTs)
     snapshots/0000000007/rescale-0001-<attempt>/shard-0005/   epoch 7's state rewritten by a rescale
+    snapshots/0000000007/shard-0003-<attempt>/   the attempt the manifest names (losers are pruned)
     work/0000000007/shard-0003-<attempt>/  a task attempt's writable DB (deleted after)
+    lease/                             the pipeline's lease and fencing tokens (checkpoint/lease.py)
 
 An epoch is committed exactly when its manifest exists; a rescale exactly when
 its ``layouts/`` record exists.
@@ -24,6 +25,9 @@ of an epoch is the last record with ``from_epoch`` <= it, else the initial one.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -95,8 +99,9 @@ class EpochLog:
     def epoch_dir(self, epoch: int) -> Path:
         return self.root / "epochs" / epoch_key(epoch)
 
-    def snapshot_dir(self, epoch: int, shard: int) -> Path:
-        return self.root / "snapshots" / epoch_key(epoch) / f"shard-{shard:04d}"
+    def snapshots_dir(self, epoch: int) -> Path:
+        """Where epoch ``epoch``'s shard attempts put their snapshots (``shard-S-<attempt>``)."""
+        return self.root / "snapshots" / epoch_key(epoch)
 
     def work_dir(self, epoch: int) -> Path:
         return self.root / "work" / epoch_key(epoch)
@@ -254,23 +259,41 @@ class EpochLog:
     # -- retention -----------------------------------------------------------------
 
     def prune(self, committed: int, keep: int) -> list[int]:
-        """Delete snapshots older than the last ``keep`` committed epochs, and every
-        working directory up to ``committed``. Offsets and manifests stay: they are
-        the history the UI shows."""
+        """Delete snapshots older than the last ``keep`` committed epochs, the attempts
+        of retained epochs that lost (no manifest or layout record names them), and the
+        working directories of dead attempts up to ``committed``. Offsets and manifests
+        stay: they are the history the UI shows."""
         removed = []
         snaps = self.root / "snapshots"
         if snaps.is_dir():
             for p in sorted(snaps.iterdir()):
-                if p.name.isdigit() and int(p.name) <= committed - keep:
+                if not p.name.isdigit() or int(p.name) > committed:
+                    continue
+                if int(p.name) <= committed - keep:
                     faults.fault_point("during_retention", committed)
                     shutil.rmtree(p)
                     removed.append(int(p.name))
+                else:
+                    self._remove_lost_attempts(int(p.name), p)
         work = self.root / "work"
         if work.is_dir():
             for p in work.iterdir():
                 if p.name.isdigit() and int(p.name) <= committed:
-                    shutil.rmtree(p, ignore_errors=True)
+                    _remove_dead_attempts(p)
         return removed
+
+    def _remove_lost_attempts(self, epoch: int, snapshots: Path) -> None:
+        """A committed epoch's snapshot directories that no record names: attempts that
+        lost to the one the manifest names, and rescale attempts that never committed.
+        Hidden temporaries are left to the epoch's own removal (one may be in flight)."""
+        named = {(self.root / info["snapshot"]).relative_to(snapshots).parts[0]
+                 for info in (self.manifest(epoch) or {}).get("shards", {}).values()}
+        for change in self.layout_changes():
+            if change.snapshot_epoch == epoch:
+                named |= {(self.root / info["snapshot"]).relative_to(snapshots).parts[0] for info in change.shards.values()}
+        for entry in snapshots.iterdir():
+            if not entry.name.startswith(".") and entry.name not in named:
+                shutil.rmtree(entry, ignore_errors=True)
 
     def retained_snapshots(self) -> list[int]:
         snaps = self.root / "snapshots"
@@ -280,3 +303,31 @@ class EpochLog:
 def _without_shards(identity: dict[str, Any]) -> dict[str, Any]:
     layout = {k: v for k, v in identity.get("layout", {}).items() if k != "num_shards"}
     return {**identity, "layout": layout}
+
+
+def _remove_dead_attempts(epoch_work: Path) -> None:
+    """Remove an epoch's working directories whose RocksDB no process holds open: a
+    paused or still running attempt (a retry's twin, another runner's) keeps its own."""
+    for attempt in epoch_work.iterdir():
+        if not _rocksdb_in_use(attempt):
+            shutil.rmtree(attempt, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        epoch_work.rmdir()  # only once empty
+
+
+def _rocksdb_in_use(path: Path) -> bool:
+    """Whether a process holds a RocksDB under ``path`` open: RocksDB keeps a POSIX
+    lock on its ``LOCK`` file while open, and the kernel drops it when the process dies."""
+    locks = [path / "LOCK"] if (path / "LOCK").exists() else list(path.rglob("LOCK")) if path.is_dir() else []
+    for lock in locks:
+        try:
+            fd = os.open(lock, os.O_RDWR)
+        except OSError:
+            continue
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return True
+        finally:
+            os.close(fd)  # never this process's own database: the driver opens none under work/
+    return False

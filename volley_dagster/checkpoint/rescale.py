@@ -40,7 +40,7 @@ import uuid
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 import pyarrow as pa
@@ -107,10 +107,12 @@ class StateNamespaces:
 
 
 def rescale(
-    log: EpochLog, num_shards: int, rocksdb: RocksDBOptions | None = None, verify_checksums: bool = False
+    log: EpochLog, num_shards: int, rocksdb: RocksDBOptions | None = None, verify_checksums: bool = False,
+    before_commit: Callable[[], None] | None = None,
 ) -> RescaleResult:
     """Rewrite the last committed epoch's state into ``num_shards`` shards and record
-    the layout for the epochs after it."""
+    the layout for the epochs after it. ``before_commit`` runs just before the layout
+    record is written (the runner checks its lease there)."""
     t0 = time.perf_counter()
     options = rocksdb or RocksDBOptions()
     epoch = log.last_committed()
@@ -172,6 +174,8 @@ def rescale(
         stats={**totals, "seconds": seconds, "created_at": datetime.now(timezone.utc).isoformat()},
     )
     faults.fault_point("rescale_before_commit", epoch)
+    if before_commit is not None:
+        before_commit()
     if not log.record_layout_change(change):
         raise StateLayoutError(
             f"another rescale of {log.root} committed layout record {sequence} first; nothing was changed by this one"

@@ -4,13 +4,15 @@ Layout under ``s3://bucket/prefix`` (one pipeline's checkpoint root)::
 
     sst/<sha256>.sst                                  SSTs, named by content, shared by epochs
     epochs/0000000007/shard-0003/<sha256>-<name>      the small files (MANIFEST-*, CURRENT, OPTIONS-*, ...)
-    epochs/0000000007/shard-0003.json                 the manifest, written last: the commit point
+    epochs/0000000007/shard-0003-<attempt>.json       the attempt's manifest, written last: its commit point
 
 SSTs are keyed by content hash, not by RocksDB's file name: two restores of one
 snapshot number their next SSTs alike, with different contents. An SST already
 in the store is not uploaded again, so an epoch costs what changed since the
-last one. Small files carry their hash too, so racing attempts of one epoch
-never overwrite an object another attempt's manifest references.
+last one. Small files carry their hash too, and each attempt writes its own
+manifest, so racing attempts of one epoch never overwrite an object another
+attempt's manifest references; the epoch manifest on the checkpoint root names
+the attempt that won, and retention deletes the others.
 
 A (epoch, shard) snapshot exists exactly when its manifest does. ``prune``
 deletes manifests before the SSTs only they referenced, so a crash in between
@@ -32,7 +34,7 @@ import uuid
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, TypeVar
+from typing import Any, Callable, Iterable, Mapping, TypeVar
 from urllib.parse import urlparse
 
 from botocore.exceptions import BotoCoreError, ClientError
@@ -43,7 +45,7 @@ from volley_dagster.sinks.s3 import S3Endpoint
 from volley_dagster.state.store import sha256_file
 
 MANIFEST_VERSION = 1
-_MANIFEST_KEY = re.compile(r"^epochs/(\d{10})/shard-(\d{4})\.json$")
+_MANIFEST_KEY = re.compile(r"^epochs/(\d{10})/shard-(\d{4})(?:-([0-9a-f]+))?\.json$")
 _EPOCH_OBJECT = re.compile(r"^epochs/(\d{10})/")
 _T = TypeVar("_T")
 
@@ -166,16 +168,18 @@ class S3SnapshotStore:
         return f"s3://{self.bucket}/{self._full(key)}"
 
     @staticmethod
-    def manifest_key(epoch: int, shard: int) -> str:
-        return f"epochs/{epoch_key(epoch)}/shard-{shard:04d}.json"
+    def manifest_key(epoch: int, shard: int, attempt: str | None = None) -> str:
+        """``attempt`` None: a manifest written before attempts had their own."""
+        suffix = f"-{attempt}" if attempt else ""
+        return f"epochs/{epoch_key(epoch)}/shard-{shard:04d}{suffix}.json"
 
     # -- upload ----------------------------------------------------------------------
 
-    def upload(self, epoch: int, shard: int, local_snapshot_dir: Path) -> UploadResult:
-        """Upload a RocksDB checkpoint directory, then commit it with its manifest.
-        On any failure nothing is committed; a re-run skips the SSTs already stored.
-        A second upload of one (epoch, shard) replaces the manifest: either
-        version references only its own objects, so whichever wins is whole."""
+    def upload(self, epoch: int, shard: int, local_snapshot_dir: Path, *, attempt: str | None = None) -> UploadResult:
+        """Upload a RocksDB checkpoint directory, then commit it with the attempt's own
+        manifest. On any failure nothing is committed; a re-run skips the SSTs already
+        stored. Two attempts of one (epoch, shard) write two manifests, never one over
+        the other."""
         started = time.monotonic()
         where = f"epoch {epoch} shard {shard}"
         local = Path(local_snapshot_dir)
@@ -194,7 +198,7 @@ class S3SnapshotStore:
         files = tuple(f for f, _ in results)
         uploaded = [f for f, did in results if did]
         manifest = SnapshotManifest(epoch, shard, files)
-        key = self.manifest_key(epoch, shard)
+        key = self.manifest_key(epoch, shard, attempt)
         try:
             self.client.put_object(Bucket=self.bucket, Key=self._full(key), Body=manifest.to_json(),
                                    ContentType="application/json")
@@ -245,9 +249,9 @@ class S3SnapshotStore:
 
     # -- restore ---------------------------------------------------------------------
 
-    def manifest(self, epoch: int, shard: int) -> SnapshotManifest:
+    def manifest(self, epoch: int, shard: int, attempt: str | None = None) -> SnapshotManifest:
         """The committed manifest; SnapshotError when the snapshot was never committed or was pruned."""
-        key = self.manifest_key(epoch, shard)
+        key = self.manifest_key(epoch, shard, attempt)
         try:
             data = self.client.get_object(Bucket=self.bucket, Key=self._full(key))["Body"].read()
         except ClientError as exc:
@@ -263,13 +267,13 @@ class S3SnapshotStore:
                                 f"not epoch {epoch} shard {shard}")
         return manifest
 
-    def restore(self, epoch: int, shard: int, cache_dir: Path) -> Path:
+    def restore(self, epoch: int, shard: int, cache_dir: Path, *, attempt: str | None = None) -> Path:
         """A new directory under ``cache_dir/restores`` that RocksDB opens as the
         snapshot. Files come from ``cache_dir/objects`` (content-addressed, each
         re-hashed before use) and are downloaded only when missing or corrupt.
         Statistics go to ``last_restore``."""
         started = time.monotonic()
-        manifest = self.manifest(epoch, shard)
+        manifest = self.manifest(epoch, shard, attempt)
         cache_dir = Path(cache_dir)
         objects = cache_dir / "objects"
         objects.mkdir(parents=True, exist_ok=True)
@@ -343,14 +347,19 @@ class S3SnapshotStore:
             raise ConfigError(f"retain(last_k={last_k}): keep at least the last committed epoch")
         return self.prune(self.epochs()[-last_k:])
 
-    def prune(self, keep_epochs: Iterable[int]) -> PruneResult:
+    def prune(self, keep_epochs: Iterable[int], winners: Mapping[tuple[int, int], str | None] | None = None) -> PruneResult:
         """Delete every epoch not in ``keep_epochs``: its manifests first, then its
-        small files, then the SSTs no remaining manifest references."""
+        small files, then the SSTs no remaining manifest references. ``winners`` maps
+        a kept (epoch, shard) to the attempt its epoch manifest names: the manifests
+        of the other attempts (retries and racers that lost) go too."""
         keep = set(keep_epochs)
+        winners = winners or {}
         listing = self._list("epochs/")
         manifests = {k: (int(m.group(1)), int(m.group(2))) for k in listing if (m := _MANIFEST_KEY.match(k))}
+        attempts = {k: m.group(3) for k in manifests if (m := _MANIFEST_KEY.match(k))}
         drop = {e for e, _ in manifests.values() if e not in keep}
-        dropped_manifests = [k for k, (e, _) in manifests.items() if e in drop]
+        lost = [k for k, sid in manifests.items() if sid[0] in keep and sid in winners and attempts[k] != winners[sid]]
+        dropped_manifests = [k for k, (e, _) in manifests.items() if e in drop] + lost
         self._delete(dropped_manifests, what="manifests")
         # Attempts that never committed left small files too; those of epochs
         # newer than every kept one may belong to an upload in flight.
@@ -360,7 +369,7 @@ class S3SnapshotStore:
                    and ((e := int(m.group(1))) in drop or (e not in committed and e <= horizon))]
         self._delete(garbage, what="small files")
 
-        remaining = [sid for sid in manifests.values() if sid[0] not in drop]
+        remaining = [(*sid, attempts[k]) for k, sid in manifests.items() if sid[0] not in drop and k not in lost]
         kept = self._parallel([lambda s=s: self.manifest(*s) for s in remaining], what="reading kept manifests")
         referenced = {f.key for m in kept for f in m.files}
         orphans = [k for k in self._list("sst/") if k not in referenced]

@@ -36,7 +36,7 @@ from volley_dagster.state.keys import ShardLayout
 from volley_dagster.state.store import carry_forward
 from volley_dagster.spark.partitioning import ROUTING_COLUMNS, to_shards
 from volley_dagster.spark.read import read_range
-from volley_dagster.spark.tasks import ShardMerge, shard_stats
+from volley_dagster.spark.tasks import ShardMerge, attempt_id, shard_stats, snapshot_name
 
 _WHERE = [pa.field("partition", pa.string()), pa.field("file", pa.string()), pa.field("offset", pa.int64())]
 DEAD_LETTER_SCHEMA = pa.schema(_WHERE + [pa.field("reason", pa.string()), pa.field("raw", pa.string())])
@@ -302,8 +302,11 @@ def _carry_forward_stage(spark: SparkSession, pipeline: Pipeline, plan: PlannedE
     shards: dict[int, dict[str, Any]] = {}
     for shard, prev in sorted(merge.previous.items()):
         t = time.perf_counter()
-        snap = carry_forward(Path(prev.path), prev.files, Path(merge.snapshot_root) / f"shard-{shard:04d}")
-        shards[shard] = shard_stats(shard, snap, read_mode="carried_forward", snapshot_s=time.perf_counter() - t)
+        attempt = attempt_id()
+        if merge.fence is not None:
+            merge.fence.check(f"epoch {merge.step.epoch} shard {shard}: carrying its snapshot forward")
+        snap = carry_forward(Path(prev.path), prev.files, Path(merge.snapshot_root) / snapshot_name(shard, attempt))
+        shards[shard] = shard_stats(shard, snap, attempt, read_mode="carried_forward", snapshot_s=time.perf_counter() - t)
     output = spark.createDataFrame([], ", ".join(_output_ddl(pipeline, plan))).toArrow()
     return StageResult(output, DEAD_LETTER_SCHEMA.empty_table(), shards, 0.0, time.perf_counter() - t0)
 

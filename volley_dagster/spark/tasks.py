@@ -21,6 +21,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from volley_dagster import columns, faults
+from volley_dagster.checkpoint.lease import Fence
 from volley_dagster.checkpoint.s3_snapshots import S3SnapshotStore
 from volley_dagster.errors import SnapshotError, StorageFullError, is_disk_full
 from volley_dagster.operators.base import ShardStep, StatefulOperator
@@ -54,6 +55,17 @@ class PreviousSnapshot:
     path: str
     files: FileDigests
     remote_epoch: int | None = None  # the epoch whose copy in the snapshot store this is (None: no copy)
+    remote_attempt: str | None = None  # the attempt that uploaded it (None: a store written before attempts)
+
+
+def attempt_id() -> str:
+    """Names one attempt's working directory, snapshot and S3 shard manifest, so two
+    executions of one (epoch, shard) never write the same path."""
+    return uuid.uuid4().hex[:12]
+
+
+def snapshot_name(shard: int, attempt: str) -> str:
+    return f"shard-{shard:04d}-{attempt}"
 
 
 @dataclass(frozen=True)
@@ -74,6 +86,7 @@ class ShardMerge:
     cache_root: str = ""  # the local copy is missing (another machine): into this local cache
     resident: ResidentStateCache | None = None  # shards' state kept in this machine's memory between epochs
     state_identity: str = ""  # whose state (checkpoint root and pipeline): a mirror is only ever its own
+    fence: Fence | None = None  # the runner's lease token: checked before this attempt's work becomes visible
 
     def __call__(self, table: pa.Table) -> pa.Table:
         shard = table.column(columns.SHARD)[0].as_py()
@@ -109,11 +122,12 @@ class ShardMerge:
         resident: ResidentShard | None, t0: float,
     ) -> pa.Table:
         source, remote_stats = self._local_previous(shard, prev)
+        attempt = attempt_id()
         try:
             store = ShardStore.restore(
                 source,
                 prev.files if prev else None,
-                Path(self.work_root) / f"shard-{shard:04d}-{uuid.uuid4().hex[:12]}",
+                Path(self.work_root) / snapshot_name(shard, attempt),
                 self.rocksdb,
                 self.verify_checksums,
             )
@@ -128,8 +142,9 @@ class ShardMerge:
             t2 = time.perf_counter()
             written = txn.flush()
             t3 = time.perf_counter()
+            self._check_fence(f"epoch {self.step.epoch} shard {shard} attempt {attempt}: installing its snapshot")
             snap = store.snapshot(
-                Path(self.snapshot_root) / f"shard-{shard:04d}",
+                Path(self.snapshot_root) / snapshot_name(shard, attempt),
                 Path(prev.path) if prev else None,
                 prev.files if prev else None,
             )
@@ -140,12 +155,13 @@ class ShardMerge:
         finally:
             store.close()
         if self.remote is not None:
-            upload = self.remote.upload(self.step.epoch, shard, snap.path)
+            self._check_fence(f"epoch {self.step.epoch} shard {shard} attempt {attempt}: uploading its snapshot")
+            upload = self.remote.upload(self.step.epoch, shard, snap.path, attempt=attempt)
             remote_stats.update(s3_bytes_uploaded=upload.bytes_uploaded, s3_files_uploaded=upload.files_uploaded,
                                 s3_files_reused=upload.files_reused, s3_upload_s=upload.seconds)
         faults.fault_point("shard_after_snapshot", self.step.epoch, pid=self.driver_pid, shard=shard)
         stats = shard_stats(
-            shard, snap,
+            shard, snap, attempt,
             **operator_stats,
             records=int(pc.sum(data.column(columns.ROWS)).as_py() or 0),
             null_key_records=null_keys,
@@ -160,6 +176,10 @@ class ShardMerge:
             task_pid=os.getpid(),  # the executor-side process that ran the shard
         )
         return self._output(outputs, stats)
+
+    def _check_fence(self, what: str) -> None:
+        if self.fence is not None:
+            self.fence.check(what)
 
     def _open_resident(self, shard: int, prev: PreviousSnapshot | None) -> ResidentShard | None:
         records = self.operator.resident_records
@@ -178,7 +198,7 @@ class ShardMerge:
                 f"snapshot {prev.path} is not on this machine and the snapshot store has no copy of it "
                 "(a rescale's rewrite is kept on the checkpoint root only)"
             )
-        path = self.remote.restore(prev.remote_epoch, shard, Path(self.cache_root))
+        path = self.remote.restore(prev.remote_epoch, shard, Path(self.cache_root), attempt=prev.remote_attempt)
         r = self.remote.last_restore
         return path, {"s3_restore_bytes": r.bytes_downloaded if r else 0, "s3_restore_s": r.seconds if r else 0.0}
 
@@ -191,11 +211,11 @@ class ShardMerge:
         return pa.concat_tables([rows, stats_row])
 
 
-def shard_stats(shard: int, snap: SnapshotInfo, **measured: Any) -> dict[str, Any]:
-    """One shard's row of the epoch manifest: its snapshot, and what the task measured
-    (zero for what it did not do)."""
+def shard_stats(shard: int, snap: SnapshotInfo, attempt: str, **measured: Any) -> dict[str, Any]:
+    """One shard's row of the epoch manifest: the attempt whose snapshot it names, and
+    what the task measured (zero for what it did not do)."""
     return {
-        "shard": shard, "snapshot": str(snap.path), "files": snap.files, "bytes_total": snap.bytes_total,
+        "shard": shard, "attempt": attempt, "snapshot": str(snap.path), "files": snap.files, "bytes_total": snap.bytes_total,
         "bytes_new": snap.bytes_new, "keys_touched": 0, "new_keys": 0, "records": 0, "null_key_records": 0,
         "keys_written": 0, "restore_s": 0.0, "merge_s": 0.0, "flush_s": 0.0, "snapshot_s": 0.0,
         "peak_rss_mib": 0.0, **measured,

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import functools
 import hashlib
 import json
 import os
@@ -37,6 +36,7 @@ from typing import Any, Callable
 import numpy as np
 
 from volley_dagster.checkpoint.atomic import write_json_atomic
+from volley_dagster.process import boot_id
 
 _LINEAGE = "lineage.json"
 _KEYS = "keys.npy"
@@ -50,16 +50,6 @@ def default_directory() -> str:
     shm = Path("/dev/shm")
     base = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
     return str(base / f"volley-resident-state-{os.getuid()}")
-
-
-@functools.cache
-def _boot_id() -> str:
-    """Mirrors on a disk-backed folder do not survive a reboot half-written: a stamp
-    names the boot it was written in."""
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return ""
 
 
 @dataclass(frozen=True)
@@ -116,7 +106,7 @@ class ResidentStateCache:
 def lineage_of(snapshot_files: dict[str, Any]) -> str:
     """A snapshot's identity (the digests of its files), in this boot."""
     digest = hashlib.sha256(json.dumps(snapshot_files, sort_keys=True).encode()).hexdigest()
-    return f"{digest}@{_boot_id()}"
+    return f"{digest}@{boot_id()}"
 
 
 def _private_folder(directory: Path) -> bool:

@@ -105,7 +105,7 @@ class ShardStore:
         return ShardTransaction(self.db, scan_fraction, resident)
 
     def snapshot(self, target: Path, previous: Path | None, previous_files: FileDigests | None) -> SnapshotInfo:
-        """Checkpoint into ``target``, replacing what an earlier failed attempt left there."""
+        """Checkpoint into ``target``, a directory of this attempt's own (never replaced)."""
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex}.tmp")
         rocksdict.Checkpoint(self.db).create_checkpoint(str(tmp))
@@ -139,12 +139,13 @@ def carry_forward(previous: Path, previous_files: FileDigests, target: Path) -> 
 
 
 def _install(tmp: Path, target: Path) -> None:
-    """Move a finished snapshot into place, replacing what an earlier failed attempt left."""
+    """Move a finished snapshot to its attempt's name. Attempts never overwrite each
+    other: a snapshot a manifest names stays as it was written."""
     if target.exists():
-        stale = target.with_name(f".{target.name}.{uuid.uuid4().hex}.stale")
-        os.replace(target, stale)
-        shutil.rmtree(stale)
-    os.replace(tmp, target)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise SnapshotError(f"snapshot {target} already exists; each attempt writes its own, so this is a bug or a "
+                            "copied checkpoint root: nothing was replaced")
+    os.rename(tmp, target)
     fsync_dir(target.parent)
 
 

@@ -1,0 +1,60 @@
+"""A pipeline's runs in Dagster: its concurrency pool, and what the runs in it say
+about progress. Shared by the sensor (when to request) and the asset checks."""
+
+import time
+from datetime import datetime, timezone
+from typing import Optional
+
+from dagster import DagsterInstance, DagsterRunStatus, RunRecord, RunsFilter
+
+PIPELINE_TAG = "volley/pipeline"  # the run tag of a pipeline's jobs
+MAX_RECOVERY_REQUESTS = 3  # the sensor's requests of one epoch after its first, each after a failed run
+IN_PROGRESS = [DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED, DagsterRunStatus.STARTING,
+               DagsterRunStatus.STARTED, DagsterRunStatus.CANCELING]
+RETRY_GRACE_S = 60  # a failed run whose automatic retry has not been created yet counts as in flight
+
+
+def pipeline_pool(name: str) -> str:
+    """The Dagster concurrency pool of a pipeline's runs: every run that runs epochs or
+    rescales it, whoever launched it, is in it; dagster.yaml limits each pool to one."""
+    return f"volley_{name}"
+
+
+def pool_runs(instance: DagsterInstance, pipeline: str, statuses: list[DagsterRunStatus],
+              limit: Optional[int] = None, created_after: Optional[float] = None) -> list[RunRecord]:
+    """Runs of the pipeline, newest first, whoever launched them: Dagster tags each run
+    it creates in a pool with it; runs of the pipeline's jobs (sensor, schedule, rescale,
+    in-process ones too) carry the pipeline's run tag."""
+    after = datetime.fromtimestamp(created_after, timezone.utc) if created_after is not None else None
+    found: dict[str, RunRecord] = {}
+    for tags in ({f".dagster/pool/{pipeline_pool(pipeline)}": "true"}, {PIPELINE_TAG: pipeline}):
+        for record in instance.get_run_records(RunsFilter(tags=tags, statuses=statuses, created_after=after), limit=limit):
+            found[record.dagster_run.run_id] = record
+    newest_first = sorted(found.values(), key=lambda r: r.create_timestamp, reverse=True)
+    return newest_first[:limit] if limit is not None else newest_first
+
+
+def run_in_flight(instance: DagsterInstance, pipeline: str) -> Optional[str]:
+    """Why not to request a run now (one is queued, running or about to be retried), or None."""
+    active = pool_runs(instance, pipeline, IN_PROGRESS, limit=1)
+    if active:
+        return f"run {active[0].dagster_run.run_id[:8]} is {active[0].dagster_run.status.value.lower()}"
+    failed = pool_runs(instance, pipeline, [DagsterRunStatus.FAILURE], limit=1)
+    if failed and failed[0].dagster_run.tags.get("dagster/will_retry") == "true":
+        run_id = failed[0].dagster_run.run_id
+        retried = instance.get_run_records(RunsFilter(tags={"dagster/parent_run_id": run_id}), limit=1)
+        ended = failed[0].end_time or failed[0].update_timestamp.timestamp()
+        if not retried and time.time() - ended < RETRY_GRACE_S:
+            return f"run {run_id[:8]} failed and Dagster is about to retry it"
+    return None
+
+
+def pool_limits_ensured(instance: DagsterInstance, pipelines: list[str]) -> None:
+    """Give each pipeline's pool its limit before its first run: Dagster applies
+    dagster.yaml's ``default_limit`` to a pool only from the first dequeue that sees it,
+    so two runs queued before that could start together."""
+    storage = instance.event_log_storage
+    known = storage.get_concurrency_keys()
+    for pool in (pipeline_pool(p) for p in pipelines):
+        if pool not in known and not storage.initialize_concurrency_limit_to_default(pool):
+            storage.set_concurrency_slots(pool, 1)

@@ -1,0 +1,108 @@
+"""The pipeline lease on a real filesystem, with real processes: one holder at a time,
+tokens that only grow, a holder killed with kill -9 frees it at once, a holder on
+another machine holds it until its heartbeat expires, and a stale token is fenced."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from volley_dagster.checkpoint.lease import Fence, PipelineLease, current_holder, newest_token
+from volley_dagster.errors import FencedError, PipelineBusyError
+
+HOLD = """
+import sys, time
+from volley_dagster.checkpoint.lease import PipelineLease
+lease = PipelineLease(sys.argv[1], owner="dagster run 1234abcd", wait_s=5).acquire()
+print(lease.fence.token, flush=True)
+time.sleep(600)
+"""
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def hold_in_subprocess(root: Path) -> tuple[subprocess.Popen, int]:
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(root)], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    token = int(proc.stdout.readline())
+    return proc, token
+
+
+def test_one_holder_at_a_time_and_tokens_only_grow(tmp_path):
+    first = PipelineLease(tmp_path, owner="dagster run aaa", wait_s=0.5, pipeline="payments").acquire()
+    assert first.fence.token == 1 == newest_token(tmp_path)
+    second = PipelineLease(tmp_path, owner="cli", wait_s=0.5, pipeline="payments")
+    started = time.monotonic()
+    with pytest.raises(PipelineBusyError) as busy:
+        second.acquire()
+    assert 0.5 <= time.monotonic() - started < 5
+    message = str(busy.value)
+    assert "pipeline 'payments' is busy" in message
+    assert f"host {os.uname().nodename} pid {os.getpid()} (dagster run aaa), token 1" in message
+    assert not second.held
+    first.release()
+    assert current_holder(tmp_path).released_at is not None
+    with second:
+        assert second.fence.token == 2
+    with PipelineLease(tmp_path) as third:
+        assert third.fence.token == 3
+    assert newest_token(tmp_path) == 3
+
+
+def test_a_waiting_runner_says_so_and_gets_the_lease_when_it_is_released(tmp_path):
+    holder = PipelineLease(tmp_path, owner="dagster run first").acquire()
+    said: list[str] = []
+    waiter = PipelineLease(tmp_path, owner="dagster run second", wait_s=10, on_wait=said.append)
+    threading.Timer(1.0, holder.release).start()
+    with waiter:
+        assert waiter.fence.token == 2 and waiter.waited_s >= 0.9
+    assert said and "held by host" in said[0] and "(dagster run first)" in said[0]
+
+
+def test_a_holder_killed_with_sigkill_frees_the_lease_at_once(tmp_path):
+    proc, token = hold_in_subprocess(tmp_path)
+    try:
+        with pytest.raises(PipelineBusyError, match=rf"pid {proc.pid} \(dagster run 1234abcd\), token {token}"):
+            PipelineLease(tmp_path, wait_s=0.3).acquire()
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    started = time.monotonic()
+    with PipelineLease(tmp_path, wait_s=5) as lease:
+        assert time.monotonic() - started < 1.0  # no expiry to wait out on this machine
+        assert lease.fence.token == token + 1
+        with pytest.raises(FencedError, match=rf"moved on to token {token + 1} \(this runner holds {token}\)"):
+            Fence(str(tmp_path), token).check("epoch 3: writing its manifest")
+        lease.fence.check("epoch 3: writing its manifest")
+
+
+def test_a_holder_on_another_machine_holds_until_its_heartbeat_expires(tmp_path):
+    """A shared disk whose locks do not reach across machines: the newest token's
+    record, renewed by its holder's heartbeat, is what fences the others."""
+    with PipelineLease(tmp_path):
+        pass  # token 1, released
+    now = time.time()
+    record = {"token": 2, "host": "worker-7.example", "boot": "another-boot", "pid": 4242, "pid_ticks": 1,
+              "owner": "dagster run remote", "acquired_at": now, "renewed_at": now, "expires_at": now + 2.0,
+              "released_at": None}
+    (tmp_path / "lease" / "tokens" / "0000000002.json").write_text(json.dumps(record))
+    with pytest.raises(PipelineBusyError, match=r"host worker-7\.example pid 4242 \(dagster run remote\), token 2"):
+        PipelineLease(tmp_path, wait_s=0.5, ttl_s=2.0).acquire()
+    with PipelineLease(tmp_path, wait_s=10, ttl_s=2.0) as lease:  # once its heartbeat is 2 s old
+        assert time.time() >= now + 2.0
+        assert lease.fence.token == 3
+
+
+def test_the_heartbeat_renews_the_record(tmp_path):
+    lease = PipelineLease(tmp_path, ttl_s=0.6).acquire()
+    first = current_holder(tmp_path).expires_at
+    time.sleep(0.5)
+    assert current_holder(tmp_path).expires_at > first  # renewed every ttl/3
+    lease.release()

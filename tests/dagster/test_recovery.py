@@ -1,0 +1,57 @@
+"""The sensor heals what fails and says when it cannot: on a real DagsterInstance,
+an epoch whose runs keep failing is requested again, each time with a new run key,
+a bounded number of times; then the tick says recovery is exhausted and the
+``epochs_progress`` check fails naming the run to read."""
+
+from __future__ import annotations
+
+import json
+
+from dagster import AssetKey
+
+from assets.runs import MAX_RECOVERY_REQUESTS
+from tests.dagster.test_location import key, range_of, tick
+from volley_dagster.demo.events import generate
+
+STATE = AssetKey(["payments", "state"])
+
+
+def test_a_failing_epoch_is_requested_again_until_recovery_is_exhausted(location):
+    defs, instance, base = location
+    generate(base / "events", 2, 2_000, 300)
+    first = tick(defs, instance)
+    assert [range_of(r) for r in first.run_requests] == [(key(1), key(1))]
+    # the checkpoint root was written by another pipeline: every run of epoch 1 fails, the source stays readable
+    (base / "state" / "payments" / "pipeline.json").write_text(json.dumps(
+        {"pipeline": "payments", "key_column": "card_id", "key_kind": "int", "aggregate": {},
+         "layout": {"num_shards": 4, "num_key_groups": 256}}))
+
+    cursor, keys = first.cursor, []
+    request = first.run_requests[0]
+    for attempt in range(MAX_RECOVERY_REQUESTS + 1):
+        keys.append(request.run_key)
+        job = defs.resolve_job_def("payments_epochs_job")
+        run = job.execute_in_process(instance=instance, partition_key=request.partition_key, tags=request.tags,
+                                     raise_on_error=False)
+        assert not run.success
+        error = str([e for e in run.all_events if e.is_failure][0].event_specific_data.error)
+        assert "StateLayoutError" in error and "different pipeline layout" in error  # failed once, not retried in the run
+        assert not [e for e in run.all_events if e.event_type_value == "STEP_UP_FOR_RETRY"]
+        result = tick(defs, instance, cursor)
+        cursor = result.cursor
+        if attempt < MAX_RECOVERY_REQUESTS:
+            assert [range_of(r) for r in result.run_requests] == [(key(1), key(1))]
+            request = result.run_requests[0]
+    assert len(set(keys)) == len(keys)  # a new run key each time: Dagster never dedupes a retry away
+
+    assert [r.job_name for r in result.run_requests] == ["payments_checks_job"]
+    exhausted = tick(defs, instance, cursor)
+    assert not exhausted.run_requests
+    assert "recovery exhausted: epoch 1 failed in" in exhausted.skip_reason.skip_message
+    assert "backfill of epochs 1..1" in exhausted.skip_reason.skip_message
+
+    checks = defs.resolve_job_def("payments_checks_job").execute_in_process(instance=instance, raise_on_error=False)
+    progress = [e.asset_check_evaluation_data for e in checks.all_events
+                if e.event_type_value == "ASSET_CHECK_EVALUATION" and e.asset_check_evaluation_data.check_name == "epochs_progress"]
+    assert len(progress) == 1 and not progress[0].passed
+    assert "recovery is exhausted" in progress[0].description and "epoch 1 (of 1 cut) is not committed" in progress[0].description

@@ -1,0 +1,194 @@
+"""Operating a pipeline unattended, as a user meets it: a real ``dagster dev`` with the
+shipped ``dagster.yaml`` and the sensor running, files landing every few seconds, run
+workers killed with ``kill -9`` mid-epoch, and two backfills racing the sensor over
+the same epochs. Nobody intervenes; the tables must equal the reference."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from dagster import DagsterRunStatus, RunsFilter
+
+from assets.runs import pool_limits_ensured, pool_runs, run_in_flight
+from tests.dagster_server import dagster_dev
+from tests.helpers import assert_state_equal, log_records, reference_state
+from tests.servers import proc_descendants
+from volley_dagster import EpochRunner
+from volley_dagster.demo.events import generate
+from volley_dagster.demo.payments import local_tables, payments_pipeline
+from volley_dagster.verify import check_sink
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+KEYS, PER_FILE = 200, 1_000
+LANDED, LATER = 6, 3  # files landing while runs are killed; files for the racing backfills
+EPOCH_ASSETS = ["payments/state", "payments/delta_balances", "payments/iceberg_changes"]
+HEAL_WITHIN_S = 180
+
+
+@pytest.fixture(scope="module")
+def healing(tmp_path_factory):
+    base = tmp_path_factory.mktemp("healing")
+    with dagster_dev(
+        HERE / "workspace.yaml",
+        dagster_yaml=ROOT / "dagster.yaml",  # as shipped: pools, run monitoring, run retries
+        overrides={"run_coordinator": {"config": {"dequeue_interval_seconds": 1}}},
+        home=base / "dagster_home",
+        env={"VOLLEY_TEST_BASE": str(base), "VOLLEY_TEST_SENSOR": "1"},
+    ) as srv:
+        yield srv, base
+
+
+def runner_for(base: Path) -> EpochRunner:
+    return EpochRunner(payments_pipeline(base / "events", local_tables(base / "tables")), base / "state" / "payments")
+
+
+def run_workers(base: Path) -> list[int]:
+    """The run worker processes of this server: the code server starts each run in a
+    process of its own (multiprocessing, spawned)."""
+    needle = f"VOLLEY_TEST_BASE={base}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if b"spawn_main" not in Path(f"/proc/{entry}/cmdline").read_bytes():
+                continue
+            if needle in Path(f"/proc/{entry}/environ").read_bytes().split(b"\0"):
+                found.append(int(entry))
+        except OSError:
+            continue
+    return found
+
+
+def has_jvm(pid: int) -> bool:
+    for child in proc_descendants(pid):
+        try:
+            if b"java" in Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")[0]:
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def kill_9(pid: int) -> None:
+    """The run worker and everything it started (its Spark JVM and Python workers)."""
+    for victim in [pid] + proc_descendants(pid):
+        try:
+            os.kill(victim, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def wait_for(predicate, timeout: float, what: str, srv) -> object:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}\n{srv.log_tail(40)}")
+        time.sleep(0.1)
+
+
+def assert_tables_equal_reference(runner: EpochRunner, files: int) -> None:
+    records = log_records(files, PER_FILE, KEYS)
+    assert sum(runner.result(e).records_in for e in range(1, runner.committed_epoch() + 1)) == records.num_rows
+    expected = reference_state(records)[["merchant_id", "total", "events", "avg_amount", "largest", "last_seen"]]
+    assert_state_equal(runner.read_state(), expected)
+    delta, iceberg = runner.pipeline.sinks
+    assert_state_equal(delta.read().select(list(expected.columns)), expected)  # upsert: the current state
+    for sink in (delta, iceberg):  # each epoch once, with its manifest's rows (Iceberg appends every change)
+        outcomes = check_sink(runner, sink)
+        assert all(o.passed for o in outcomes), [(o.name, o.description) for o in outcomes]
+
+
+def failure_messages(instance, run_id: str) -> str:
+    return "\n".join(str(e.user_message) + str(getattr(e.dagster_event, "event_specific_data", "") or "")
+                     for e in instance.all_logs(run_id) if e.is_dagster_event and e.dagster_event.is_failure)
+
+
+def test_kill_9_mid_epoch_heals_without_anyone(healing):
+    srv, base = healing
+    state = base / "state" / "payments"
+    landed_at: list[float] = []
+
+    def land() -> None:
+        for i in range(LANDED):
+            generate(base / "events", 1, PER_FILE, KEYS, first_file=i)
+            landed_at.append(time.monotonic())
+            time.sleep(4)
+
+    lander = threading.Thread(target=land)
+    lander.start()
+    try:
+        # moment 1: a run in its shard stage (attempts' RocksDBs open under work/)
+        first = wait_for(lambda: next((p for p in run_workers(base)
+                                       if (state / "work").is_dir() and any((state / "work").glob("*/shard-*"))), None),
+                         150, "a run in its shard stage", srv)
+        kill_9(first)
+        # moment 2: a later run, its Spark starting
+        second = wait_for(lambda: next((p for p in run_workers(base) if p != first and has_jvm(p)), None),
+                          150, "a later run starting Spark", srv)
+        kill_9(second)
+    finally:
+        lander.join()
+    last_landed = landed_at[-1]
+
+    runner = runner_for(base)
+    wait_for(lambda: runner.records_waiting() == 0 and runner.committed_epoch() == runner.log.last_cut() > 0,
+             HEAL_WITHIN_S, "every epoch to commit", srv)
+    healed_in = time.monotonic() - last_landed
+    print(f"committed everything {healed_in:.1f}s after the last file landed")
+    assert healed_in <= HEAL_WITHIN_S
+    assert_tables_equal_reference(runner, LANDED)
+
+    with srv.instance() as instance:
+        wait_for(lambda: run_in_flight(instance, "payments") is None, 60, "the last run to finish", srv)
+        runs = pool_runs(instance, "payments", list(DagsterRunStatus))
+        print("runs:", [(r.dagster_run.run_id[:8], r.dagster_run.status.value, r.dagster_run.tags.get("dagster/retry_number"),
+                         r.dagster_run.tags.get("dagster/asset_partition_range_start", r.dagster_run.tags.get("dagster/partition")))
+                        for r in reversed(runs)])
+        failed = [r for r in runs if r.dagster_run.status == DagsterRunStatus.FAILURE]
+        assert len(failed) >= 2, [(r.dagster_run.run_id, r.dagster_run.status) for r in runs]
+        for record in failed:  # the killed runs, and none for ordering
+            assert "needs epoch" not in failure_messages(instance, record.dagster_run.run_id)
+        retried = [r for r in runs if r.dagster_run.tags.get("dagster/retry_number")]
+        assert retried, "Dagster retried a killed run"
+        assert all(r.dagster_run.status in (DagsterRunStatus.SUCCESS, DagsterRunStatus.FAILURE) for r in runs)
+
+
+def test_two_backfills_and_the_sensor_never_overlap(healing):
+    srv, base = healing
+    runner = runner_for(base)
+    with srv.instance() as instance:
+        pool_limits_ensured(instance, ["payments"])
+        started = time.time()
+        for i in range(LANDED, LANDED + LATER):
+            generate(base / "events", 1, PER_FILE, KEYS, first_file=i)
+        while runner.cut_next() is not None:  # as the sensor would; whoever cuts first, the ranges are the same
+            pass
+        first, last = runner.committed_epoch() + 1, runner.log.last_cut()
+        keys = [f"{e:010d}" for e in range(first, last + 1)]
+        for key in keys:
+            srv.client.add_dynamic_partition("payments_epochs", key, exist_ok=True)
+        backfills = [srv.client.launch_partition_backfill(EPOCH_ASSETS, keys) for _ in range(2)]
+        for backfill in backfills:
+            done = srv.client.wait_backfill(backfill, timeout=300, until="runs")
+            assert done.succeeded, (done, srv.log_tail())
+        wait_for(lambda: runner.committed_epoch() == last, 120, "the epochs to commit", srv)
+
+        runs = [r for r in pool_runs(instance, "payments", list(DagsterRunStatus), created_after=started)]
+        assert len(runs) >= 2 and all(r.dagster_run.status == DagsterRunStatus.SUCCESS for r in runs), \
+            [(r.dagster_run.run_id, r.dagster_run.status) for r in runs]
+        spans = sorted((r.start_time, r.end_time) for r in runs)
+        for (_, previous_end), (start, _) in zip(spans, spans[1:]):
+            assert start >= previous_end, spans  # one run of the pipeline at a time
+        backfill_runs = instance.get_run_records(RunsFilter(tags={"dagster/backfill": backfills[1]}))
+        assert backfill_runs, "the second backfill ran too (as no-ops, after the first)"
+    assert_tables_equal_reference(runner, LANDED + LATER)

@@ -1,0 +1,31 @@
+"""Which machine boot and which process: for telling a live holder from a dead one."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+
+@functools.cache
+def boot_id() -> str:
+    """Changes at every reboot: a pid recorded before it names no process now."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def start_ticks(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (None when it is gone), so a
+    reused pid is not taken for the process that had it."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[19])  # field 22, counted after the command name
+
+
+def is_alive(pid: int, ticks: int | None) -> bool:
+    """Whether the process ``pid`` that started at ``ticks`` still runs on this boot."""
+    now = start_ticks(pid)
+    return now is not None and (ticks is None or now == ticks)
