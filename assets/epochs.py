@@ -40,6 +40,10 @@ from volley_dagster.verify import CheckOutcome, check_latest_snapshot, check_sin
 # (dagster.yaml's run_retries).
 STEP_RETRIES = 3
 STEP_RETRY_WAIT_S = 5
+# The same on the pipeline's own jobs, for an instance whose dagster.yaml sets no defaults
+# (run_retries must still be enabled there): a run whose process died is re-run; a failed
+# step already had its retries.
+RUN_RETRY_TAGS = {"dagster/max_retries": "3", "dagster/retry_on_asset_or_op_failure": "false"}
 
 
 def epochs_job_name(pipeline: str) -> str:

@@ -2,7 +2,7 @@
 
 from dagster import AssetSelection, Definitions, define_asset_job, in_process_executor
 
-from assets.epochs import PIPELINE_TAG, epoch_assets, epochs_job_name, epochs_partitions
+from assets.epochs import PIPELINE_TAG, RUN_RETRY_TAGS, epoch_assets, epochs_job_name, epochs_partitions
 from assets.rescale import rescale_job
 from resources import CheckpointResource, SparkResource, TablesResource
 from sensors import epoch_schedule, epoch_sensor
@@ -20,7 +20,7 @@ def build_definitions(
             epochs_job_name(deployment.name),
             selection=AssetSelection.assets(epochs).without_checks(),
             partitions_def=epochs_partitions(deployment),
-            tags={PIPELINE_TAG: deployment.name},
+            tags={PIPELINE_TAG: deployment.name, **RUN_RETRY_TAGS},
         )
         checks_job = define_asset_job(f"{deployment.name}_checks_job", selection=AssetSelection.checks(checks))
         jobs.extend([job, checks_job, rescale_job(deployment, tables.settings())])

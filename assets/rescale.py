@@ -8,7 +8,7 @@ holds the pipeline's lease while it rewrites the state.
 
 from dagster import AssetObservation, Config, JobDefinition, MetadataValue, OpExecutionContext, job, op
 
-from assets.epochs import PIPELINE_TAG, make_runner
+from assets.epochs import PIPELINE_TAG, RUN_RETRY_TAGS, make_runner
 from assets.runs import pipeline_pool
 from assets.metadata import state_key
 from resources import CheckpointResource, TablesResource
@@ -50,7 +50,7 @@ def rescale_job(deployment: Deployment, spec_settings: TableSettings) -> JobDefi
             },
         ))
 
-    @job(name=f"{pipeline.name}_rescale_job", tags=tags,
+    @job(name=f"{pipeline.name}_rescale_job", tags={**tags, **RUN_RETRY_TAGS},  # a killed rescale left the old layout
          description=f"Change the shard count of {pipeline.name!r} between two epochs (config: num_shards).")
     def rescale_pipeline() -> None:
         rescale()

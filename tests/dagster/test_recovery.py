@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import json
 
-from dagster import AssetKey
+from dagster import AssetKey, DynamicPartitionsDefinition
 
 from assets.runs import MAX_RECOVERY_REQUESTS
-from tests.dagster.test_location import key, range_of, tick
+from tests.dagster.test_location import key, range_of, run_range, tick
 from volley_dagster.demo.events import generate
 
 STATE = AssetKey(["payments", "state"])
@@ -55,3 +55,22 @@ def test_a_failing_epoch_is_requested_again_until_recovery_is_exhausted(location
                 if e.event_type_value == "ASSET_CHECK_EVALUATION" and e.asset_check_evaluation_data.check_name == "epochs_progress"]
     assert len(progress) == 1 and not progress[0].passed
     assert "recovery is exhausted" in progress[0].description and "epoch 1 (of 1 cut) is not committed" in progress[0].description
+
+
+def test_a_range_run_that_fails_at_epoch_k_keeps_the_epochs_before_it(location):
+    defs, instance, base = location
+    generate(base / "events", 4, 2_000, 300)
+    cut = tick(defs, instance)
+    assert [range_of(r) for r in cut.run_requests] == [(key(1), key(3))]  # cut while 3,000+ wait: three epochs
+    (base / "events" / "events-000002.parquet").unlink()  # epoch 3's file is lost before its run
+
+    run = run_range(defs, instance, 1, 3)
+    assert not run.success
+    error = str([e for e in run.all_events if e.is_failure][0].event_specific_data.error)
+    assert "SourceError: epoch 3: source file" in error and "is missing" in error
+    keys = [key(e) for e in (1, 2, 3)]
+    status = instance.get_status_by_partition(STATE, keys, DynamicPartitionsDefinition(name="payments_epochs"))
+    assert {k: v.value for k, v in status.items()} == {key(1): "MATERIALIZED", key(2): "MATERIALIZED", key(3): "FAILED"}
+    committed = [m.partition for m in (r.asset_materialization for r in
+                 instance.fetch_materializations(STATE, limit=10, ascending=True).records)]
+    assert committed == [key(1), key(2)]
