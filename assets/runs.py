@@ -5,7 +5,9 @@ import time
 from datetime import datetime, timezone
 from typing import Optional
 
-from dagster import DagsterInstance, DagsterRunStatus, RunRecord, RunsFilter
+from dagster import DagsterEventType, DagsterInstance, DagsterRunStatus, DefaultRunLauncher, RunRecord, RunsFilter
+
+from volley_dagster.process import started_at
 
 PIPELINE_TAG = "volley/pipeline"  # the run tag of a pipeline's jobs
 MAX_RECOVERY_REQUESTS = 3  # the sensor's requests of one epoch after its first, each after a failed run
@@ -58,3 +60,38 @@ def pool_limits_ensured(instance: DagsterInstance, pipelines: list[str]) -> None
     for pool in (pipeline_pool(p) for p in pipelines):
         if pool not in known and not storage.initialize_concurrency_limit_to_default(pool):
             storage.set_concurrency_slots(pool, 1)
+
+
+def fail_orphaned_runs(instance: DagsterInstance, pipeline: str) -> list[str]:
+    """Mark failed the pipeline's runs that show as started but whose process is gone, so
+    that run retries re-run them and the pool admits the next run. The code server does
+    this for a run worker killed while it lives; when the whole of ``dagster dev`` was
+    killed, or the machine rebooted, nothing else does. Only for the default run
+    launcher, whose runs are processes on this machine."""
+    if not isinstance(instance.run_launcher, DefaultRunLauncher):
+        return []
+    failed = []
+    for record in pool_runs(instance, pipeline, [DagsterRunStatus.STARTED]):
+        run = record.dagster_run
+        pid = _run_worker_pid(instance, run.run_id)
+        if pid is None or record.start_time is None:
+            continue
+        began = started_at(pid)
+        if began is not None and began <= record.start_time + 1:  # alive, and not a reused pid
+            continue
+        instance.report_run_failed(run, f"the run's process {pid} is gone (killed, or the machine restarted): "
+                                        "marked failed so that it is retried")
+        failed.append(run.run_id)
+    return failed
+
+
+def _run_worker_pid(instance: DagsterInstance, run_id: str) -> Optional[int]:
+    """The pid the run worker reports in its first engine events ("Started process for
+    run", "Executing steps in process")."""
+    records = instance.get_records_for_run(run_id, of_type=DagsterEventType.ENGINE_EVENT, limit=50).records
+    for record in records:
+        event = record.event_log_entry.dagster_event
+        metadata = (event.engine_event_data.metadata or {}) if event is not None and event.engine_event_data else {}
+        if "pid" in metadata:
+            return int(metadata["pid"].value)
+    return None

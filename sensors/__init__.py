@@ -1,6 +1,8 @@
 """Cutting epochs: a sensor when data arrives, a schedule on a clock.
 
-The epoch log is the source of truth. A tick cuts new epochs when records wait, then
+The epoch log is the source of truth. A tick first marks failed the pipeline's runs
+shown as started whose process is gone (``assets/runs.fail_orphaned_runs``), so that
+Dagster retries them; it cuts new epochs when records wait, then
 requests one run of every epoch cut but not committed, from the earliest, but only
 while no run of the pipeline is queued, running or about to be retried: so a run
 never starts on an epoch whose predecessor is not committed, and an epoch whose run
@@ -28,7 +30,7 @@ from dagster import (
 )
 
 from assets.epochs import PIPELINE_TAG, epochs_job_name, epochs_partitions, make_runner
-from assets.runs import MAX_RECOVERY_REQUESTS, pool_limits_ensured, run_in_flight
+from assets.runs import MAX_RECOVERY_REQUESTS, fail_orphaned_runs, pool_limits_ensured, run_in_flight
 from resources import CheckpointResource, TablesResource
 from volley_dagster import EpochRunner
 from volley_dagster.checkpoint.epoch_log import epoch_key
@@ -72,6 +74,8 @@ def epoch_sensor(deployment: Deployment, job, checks_job=None):
     def new_data(context: SensorEvaluationContext, checkpoints: CheckpointResource, tables: TablesResource):
         cursor = {"waiting_since": None, "recovering": 0, "requests": 0, **(json.loads(context.cursor or "{}"))}
         pool_limits_ensured(context.instance, [deployment.name])
+        for run_id in fail_orphaned_runs(context.instance, deployment.name):
+            context.log.warning(f"run {run_id} showed as started but its process is gone: marked failed, to be retried")
         runner = make_runner(deployment, checkpoints, tables)
         waiting_since = cursor["waiting_since"]
         for _ in range(MAX_CUTS_PER_TICK):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 
 
@@ -29,3 +30,16 @@ def is_alive(pid: int, ticks: int | None) -> bool:
     """Whether the process ``pid`` that started at ``ticks`` still runs on this boot."""
     now = start_ticks(pid)
     return now is not None and (ticks is None or now == ticks)
+
+
+def started_at(pid: int) -> float | None:
+    """When the process ``pid`` started (Unix time), or None when there is none."""
+    ticks = start_ticks(pid)
+    if ticks is None:
+        return None
+    try:
+        btime = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                     if line.startswith("btime "))
+    except (OSError, StopIteration):
+        return None
+    return btime + ticks / os.sysconf("SC_CLK_TCK")

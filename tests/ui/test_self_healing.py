@@ -31,16 +31,20 @@ EPOCH_ASSETS = ["payments/state", "payments/delta_balances", "payments/iceberg_c
 HEAL_WITHIN_S = 180
 
 
-@pytest.fixture(scope="module")
-def healing(tmp_path_factory):
-    base = tmp_path_factory.mktemp("healing")
-    with dagster_dev(
+def serve(base: Path):
+    return dagster_dev(
         HERE / "workspace.yaml",
         dagster_yaml=ROOT / "dagster.yaml",  # as shipped: pools, run monitoring, run retries
         overrides={"run_coordinator": {"config": {"dequeue_interval_seconds": 1}}},
         home=base / "dagster_home",
         env={"VOLLEY_TEST_BASE": str(base), "VOLLEY_TEST_SENSOR": "1"},
-    ) as srv:
+    )
+
+
+@pytest.fixture(scope="module")
+def healing(tmp_path_factory):
+    base = tmp_path_factory.mktemp("healing")
+    with serve(base) as srv:
         yield srv, base
 
 
@@ -109,7 +113,8 @@ def assert_tables_equal_reference(runner: EpochRunner, files: int) -> None:
 
 
 def failure_messages(instance, run_id: str) -> str:
-    return "\n".join(str(e.user_message) + str(getattr(e.dagster_event, "event_specific_data", "") or "")
+    """What the run's failure events say: their messages and errors."""
+    return "\n".join(f"{e.dagster_event.message} {e.dagster_event.event_specific_data or ''}"
                      for e in instance.all_logs(run_id) if e.is_dagster_event and e.dagster_event.is_failure)
 
 
@@ -192,3 +197,29 @@ def test_two_backfills_and_the_sensor_never_overlap(healing):
         backfill_runs = instance.get_run_records(RunsFilter(tags={"dagster/backfill": backfills[1]}))
         assert backfill_runs, "the second backfill ran too (as no-ops, after the first)"
     assert_tables_equal_reference(runner, LANDED + LATER)
+
+
+def test_a_killed_dagster_dev_heals_after_a_restart(healing):
+    """The whole of ``dagster dev`` (webserver, daemons, code server, the run worker and
+    its Spark) killed mid-run, as a crashed machine: after a restart, nobody marks the
+    run failed but the sensor's watchdog, and its retry commits the epoch."""
+    srv, base = healing
+    runner = runner_for(base)
+    files = LANDED + LATER
+    generate(base / "events", 1, PER_FILE, KEYS, first_file=files)
+    victim = wait_for(lambda: next((p for p in run_workers(base) if has_jvm(p)), None), 120, "a run to start", srv)
+    os.killpg(srv.proc.pid, signal.SIGKILL)
+    srv.stop()  # stragglers outside the group, if any
+    assert not Path(f"/proc/{victim}").exists() and runner.committed_epoch() < runner.log.last_cut()
+
+    with serve(base) as again:
+        wait_for(lambda: runner.records_waiting() == 0 and runner.committed_epoch() == runner.log.last_cut(),
+                 150, "the epoch to commit after the restart", again)
+        with again.instance() as instance:
+            wait_for(lambda: run_in_flight(instance, "payments") is None, 60, "the last run to finish", again)
+            failed = [r for r in pool_runs(instance, "payments", [DagsterRunStatus.FAILURE])
+                      if "is gone (killed, or the machine restarted)" in failure_messages(instance, r.dagster_run.run_id)]
+            assert len(failed) == 1, "the watchdog marked the killed run failed"
+            retries = instance.get_run_records(RunsFilter(tags={"dagster/parent_run_id": failed[0].dagster_run.run_id}))
+            assert [r.dagster_run.status for r in retries] == [DagsterRunStatus.SUCCESS]
+    assert_tables_equal_reference(runner, files + 1)
