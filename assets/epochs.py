@@ -8,9 +8,9 @@ from typing import Optional
 from dagster import (
     AssetCheckExecutionContext,
     AssetCheckResult,
-    AssetMaterialization,
     AssetCheckSpec,
     AssetExecutionContext,
+    AssetMaterialization,
     AssetSpec,
     BackfillPolicy,
     DagsterInstance,
@@ -31,8 +31,8 @@ from assets.runs import MAX_RECOVERY_REQUESTS, PIPELINE_TAG, pipeline_pool, pool
 from resources import CheckpointResource, SparkResource, TablesResource
 from volley_dagster import ConfigError, EpochRunner
 from volley_dagster.checkpoint.epoch_log import epoch_key
-from volley_dagster.errors import is_retryable
 from volley_dagster.deploy import Deployment, TableSettings
+from volley_dagster.errors import is_retryable
 from volley_dagster.verify import CheckOutcome, check_latest_snapshot, check_sink
 
 # A failed epoch retried inside its run (a lost executor, S3 unreachable, a lost commit
@@ -157,7 +157,7 @@ def epoch_assets(deployment: Deployment, spec_settings: TableSettings) -> list:
                                  f"waited {lease.waited_s:.1f}s)")
                 for key in sorted(context.partition_keys, key=parse_epoch):
                     result = runner.run(parse_epoch(key))
-                    extra = {"fencing_token": MetadataValue.int(lease.fence.token),
+                    extra = {"fencing_token": MetadataValue.int(result.fencing_token),  # of the run that committed it
                              "lease_wait_s": MetadataValue.float(lease.waited_s),
                              **{k: MetadataValue.int(v) for k, v in attempt.items()}}
                     for asset_key, metadata in epoch_metadata(runner.pipeline, result).items():

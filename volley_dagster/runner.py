@@ -327,7 +327,7 @@ class EpochRunner:
         self._check_fence(f"pruning after epoch {committed}")
         self.log.prune(committed, self.keep_epochs)
         if self.snapshot_store is not None:
-            retained = self.log.retained_snapshots()  # the same epochs as on the root
+            retained = self.log.retained_epochs(committed, self.keep_epochs)  # never from a local listing
             winners = {(e, int(s)): info.get("attempt")
                        for e in retained for s, info in (self.log.manifest(e) or {}).get("shards", {}).items()}
             self.snapshot_store.prune(retained, winners)

@@ -295,3 +295,32 @@ def test_missing_manifest_and_corrupt_files(store, seaweedfs, tmp_path):
     client.delete_object(Bucket=store.bucket, Key=full_key)
     with pytest.raises(SnapshotError, match=rf"{sst.name} is missing from the store"):
         store.restore(1, 0, fresh)
+
+
+def test_attempts_keep_their_own_manifests_and_retention_keeps_the_winners(store, seaweedfs, tmp_path):
+    """Two attempts of one (epoch, shard) upload side by side; retention keeps the one the
+    epoch manifest names. An empty epoch carried forward names the previous epoch's
+    objects, which stay while it is kept, though that epoch's own manifest goes."""
+    db = open_db(tmp_path / "db")
+    write(db, {key(i): b"first" for i in range(100)})
+    first = checkpoint(db, tmp_path / "first")
+    write(db, {key(i): b"second" for i in range(50)})
+    second = checkpoint(db, tmp_path / "second")
+    db.close()
+    store.upload(1, 0, first, attempt="aaaa")
+    store.upload(1, 0, second, attempt="bbbb")  # a late twin of epoch 1 shard 0: its own manifest
+    assert read_all(store.restore(1, 0, tmp_path / "cache", attempt="aaaa")) == read_all(first)
+    assert read_all(store.restore(1, 0, tmp_path / "cache", attempt="bbbb")) == read_all(second)
+
+    carried = store.carry_forward(1, 0, 2, from_attempt="aaaa", attempt="cccc")
+    assert carried.bytes_uploaded == 0 and carried.files_reused == len(carried.manifest.files)
+
+    result = store.prune([1, 2], {(1, 0): "aaaa", (2, 0): "cccc"})
+    assert result.manifests_deleted == 1  # the attempt that lost
+    with pytest.raises(SnapshotError, match=r"epoch 1 shard 0 has no snapshot: manifest \S+shard-0000-bbbb\.json"):
+        store.manifest(1, 0, "bbbb")
+
+    result = store.prune([2], {(2, 0): "cccc"})
+    assert result.epochs_removed == [1]
+    assert read_all(store.restore(2, 0, tmp_path / "cache2", attempt="cccc")) == read_all(first)
+    assert objects(seaweedfs, store, "epochs/0000000001/")  # the small files epoch 2 names stay

@@ -111,3 +111,32 @@ def test_disk_full_fails_the_epoch_and_a_rerun_after_freeing_space_succeeds(spar
     assert not result.already_committed
     assert_state_equal(runner.read_state(), reference_state(log_records(2, PER_FILE, KEYS)))
     assert not any((small_disk / "state" / "work").iterdir())
+
+
+def test_a_driver_without_local_snapshots_keeps_s3_whole_across_empty_epochs(spark, seaweedfs: SeaweedFS, tmp_path):
+    """Executors that keep snapshots on their own disks: the driver's checkpoint root has
+    no snapshots/. Retention decides from the manifests, an empty epoch is carried
+    forward on S3 (a manifest naming the previous epoch's objects), and every retained
+    epoch restores from S3 alone, even when the epoch whose files it names is pruned."""
+    store = S3SnapshotStore(f"s3://{BUCKET}/driver-{uuid.uuid4().hex[:8]}", seaweedfs.s3)
+    runner = runner_for(tmp_path, spark, store)
+    files_by_epoch, files = {}, 0
+    for kind in "DEDDEDEDEE":  # D: a file of records lands; E: an empty epoch
+        if kind == "D":
+            generate(tmp_path / "events", 1, PER_FILE, KEYS, first_file=files)
+            files += 1
+        result = runner.run(runner.cut_next(allow_empty=True).epoch)
+        assert (result.records_in == 0) == (kind == "E")
+        if kind == "E":
+            assert {s["read_mode"] for s in result.shards.values()} == {"carried_forward"}
+            assert sum(s["s3_bytes_uploaded"] for s in result.shards.values()) == 0  # a manifest only
+        files_by_epoch[result.epoch] = files
+        shutil.rmtree(runner.log.root / "snapshots", ignore_errors=True)  # not on the driver's disk
+
+    assert store.epochs() == [9, 10]  # kept from the manifests, though the driver lists no snapshot
+    for epoch in (9, 10):  # both name epoch 8's files, whose own manifest retention removed
+        assert_state_equal(runner.read_state(epoch), reference_state(log_records(files_by_epoch[epoch], PER_FILE, KEYS)))
+    generate(tmp_path / "events", 1, PER_FILE, KEYS, first_file=files)
+    after = runner.run_next()  # its tasks restore epoch 10 from S3
+    assert all("s3_restore_s" in s for s in after.shards.values())
+    assert_state_equal(runner.read_state(), reference_state(log_records(files + 1, PER_FILE, KEYS)))

@@ -295,6 +295,11 @@ class EpochLog:
             if not entry.name.startswith(".") and entry.name not in named:
                 shutil.rmtree(entry, ignore_errors=True)
 
+    def retained_epochs(self, committed: int, keep: int) -> list[int]:
+        """The committed epochs whose snapshots retention keeps after ``committed``, from
+        the manifests: what the snapshot store keeps, whatever this machine's disk holds."""
+        return [e for e in self.epochs_cut() if committed - keep < e <= committed and self.is_committed(e)]
+
     def retained_snapshots(self) -> list[int]:
         snaps = self.root / "snapshots"
         return sorted(int(p.name) for p in snaps.iterdir() if p.name.isdigit()) if snaps.is_dir() else []

@@ -214,6 +214,22 @@ class S3SnapshotStore:
             seconds=time.monotonic() - started,
         )
 
+    def carry_forward(self, from_epoch: int, shard: int, epoch: int, *, from_attempt: str | None = None,
+                      attempt: str | None = None) -> UploadResult:
+        """Epoch ``epoch`` left the shard as ``from_epoch`` had it: its manifest names the
+        same objects, and nothing is uploaded (retention keeps what a kept manifest names)."""
+        started = time.monotonic()
+        previous = self.manifest(from_epoch, shard, from_attempt)
+        manifest = SnapshotManifest(epoch, shard, previous.files)
+        key = self.manifest_key(epoch, shard, attempt)
+        try:
+            self.client.put_object(Bucket=self.bucket, Key=self._full(key), Body=manifest.to_json(),
+                                   ContentType="application/json")
+        except (BotoCoreError, ClientError) as exc:
+            raise SnapshotStorageError(f"epoch {epoch} shard {shard}: writing the manifest {self._url(key)} failed, "
+                                       f"the snapshot is not committed: {exc}") from exc
+        return UploadResult(manifest, 0, 0, len(manifest.files), manifest.total_bytes, time.monotonic() - started)
+
     def _put_file(self, epoch: int, shard: int, path: Path) -> tuple[SnapshotFile, bool]:
         """Store one file; True when it was uploaded, False when an equal SST was there."""
         where = f"epoch {epoch} shard {shard}"
@@ -360,18 +376,18 @@ class S3SnapshotStore:
         drop = {e for e, _ in manifests.values() if e not in keep}
         lost = [k for k, sid in manifests.items() if sid[0] in keep and sid in winners and attempts[k] != winners[sid]]
         dropped_manifests = [k for k, (e, _) in manifests.items() if e in drop] + lost
+        remaining = [(*sid, attempts[k]) for k, sid in manifests.items() if sid[0] not in drop and k not in lost]
+        kept = self._parallel([lambda s=s: self.manifest(*s) for s in remaining], what="reading kept manifests")
+        referenced = {f.key for m in kept for f in m.files}  # a carried-forward epoch names an older one's files
         self._delete(dropped_manifests, what="manifests")
         # Attempts that never committed left small files too; those of epochs
         # newer than every kept one may belong to an upload in flight.
         horizon = max(keep, default=max(drop, default=-1))
         committed = {e for e, _ in manifests.values()}
-        garbage = [k for k in listing if k not in manifests and (m := _EPOCH_OBJECT.match(k))
+        garbage = [k for k in listing if k not in manifests and k not in referenced and (m := _EPOCH_OBJECT.match(k))
                    and ((e := int(m.group(1))) in drop or (e not in committed and e <= horizon))]
         self._delete(garbage, what="small files")
 
-        remaining = [(*sid, attempts[k]) for k, sid in manifests.items() if sid[0] not in drop and k not in lost]
-        kept = self._parallel([lambda s=s: self.manifest(*s) for s in remaining], what="reading kept manifests")
-        referenced = {f.key for m in kept for f in m.files}
         orphans = [k for k in self._list("sst/") if k not in referenced]
         self._delete(orphans, what="unreferenced SSTs")
         self._known_ssts.difference_update(k[len("sst/"):-len(".sst")] for k in orphans)

@@ -33,10 +33,10 @@ from volley_dagster.operators.window import ResolvedWindowAggregate
 from volley_dagster.pipeline import Pipeline
 from volley_dagster.sources.offsets import EpochRange
 from volley_dagster.state.keys import ShardLayout
-from volley_dagster.state.store import carry_forward
+from volley_dagster.state.store import SnapshotInfo, carry_forward
 from volley_dagster.spark.partitioning import ROUTING_COLUMNS, to_shards
 from volley_dagster.spark.read import read_range
-from volley_dagster.spark.tasks import ShardMerge, attempt_id, shard_stats, snapshot_name
+from volley_dagster.spark.tasks import ShardMerge, attempt_id, shard_stats, snapshot_name, upload_stats
 
 _WHERE = [pa.field("partition", pa.string()), pa.field("file", pa.string()), pa.field("offset", pa.int64())]
 DEAD_LETTER_SCHEMA = pa.schema(_WHERE + [pa.field("reason", pa.string()), pa.field("raw", pa.string())])
@@ -296,17 +296,33 @@ def _output_ddl(pipeline: Pipeline, plan: PlannedEpoch) -> list[str]:
 
 def _carry_forward_stage(spark: SparkSession, pipeline: Pipeline, plan: PlannedEpoch, merge: ShardMerge) -> StageResult:
     """An epoch with no records (running aggregate): state is unchanged, so each shard's
-    snapshot is the previous one, hardlinked; no Spark job runs. The output is empty,
-    typed as a processed epoch's would be, so each sink still records the epoch."""
+    snapshot is the previous one, hardlinked, and on S3 a manifest naming the previous
+    one's objects; no Spark job runs. Where the previous snapshot is only on S3 (the
+    executors keep theirs on their own disks), only the S3 manifest is written. The
+    output is empty, typed as a processed epoch's would be, so each sink still records
+    the epoch."""
     t0 = time.perf_counter()
     shards: dict[int, dict[str, Any]] = {}
     for shard, prev in sorted(merge.previous.items()):
         t = time.perf_counter()
         attempt = attempt_id()
+        where = f"epoch {merge.step.epoch} shard {shard}"
         if merge.fence is not None:
-            merge.fence.check(f"epoch {merge.step.epoch} shard {shard}: carrying its snapshot forward")
-        snap = carry_forward(Path(prev.path), prev.files, Path(merge.snapshot_root) / snapshot_name(shard, attempt))
-        shards[shard] = shard_stats(shard, snap, attempt, read_mode="carried_forward", snapshot_s=time.perf_counter() - t)
+            merge.fence.check(f"{where}: carrying its snapshot forward")
+        target = Path(merge.snapshot_root) / snapshot_name(shard, attempt)
+        remote_copy = merge.remote is not None and prev.remote_epoch is not None
+        if Path(prev.path).exists() or not remote_copy:
+            snap = carry_forward(Path(prev.path), prev.files, target)
+        else:
+            snap = SnapshotInfo(target, dict(prev.files), sum(m["size"] for m in prev.files.values()), 0)
+        remote: dict[str, Any] = {}
+        if merge.remote is not None:
+            upload = (merge.remote.carry_forward(prev.remote_epoch, shard, merge.step.epoch,
+                                                 from_attempt=prev.remote_attempt, attempt=attempt)
+                      if remote_copy else merge.remote.upload(merge.step.epoch, shard, snap.path, attempt=attempt))
+            remote = upload_stats(upload)
+        shards[shard] = shard_stats(shard, snap, attempt, read_mode="carried_forward",
+                                    snapshot_s=time.perf_counter() - t, **remote)
     output = spark.createDataFrame([], ", ".join(_output_ddl(pipeline, plan))).toArrow()
     return StageResult(output, DEAD_LETTER_SCHEMA.empty_table(), shards, 0.0, time.perf_counter() - t0)
 

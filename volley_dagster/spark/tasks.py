@@ -22,7 +22,7 @@ import pyarrow.compute as pc
 
 from volley_dagster import columns, faults
 from volley_dagster.checkpoint.lease import Fence
-from volley_dagster.checkpoint.s3_snapshots import S3SnapshotStore
+from volley_dagster.checkpoint.s3_snapshots import S3SnapshotStore, UploadResult
 from volley_dagster.errors import SnapshotError, StorageFullError, is_disk_full
 from volley_dagster.operators.base import ShardStep, StatefulOperator
 from volley_dagster.sources.file_log import FileLog
@@ -157,8 +157,7 @@ class ShardMerge:
         if self.remote is not None:
             self._check_fence(f"epoch {self.step.epoch} shard {shard} attempt {attempt}: uploading its snapshot")
             upload = self.remote.upload(self.step.epoch, shard, snap.path, attempt=attempt)
-            remote_stats.update(s3_bytes_uploaded=upload.bytes_uploaded, s3_files_uploaded=upload.files_uploaded,
-                                s3_files_reused=upload.files_reused, s3_upload_s=upload.seconds)
+            remote_stats.update(upload_stats(upload))
         faults.fault_point("shard_after_snapshot", self.step.epoch, pid=self.driver_pid, shard=shard)
         stats = shard_stats(
             shard, snap, attempt,
@@ -220,6 +219,12 @@ def shard_stats(shard: int, snap: SnapshotInfo, attempt: str, **measured: Any) -
         "keys_written": 0, "restore_s": 0.0, "merge_s": 0.0, "flush_s": 0.0, "snapshot_s": 0.0,
         "peak_rss_mib": 0.0, **measured,
     }
+
+
+def upload_stats(upload: UploadResult) -> dict[str, Any]:
+    """A shard's S3 figures in the manifest (their presence says the snapshot is on S3)."""
+    return {"s3_bytes_uploaded": upload.bytes_uploaded, "s3_files_uploaded": upload.files_uploaded,
+            "s3_files_reused": upload.files_reused, "s3_upload_s": upload.seconds}
 
 
 def _reset_peak_rss() -> None:
