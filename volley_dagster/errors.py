@@ -29,6 +29,11 @@ class SourceError(VolleyError):
     """The source log cannot provide exactly the recorded range."""
 
 
+class SourceChangedError(SourceError):
+    """A log file was rewritten after an epoch's range was cut from it (another size, or
+    the same size under another version): the recorded range no longer names its records."""
+
+
 class MalformedRecordError(VolleyError):
     """Records failed to parse or validate under the ``fail`` bad-record policy."""
 

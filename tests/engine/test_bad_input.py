@@ -18,6 +18,7 @@ from volley_dagster import (
     MemorySink,
     Pipeline,
     SnapshotError,
+    SourceChangedError,
     SourceError,
     StateLayoutError,
     count,
@@ -205,3 +206,25 @@ def test_file_changed_after_cut_fails_inside_the_stage(spark, tmp_path):
     path.write_bytes(path.read_bytes() + b"x")  # rewritten after the driver's check
     with pytest.raises(SourceError, match="changed after the epoch was cut"):
         run_stage(spark, pipeline, rng, plan, merge=None)
+
+
+def test_a_source_file_rewritten_at_the_same_size_fails_the_epoch_by_name(spark, tmp_path):
+    """A re-run writer that publishes a file again with other values, at the same size:
+    the epoch cut from the first version must not read the second."""
+    generate(tmp_path / "events", 1, 500, 50, fmt="json")
+    runner = EpochRunner(payments(tmp_path / "events", tmp_path / "out", tables=tmp_path / "tables", fmt="json"),
+                         tmp_path / "state", spark=spark)
+    assert runner.cut_next().records == 500
+    path = next((tmp_path / "events").glob("*.jsonl"))
+    data = path.read_bytes()
+    at = data.index(b'"amount": ') + len(b'"amount": ')
+    digit = data[at:at + 1]
+    assert digit.isdigit()
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(data[:at] + (b"1" if digit != b"1" else b"2") + data[at + 1:])
+    tmp.replace(path)  # published again, whole: same size, other values
+    with pytest.raises(SourceChangedError, match=rf"epoch 1: source file \S+/{path.name} changed after the epoch "
+                                                 r"was cut \(rewritten at the same size"):
+        runner.run(1)
+    assert runner.committed_epoch() == 0
+    assert all(sink.committed_epoch("payments") is None for sink in runner.pipeline.sinks)

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import io
+import threading
+import uuid
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from tests.conftest import BUCKET
 from volley_dagster.demo.events import generate
-from volley_dagster.errors import SourceError
+from volley_dagster.errors import SourceChangedError, SourceError
 from volley_dagster.sources import formats
 from volley_dagster.sources.file_log import FileLog, _fair_shares
 from volley_dagster.sources.offsets import EpochRange, Position
@@ -92,3 +95,64 @@ def test_parquet_segment_spanning_row_groups():
     out = formats.decode_segment("parquet", buf.getvalue(), 25, 65, SCHEMA, position_base=0)
     assert out.column("v").to_pylist() == list(range(25, 65))
     assert out.column("_volley_pos").to_pylist() == list(range(25, 65))
+
+
+def rewrite_same_size(path, old: bytes, new: bytes) -> None:
+    """A writer that publishes a file again, whole and at the same size (a re-run after a
+    crash that produced other values): a new inode, a new mtime, the same length."""
+    data = path.read_bytes()
+    assert len(old) == len(new) and old in data
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(data.replace(old, new, 1))
+    tmp.replace(path)
+
+
+def test_a_file_rewritten_at_the_same_size_is_refused_by_name(tmp_path):
+    (tmp_path / "events-000000.json").write_bytes(json_bytes([f'{{"k": "a", "v": {i}}}' for i in range(10, 20)]))
+    log = FileLog(tmp_path, format="json", schema=SCHEMA)
+    rng = log.cut(7, {}, None)
+    log.verify(rng)  # unchanged: fine
+    rewrite_same_size(tmp_path / "events-000000.json", b'"v": 13', b'"v": 99')
+    with pytest.raises(SourceChangedError, match=r"epoch 7: source file \S+/events-000000\.json changed after the "
+                                                 r"epoch was cut \(rewritten at the same size: version "):
+        log.verify(rng)
+    with pytest.raises(SourceChangedError, match=r"events-000000\.json was rewritten after it was listed"):
+        log.read_segment(rng.segments[0], SCHEMA)  # what a read task does, without the driver's check
+
+
+def test_an_object_re_put_at_the_same_size_is_refused_on_s3(seaweedfs):
+    prefix = f"s3://{BUCKET}/reput-{uuid.uuid4().hex[:8]}"
+    log = FileLog(prefix, format="json", schema=SCHEMA, storage_options=seaweedfs.s3.boto3_options())
+    log.storage.write("events-000000.json", json_bytes([f'{{"k": "a", "v": {i}}}' for i in range(10, 20)]))
+    rng = log.cut(3, {}, None)
+    assert rng.segments[0].version  # the ETag
+    log.storage.write("events-000000.json", json_bytes([f'{{"k": "a", "v": {i}}}' for i in range(20, 30)]))
+    with pytest.raises(SourceChangedError, match=r"epoch 3: source file s3://\S+/events-000000\.json changed after"):
+        log.verify(rng)
+    with pytest.raises(SourceChangedError, match=r"ETag \w+ no longer matches"):
+        log.read_segment(rng.segments[0], SCHEMA)  # the read is conditional (If-Match): never the new bytes
+
+
+def test_a_file_removed_while_listing_is_skipped_not_fatal(tmp_path):
+    generate(tmp_path, 1, 10, 5)
+    log = FileLog(tmp_path)
+    doomed = [tmp_path / f".doomed-{i}" for i in range(200)]
+    for p in doomed:
+        p.write_text("x")
+    stop = threading.Event()
+
+    def churn() -> None:  # files appear and vanish the whole time the log is listed
+        while not stop.is_set():
+            for p in doomed:
+                p.unlink(missing_ok=True)
+            for p in doomed:
+                p.write_text("x")
+
+    thread = threading.Thread(target=churn)
+    thread.start()
+    try:
+        for _ in range(50):
+            assert log.cut(1, {}, None).records == 10
+    finally:
+        stop.set()
+        thread.join()

@@ -16,7 +16,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from volley_dagster.errors import ConfigError, SourceError
+from volley_dagster.errors import ConfigError, SourceChangedError, SourceError
 from volley_dagster.sources import formats
 from volley_dagster.sources.offsets import EpochRange, Position, Segment
 from volley_dagster.sources.storage import FileInfo, LocalStorage, Storage, storage_for
@@ -45,8 +45,8 @@ class FileLog:
         self.storage: Storage = storage_for(uri, storage_options)
         self.uri = self.storage.uri
         self._schema = schema
-        self._counts: dict[tuple[str, int], int] = {}
-        self._native_ok: dict[tuple[str, int], bool] = {}
+        self._counts: dict[tuple[str, int, str], int] = {}
+        self._native_ok: dict[tuple[str, int, str], bool] = {}
 
     def describe(self) -> dict[str, Any]:
         return {"type": "file_log", "uri": self.uri, "format": self.format}
@@ -81,9 +81,9 @@ class FileLog:
         return self._schema
 
     def record_count(self, info: FileInfo) -> int:
-        key = (info.path, info.size)
+        key = (info.path, info.size, info.version)
         if key not in self._counts:
-            self._counts[key] = formats.count_records(self.format, self.storage.read(info.path))
+            self._counts[key] = formats.count_records(self.format, self.storage.read(info.path, info.version))
         return self._counts[key]
 
     # -- cutting -------------------------------------------------------------------
@@ -108,7 +108,7 @@ class FileLog:
                 take = min(left, count)
                 if take <= 0:
                     break
-                segments.append(Segment(len(segments), name, info.path, first, first + take, info.size))
+                segments.append(Segment(len(segments), name, info.path, first, first + take, info.size, info.version))
                 pos = Position(_base(info.path), index, first + take)
                 left -= take
             end[name] = pos
@@ -149,15 +149,18 @@ class FileLog:
     # -- reading -------------------------------------------------------------------
 
     def verify(self, rng: EpochRange) -> None:
-        """Every file the range names is still there, unchanged in size."""
+        """Every file the range names is still there, the same size and version."""
         for seg in rng.segments:
-            size = self.storage.size(seg.file)
-            if size is None:
+            now = self.storage.stat(seg.file)
+            if now is None:
                 raise SourceError(f"epoch {rng.epoch}: source file {self.uri}/{seg.file} is missing")
-            if size != seg.size:
-                raise SourceError(
-                    f"epoch {rng.epoch}: source file {self.uri}/{seg.file} changed after the epoch was cut "
-                    f"({seg.size} -> {size} bytes); log files must not be rewritten"
+            if now.size != seg.size or (seg.version and now.version != seg.version):
+                change = (f"{seg.size} -> {now.size} bytes" if now.size != seg.size
+                          else f"rewritten at the same size: version {seg.version} -> {now.version}")
+                raise SourceChangedError(
+                    f"epoch {rng.epoch}: source file {self.uri}/{seg.file} changed after the epoch was cut ({change}), "
+                    f"at records {seg.start}..{seg.end}; log files must not be rewritten. Nothing was committed: "
+                    "restore the file as it was, or start a new checkpoint root"
                 )
 
     def native_parquet_paths(self, rng: EpochRange, schema: pa.Schema) -> list[str] | None:
@@ -170,7 +173,7 @@ class FileLog:
         paths = []
         for seg in rng.segments:
             path = self.storage.root / seg.file
-            key = (seg.file, seg.size)
+            key = (seg.file, seg.size, seg.version)
             if key not in self._native_ok:
                 try:
                     found = pq.read_schema(path)
@@ -185,7 +188,7 @@ class FileLog:
         return paths
 
     def read_segment(self, seg: Segment, schema: pa.Schema) -> pa.Table:
-        data = self.storage.read(seg.file)
+        data = self.storage.read(seg.file, seg.version)
         if len(data) != seg.size:
             raise SourceError(f"source file {self.uri}/{seg.file} changed after the epoch was cut; log files must not be rewritten")
         return formats.decode_segment(self.format, data, seg.start, seg.end, schema, seg.position_base())

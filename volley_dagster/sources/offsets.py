@@ -35,6 +35,7 @@ class Segment:
     start: int
     end: int
     size: int  # bytes when cut; a different size on read means the file was rewritten
+    version: str = ""  # the file's version when cut (storage.FileInfo); "" in ranges cut before versions
 
     @property
     def records(self) -> int:

@@ -13,13 +13,20 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from volley_dagster.errors import ConfigError, SourceError
+from volley_dagster.errors import ConfigError, SourceChangedError, SourceError
 
 
 @dataclass(frozen=True)
 class FileInfo:
     path: str  # relative to the storage root, "/"-separated
     size: int
+    # Which write of the file this is: local, its mtime (ns) and inode; S3, its ETag. A
+    # file rewritten at the same size has another version ("" where none is known).
+    version: str = ""
+
+
+def _local_version(st: os.stat_result) -> str:
+    return f"{st.st_mtime_ns}-{st.st_ino}"
 
 
 class Storage(ABC):
@@ -30,12 +37,13 @@ class Storage(ABC):
         """Every file under the root (any depth), sorted by path."""
 
     @abstractmethod
-    def read(self, path: str) -> bytes:
-        """A file's bytes; SourceError when it is gone."""
+    def read(self, path: str, version: str = "") -> bytes:
+        """A file's bytes; SourceError when it is gone, SourceChangedError when it is no
+        longer ``version`` (when given)."""
 
     @abstractmethod
-    def size(self, path: str) -> int | None:
-        """A file's size, or None when it does not exist."""
+    def stat(self, path: str) -> FileInfo | None:
+        """A file's size and version, or None when it does not exist."""
 
     @abstractmethod
     def write(self, path: str, data: bytes) -> None:
@@ -54,20 +62,31 @@ class LocalStorage(Storage):
         for dirpath, _, files in os.walk(self.root):
             for name in files:
                 full = Path(dirpath) / name
-                out.append(FileInfo(full.relative_to(self.root).as_posix(), full.stat().st_size))
+                try:
+                    st = full.stat()
+                except FileNotFoundError:  # renamed or removed while listing: the next listing sees it as it is
+                    continue
+                out.append(FileInfo(full.relative_to(self.root).as_posix(), st.st_size, _local_version(st)))
         return sorted(out, key=lambda f: f.path)
 
-    def read(self, path: str) -> bytes:
+    def read(self, path: str, version: str = "") -> bytes:
         try:
-            return (self.root / path).read_bytes()
+            with open(self.root / path, "rb") as fh:
+                st = os.fstat(fh.fileno())  # the file this read sees, whatever is renamed over it later
+                data = fh.read()
         except FileNotFoundError:
             raise SourceError(f"source file {self.root / path} is missing") from None
+        if version and (_local_version(st) != version or st.st_size != len(data)):
+            raise SourceChangedError(f"source file {self.root / path} was rewritten after it was listed "
+                                     f"(version {version}, now {_local_version(st)}); log files must not be rewritten")
+        return data
 
-    def size(self, path: str) -> int | None:
+    def stat(self, path: str) -> FileInfo | None:
         try:
-            return (self.root / path).stat().st_size
+            st = (self.root / path).stat()
         except FileNotFoundError:
             return None
+        return FileInfo(path, st.st_size, _local_version(st))
 
     def write(self, path: str, data: bytes) -> None:
         from volley_dagster.checkpoint.atomic import write_bytes_atomic
@@ -113,24 +132,33 @@ class S3Storage(Storage):
         try:
             for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=base):
                 for obj in page.get("Contents", []):
-                    out.append(FileInfo(obj["Key"][len(base):], int(obj["Size"])))
+                    out.append(FileInfo(obj["Key"][len(base):], int(obj["Size"]), obj.get("ETag", "").strip('"')))
         except Exception as exc:
             raise SourceError(f"cannot list {self.uri}: {exc}") from exc
         return sorted(out, key=lambda f: f.path)
 
-    def read(self, path: str) -> bytes:
+    def read(self, path: str, version: str = "") -> bytes:
+        """With ``version``, the read itself is conditional (``If-Match`` on the ETag): a
+        re-PUT object is never read as the one that was cut."""
         try:
-            return self.client.get_object(Bucket=self.bucket, Key=self._key(path))["Body"].read()
+            extra = {"IfMatch": f'"{version}"'} if version else {}
+            return self.client.get_object(Bucket=self.bucket, Key=self._key(path), **extra)["Body"].read()
         except self.client.exceptions.NoSuchKey:
             raise SourceError(f"source file {self.uri}/{path} is missing") from None
+        except Exception as exc:
+            if getattr(exc, "response", {}).get("Error", {}).get("Code") in ("412", "PreconditionFailed"):
+                raise SourceChangedError(f"source file {self.uri}/{path} was rewritten after it was listed (ETag "
+                                         f"{version} no longer matches); log files must not be rewritten") from None
+            raise
 
-    def size(self, path: str) -> int | None:
+    def stat(self, path: str) -> FileInfo | None:
         try:
-            return int(self.client.head_object(Bucket=self.bucket, Key=self._key(path))["ContentLength"])
+            head = self.client.head_object(Bucket=self.bucket, Key=self._key(path))
         except Exception as exc:
             if getattr(exc, "response", {}).get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
                 return None
             raise SourceError(f"cannot stat {self.uri}/{path}: {exc}") from exc
+        return FileInfo(path, int(head["ContentLength"]), head.get("ETag", "").strip('"'))
 
     def write(self, path: str, data: bytes) -> None:
         self.client.put_object(Bucket=self.bucket, Key=self._key(path), Body=data)
