@@ -78,7 +78,8 @@ class EpochRunner:
     ) -> None:
         """``snapshot_store``: also keep every shard snapshot on S3, incrementally (only
         new SSTs upload); a task whose machine lacks N-1's snapshot restores it from
-        there into ``snapshot_cache`` (default: a folder under the system temp dir).
+        there into ``snapshot_cache`` (default: this user's folder under the system temp dir; it
+        must be this user's alone).
         ``resident_state``: keep running-aggregate shards' state in the machines' memory
         between epochs (``state/resident.py``); True takes the settings from the
         environment, False reads state from RocksDB every epoch.
@@ -92,6 +93,7 @@ class EpochRunner:
             raise ConfigError(f"max_records_per_epoch must be positive or None, got {max_records_per_epoch}")
         self.pipeline = pipeline
         self.log = EpochLog(checkpoint_root)
+        self.log.root.mkdir(mode=0o700, parents=True, exist_ok=True)  # a new root is its owner's alone
         self._spark = spark
         self.max_records_per_epoch = max_records_per_epoch
         self.keep_epochs = keep_epochs
@@ -99,7 +101,7 @@ class EpochRunner:
         self.scan_fraction = scan_fraction
         self.verify_checksums = verify_checksums
         self.snapshot_store = snapshot_store
-        self.snapshot_cache = str(snapshot_cache or Path(tempfile.gettempdir()) / "volley-snapshot-cache")
+        self.snapshot_cache = str(snapshot_cache or Path(tempfile.gettempdir()) / f"volley-snapshot-cache-{os.getuid()}")
         if resident_state is True:
             resident_state = ResidentStateCache.from_env()
         self.resident_state = resident_state or None
@@ -478,9 +480,12 @@ def _relative_shard(info: dict[str, Any], root: Path) -> dict[str, Any]:
     return {**info, "snapshot": str(Path(info["snapshot"]).relative_to(root))}
 
 
+MAX_REASON_CHARS = 160  # a reason quotes the record's values: an error message carries a bounded part
+
+
 def _describe_bad(epoch: int, dead: pa.Table) -> str:
     rows = dead.slice(0, 3).to_pylist()
-    first = "; ".join(f"{r['file']} record {r['offset']}: {r['reason']}" for r in rows)
+    first = "; ".join(f"{r['file']} record {r['offset']}: {_bounded(r['reason'])}" for r in rows)
     more = f" (and {dead.num_rows - len(rows)} more)" if dead.num_rows > len(rows) else ""
     return (
         f"epoch {epoch}: {dead.num_rows} malformed record(s): {first}{more}. Nothing was committed; "
@@ -500,3 +505,7 @@ def _refuse_speculation(spark: SparkSession) -> None:
             "spark.speculation=true is not supported: a shard task restores, writes and snapshots RocksDB state, "
             "so a speculative copy only doubles that work; set spark.speculation=false for volley pipelines"
         )
+
+
+def _bounded(text: str) -> str:
+    return text if len(text) <= MAX_REASON_CHARS else f"{text[:MAX_REASON_CHARS]}... ({len(text)} characters)"

@@ -324,3 +324,28 @@ def test_attempts_keep_their_own_manifests_and_retention_keeps_the_winners(store
     assert result.epochs_removed == [1]
     assert read_all(store.restore(2, 0, tmp_path / "cache2", attempt="cccc")) == read_all(first)
     assert objects(seaweedfs, store, "epochs/0000000001/")  # the small files epoch 2 names stay
+
+
+def test_the_restore_cache_must_be_private_and_is_hashed_after_laying_out(store, tmp_path):
+    db = open_db(tmp_path / "db")
+    write(db, {key(i): b"v" * 30 for i in range(2_000)})
+    store.upload(1, 0, checkpoint(db, tmp_path / "cp"))
+    db.close()
+    shared = tmp_path / "shared-cache"
+    shared.mkdir(mode=0o777)
+    os.chmod(shared, 0o777)  # a folder every user can write to: its files could be swapped
+    with pytest.raises(SnapshotError, match=r"snapshot cache \S+shared-cache is not a folder this user alone can write"):
+        store.restore(1, 0, shared)
+
+    cache = tmp_path / "cache"
+    expected = read_all(store.restore(1, 0, cache))
+    assert os.stat(cache).st_mode & 0o777 == 0o700
+    # a cache entry swapped for other bytes of the same size after it was stored: caught
+    # once laid out (the file RocksDB would open is what is hashed), and fetched again
+    entry = max((cache / "objects").iterdir(), key=lambda p: p.stat().st_size)  # the SST
+    data = bytearray(entry.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    entry.write_bytes(bytes(data))
+    again = store.restore(1, 0, cache)
+    assert read_all(again) == expected
+    assert store.last_restore.files_downloaded == 1

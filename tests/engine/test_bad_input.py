@@ -228,3 +228,20 @@ def test_a_source_file_rewritten_at_the_same_size_fails_the_epoch_by_name(spark,
         runner.run(1)
     assert runner.committed_epoch() == 0
     assert all(sink.committed_epoch("payments") is None for sink in runner.pipeline.sinks)
+
+
+def test_a_malformed_record_error_quotes_a_bounded_part_of_the_record(spark, tmp_path):
+    """A wrong-typed value is quoted in the reason; a long one (a free-text field full of
+    card numbers) is cut in the error message, while the dead letter keeps it whole."""
+    log = tmp_path / "log"
+    log.mkdir()
+    secret = "4111-1111-1111-1111 " * 200
+    pq.write_table(pa.table({"user": ["a", "b"], "amount": ["1.5", secret],
+                             "ts": pa.array([0, 0], pa.timestamp("us", tz="UTC"))}), log / "f-1.parquet")
+    pipeline = Pipeline("pq").source(FileLog(log, schema=SCHEMA)).key_by("user").aggregate(total=sum_("amount"))
+    runner = EpochRunner(pipeline, tmp_path / "state", spark=spark)
+    with pytest.raises(MalformedRecordError) as err:
+        runner.run_next()
+    msg = str(err.value)
+    assert "f-1.parquet record 1: wrong type: column 'amount' value '4111-1111-1111-1111" in msg
+    assert "characters)" in msg and msg.count("4111-1111-1111-1111") <= 10 and len(msg) < 800

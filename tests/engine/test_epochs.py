@@ -171,3 +171,11 @@ def test_resident_state_is_used_only_while_it_is_the_restored_snapshot(spark, tm
     records = log_records(5, 1_000, 400)
     assert_state_equal(mirrored.read_state(), reference_state(records))
     assert_epoch_outputs(read_sink(tmp_path / "out"), records, {e: 1_000 for e in range(1, 6)})
+
+
+def test_a_new_checkpoint_root_is_its_owners_alone(tmp_path):
+    """State, dead letters and late records may hold record values: a root the runner
+    creates is readable by its owner only (an existing one keeps its mode)."""
+    generate(tmp_path / "events", 1, 10, 5)
+    runner = EpochRunner(payments(tmp_path / "events", tmp_path / "out"), tmp_path / "ckpt" / "payments")
+    assert (runner.log.root.stat().st_mode & 0o777) == 0o700

@@ -35,7 +35,7 @@ def test_epochs_over_spark_connect(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["records"] == [2_000, 1_000]
-    assert result["error"].startswith("SourceError:") and "changed after the epoch was cut" in result["error"]
+    assert result["error"].startswith("SourceChangedError:") and "changed after the epoch was cut" in result["error"]
     runner = EpochRunner(payments(tmp_path / "events", tmp_path / "out"), tmp_path / "state")
     assert runner.committed_epoch() == 2
     assert_state_equal(runner.read_state(), reference_state(log_records(2, 1_500, 200)))

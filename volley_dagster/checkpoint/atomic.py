@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import uuid
 from pathlib import Path
 from typing import Any
@@ -69,3 +70,11 @@ def create_json_exclusive(path: Path, obj: Any) -> bool:
 def read_json(path: Path) -> Any:
     with open(path, "rb") as fh:
         return json.load(fh)
+
+
+def private_dir(directory: Path) -> bool:
+    """Create ``directory`` (0700) if need be; True when it is this user's alone: a folder
+    other users can write to could have files swapped between a check and their use."""
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    st = os.lstat(directory)
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077

@@ -39,6 +39,7 @@ from urllib.parse import urlparse
 
 from botocore.exceptions import BotoCoreError, ClientError
 
+from volley_dagster.checkpoint.atomic import private_dir
 from volley_dagster.checkpoint.epoch_log import epoch_key
 from volley_dagster.errors import ConfigError, SnapshotError, SnapshotStorageError
 from volley_dagster.sinks.s3 import S3Endpoint
@@ -285,45 +286,63 @@ class S3SnapshotStore:
 
     def restore(self, epoch: int, shard: int, cache_dir: Path, *, attempt: str | None = None) -> Path:
         """A new directory under ``cache_dir/restores`` that RocksDB opens as the
-        snapshot. Files come from ``cache_dir/objects`` (content-addressed, each
-        re-hashed before use) and are downloaded only when missing or corrupt.
-        Statistics go to ``last_restore``."""
+        snapshot. Files come from ``cache_dir/objects`` (content-addressed) and are
+        downloaded only when missing; each file is hashed once laid out in the new
+        directory, and one that does not match (a damaged cache entry) is downloaded
+        again. ``cache_dir`` must be this user's alone. Statistics go to ``last_restore``."""
         started = time.monotonic()
         manifest = self.manifest(epoch, shard, attempt)
         cache_dir = Path(cache_dir)
+        if not private_dir(cache_dir):
+            raise SnapshotError(f"snapshot cache {cache_dir} is not a folder this user alone can write; restores "
+                                "would trust files others can swap: use a private folder (snapshot_cache=)")
         objects = cache_dir / "objects"
-        objects.mkdir(parents=True, exist_ok=True)
+        objects.mkdir(exist_ok=True)
         distinct = list({f.sha256: f for f in manifest.files}.values())  # equal files (empty WALs) fetched once
         fetched = self._parallel([lambda f=f: self._fetch(manifest, f, objects) for f in distinct],
                                  what=f"restoring epoch {epoch} shard {shard}")
 
         restores = cache_dir / "restores"
-        restores.mkdir(parents=True, exist_ok=True)
+        restores.mkdir(exist_ok=True)
         name = f"{epoch_key(epoch)}-shard-{shard:04d}-{uuid.uuid4().hex[:12]}"
         tmp = restores / f".{name}.tmp"
         tmp.mkdir()
-        for f in manifest.files:
-            # SSTs are immutable, so a hardlink is safe; the small files are copied
-            # because opening a DB may rewrite them in place.
-            (os.link if f.name.endswith(".sst") else shutil.copyfile)(objects / f.sha256, tmp / f.name)
+        try:
+            _lay_out(manifest.files, objects, tmp)
+            damaged = {f.sha256: f for f in manifest.files if sha256_file(tmp / f.name) != f.sha256}
+            for f in damaged.values():  # a cache entry changed since it was stored: fetch it again
+                (objects / f.sha256).unlink(missing_ok=True)
+                fetched.append(self._fetch(manifest, f, objects))
+            if damaged:
+                again = [f for f in manifest.files if f.sha256 in damaged]
+                _lay_out(again, objects, tmp)
+                still = [f.name for f in again if sha256_file(tmp / f.name) != f.sha256]
+                if still:
+                    raise SnapshotError(f"epoch {epoch} shard {shard}: {still} changed in the cache {objects} "
+                                        "while being restored; is another process writing there?")
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         target = restores / name
         os.replace(tmp, target)
+        downloaded = [n for n in fetched if n is not None]
         self.last_restore = RestoreResult(
             epoch=epoch,
             shard=shard,
             path=target,
-            bytes_downloaded=sum(n for n in fetched if n is not None),
-            files_downloaded=sum(1 for n in fetched if n is not None),
-            files_cached=sum(1 for n in fetched if n is None),
+            bytes_downloaded=sum(downloaded),
+            files_downloaded=len(downloaded),
+            files_cached=len(distinct) - len(downloaded),
             seconds=time.monotonic() - started,
         )
         return target
 
     def _fetch(self, manifest: SnapshotManifest, f: SnapshotFile, objects: Path) -> int | None:
-        """Make ``objects/<sha256>`` hold the file; the bytes downloaded, None on a cache hit."""
+        """Make ``objects/<sha256>`` hold the file; the bytes downloaded, None on a cache
+        hit (of the right size: ``restore`` hashes what it lays out)."""
         where = f"epoch {manifest.epoch} shard {manifest.shard}"
         cached = objects / f.sha256
-        if cached.is_file() and cached.stat().st_size == f.size and sha256_file(cached) == f.sha256:
+        if cached.is_file() and cached.stat().st_size == f.size:
             return None
         tmp = objects / f".{f.sha256}.{uuid.uuid4().hex}.tmp"
         h = hashlib.sha256()
@@ -435,3 +454,11 @@ class S3SnapshotStore:
             raise SnapshotStorageError(f"{what} failed: {exc}") from exc
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _lay_out(files: Iterable[SnapshotFile], objects: Path, target: Path) -> None:
+    """Put the cached objects in place under their RocksDB names. SSTs are immutable, so
+    a hardlink is safe; the small files are copied because opening a DB may rewrite them."""
+    for f in files:
+        (target / f.name).unlink(missing_ok=True)
+        (os.link if f.name.endswith(".sst") else shutil.copyfile)(objects / f.sha256, target / f.name)

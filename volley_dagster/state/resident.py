@@ -27,7 +27,6 @@ import hashlib
 import json
 import os
 import shutil
-import stat
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +34,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from volley_dagster.checkpoint.atomic import write_json_atomic
+from volley_dagster.checkpoint.atomic import private_dir, write_json_atomic
 from volley_dagster.process import boot_id
 
 _LINEAGE = "lineage.json"
@@ -81,7 +80,7 @@ class ResidentStateCache:
         name = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:24]
         path = Path(self.directory) / name
         try:
-            if not _private_folder(Path(self.directory)):
+            if not private_dir(Path(self.directory)):
                 return None  # a folder another user could write to: never trusted
             path.mkdir(mode=0o700, exist_ok=True)
         except OSError:
@@ -107,13 +106,6 @@ def lineage_of(snapshot_files: dict[str, Any]) -> str:
     """A snapshot's identity (the digests of its files), in this boot."""
     digest = hashlib.sha256(json.dumps(snapshot_files, sort_keys=True).encode()).hexdigest()
     return f"{digest}@{boot_id()}"
-
-
-def _private_folder(directory: Path) -> bool:
-    """Create ``directory`` (0700) if need be; True when it is this user's alone."""
-    os.makedirs(directory, mode=0o700, exist_ok=True)
-    st = os.lstat(directory)
-    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077
 
 
 class ResidentShard:
