@@ -198,14 +198,7 @@ class S3SnapshotStore:
                                  what=f"uploading {where} from {local}")
         files = tuple(f for f, _ in results)
         uploaded = [f for f, did in results if did]
-        manifest = SnapshotManifest(epoch, shard, files)
-        key = self.manifest_key(epoch, shard, attempt)
-        try:
-            self.client.put_object(Bucket=self.bucket, Key=self._full(key), Body=manifest.to_json(),
-                                   ContentType="application/json")
-        except (BotoCoreError, ClientError) as exc:
-            raise SnapshotStorageError(f"{where}: writing the manifest {self._url(key)} failed, "
-                                       f"the snapshot is not committed: {exc}") from exc
+        manifest = self._commit(SnapshotManifest(epoch, shard, files), attempt)
         return UploadResult(
             manifest=manifest,
             bytes_uploaded=sum(f.size for f in uploaded),
@@ -221,15 +214,19 @@ class S3SnapshotStore:
         same objects, and nothing is uploaded (retention keeps what a kept manifest names)."""
         started = time.monotonic()
         previous = self.manifest(from_epoch, shard, from_attempt)
-        manifest = SnapshotManifest(epoch, shard, previous.files)
-        key = self.manifest_key(epoch, shard, attempt)
+        manifest = self._commit(SnapshotManifest(epoch, shard, previous.files), attempt)
+        return UploadResult(manifest, 0, 0, len(manifest.files), manifest.total_bytes, time.monotonic() - started)
+
+    def _commit(self, manifest: SnapshotManifest, attempt: str | None) -> SnapshotManifest:
+        """Write the attempt's manifest: the commit point of its (epoch, shard) snapshot."""
+        key = self.manifest_key(manifest.epoch, manifest.shard, attempt)
         try:
             self.client.put_object(Bucket=self.bucket, Key=self._full(key), Body=manifest.to_json(),
                                    ContentType="application/json")
         except (BotoCoreError, ClientError) as exc:
-            raise SnapshotStorageError(f"epoch {epoch} shard {shard}: writing the manifest {self._url(key)} failed, "
-                                       f"the snapshot is not committed: {exc}") from exc
-        return UploadResult(manifest, 0, 0, len(manifest.files), manifest.total_bytes, time.monotonic() - started)
+            raise SnapshotStorageError(f"epoch {manifest.epoch} shard {manifest.shard}: writing the manifest "
+                                       f"{self._url(key)} failed, the snapshot is not committed: {exc}") from exc
+        return manifest
 
     def _put_file(self, epoch: int, shard: int, path: Path) -> tuple[SnapshotFile, bool]:
         """Store one file; True when it was uploaded, False when an equal SST was there."""
