@@ -1,13 +1,13 @@
 """What the Dagster UI shows per epoch: plottable numbers on the right asset."""
 
 from collections import Counter
-from datetime import datetime, timezone
 from typing import Any
 
 import pyarrow as pa
 from dagster import AssetKey, MetadataValue, TableColumn, TableSchema
 
 from volley_dagster import EpochResult, Pipeline
+from volley_dagster.operators.window import describe_event_time
 from volley_dagster.sinks import DeltaSink, IcebergSink, ParquetSink, Sink
 
 
@@ -70,9 +70,7 @@ def epoch_metadata(pipeline: Pipeline, result: EpochResult) -> dict[AssetKey, di
         **{f"seconds_{phase}": MetadataValue.float(float(v)) for phase, v in d.items()},
     }
     if result.watermark is not None:  # window pipelines
-        state["watermark"] = MetadataValue.text(
-            datetime.fromtimestamp(result.watermark / 1e6, tz=timezone.utc).isoformat()
-        )
+        state["watermark"] = MetadataValue.text(describe_event_time(result.watermark))
         state["late_records"] = MetadataValue.int(result.late_records)
     out = {state_key(pipeline): state}
     for sink in pipeline.sinks:

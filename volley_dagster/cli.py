@@ -94,16 +94,15 @@ def demo(args: argparse.Namespace) -> int:
 
 def demo_windows(pipeline, work: Path, args: argparse.Namespace, spark) -> None:
     """The same events through 1-minute tumbling windows: fired windows, late records, watermark."""
-    from datetime import datetime, timezone
-
     from volley_dagster import EpochRunner
+    from volley_dagster.operators.window import describe_event_time
 
     runner = EpochRunner(pipeline, work / "state" / pipeline.name, spark=spark,
                          max_records_per_epoch=args.max_records, keep_epochs=args.keep)
     print(f"\n{pipeline.name}: 1-minute tumbling windows per merchant, watermark 30 s behind the latest event")
     print(f"{'epoch':>5} {'records':>9} {'fired':>7} {'late':>5} {'rec/s':>9} {'seconds':>8}  watermark")
     for r in runner.run_available():
-        mark = datetime.fromtimestamp(r.watermark / 1e6, tz=timezone.utc).isoformat() if r.watermark else "-"
+        mark = describe_event_time(r.watermark) if r.watermark else "-"
         print(f"{r.epoch:>5} {r.records_in:>9,} {r.records_out:>7,} {r.late_records:>5} "
               f"{r.records_per_second:>9,.0f} {r.durations['total']:>8.2f}  {mark}")
     (minutes,) = pipeline.sinks

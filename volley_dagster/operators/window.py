@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 from typing import Any, ClassVar, Literal
 
 import numpy as np
@@ -57,6 +57,16 @@ _UNITS_US = {
     "hour": 3_600_000_000, "d": 86_400_000_000, "day": 86_400_000_000,
 }
 _DURATION = re.compile(r"^\s*(\d+)\s*([a-z]+?)s?\s*$")
+
+
+def describe_event_time(micros: int) -> str:
+    """An event time (microseconds since 1970, UTC) as ISO 8601; one Python's datetime
+    cannot hold (after year 9999, before year 1) as its number, so a single record with
+    a wild event time never breaks what shows a watermark."""
+    try:
+        return datetime.fromtimestamp(micros / 1e6, tz=timezone.utc).isoformat()
+    except (OverflowError, ValueError, OSError):
+        return f"{micros} microseconds since 1970-01-01T00:00:00+00:00"
 
 
 def duration_us(value: Duration, what: str) -> int:
