@@ -286,11 +286,10 @@ class EpochLog:
         """A committed epoch's snapshot directories that no record names: attempts that
         lost to the one the manifest names, and rescale attempts that never committed.
         Hidden temporaries are left to the epoch's own removal (one may be in flight)."""
+        records = [(self.manifest(epoch) or {}).get("shards", {})]
+        records += [change.shards for change in self.layout_changes() if change.snapshot_epoch == epoch]
         named = {(self.root / info["snapshot"]).relative_to(snapshots).parts[0]
-                 for info in (self.manifest(epoch) or {}).get("shards", {}).values()}
-        for change in self.layout_changes():
-            if change.snapshot_epoch == epoch:
-                named |= {(self.root / info["snapshot"]).relative_to(snapshots).parts[0] for info in change.shards.values()}
+                 for shards in records for info in shards.values()}
         for entry in snapshots.iterdir():
             if not entry.name.startswith(".") and entry.name not in named:
                 shutil.rmtree(entry, ignore_errors=True)

@@ -307,8 +307,7 @@ def _carry_forward_stage(spark: SparkSession, pipeline: Pipeline, plan: PlannedE
         t = time.perf_counter()
         attempt = attempt_id()
         where = f"epoch {merge.step.epoch} shard {shard}"
-        if merge.fence is not None:
-            merge.fence.check(f"{where}: carrying its snapshot forward")
+        merge.check_fence(f"{where}: carrying its snapshot forward")
         target = Path(merge.snapshot_root) / snapshot_name(shard, attempt)
         remote_copy = merge.remote is not None and prev.remote_epoch is not None
         if Path(prev.path).exists() or not remote_copy:

@@ -142,7 +142,7 @@ class ShardMerge:
             t2 = time.perf_counter()
             written = txn.flush()
             t3 = time.perf_counter()
-            self._check_fence(f"epoch {self.step.epoch} shard {shard} attempt {attempt}: installing its snapshot")
+            self.check_fence(f"epoch {self.step.epoch} shard {shard} attempt {attempt}: installing its snapshot")
             snap = store.snapshot(
                 Path(self.snapshot_root) / snapshot_name(shard, attempt),
                 Path(prev.path) if prev else None,
@@ -155,7 +155,7 @@ class ShardMerge:
         finally:
             store.close()
         if self.remote is not None:
-            self._check_fence(f"epoch {self.step.epoch} shard {shard} attempt {attempt}: uploading its snapshot")
+            self.check_fence(f"epoch {self.step.epoch} shard {shard} attempt {attempt}: uploading its snapshot")
             upload = self.remote.upload(self.step.epoch, shard, snap.path, attempt=attempt)
             remote_stats.update(upload_stats(upload))
         faults.fault_point("shard_after_snapshot", self.step.epoch, pid=self.driver_pid, shard=shard)
@@ -176,7 +176,8 @@ class ShardMerge:
         )
         return self._output(outputs, stats)
 
-    def _check_fence(self, what: str) -> None:
+    def check_fence(self, what: str) -> None:
+        """Stop before this attempt's work becomes visible if the runner lost its lease."""
         if self.fence is not None:
             self.fence.check(what)
 
