@@ -80,6 +80,8 @@ def epoch_metadata(pipeline: Pipeline, result: EpochResult) -> dict[AssetKey, di
             "noop_already_committed": MetadataValue.int(int(result.already_committed or commit.get("skipped", False))),
             "rows": MetadataValue.int(int(commit.get("rows", 0) or 0)),
             "seconds_commit": MetadataValue.float(float(commit.get("seconds", 0.0))),
+            "lineage": MetadataValue.text(str(commit.get("lineage", ""))),  # the checkpoint root that wrote it
+            "sink_epoch": MetadataValue.int(int(commit.get("sink_epoch", result.epoch))),
             **sink_location(sink),
         }
         if "version" in commit and commit["version"] is not None:

@@ -12,6 +12,7 @@ from pyspark.sql import SparkSession
 from volley_dagster.checkpoint.s3_snapshots import S3SnapshotStore
 from volley_dagster.deploy import TableSettings
 from volley_dagster.sinks.iceberg import sqlite_catalog
+from volley_dagster.sinks.lineage import check_choice
 from volley_dagster.sinks.s3 import S3Endpoint
 from volley_dagster.spark.session import get_or_create_spark
 from volley_dagster.state.resident import ResidentStateCache
@@ -71,11 +72,14 @@ class TablesResource(ConfigurableResource):
     """Where the pipelines' Delta tables and Iceberg catalog live.
 
     ``iceberg_catalog_uri`` empty means the embedded SQLite catalog under
-    ``warehouse``; a ``postgresql+psycopg2://...`` URI selects PostgreSQL."""
+    ``warehouse``; a ``postgresql+psycopg2://...`` URI selects PostgreSQL.
+    ``on_foreign_lineage``: "fail", "replace" or "continue" when a table holds the
+    pipelines' epochs from another checkpoint root (``volley_dagster/sinks/lineage.py``)."""
 
     warehouse: str
     iceberg_catalog_uri: Optional[str] = None
     s3: Optional[S3Resource] = None
+    on_foreign_lineage: str = "fail"
 
     def settings(self) -> TableSettings:
         endpoint = self.s3.endpoint() if self.s3 is not None else None
@@ -91,4 +95,5 @@ class TablesResource(ConfigurableResource):
             warehouse=self.warehouse,
             iceberg_catalog=catalog,
             delta_storage_options=endpoint.delta_storage_options() if endpoint is not None else None,
+            on_foreign_lineage=check_choice("tables", self.on_foreign_lineage),
         )

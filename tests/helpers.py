@@ -23,7 +23,8 @@ def log_records(files: int, records_per_file: int, keys: int, seed: int = 7, fir
 
 
 def payments(
-    events: Path, output: Path, shards: int = 3, name: str = "payments", tables: Path | None = None, fmt: str = "parquet"
+    events: Path, output: Path, shards: int = 3, name: str = "payments", tables: Path | None = None, fmt: str = "parquet",
+    on_foreign_lineage: str = "fail",
 ) -> Pipeline:
     """Every accumulator kind over the payment events; with ``tables``, also a Delta
     table (upsert: the current state) and an Iceberg table (append: every epoch's output).
@@ -42,13 +43,15 @@ def payments(
             first_event=first("event_id"),
             last_seen=last("event_time"),
         )
-        .sink(ParquetSink(output))
+        .sink(ParquetSink(output, on_foreign_lineage=on_foreign_lineage))
         .with_shards(shards)
     )
-    return with_tables(pipeline, tables, delta_mode="upsert", iceberg_table="volley.payments")
+    return with_tables(pipeline, tables, delta_mode="upsert", iceberg_table="volley.payments",
+                       on_foreign_lineage=on_foreign_lineage)
 
 
-def with_tables(pipeline: Pipeline, tables: Path | None, delta_mode: str, iceberg_table: str) -> Pipeline:
+def with_tables(pipeline: Pipeline, tables: Path | None, delta_mode: str, iceberg_table: str,
+                on_foreign_lineage: str = "fail") -> Pipeline:
     """``pipeline`` plus a Delta table (``delta_mode``) and an Iceberg table (append)
     under ``tables``; unchanged when ``tables`` is None."""
     if tables is None:
@@ -56,8 +59,8 @@ def with_tables(pipeline: Pipeline, tables: Path | None, delta_mode: str, iceber
     from volley_dagster.sinks.delta import DeltaSink
     from volley_dagster.sinks.iceberg import IcebergSink
 
-    return pipeline.sink(DeltaSink(tables / "delta", mode=delta_mode)).sink(
-        IcebergSink(iceberg_table, path=tables / "iceberg", mode="append")
+    return pipeline.sink(DeltaSink(tables / "delta", mode=delta_mode, on_foreign_lineage=on_foreign_lineage)).sink(
+        IcebergSink(iceberg_table, path=tables / "iceberg", mode="append", on_foreign_lineage=on_foreign_lineage)
     )
 
 

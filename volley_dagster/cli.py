@@ -81,7 +81,7 @@ def demo(args: argparse.Namespace) -> int:
     print(f"\nDelta table {balances.uri} (upsert, epoch {balances.committed_epoch(pipeline.name)}): "
           f"{delta.num_rows:,} merchants; top 5 by total:")
     print(delta.slice(0, 5).to_pandas().to_string(index=False))
-    history = changes.epoch_history(pipeline.name)
+    history = changes.epoch_history(pipeline.name, runner.log.lineage())
     print(f"\nIceberg table {changes.identifier} (append, epoch {changes.committed_epoch(pipeline.name)}): "
           + ", ".join(f"epoch {e}: {rows[0]:,} rows" for e, rows in sorted(history.items())))
     print("\ncheckpoint layout:")

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from volley_dagster.pipeline import Pipeline
+from volley_dagster.sinks.lineage import ForeignLineage
 
 
 @dataclass(frozen=True)
@@ -16,6 +17,7 @@ class TableSettings:
     warehouse: str
     iceberg_catalog: dict[str, str] | None = None
     delta_storage_options: dict[str, str] | None = None
+    on_foreign_lineage: ForeignLineage = "fail"  # tables holding another checkpoint lineage's epochs
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,13 @@ class MalformedRecordError(VolleyError):
     """Records failed to parse or validate under the ``fail`` bad-record policy."""
 
 
+class SinkLineageError(VolleyError):
+    """A sink holds this pipeline's epochs from another checkpoint lineage (the root was
+    deleted, replaced or restored from a copy while the tables were kept), or holds an
+    epoch of this lineage other than the one it expects. Nothing was committed to it; the
+    message names both lineages and the sink's ``on_foreign_lineage`` choices."""
+
+
 class SnapshotError(VolleyError):
     """A state snapshot is missing, pruned or does not match its manifest."""
 
@@ -69,7 +76,7 @@ class FencedError(VolleyError):
 # Errors that name bad input or a setting: the same run fails the same way, so a retry
 # only hides them. Everything else (a killed executor, S3 unreachable, a lost lease or
 # commit race, a full disk) may pass on its own, and a retry of an epoch is always safe.
-_PERMANENT = (ConfigError, EpochOrderError, SourceError, MalformedRecordError, StateLayoutError)
+_PERMANENT = (ConfigError, EpochOrderError, SourceError, MalformedRecordError, StateLayoutError, SinkLineageError)
 
 
 def is_retryable(exc: BaseException) -> bool:

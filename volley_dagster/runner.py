@@ -44,6 +44,7 @@ from volley_dagster.operators.window_state import WINDOW_NS, decode_windows, win
 from volley_dagster.pipeline import Pipeline
 from volley_dagster.result import EpochResult
 from volley_dagster.sinks.base import CommitContext
+from volley_dagster.sinks.lineage import SinkBinding
 from volley_dagster.sources.offsets import EpochRange
 from volley_dagster.spark.session import get_or_create_spark
 from volley_dagster.spark.stage import plan_epoch, run_stage
@@ -278,7 +279,7 @@ class EpochRunner:
         t_sinks = time.perf_counter()
         dead_path = self._write_side_output(stage.dead_letters, log.dead_letter_path(epoch))
         late_path = self._write_side_output(stage.late, log.late_records_path(epoch))
-        sink_results = self._commit_sinks(stage.output, epoch)
+        sink_results = self._commit_sinks(stage.output, rng)
         faults.fault_point("after_sinks", epoch)
         t_commit = time.perf_counter()
 
@@ -348,18 +349,27 @@ class EpochRunner:
         path = self.result(epoch).late_records_path
         return pq.read_table(self.log.root / path) if path else None
 
-    def _commit_sinks(self, output: pa.Table, epoch: int) -> dict[str, dict[str, Any]]:
-        ctx = CommitContext(self.pipeline.name, epoch, self.pipeline.output_keys())
+    def _commit_sinks(self, output: pa.Table, rng: EpochRange) -> dict[str, dict[str, Any]]:
+        """Each sink in turn: skip what it holds of this lineage, refuse (or, by the
+        sink's choice, replace or follow) another lineage's epochs, commit the rest."""
+        epoch, lineage, digest = rng.epoch, self.log.lineage(), rng.digest()
         results: dict[str, dict[str, Any]] = {}
         for sink in self.pipeline.sinks:
             t = time.perf_counter()
-            held = sink.committed_epoch(self.pipeline.name)
-            if held is not None and held >= epoch:
-                results[sink.name] = {"skipped": True, "held_epoch": held}
+            held = sink.committed_mark(self.pipeline.name)
+            binding = self.log.sink_binding(sink.name)
+            if binding is None and held is not None and not lineage.owns(held) and sink.on_foreign_lineage != "fail":
+                self._check_fence(f"epoch {epoch}: recording sink {sink.name!r}'s choice {sink.on_foreign_lineage!r}")
+                binding = self.log.record_sink_binding(SinkBinding(sink.name, sink.on_foreign_lineage, held, epoch))
+            ctx = CommitContext(self.pipeline.name, epoch, self.pipeline.output_keys(), lineage, digest, binding)
+            if held is not None and lineage.owns(held) and held.epoch > ctx.sink_epoch:
+                held = sink.commit_of(self.pipeline.name, ctx.sink_epoch) or ctx.mark  # the range it holds for this epoch
+            if not ctx.should_commit(sink.name, held):
+                results[sink.name] = {"skipped": True, "held_epoch": held.epoch if held else None}
             else:
                 self._check_fence(f"epoch {epoch}: committing sink {sink.name!r}")
                 results[sink.name] = {"skipped": False, **sink.commit(output, ctx)}  # a lost race reports a skip
-            results[sink.name]["seconds"] = time.perf_counter() - t
+            results[sink.name].update(seconds=time.perf_counter() - t, lineage=lineage.id, sink_epoch=ctx.sink_epoch)
             faults.fault_point(f"after_sink_{sink.name}", epoch)
         return results
 

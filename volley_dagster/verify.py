@@ -21,16 +21,24 @@ class CheckOutcome:
 
 
 def check_sink(runner: EpochRunner, sink: Sink) -> list[CheckOutcome]:
-    """The sink holds the last committed epoch, each epoch once, with the manifest's row count."""
+    """The sink holds this lineage's last committed epoch, each epoch once, with the
+    manifest's row count."""
     pipeline = runner.pipeline.name
     committed = runner.committed_epoch()
-    held = sink.committed_epoch(pipeline)
-    history = sink.epoch_history(pipeline)
+    mark = sink.committed_mark(pipeline)
+    if committed == 0:
+        held, whose = None, ""
+    else:
+        lineage = runner.log.lineage()
+        owned = mark is not None and lineage.owns(mark)
+        held = lineage.epoch_of(mark) if owned else None  # type: ignore[arg-type]
+        whose = "" if owned or mark is None else f" (it holds {mark.describe()}, not this lineage's)"
+    history = sink.epoch_history(pipeline, runner.log.lineage()) if committed else {}
     outcomes = [
         CheckOutcome(
             "recorded_epoch",
-            held == committed or (committed == 0 and held is None),
-            f"sink {sink.name!r} records epoch {held}; the last committed epoch is {committed}",
+            held == committed or (committed == 0 and mark is None),
+            f"sink {sink.name!r} records epoch {held} of this lineage{whose}; the last committed epoch is {committed}",
             {"sink_epoch": held if held is not None else 0, "committed_epoch": committed},
         )
     ]

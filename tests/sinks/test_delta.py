@@ -123,11 +123,11 @@ class _InterleavedSink(DeltaSink):
         self.rival: DeltaSink | None = rival
         self.rival_ctx = rival_ctx
 
-    def _write(self, table: Any, output: pa.Table, keys: Any, props: Any) -> dict[str, Any]:
+    def _write(self, table: Any, output: pa.Table, keys: Any, props: Any, replace: bool) -> dict[str, Any]:
         if self.rival is not None:
             rival, self.rival = self.rival, None
             assert rival.commit(output, self.rival_ctx)["skipped"] is False
-        return super()._write(table, output, keys, props)
+        return super()._write(table, output, keys, props, replace)
 
 
 @pytest.mark.parametrize("mode", ["append", "upsert"])

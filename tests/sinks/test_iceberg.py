@@ -50,7 +50,7 @@ def test_epochs_equal_reference(iceberg_catalog: dict[str, str], mode: str) -> N
     pd.testing.assert_frame_equal(frame(sink.read()), reference(mode, range(1, 5)), check_dtype=False)
 
     table = load(iceberg_catalog)
-    assert table.properties["volley.epoch.payments"] == "4"
+    assert table.properties["volley.payments.iceberg.epoch"] == "4"
     assert table.properties["commit.retry.num-retries"] == "0"
     # Every snapshot names the pipeline and epoch that made it; one catalog commit
     # (one new metadata file) per epoch.
@@ -77,7 +77,7 @@ def test_recommitting_a_held_epoch_changes_nothing(iceberg_catalog: dict[str, st
 
     table = load(iceberg_catalog)
     assert (table.metadata_location, len(table.snapshots())) == (location, snapshots)
-    assert table.properties["volley.epoch.payments"] == "3"
+    assert table.properties["volley.payments.iceberg.epoch"] == "3"
     pd.testing.assert_frame_equal(frame(sink.read()), before)
 
 
@@ -118,7 +118,7 @@ def test_table_made_elsewhere_gets_retries_off(tmp_path: Path) -> None:
     assert sink.commit(epoch_output(1, ROWS), ctx(1))["skipped"] is False
     table = load(catalog)
     assert table.properties["commit.retry.num-retries"] == "0"
-    assert table.properties["volley.epoch.payments"] == "1"
+    assert table.properties["volley.payments.iceberg.epoch"] == "1"
     assert table.scan().to_arrow().num_rows == ROWS
 
 
@@ -144,11 +144,11 @@ class _InterleavedSink(IcebergSink):
         self.rival: IcebergSink | None = rival
         self.rival_ctx = rival_ctx
 
-    def _stage(self, txn: Any, table: Any, output: pa.Table, keys: Any, summary: Any) -> dict[str, Any]:
+    def _stage(self, txn: Any, table: Any, output: pa.Table, keys: Any, summary: Any, replace: bool) -> dict[str, Any]:
         if self.rival is not None:
             rival, self.rival = self.rival, None
             assert rival.commit(output, self.rival_ctx)["skipped"] is False
-        return super()._stage(txn, table, output, keys, summary)
+        return super()._stage(txn, table, output, keys, summary, replace)
 
 
 @pytest.mark.parametrize("iceberg_catalog", ["sqlite-local", "postgres-local"], indirect=True)

@@ -2,7 +2,8 @@
 
 Layout under the checkpoint root::
 
-    pipeline.json                      identity: layout the state was first written with
+    pipeline.json                      identity: layout the state was first written with, and the lineage
+    sinks/delta.json                   a sink that held another lineage's epochs: what it chose (once)
     layouts/0000000001.json            a committed rescale: epochs from N on run with S shards
     epochs/0000000007/offsets.json     the range, written once before the first attempt
     epochs/0000000007/manifest.json    the commit point, written last
@@ -29,17 +30,20 @@ import contextlib
 import fcntl
 import os
 import shutil
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from volley_dagster import faults
-from volley_dagster.checkpoint.atomic import create_json_exclusive, read_json
+from volley_dagster.checkpoint.atomic import create_json_exclusive, read_json, write_json_atomic
 from volley_dagster.errors import EpochNotCutError, StateLayoutError
+from volley_dagster.sinks.lineage import Lineage, SinkBinding
 from volley_dagster.sources.offsets import EpochRange
 from volley_dagster.state.keys import ShardLayout
 
 LAYOUT_VERSION = 1
+_LINEAGE_KEYS = ("lineage", "unlabelled_through")  # in pipeline.json, but not part of the layout
 
 
 def epoch_key(epoch: int) -> str:
@@ -134,8 +138,8 @@ class EpochLog:
         The pipeline's shard count may be the initial one (``with_shards`` is the first
         layout only) or the current one after a rescale; nothing else may change."""
         if not self.has_identity():  # written once: later epochs only read it (a full disk stays readable)
-            create_json_exclusive(self.root / "pipeline.json", identity)
-        recorded = self.identity()
+            create_json_exclusive(self.root / "pipeline.json", {**identity, "lineage": uuid.uuid4().hex})
+        recorded = {k: v for k, v in self.identity().items() if k not in _LINEAGE_KEYS}
         if recorded == identity:
             return
         shards = identity.get("layout", {}).get("num_shards")
@@ -153,6 +157,26 @@ class EpochLog:
             f"differences (recorded, now): {diff}.{rescaled} Use a new checkpoint root, or rescale "
             "(`volley rescale <root> --shards N`) or migrate the state"
         )
+
+    def lineage(self) -> Lineage:
+        """This root's lineage. A root from before lineages gets one now (the caller holds
+        the lease), and the sinks' unlabelled marks up to its last committed epoch are its own."""
+        recorded = self.identity()
+        if "lineage" not in recorded:
+            recorded = {**recorded, "lineage": uuid.uuid4().hex, "unlabelled_through": self.last_committed()}
+            write_json_atomic(self.root / "pipeline.json", recorded)
+        return Lineage(recorded["lineage"], int(recorded.get("unlabelled_through", 0)))
+
+    def sink_binding(self, sink: str) -> SinkBinding | None:
+        path = self.root / "sinks" / f"{sink}.json"
+        return SinkBinding.from_dict(read_json(path)) if path.exists() else None
+
+    def record_sink_binding(self, binding: SinkBinding) -> SinkBinding:
+        """Written once, before the first commit under it; a binding recorded first wins."""
+        create_json_exclusive(self.root / "sinks" / f"{binding.sink}.json", binding.to_dict())
+        recorded = self.sink_binding(binding.sink)
+        assert recorded is not None
+        return recorded
 
     # -- layout history ------------------------------------------------------------
 

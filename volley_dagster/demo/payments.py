@@ -11,11 +11,13 @@ from typing import Callable
 from volley_dagster import FileLog, Pipeline, count, last, max_, mean, sum_, tumbling
 from volley_dagster.deploy import Deployment, TableSettings
 from volley_dagster.sinks import DeltaSink, IcebergSink, sqlite_catalog
+from volley_dagster.sinks.lineage import ForeignLineage
 
 
-def local_tables(warehouse: str | Path) -> TableSettings:
+def local_tables(warehouse: str | Path, on_foreign_lineage: ForeignLineage = "fail") -> TableSettings:
     """Tables on the local disk, with the embedded SQLite Iceberg catalog."""
-    return TableSettings(str(warehouse), iceberg_catalog=sqlite_catalog(Path(warehouse) / "iceberg"))
+    return TableSettings(str(warehouse), iceberg_catalog=sqlite_catalog(Path(warehouse) / "iceberg"),
+                         on_foreign_lineage=on_foreign_lineage)
 
 
 def payments_pipeline(events: str | Path, tables: TableSettings, shards: int = 4) -> Pipeline:
@@ -32,8 +34,9 @@ def payments_pipeline(events: str | Path, tables: TableSettings, shards: int = 4
             last_seen=last("event_time"),
         )
         .sink(DeltaSink(f"{tables.warehouse}/delta/merchant_balances", name="balances", mode="upsert",
-                        storage_options=tables.delta_storage_options))
-        .sink(IcebergSink("payments.merchant_changes", catalog=tables.iceberg_catalog, name="changes", mode="append"))
+                        storage_options=tables.delta_storage_options, on_foreign_lineage=tables.on_foreign_lineage))
+        .sink(IcebergSink("payments.merchant_changes", catalog=tables.iceberg_catalog, name="changes", mode="append",
+                          on_foreign_lineage=tables.on_foreign_lineage))
         .with_shards(shards)
     )
 
@@ -58,7 +61,7 @@ def merchant_minutes_pipeline(events: str | Path, tables: TableSettings, shards:
         .window(tumbling("1 minute"), on="event_time", max_out_of_orderness="30 seconds")
         .aggregate(events=count(), total=sum_("amount"), largest=max_("amount"))
         .sink(DeltaSink(f"{tables.warehouse}/delta/merchant_minutes", name="minutes", mode="append",
-                        storage_options=tables.delta_storage_options))
+                        storage_options=tables.delta_storage_options, on_foreign_lineage=tables.on_foreign_lineage))
         .with_shards(shards)
     )
 

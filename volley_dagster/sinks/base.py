@@ -1,47 +1,96 @@
 """The sink interface: an epoch's output is committed once, and the sink itself
-(its own metadata, not a local file) says which epochs it already holds."""
+(its own metadata, not a local file) says which epochs it holds and which checkpoint
+lineage wrote them (``sinks/lineage.py``)."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
 
 from volley_dagster.errors import ConfigError
+from volley_dagster.sinks.lineage import ForeignLineage, Lineage, SinkBinding, SinkCommit, SinkMark, decide
 
 
 @dataclass(frozen=True)
 class CommitContext:
+    """One epoch's commit to one sink. ``sink_epoch`` is the number the sink stores
+    (the epoch itself unless the sink held another lineage's epochs first, see
+    ``SinkBinding``); ``replace``: this commit also removes every row the table held."""
+
     pipeline: str
     epoch: int
     key_columns: tuple[str, ...]
+    lineage: Lineage = field(default_factory=lambda: Lineage("unrecorded"))
+    range_digest: str | None = None
+    binding: SinkBinding | None = None
+
+    @property
+    def sink_epoch(self) -> int:
+        return self.epoch + (self.binding.offset if self.binding else 0)
+
+    @property
+    def replace(self) -> bool:
+        return self.binding is not None and self.binding.choice == "replace" and self.epoch == self.binding.first_epoch
+
+    @property
+    def mark(self) -> SinkMark:
+        return SinkMark(self.sink_epoch, self.lineage.id, self.epoch, self.range_digest)
+
+    def should_commit(self, sink: str, held: SinkMark | None) -> bool:
+        """False when the sink already holds this commit; raises ``SinkLineageError``
+        when it holds something this lineage cannot follow."""
+        return decide(sink, held, self.mark, self.lineage, self.binding)
 
 
 class Sink(ABC):
     name: str
+    on_foreign_lineage: ForeignLineage = "fail"
 
     @abstractmethod
-    def committed_epoch(self, pipeline: str) -> int | None:
-        """The highest epoch of ``pipeline`` this sink holds, read from the sink itself."""
+    def committed_mark(self, pipeline: str) -> SinkMark | None:
+        """The mark of the latest commit of ``pipeline``, read from the sink itself."""
 
     @abstractmethod
     def commit(self, output: pa.Table, ctx: CommitContext) -> dict[str, Any]:
-        """Write one epoch's output atomically; returns what the manifest records."""
+        """Write one epoch's output atomically, tagged with ``ctx.mark`` (decided again
+        with ``ctx.should_commit`` after a lost race); returns what the manifest records."""
 
     @abstractmethod
-    def epoch_history(self, pipeline: str) -> dict[int, list[int]]:
-        """Per epoch of ``pipeline``, the row count of each commit tagged with it, read
-        from the sink's own history. Exactly-once means one entry per epoch."""
+    def commits(self, pipeline: str) -> list[SinkCommit]:
+        """Every commit of ``pipeline`` the sink's own history still holds, oldest first
+        (after a ``replace``, only those since)."""
+
+    def committed_epoch(self, pipeline: str) -> int | None:
+        """The sink's own number of the latest epoch of ``pipeline`` it holds."""
+        mark = self.committed_mark(pipeline)
+        return None if mark is None else mark.epoch
+
+    def epoch_history(self, pipeline: str, lineage: Lineage | None = None) -> dict[int, list[int]]:
+        """Per epoch, the row count of each commit tagged with it. Exactly-once means one
+        entry per epoch. With ``lineage``: only its commits, by the lineage's epoch."""
+        history: dict[int, list[int]] = {}
+        for commit in self.commits(pipeline):
+            if lineage is None:
+                history.setdefault(commit.mark.epoch, []).append(commit.rows)
+            elif lineage.owns(commit.mark):
+                history.setdefault(lineage.epoch_of(commit.mark), []).append(commit.rows)
+        return history
+
+    def commit_of(self, pipeline: str, sink_epoch: int) -> SinkMark | None:
+        """The mark of the commit the sink numbers ``sink_epoch`` (None if its history
+        no longer has it)."""
+        return next((c.mark for c in reversed(self.commits(pipeline)) if c.mark.epoch == sink_epoch), None)
 
     def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "type": type(self).__name__}
+        return {"name": self.name, "type": type(self).__name__, "on_foreign_lineage": self.on_foreign_lineage}
 
 
 def commit_tags(ctx: CommitContext, rows: int) -> dict[str, str]:
     """The properties every sink stores with an epoch's commit."""
-    return {"volley.pipeline": ctx.pipeline, "volley.epoch": str(ctx.epoch), "volley.rows": str(rows)}
+    return {"volley.pipeline": ctx.pipeline, **ctx.mark.tags(), "volley.rows": str(rows)}
 
 
 def upsert_keys(sink: Sink, mode: str, key_columns: tuple[str, ...] | None, ctx: CommitContext) -> tuple[str, ...]:

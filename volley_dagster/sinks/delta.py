@@ -8,6 +8,9 @@ winner's commit, so two writers of the same epoch can both land. Hence: every
 commit is built on the very snapshot whose txn version we checked, with
 ``max_commit_retries=0``; a concurrent commit surfaces as ``CommitFailedError``
 and our own loop re-reads the txn version and skips or tries again.
+
+The txn says which epoch number the table holds; the commit info of the commit
+that set it (``volley.lineage``, ``volley.range``: ``sinks/lineage.py``) says whose.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundErr
 
 from volley_dagster.errors import ConfigError
 from volley_dagster.sinks.base import CommitContext, Sink, commit_tags, upsert_keys
+from volley_dagster.sinks.lineage import ForeignLineage, SinkCommit, SinkMark, check_choice
 from volley_dagster.sinks.s3 import S3Endpoint
 
 Mode = Literal["append", "upsert"]
@@ -36,7 +40,8 @@ class DeltaSink(Sink):
     ``mode="upsert"`` MERGEs them by ``key_columns`` (default: the pipeline's key)
     for running aggregates. The table is created on the first commit with the
     output's schema; ``uri`` is a local path or ``s3://`` (pass ``s3`` or
-    ``storage_options``)."""
+    ``storage_options``). ``on_foreign_lineage``: what to do when the table holds the
+    pipeline's epochs from another checkpoint lineage (``sinks/lineage.py``)."""
 
     def __init__(
         self,
@@ -48,7 +53,9 @@ class DeltaSink(Sink):
         partition_by: list[str] | None = None,
         s3: S3Endpoint | None = None,
         max_attempts: int = 10,
+        on_foreign_lineage: ForeignLineage = "fail",
     ) -> None:
+        self.on_foreign_lineage = check_choice(name, on_foreign_lineage)
         if mode not in ("append", "upsert"):
             raise ConfigError(f"DeltaSink mode must be 'append' or 'upsert', not {mode!r}")
         text = os.fspath(uri)
@@ -79,28 +86,27 @@ class DeltaSink(Sink):
             self._table.update_incremental()
         return self._table
 
-    def committed_epoch(self, pipeline: str) -> int | None:
-        table = self.table()
-        return None if table is None else table.transaction_version(self.app_id(pipeline))
+    def committed_mark(self, pipeline: str) -> SinkMark | None:
+        return _mark(self.table(), self.app_id(pipeline), pipeline)
 
     def commit(self, output: pa.Table, ctx: CommitContext) -> dict[str, Any]:
         keys = upsert_keys(self, self.mode, self.key_columns, ctx)
         app_id = self.app_id(ctx.pipeline)
         props = CommitProperties(
-            app_transactions=[Transaction(app_id=app_id, version=ctx.epoch)],
-            custom_metadata=commit_tags(ctx, output.num_rows),
+            app_transactions=[Transaction(app_id=app_id, version=ctx.sink_epoch)],
+            custom_metadata={**commit_tags(ctx, output.num_rows), "volley.app_id": app_id},
             max_commit_retries=0,
         )
         conflicts = 0
         last: Exception = RuntimeError(f"Delta sink {self.name!r}: max_attempts={self.max_attempts} allows no commit")
         for _ in range(self.max_attempts):
             table = self.table()
-            held = None if table is None else table.transaction_version(app_id)
-            if held is not None and held >= ctx.epoch:
-                return {"skipped": True, "held_epoch": held, "conflicts": conflicts, "mode": self.mode,
-                        "version": table.version() if table is not None else None}
+            held = _mark(table, app_id, ctx.pipeline)
+            if not ctx.should_commit(self.name, held):
+                return {"skipped": True, "held_epoch": held.epoch if held else None, "conflicts": conflicts,
+                        "mode": self.mode, "version": table.version() if table is not None else None}
             try:
-                metrics = self._write(table, output, keys, props)
+                metrics = self._write(table, output, keys, props, ctx.replace)
             except CommitFailedError as exc:
                 # Someone committed between our read and our commit (possibly this
                 # very epoch): drop the cached snapshot and decide again.
@@ -111,11 +117,11 @@ class DeltaSink(Sink):
             table = self.table()
             assert table is not None
             return {"skipped": False, "version": table.version(), "rows": output.num_rows, "mode": self.mode,
-                    "conflicts": conflicts, **metrics}
+                    "conflicts": conflicts, "replaced": ctx.replace, **metrics}
         raise last
 
     def _write(self, table: DeltaTable | None, output: pa.Table, keys: tuple[str, ...],
-               props: CommitProperties) -> dict[str, Any]:
+               props: CommitProperties, replace: bool) -> dict[str, Any]:
         if table is None:
             # The first commit creates the table (version 0) with this epoch's rows
             # and txn; a MERGE into an empty table would insert the same rows.
@@ -128,6 +134,9 @@ class DeltaSink(Sink):
                 if isinstance(exc, CommitFailedError) or self.table() is None:
                     raise
                 raise CommitFailedError(f"table {self.uri} was created concurrently: {exc}") from exc
+            return {"inserted": output.num_rows, "updated": 0}
+        if replace:  # another lineage's rows go in the same commit (its schema too)
+            write_deltalake(table, output, mode="overwrite", schema_mode="overwrite", commit_properties=props)
             return {"inserted": output.num_rows, "updated": 0}
         if self.mode == "append" or output.num_rows == 0:
             # An empty MERGE commits nothing (delta-rs skips a commit without actions), so
@@ -144,13 +153,16 @@ class DeltaSink(Sink):
         return {"inserted": metrics.get("num_target_rows_inserted", 0),
                 "updated": metrics.get("num_target_rows_updated", 0)}
 
-    def epoch_history(self, pipeline: str) -> dict[int, list[int]]:
+    def commits(self, pipeline: str) -> list[SinkCommit]:
+        """From the table's commit infos; after a replacing overwrite, only those since."""
         table = self.table()
-        history: dict[int, list[int]] = {}
-        for commit in table.history() if table is not None else []:
-            if commit.get("volley.pipeline") == pipeline and "volley.epoch" in commit:
-                history.setdefault(int(commit["volley.epoch"]), []).append(int(commit.get("volley.rows", -1)))
-        return history
+        commits: list[SinkCommit] = []
+        for info in table.history() if table is not None else []:  # newest first
+            if info.get("volley.pipeline") == pipeline and "volley.epoch" in info and _same_app(info, self.app_id(pipeline)):
+                commits.append(SinkCommit(SinkMark.from_tags(info), int(info.get("volley.rows", -1))))
+            if info.get("operation") in ("WRITE", "CREATE OR REPLACE TABLE") and _overwrote(info):
+                break
+        return commits[::-1]
 
     def read(self) -> pa.Table:
         table = self.table()
@@ -159,3 +171,26 @@ class DeltaSink(Sink):
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "uri": self.uri, "mode": self.mode,
                 "key_columns": list(self.key_columns) if self.key_columns else None}
+
+
+def _same_app(info: dict[str, Any], app_id: str) -> bool:
+    return info.get("volley.app_id", app_id) == app_id  # commits before app ids were tagged: the pipeline's
+
+
+def _overwrote(info: dict[str, Any]) -> bool:
+    return str((info.get("operationParameters") or {}).get("mode", "")).lower() == "overwrite"
+
+
+def _mark(table: DeltaTable | None, app_id: str, pipeline: str) -> SinkMark | None:
+    """The txn version, with the lineage of the commit that set it: the newest commit
+    of this app carrying that version (found within the log's retained history)."""
+    version = None if table is None else table.transaction_version(app_id)
+    if version is None:
+        return None
+    assert table is not None
+    for limit in (8, None):
+        for info in table.history(limit):
+            if (info.get("volley.pipeline") == pipeline and info.get("volley.epoch") == str(version)
+                    and _same_app(info, app_id)):
+                return SinkMark.from_tags(info, epoch=version)
+    return SinkMark(version)

@@ -1,8 +1,9 @@
 """An Iceberg sink (pyiceberg): each epoch is one catalog commit that writes the
 rows, tags every snapshot it creates with ``volley.pipeline``/``volley.epoch``
-summary properties, and sets the table property ``volley.epoch.<pipeline>`` to the
-epoch. The table property is what ``committed_epoch`` reads: unlike snapshot
-summaries it survives snapshot expiry and compaction.
+summary properties and the lineage mark (``sinks/lineage.py``), and sets the table
+properties ``volley.<pipeline>.<sink>.*`` to the same mark. The table properties are
+what ``committed_mark`` reads: unlike snapshot summaries they survive snapshot
+expiry and compaction. (Tables written before marks had ``volley.epoch.<pipeline>``.)
 
 pyiceberg retries a failed commit by itself (``commit.retry.num-retries``,
 default 4) by rebasing the append onto the winner, which would land a racing
@@ -34,6 +35,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from volley_dagster.errors import ConfigError
 from volley_dagster.sinks.base import CommitContext, Sink, commit_tags, upsert_keys
+from volley_dagster.sinks.lineage import ForeignLineage, SinkCommit, SinkMark, check_choice
 from volley_dagster.sinks.s3 import S3Endpoint
 
 Mode = Literal["append", "upsert"]
@@ -49,7 +51,12 @@ def sqlite_catalog(path: str | os.PathLike[str]) -> dict[str, str]:
 
 
 def epoch_property(pipeline: str) -> str:
+    """Where tables written before lineage marks recorded a pipeline's epoch."""
     return f"volley.epoch.{pipeline}"
+
+
+def mark_prefix(pipeline: str, sink: str) -> str:
+    return f"volley.{pipeline}.{sink}."
 
 
 class IcebergSink(Sink):
@@ -57,7 +64,8 @@ class IcebergSink(Sink):
     properties (``type``, ``uri``, ``warehouse``, ``s3.*``), e.g. a SqlCatalog on
     PostgreSQL with ``uri="postgresql+psycopg2://..."``; without it, ``path``
     names a local SQLite catalog (see ``sqlite_catalog``). ``mode="upsert"``
-    replaces rows by ``key_columns`` (default: the pipeline's key)."""
+    replaces rows by ``key_columns`` (default: the pipeline's key). ``on_foreign_lineage``:
+    what to do when the table holds the pipeline's epochs from another checkpoint lineage."""
 
     def __init__(
         self,
@@ -70,7 +78,9 @@ class IcebergSink(Sink):
         s3: S3Endpoint | None = None,
         catalog_name: str = "volley",
         max_attempts: int = 10,
+        on_foreign_lineage: ForeignLineage = "fail",
     ) -> None:
+        self.on_foreign_lineage = check_choice(name, on_foreign_lineage)
         if mode not in ("append", "upsert"):
             raise ConfigError(f"IcebergSink mode must be 'append' or 'upsert', not {mode!r}")
         if "." not in table:
@@ -119,9 +129,17 @@ class IcebergSink(Sink):
             self._table.refresh()
         return self._table
 
-    def committed_epoch(self, pipeline: str) -> int | None:
+    def committed_mark(self, pipeline: str) -> SinkMark | None:
         table = self.table()
-        return None if table is None else _held(table, pipeline)
+        return None if table is None else self._held(table, pipeline)
+
+    def _held(self, table: Table, pipeline: str) -> SinkMark | None:
+        prefix = mark_prefix(pipeline, self.name)
+        props = {"volley." + k[len(prefix):]: v for k, v in table.properties.items() if k.startswith(prefix)}
+        if "volley.epoch" in props:
+            return SinkMark.from_tags(props)
+        legacy = table.properties.get(epoch_property(pipeline))
+        return None if legacy is None else SinkMark(int(legacy))
 
     def commit(self, output: pa.Table, ctx: CommitContext) -> dict[str, Any]:
         keys = upsert_keys(self, self.mode, self.key_columns, ctx)
@@ -130,10 +148,10 @@ class IcebergSink(Sink):
         last: Exception = RuntimeError(f"Iceberg sink {self.name!r}: max_attempts={self.max_attempts} allows no commit")
         for _ in range(self.max_attempts):
             table = self.table() or self._create(output.schema)
-            held = _held(table, ctx.pipeline)
-            if held is not None and held >= ctx.epoch:
-                return {"skipped": True, "held_epoch": held, "conflicts": conflicts, "mode": self.mode,
-                        "snapshot_id": _snapshot_id(table)}
+            held = self._held(table, ctx.pipeline)
+            if not ctx.should_commit(self.name, held):
+                return {"skipped": True, "held_epoch": held.epoch if held else None, "conflicts": conflicts,
+                        "mode": self.mode, "snapshot_id": _snapshot_id(table)}
             try:
                 if table.properties.get("commit.retry.num-retries") != "0":
                     # A table made elsewhere: pyiceberg reads the retry count from the
@@ -141,8 +159,9 @@ class IcebergSink(Sink):
                     table.transaction().set_properties(NO_RETRIES).commit_transaction()
                     continue
                 txn = table.transaction()
-                stats = self._stage(txn, table, output, keys, summary)
-                txn.set_properties({epoch_property(ctx.pipeline): str(ctx.epoch)})
+                stats = self._stage(txn, table, output, keys, summary, ctx.replace)
+                prefix = mark_prefix(ctx.pipeline, self.name)
+                txn.set_properties({prefix + k[len("volley."):]: v for k, v in ctx.mark.tags().items()})
                 committed = txn.commit_transaction()
             except CommitFailedException as exc:
                 # Someone committed since our refresh (possibly this very epoch).
@@ -150,12 +169,13 @@ class IcebergSink(Sink):
                 last = exc
                 continue
             return {"skipped": False, "snapshot_id": _snapshot_id(committed), "rows": output.num_rows,
-                    "mode": self.mode, "conflicts": conflicts, **stats}
+                    "mode": self.mode, "conflicts": conflicts, "replaced": ctx.replace, **stats}
         raise last
 
     def _stage(self, txn: Transaction, table: Table, output: pa.Table, keys: tuple[str, ...],
-               summary: dict[str, str]) -> dict[str, Any]:
+               summary: dict[str, str], replace: bool) -> dict[str, Any]:
         """Stage the epoch's rows in ``txn`` (the caller adds the epoch property).
+        ``replace``: delete every row first (another lineage's), in the same commit.
 
         Upsert = ``Transaction.overwrite`` with an ``overwrite_filter``: delete, then
         append, in the same transaction. The filter is the epoch's key *range*
@@ -166,6 +186,12 @@ class IcebergSink(Sink):
         ``Transaction.upsert``, which builds that same IN list and then compares
         every matched row in a Python loop. Keys match by SQL equality (a null key
         never matches), as in Delta's MERGE."""
+        if replace:
+            summary = {**summary, "volley.replaced": "true"}
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="Delete operation did not match any records")
+                txn.overwrite(output, overwrite_filter=AlwaysTrue(), snapshot_properties=summary)
+            return {"inserted": output.num_rows}
         if self.mode == "append":
             txn.append(output, snapshot_properties=summary)
             return {"inserted": output.num_rows}
@@ -198,15 +224,20 @@ class IcebergSink(Sink):
             self._table = self.catalog.load_table(self.identifier)
         return self._table
 
-    def epoch_history(self, pipeline: str) -> dict[int, list[int]]:
-        """One APPEND snapshot per commit (an upsert's DELETE snapshot shares its tags)."""
+    def commits(self, pipeline: str) -> list[SinkCommit]:
+        """One APPEND snapshot per commit (an upsert's DELETE snapshot shares its tags),
+        since the last replacing commit."""
         table = self.table()
-        history: dict[int, list[int]] = {}
+        commits: list[SinkCommit] = []
         for snap in table.snapshots() if table is not None else []:
             props = snap.summary.additional_properties if snap.summary else {}
-            if props.get("volley.pipeline") == pipeline and snap.summary.operation.value == "append":
-                history.setdefault(int(props["volley.epoch"]), []).append(int(props.get("volley.rows", -1)))
-        return history
+            if props.get("volley.pipeline") != pipeline or "volley.epoch" not in props:
+                continue
+            if props.get("volley.replaced") == "true":
+                commits = []
+            if snap.summary.operation.value == "append":
+                commits.append(SinkCommit(SinkMark.from_tags(props), int(props.get("volley.rows", -1))))
+        return commits
 
     def read(self) -> pa.Table:
         table = self.table()
@@ -228,11 +259,6 @@ def _key_range(output: pa.Table, keys: tuple[str, ...]) -> BooleanExpression:
             return AlwaysFalse()
         condition = And(condition, And(GreaterThanOrEqual(key, low), LessThanOrEqual(key, high)))
     return condition
-
-
-def _held(table: Table, pipeline: str) -> int | None:
-    value = table.properties.get(epoch_property(pipeline))
-    return None if value is None else int(value)
 
 
 def _snapshot_id(table: Table) -> int | None:

@@ -7,19 +7,30 @@ from typing import Any
 import pyarrow as pa
 
 from volley_dagster.sinks.base import CommitContext, Sink
+from volley_dagster.sinks.lineage import ForeignLineage, SinkCommit, SinkMark, check_choice
 
 
 class MemorySink(Sink):
-    def __init__(self, name: str = "memory") -> None:
+    def __init__(self, name: str = "memory", on_foreign_lineage: ForeignLineage = "fail") -> None:
         self.name = name
-        self.epochs: dict[str, dict[int, pa.Table]] = {}
+        self.on_foreign_lineage = check_choice(name, on_foreign_lineage)
+        self.epochs: dict[str, dict[int, pa.Table]] = {}  # by the sink's epoch number
+        self.marks: dict[str, dict[int, SinkMark]] = {}
 
-    def committed_epoch(self, pipeline: str) -> int | None:
-        return max(self.epochs.get(pipeline, {}), default=None)
+    def committed_mark(self, pipeline: str) -> SinkMark | None:
+        marks = self.marks.get(pipeline, {})
+        return marks[max(marks)] if marks else None
 
     def commit(self, output: pa.Table, ctx: CommitContext) -> dict[str, Any]:
-        self.epochs.setdefault(ctx.pipeline, {})[ctx.epoch] = output
+        if not ctx.should_commit(self.name, self.committed_mark(ctx.pipeline)):
+            return {"rows": output.num_rows, "skipped": True}
+        if ctx.replace:
+            self.epochs.pop(ctx.pipeline, None)
+            self.marks.pop(ctx.pipeline, None)
+        self.epochs.setdefault(ctx.pipeline, {})[ctx.sink_epoch] = output
+        self.marks.setdefault(ctx.pipeline, {})[ctx.sink_epoch] = ctx.mark
         return {"rows": output.num_rows}
 
-    def epoch_history(self, pipeline: str) -> dict[int, list[int]]:
-        return {epoch: [table.num_rows] for epoch, table in self.epochs.get(pipeline, {}).items()}
+    def commits(self, pipeline: str) -> list[SinkCommit]:
+        return [SinkCommit(self.marks[pipeline][epoch], table.num_rows)
+                for epoch, table in sorted(self.epochs.get(pipeline, {}).items())]

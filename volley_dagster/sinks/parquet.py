@@ -1,5 +1,7 @@
 """One Parquet file per epoch in a directory: the simplest exactly-once sink
-(the file's existence is the commit), used by the demo and tests."""
+(the file's existence is the commit), used by the demo and tests. Each file's
+metadata carries its lineage mark (``sinks/lineage.py``); a replacing commit's
+file names the last epoch it replaces, and those files are deleted after it."""
 
 from __future__ import annotations
 
@@ -13,14 +15,17 @@ import pyarrow.parquet as pq
 
 from volley_dagster.checkpoint.atomic import create_bytes_exclusive
 from volley_dagster.sinks.base import CommitContext, Sink, commit_tags
+from volley_dagster.sinks.lineage import ForeignLineage, SinkCommit, SinkMark, check_choice
 
 _FILE = re.compile(r"^epoch-(\d+)\.parquet$")
+_REPLACES = "volley.replaces_through"
 
 
 class ParquetSink(Sink):
-    def __init__(self, path: str | Path, name: str = "parquet") -> None:
+    def __init__(self, path: str | Path, name: str = "parquet", on_foreign_lineage: ForeignLineage = "fail") -> None:
         self.path = Path(path).absolute()
         self.name = name
+        self.on_foreign_lineage = check_choice(name, on_foreign_lineage)
 
     def _dir(self, pipeline: str) -> Path:
         return self.path / pipeline
@@ -28,32 +33,49 @@ class ParquetSink(Sink):
     def file_for(self, pipeline: str, epoch: int) -> Path:
         return self._dir(pipeline) / f"epoch-{epoch:010d}.parquet"
 
-    def committed_epoch(self, pipeline: str) -> int | None:
+    def _files(self, pipeline: str) -> list[tuple[int, Path, dict[str, str]]]:
+        """The live files, in epoch order: none at or below a replacing file's horizon
+        (left over if its clean-up was interrupted)."""
         d = self._dir(pipeline)
-        epochs = [int(m.group(1)) for p in d.glob("epoch-*.parquet") if (m := _FILE.match(p.name))] if d.is_dir() else []
-        return max(epochs, default=None)
+        found = []
+        for path in sorted(d.glob("epoch-*.parquet")) if d.is_dir() else []:
+            if m := _FILE.match(path.name):
+                meta = pq.read_schema(path).metadata or {}
+                found.append((int(m.group(1)), path, {k.decode(): v.decode() for k, v in meta.items()}))
+        horizon = max((int(meta[_REPLACES]) for _, _, meta in found if _REPLACES in meta), default=0)
+        return [f for f in found if f[0] > horizon]
+
+    def committed_mark(self, pipeline: str) -> SinkMark | None:
+        files = self._files(pipeline)
+        if not files:
+            return None
+        epoch, _, meta = files[-1]
+        return SinkMark.from_tags(meta, epoch=epoch)
 
     def commit(self, output: pa.Table, ctx: CommitContext) -> dict[str, Any]:
+        if not ctx.should_commit(self.name, self.committed_mark(ctx.pipeline)):
+            return {"path": str(self.file_for(ctx.pipeline, ctx.sink_epoch)), "rows": output.num_rows, "skipped": True}
+        tags = commit_tags(ctx, output.num_rows)
+        replaced = self._files(ctx.pipeline) if ctx.replace else []
+        if replaced:
+            tags[_REPLACES] = str(replaced[-1][0])
         buf = io.BytesIO()
-        meta = {k.encode(): v.encode() for k, v in commit_tags(ctx, output.num_rows).items()}
-        pq.write_table(output.replace_schema_metadata(meta), buf)
-        target = self.file_for(ctx.pipeline, ctx.epoch)
+        pq.write_table(output.replace_schema_metadata({k.encode(): v.encode() for k, v in tags.items()}), buf)
+        target = self.file_for(ctx.pipeline, ctx.sink_epoch)
         created = create_bytes_exclusive(target, buf.getvalue())
-        return {"path": str(target), "rows": output.num_rows, "skipped": not created}
+        for _, path, _ in replaced:  # committed above: what remains is clean-up
+            path.unlink(missing_ok=True)
+        return {"path": str(target), "rows": output.num_rows, "skipped": not created, "replaced": len(replaced)}
 
-    def epoch_history(self, pipeline: str) -> dict[int, list[int]]:
-        d = self._dir(pipeline)
-        history: dict[int, list[int]] = {}
-        for path in sorted(d.glob("epoch-*.parquet")) if d.is_dir() else []:
-            history.setdefault(int(_FILE.match(path.name).group(1)), []).append(pq.read_metadata(path).num_rows)
-        return history
+    def commits(self, pipeline: str) -> list[SinkCommit]:
+        return [SinkCommit(SinkMark.from_tags(meta, epoch=epoch), int(meta.get("volley.rows", -1)))
+                for epoch, _, meta in self._files(pipeline)]
 
     def read(self, pipeline: str) -> pa.Table:
-        """Every committed epoch's rows, with an ``epoch`` column, in epoch order."""
+        """Every committed epoch's rows, with an ``epoch`` column (the sink's number), in epoch order."""
         tables = []
-        for path in sorted(self._dir(pipeline).glob("epoch-*.parquet")):
-            t = pq.read_table(path)
-            epoch = int(_FILE.match(path.name).group(1))
+        for epoch, path, _ in self._files(pipeline):
+            t = pq.read_table(path).replace_schema_metadata(None)
             tables.append(t.append_column("epoch", pa.array([epoch] * t.num_rows, pa.int64())))
         return pa.concat_tables(tables) if tables else pa.table({})
 

@@ -8,6 +8,8 @@ position, which would otherwise be skipped silently.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -83,6 +85,12 @@ class EpochRange:
             segments=tuple(Segment(**s) for s in d["segments"]),
             end_of_stream=bool(d.get("end_of_stream", False)),
         )
+
+    def digest(self) -> str:
+        """A short fingerprint of exactly what the epoch reads (files, versions, records):
+        sinks store it so a re-cut range over other records is told apart from a retry."""
+        canonical = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":")).encode()
+        return hashlib.sha256(canonical).hexdigest()[:32]
 
     def summary(self) -> dict[str, Any]:
         """The range as people read it: per partition, file:record from and to."""
