@@ -6,12 +6,14 @@ location (``assets/``, ``resources/``, ``sensors/``) is a thin layer over it.
 
 from volley_dagster.checkpoint.s3_snapshots import S3SnapshotStore
 from volley_dagster.errors import (
+    AggregateOverflowError,
     ConfigError,
     EpochNotCutError,
     EpochOrderError,
     FencedError,
     MalformedRecordError,
     PipelineBusyError,
+    SinkLineageError,
     SnapshotError,
     SnapshotStorageError,
     SourceChangedError,
@@ -30,6 +32,7 @@ from volley_dagster.sources.file_log import FileLog
 from volley_dagster.spark.session import get_or_create_spark
 
 __all__ = [
+    "AggregateOverflowError",
     "ConfigError",
     "DeltaSink",
     "IcebergSink",
@@ -47,6 +50,7 @@ __all__ = [
     "Pipeline",
     "PipelineBusyError",
     "Sink",
+    "SinkLineageError",
     "SnapshotError",
     "SnapshotStorageError",
     "SourceChangedError",

@@ -45,6 +45,11 @@ class SinkLineageError(VolleyError):
     message names both lineages and the sink's ``on_foreign_lineage`` choices."""
 
 
+class AggregateOverflowError(VolleyError):
+    """An integer aggregate left int64 for some key: state never wraps, so the epoch
+    fails naming the aggregate, the keys and the epoch."""
+
+
 class SnapshotError(VolleyError):
     """A state snapshot is missing, pruned or does not match its manifest."""
 
@@ -76,7 +81,8 @@ class FencedError(VolleyError):
 # Errors that name bad input or a setting: the same run fails the same way, so a retry
 # only hides them. Everything else (a killed executor, S3 unreachable, a lost lease or
 # commit race, a full disk) may pass on its own, and a retry of an epoch is always safe.
-_PERMANENT = (ConfigError, EpochOrderError, SourceError, MalformedRecordError, StateLayoutError, SinkLineageError)
+_PERMANENT = (ConfigError, EpochOrderError, SourceError, MalformedRecordError, StateLayoutError, SinkLineageError,
+              AggregateOverflowError)
 
 
 def is_retryable(exc: BaseException) -> bool:

@@ -38,10 +38,24 @@ _ARROW = {
 _SPARK_DDL = {"int": "bigint", "float": "double", "timestamp": "timestamp", "date": "date"}
 
 
+class StateOverflow(ArithmeticError):
+    """Rows of a state batch whose integer aggregate would wrap; the operator names their keys."""
+
+    def __init__(self, aggregate: str, rows: np.ndarray) -> None:
+        super().__init__(aggregate)
+        self.aggregate, self.rows = aggregate, rows
+
+
 def value_kind(column: str, dtype: T.DataType) -> ValueKind:
     if isinstance(dtype, T.IntegralType):
         return "int"
-    if isinstance(dtype, (T.FloatType, T.DoubleType, T.DecimalType)):
+    if isinstance(dtype, T.DecimalType):
+        raise ConfigError(
+            f"cannot aggregate column {column!r} of type {dtype.simpleString()}: state holds int64 or float64, and "
+            f"a decimal would silently lose digits; convert it explicitly, e.g. .with_column({column!r}, "
+            f"'CAST({column} AS DOUBLE)') or, exactly, in integer units: 'CAST({column} * {10 ** dtype.scale} AS BIGINT)'"
+        )
+    if isinstance(dtype, (T.FloatType, T.DoubleType)):
         return "float"
     if isinstance(dtype, T.TimestampType):
         return "timestamp"
@@ -191,6 +205,16 @@ class Sum(_Reducing):
 
     def _spark_partial(self, value):
         return F.sum(value)
+
+    def combine(self, name, kind, state, other):
+        if kind == "int":
+            old, new = state[f"{name}:v"], other[f"{name}:v"]
+            with np.errstate(over="ignore"):
+                total = old + new
+            wrapped = np.flatnonzero(((old ^ total) & (new ^ total)) < 0)  # both addends' sign differs from the sum's
+            if len(wrapped):
+                raise StateOverflow(f"sum({self.column!r}) as {name!r}", wrapped)
+        super().combine(name, kind, state, other)
 
     def _combine(self, old, old_ok, new, new_ok):
         return old + new  # invalid slots hold 0

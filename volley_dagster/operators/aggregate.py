@@ -13,8 +13,8 @@ from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
 from volley_dagster import columns
-from volley_dagster.errors import ConfigError, StateLayoutError
-from volley_dagster.operators.accumulators import Accumulator, ValueKind, spark_ddl
+from volley_dagster.errors import AggregateOverflowError, ConfigError, StateLayoutError
+from volley_dagster.operators.accumulators import Accumulator, StateOverflow, ValueKind, spark_ddl
 from volley_dagster.operators.base import ShardStep
 from volley_dagster.state.keys import decode_keys, encode_keys, namespace_prefix
 from volley_dagster.state.resident import ResidentShard
@@ -104,7 +104,15 @@ class ResolvedAggregate:
             state, existed = self.decode(txn.get_many(keys, namespace_prefix(self.namespace)))
             if resident is not None:
                 self._mirror(resident, txn.scanned_entries)
-        self.merge(state, data, step.epoch)
+        try:
+            self.merge(state, data, step.epoch)
+        except StateOverflow as overflow:
+            keys_shown = key_values.take(pa.array(overflow.rows[:5])).to_pylist()
+            raise AggregateOverflowError(
+                f"epoch {step.epoch}: {overflow.aggregate} leaves int64 for {len(overflow.rows)} key(s), e.g. {keys_shown}; "
+                "nothing was committed. Sum a float instead (.with_column(name, 'CAST(name AS DOUBLE)')) or scale "
+                "the values down, in a new checkpoint root"
+            ) from None
         txn.set_many(keys, self.encode(state))
         if resident is not None and resident.complete:
             resident.update(ints, state)

@@ -38,7 +38,8 @@ from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
 from volley_dagster import columns
-from volley_dagster.errors import ConfigError
+from volley_dagster.errors import AggregateOverflowError, ConfigError
+from volley_dagster.operators.accumulators import StateOverflow
 from volley_dagster.operators.aggregate import Aggregate, ResolvedAggregate
 from volley_dagster.operators.base import ShardStep
 from volley_dagster.operators.window_state import apply_windows
@@ -249,4 +250,10 @@ class ResolvedWindowAggregate:
         return [WINDOW_START, WINDOW_END] + [n for n, _ in self.aggregate.output_fields()]
 
     def apply(self, txn: ShardTransaction, data: pa.Table, step: ShardStep) -> tuple[list[pa.Array], dict[str, Any]]:
-        return apply_windows(self, txn, data, step)
+        try:
+            return apply_windows(self, txn, data, step)
+        except StateOverflow as overflow:
+            raise AggregateOverflowError(
+                f"epoch {step.epoch}: {overflow.aggregate} leaves int64 in {len(overflow.rows)} window(s); nothing was "
+                "committed. Sum a float instead (.with_column(name, 'CAST(name AS DOUBLE)')) or scale the values down"
+            ) from None
