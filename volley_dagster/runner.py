@@ -164,7 +164,8 @@ class EpochRunner:
                 f"pipeline {self.pipeline.name!r} ended its stream at epoch {last}; "
                 "nothing can be cut after it (use a new checkpoint root to start over)"
             )
-        rng = self.pipeline.source_log.cut(last + 1, previous.end if previous else {}, self.max_records_per_epoch)
+        rng = self.pipeline.source_log.cut(last + 1, previous.end if previous else {}, self.max_records_per_epoch,
+                                           final=end_of_stream)
         if rng.records == 0 and not (allow_empty or end_of_stream):
             return None
         return self.log.record_offsets(replace(rng, end_of_stream=end_of_stream))

@@ -83,7 +83,8 @@ def test_json_decoding_bisects_to_the_bad_lines():
 
 def test_json_segment_reads_exactly_its_lines_and_counts_an_unterminated_last_line():
     data = json_bytes([f'{{"k": "a", "v": {i}}}' for i in range(10)])[:-1]
-    assert formats.count_records("json", data) == 10
+    assert formats.count_records("json", data, whole_lines_only=False) == 10  # a file no longer written to
+    assert formats.count_records("json", data) == 9  # the newest file: its last line may still grow
     out = formats.decode_segment("json", data, 3, 10, SCHEMA, position_base=5 << 40)
     assert out.column("v").to_pylist() == list(range(3, 10))
     assert (np.array(out.column("_volley_pos").to_pylist()) - (5 << 40)).tolist() == list(range(3, 10))
@@ -108,16 +109,38 @@ def rewrite_same_size(path, old: bytes, new: bytes) -> None:
 
 
 def test_a_file_rewritten_at_the_same_size_is_refused_by_name(tmp_path):
-    (tmp_path / "events-000000.json").write_bytes(json_bytes([f'{{"k": "a", "v": {i}}}' for i in range(10, 20)]))
-    log = FileLog(tmp_path, format="json", schema=SCHEMA)
+    pq.write_table(pa.table({"k": ["a"] * 10, "v": list(range(10, 20))}), tmp_path / "events-000000.parquet")
+    log = FileLog(tmp_path, format="parquet")
     rng = log.cut(7, {}, None)
     log.verify(rng)  # unchanged: fine
-    rewrite_same_size(tmp_path / "events-000000.json", b'"v": 13', b'"v": 99')
-    with pytest.raises(SourceChangedError, match=r"epoch 7: source file \S+/events-000000\.json changed after the "
+    rewrite_same_size(tmp_path / "events-000000.parquet", b"PAR1", b"PAR1")  # the same bytes, published again
+    with pytest.raises(SourceChangedError, match=r"epoch 7: source file \S+/events-000000\.parquet changed after the "
                                                  r"epoch was cut \(rewritten at the same size: version "):
         log.verify(rng)
-    with pytest.raises(SourceChangedError, match=r"events-000000\.json was rewritten after it was listed"):
-        log.read_segment(rng.segments[0], SCHEMA)  # what a read task does, without the driver's check
+    with pytest.raises(SourceChangedError, match=r"events-000000\.parquet was rewritten after it was listed"):
+        log.read_segment(rng.segments[0], log.schema(), 7)  # what a read task does, without the driver's check
+
+
+def test_a_json_lines_file_is_read_to_its_last_whole_line_and_may_grow_but_not_change(tmp_path):
+    path = tmp_path / "events-000000.json"
+    lines = [f'{{"k": "a", "v": {i}}}' for i in range(10, 20)]
+    path.write_bytes(json_bytes(lines[:3]) + lines[3][:7].encode())  # a writer mid-line
+    log = FileLog(tmp_path, format="json", schema=SCHEMA)
+    first = log.cut(1, {}, None)
+    assert first.records == 3 and log.available_records(first.end) == 0  # the partial line waits
+    assert log.cut(1, {}, None, final=True).records == 4  # unless the stream ends, or a newer file follows
+    path.write_bytes(json_bytes(lines))  # the writer finished, and appended more
+    log.verify(first)
+    assert log.read_segment(first.segments[0], SCHEMA, 1).column("v").to_pylist() == [10, 11, 12]
+    second = log.cut(2, first.end, None)
+    assert log.read_segment(second.segments[0], SCHEMA, 2).column("v").to_pylist() == list(range(13, 20))
+    rewrite_same_size(path, b'"v": 11', b'"v": 99')  # a line already read, changed
+    with pytest.raises(SourceChangedError, match=r"epoch 1: source file \S+/events-000000\.json changed after the "
+                                                 r"epoch was cut \(rewritten: its first \d+ bytes, which hold records 0\.\.3"):
+        log.read_segment(first.segments[0], SCHEMA, 1)
+    path.write_bytes(json_bytes(lines[:2]))
+    with pytest.raises(SourceChangedError, match="changed after the epoch was cut"):
+        log.verify(first)  # shorter than what the range read
 
 
 def test_an_object_re_put_at_the_same_size_is_refused_on_s3(seaweedfs):
@@ -127,10 +150,9 @@ def test_an_object_re_put_at_the_same_size_is_refused_on_s3(seaweedfs):
     rng = log.cut(3, {}, None)
     assert rng.segments[0].version  # the ETag
     log.storage.write("events-000000.json", json_bytes([f'{{"k": "a", "v": {i}}}' for i in range(20, 30)]))
-    with pytest.raises(SourceChangedError, match=r"epoch 3: source file s3://\S+/events-000000\.json changed after"):
-        log.verify(rng)
-    with pytest.raises(SourceChangedError, match=r"ETag \w+ no longer matches"):
-        log.read_segment(rng.segments[0], SCHEMA)  # the read is conditional (If-Match): never the new bytes
+    with pytest.raises(SourceChangedError, match=r"epoch 3: source file s3://\S+/events-000000\.json changed after "
+                                                 r"the epoch was cut \(rewritten: its first \d+ bytes"):
+        log.read_segment(rng.segments[0], SCHEMA, 3)  # a JSON-lines range pins its bytes: never the new ones
 
 
 def test_a_file_removed_while_listing_is_skipped_not_fatal(tmp_path):

@@ -45,7 +45,7 @@ class FileLog:
         self.storage: Storage = storage_for(uri, storage_options)
         self.uri = self.storage.uri
         self._schema = schema
-        self._counts: dict[tuple[str, int, str], int] = {}
+        self._counts: dict[tuple[str, int, str, bool], tuple[int, int, str]] = {}
         self._native_ok: dict[tuple[str, int, str], bool] = {}
 
     def describe(self) -> dict[str, Any]:
@@ -80,20 +80,34 @@ class FileLog:
             self._schema = formats.read_schema(self.format, self.storage.read(first.path))
         return self._schema
 
-    def record_count(self, info: FileInfo) -> int:
-        key = (info.path, info.size, info.version)
+    def record_count(self, info: FileInfo, newest: bool = False) -> int:
+        return self._scan(info, newest)[0]
+
+    def _scan(self, info: FileInfo, newest: bool) -> tuple[int, int, str]:
+        """(records, bytes, version) of what a range may pin of the file: all of it, or
+        for a log that grows, its records and their bytes' digest; the ``newest`` file
+        of a partition may still be written, so only its whole lines count."""
+        key = (info.path, info.size, info.version, newest)
         if key not in self._counts:
-            self._counts[key] = formats.count_records(self.format, self.storage.read(info.path, info.version))
+            if formats.grows(self.format):
+                data = formats.complete_part(self.format, self.storage.read(info.path), whole_lines_only=newest)
+                self._counts[key] = (formats.count_records(self.format, data, whole_lines_only=newest), len(data),
+                                     formats.content_version(data))
+            else:
+                data = self.storage.read(info.path, info.version)
+                self._counts[key] = (formats.count_records(self.format, data), info.size, info.version)
         return self._counts[key]
 
     # -- cutting -------------------------------------------------------------------
 
-    def cut(self, epoch: int, after: dict[str, Position], max_records: int | None) -> EpochRange:
+    def cut(self, epoch: int, after: dict[str, Position], max_records: int | None, final: bool = False) -> EpochRange:
         """The range from ``after`` to what is available now, at most ``max_records`` long,
-        shared fairly between partitions."""
+        shared fairly between partitions. ``final``: the stream ends here, so a last line
+        without its newline is a record too."""
         available: dict[str, list[tuple[FileInfo, int, int, int]]] = {}
-        for name, files in sorted(self.partitions().items()):
-            available[name] = self._pending(name, files, after.get(name, Position()))
+        listed = self.partitions()
+        for name, files in sorted(listed.items()):
+            available[name] = self._pending(name, files, after.get(name, Position()), final)
         for name in after:
             if name not in available:
                 raise SourceError(f"{self.uri}: partition {name!r} was read before and has disappeared")
@@ -108,7 +122,8 @@ class FileLog:
                 take = min(left, count)
                 if take <= 0:
                     break
-                segments.append(Segment(len(segments), name, info.path, first, first + take, info.size, info.version))
+                _, size, version = self._scan(info, newest=not final and index == len(listed[name]) - 1)
+                segments.append(Segment(len(segments), name, info.path, first, first + take, size, version))
                 pos = Position(_base(info.path), index, first + take)
                 left -= take
             end[name] = pos
@@ -122,7 +137,8 @@ class FileLog:
             total += sum(c for *_, c in self._pending(name, files, after.get(name, Position())))
         return total
 
-    def _pending(self, partition: str, files: list[FileInfo], pos: Position) -> list[tuple[FileInfo, int, int, int]]:
+    def _pending(self, partition: str, files: list[FileInfo], pos: Position,
+                 final: bool = False) -> list[tuple[FileInfo, int, int, int]]:
         """(file, index, first unread record, unread count) from ``pos`` on."""
         names = [_base(f.path) for f in files]
         index = pos.file_index
@@ -141,7 +157,7 @@ class FileLog:
         out = []
         for i in range(index, len(files)):
             first = pos.record if (pos.file is not None and i == index) else 0
-            count = self.record_count(files[i]) - first
+            count = self.record_count(files[i], newest=not final and i == len(files) - 1) - first
             if count > 0:
                 out.append((files[i], i, first, count))
         return out
@@ -154,6 +170,9 @@ class FileLog:
             now = self.storage.stat(seg.file)
             if now is None:
                 raise SourceError(f"epoch {rng.epoch}: source file {self.uri}/{seg.file} is missing")
+            if formats.grows(self.format) and seg.version.startswith("sha256:"):
+                if now.size >= seg.size:
+                    continue  # appended to, maybe: ``read_segment`` checks the bytes the range read
             if now.size != seg.size or (seg.version and now.version != seg.version):
                 change = (f"{seg.size} -> {now.size} bytes" if now.size != seg.size
                           else f"rewritten at the same size: version {seg.version} -> {now.version}")
@@ -187,10 +206,20 @@ class FileLog:
             paths.append(str(path))
         return paths
 
-    def read_segment(self, seg: Segment, schema: pa.Schema) -> pa.Table:
+    def read_segment(self, seg: Segment, schema: pa.Schema, epoch: int) -> pa.Table:
+        if formats.grows(self.format) and seg.version.startswith("sha256:"):
+            data = self.storage.read(seg.file)[: seg.size]
+            if formats.content_version(data) != seg.version:
+                raise SourceChangedError(
+                    f"epoch {epoch}: source file {self.uri}/{seg.file} changed after the epoch was cut (rewritten: "
+                    f"its first {seg.size} bytes, which hold records {seg.start}..{seg.end}, are not the ones cut; a "
+                    "JSON-lines log may only be appended to). Nothing was committed: restore the file as it was"
+                )
+            return formats.decode_segment(self.format, data, seg.start, seg.end, schema, seg.position_base())
         data = self.storage.read(seg.file, seg.version)
         if len(data) != seg.size:
-            raise SourceError(f"source file {self.uri}/{seg.file} changed after the epoch was cut; log files must not be rewritten")
+            raise SourceError(f"epoch {epoch}: source file {self.uri}/{seg.file} changed after the epoch was cut; "
+                              "log files must not be rewritten")
         return formats.decode_segment(self.format, data, seg.start, seg.end, schema, seg.position_base())
 
     def __getstate__(self) -> dict[str, Any]:

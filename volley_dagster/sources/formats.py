@@ -8,6 +8,7 @@ of a malformed record is O(log n) parses, not a per-line loop.
 
 from __future__ import annotations
 
+import hashlib
 import io
 
 import numpy as np
@@ -20,11 +21,28 @@ from volley_dagster import columns
 FORMATS = {"parquet": (".parquet",), "json": (".json", ".jsonl", ".ndjson")}
 
 
-def count_records(fmt: str, data: bytes) -> int:
+def complete_part(fmt: str, data: bytes, whole_lines_only: bool = True) -> bytes:
+    """What of a file holds whole records: the last line of a JSON-lines file still being
+    written (the newest of its partition) is a record only once it ends with a newline;
+    it waits for a later epoch, never a dead letter."""
+    return data[: data.rfind(b"\n") + 1] if fmt == "json" and whole_lines_only else data
+
+
+def grows(fmt: str) -> bool:
+    """JSON-lines logs may be appended to in place: a range pins the bytes it read
+    (their digest), not the file's size or version."""
+    return fmt == "json"
+
+
+def content_version(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def count_records(fmt: str, data: bytes, whole_lines_only: bool = True) -> int:
     if fmt == "parquet":
         return pq.ParquetFile(pa.BufferReader(data)).metadata.num_rows
-    lines = data.count(b"\n")
-    return lines + (1 if data and not data.endswith(b"\n") else 0)
+    data = complete_part(fmt, data, whole_lines_only)
+    return data.count(b"\n") + (1 if data and not data.endswith(b"\n") else 0)
 
 
 def read_schema(fmt: str, data: bytes) -> pa.Schema:

@@ -46,7 +46,7 @@ class SegmentReader:
         for batch in batches:
             for seg_id in batch.column(0).to_pylist():
                 faults.fault_point("segment_read", self.epoch, pid=self.driver_pid)
-                table = self.source.read_segment(self.segments[seg_id], self.schema)
+                table = self.source.read_segment(self.segments[seg_id], self.schema, self.epoch)
                 yield from table.to_batches(max_chunksize=65536)
 
 
