@@ -21,7 +21,7 @@ VALUES = ["events", "total", "largest", "first_event", "last_event"]
 def window_pipeline(
     events: Path, output: Path, windows: Windows, *, delay: str, lateness: str,
     max_pending: int | None = None, shards: int = 2, name: str = "windows", tables: Path | None = None,
-    ntz: bool = False,
+    ntz: bool = False, skew: str | None = None,
 ) -> Pipeline:
     """``ntz``: event time as TIMESTAMP_NTZ (same wall-clock values: the session is UTC)."""
     pipeline = Pipeline(name).source(FileLog(events, format="parquet")).where("status != 'failed'")
@@ -31,7 +31,7 @@ def window_pipeline(
         pipeline
         .key_by(KEY)
         .window(windows, on="event_time", max_out_of_orderness=delay, allowed_lateness=lateness,
-                max_pending_windows=max_pending)
+                max_pending_windows=max_pending, max_event_time_skew=skew)
         .aggregate(events=count(), total=sum_("amount"), largest=max_("amount"),
                    first_event=first("event_id"), last_event=last("event_id"))
         .sink(ParquetSink(output))

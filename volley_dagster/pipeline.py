@@ -72,19 +72,25 @@ class Pipeline:
         max_out_of_orderness: Duration = "0 seconds",
         allowed_lateness: Duration = "0 seconds",
         max_pending_windows: int | None = None,
+        max_event_time_skew: Duration | None = None,
     ) -> Pipeline:
         """Aggregate per event-time window (``tumbling``, ``sliding`` or ``session``) over
         the timestamp column ``on``; fired windows are emitted once, in append mode.
         The watermark trails the latest event time by ``max_out_of_orderness``; a window
         fires once the watermark passes its end plus ``allowed_lateness``.
         ``max_pending_windows`` bounds the in-memory pending-window index per shard
-        (the rest is evicted to RocksDB). The rules: ``volley_dagster.operators.window``."""
+        (the rest is evicted to RocksDB). ``max_event_time_skew``: a record whose event
+        time lies further than this past the watermark, or past the wall clock when its
+        epoch was cut, is a bad record (dead letter, or the epoch fails, per
+        ``on_bad_records``) instead of moving the watermark. The rules:
+        ``volley_dagster.operators.window``."""
         windowing = Windowing(
             windows,
             on,
             duration_us(max_out_of_orderness, "max_out_of_orderness"),
             duration_us(allowed_lateness, "allowed_lateness"),
             max_pending_windows,
+            None if max_event_time_skew is None else duration_us(max_event_time_skew, "max_event_time_skew"),
         )
         return replace(self, windowing=windowing)
 

@@ -168,7 +168,8 @@ class EpochRunner:
                                            final=end_of_stream)
         if rng.records == 0 and not (allow_empty or end_of_stream):
             return None
-        return self.log.record_offsets(replace(rng, end_of_stream=end_of_stream))
+        cut_at_us = time.time_ns() // 1000
+        return self.log.record_offsets(replace(rng, end_of_stream=end_of_stream, cut_at_us=cut_at_us))
 
     def records_waiting(self) -> int:
         """Records in the source after the last cut epoch's range: what the next cut takes."""

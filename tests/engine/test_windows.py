@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.window_reference import reference, window_pipeline, window_rows
-from volley_dagster import EpochOrderError, EpochRunner, session, sliding, tumbling
+from volley_dagster import EpochOrderError, EpochRunner, MalformedRecordError, session, sliding, tumbling
 from volley_dagster.demo.events import generate
 
 FILES, PER_FILE, KEYS = 10, 300, 20  # each file is one epoch of 30 s event time
@@ -112,3 +112,45 @@ def test_session_windows_on_a_timestamp_ntz_column(spark, tmp_path):
     """TIMESTAMP_NTZ event time (accepted by window(on=...)) sessions like TIMESTAMP."""
     runner, results, ref = run_windows(spark, tmp_path, session("8 seconds"), ntz=True)
     check_against_reference(runner, results, ref)
+
+
+def test_a_record_from_the_far_future_is_a_dead_letter_not_the_watermark(spark, tmp_path):
+    """One event time in year 9999 (a broken clock) would move the watermark for good and
+    make every later record late; with ``max_event_time_skew`` it is a dead letter."""
+    t0 = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
+    far = dt.datetime(9999, 12, 31, tzinfo=dt.timezone.utc)
+    batches = [[(1, t0), (2, t0 + dt.timedelta(seconds=3))],
+               [(1, t0 + dt.timedelta(seconds=12)), (2, far)],  # the broken clock
+               [(1, t0 + dt.timedelta(seconds=25)), (2, t0 + dt.timedelta(seconds=26))]]
+    events = tmp_path / "events"
+    events.mkdir()
+    pipeline = window_pipeline(events, tmp_path / "out", tumbling("10 seconds"), delay="5 seconds", lateness="0 s",
+                               skew="1 hour")
+    runner = EpochRunner(pipeline.on_bad_records("dead_letter"), tmp_path / "state", spark=spark)
+    strict = EpochRunner(window_pipeline(events, tmp_path / "strict_out", tumbling("10 seconds"), delay="5 seconds",
+                                         lateness="0 s", skew="1 hour"),  # on_bad_records("fail"), the default
+                         tmp_path / "strict", spark=spark, max_records_per_epoch=2)
+    results = []
+    for i, batch in enumerate(batches):
+        pq.write_table(pa.table({
+            "event_id": pa.array([i * 10 + j for j in range(len(batch))], pa.int64()),
+            "merchant_id": pa.array([m for m, _ in batch], pa.int64()),
+            "amount": pa.array([1.0] * len(batch)),
+            "status": pa.array(["active"] * len(batch)),
+            "event_time": pa.array([t for _, t in batch], pa.timestamp("us", tz="UTC")),
+        }), events / f"events-{i:06d}.parquet")
+        results.append(runner.run_next())
+        if i == 1:
+            strict.run_next()
+            with pytest.raises(MalformedRecordError, match=r"epoch 2: 1 malformed record\(s\): events-000001\.parquet "
+                                                           r"record 1: event time beyond max_event_time_skew"):
+                strict.run_next()
+    us = lambda t: int(t.timestamp() * 1_000_000)  # noqa: E731
+    assert [r.dead_letters for r in results] == [0, 1, 0]
+    assert [r.watermark for r in results] == [us(t0) - 2_000_000, us(t0) + 7_000_000, us(t0) + 21_000_000]
+    assert [r.late_records for r in results] == [0, 0, 0]  # nothing after the broken clock is late
+    dead = pq.read_table(runner.log.root / results[1].dead_letter_path).to_pylist()
+    assert len(dead) == 1 and dead[0]["offset"] == 1 and "max_event_time_skew" in dead[0]["reason"]
+    assert "9999-12-31" in dead[0]["raw"]
+    fired = {(k, s) for k, s, *_ in window_rows(results[1].output) | window_rows(results[2].output)}
+    assert fired == {(1, us(t0)), (2, us(t0)), (1, us(t0) + 10_000_000)}  # windows closed by real time only

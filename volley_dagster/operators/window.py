@@ -131,12 +131,28 @@ class Windowing:
     out_of_orderness_us: int = 0
     lateness_us: int = 0
     max_pending_windows: int | None = None  # per shard; None: the pending index stays in memory
+    max_skew_us: int | None = None  # None: any event time is believed
 
     def __post_init__(self) -> None:
         if not isinstance(self.windows, Windows):
             raise ConfigError(f"window(...) takes tumbling(...), sliding(...) or session(...), got {self.windows!r}")
         if self.max_pending_windows is not None and self.max_pending_windows < 1:
             raise ConfigError(f"max_pending_windows must be positive or None, got {self.max_pending_windows}")
+        if self.max_skew_us is not None and self.max_skew_us <= self.out_of_orderness_us:
+            raise ConfigError(
+                f"max_event_time_skew ({self.max_skew_us} us) must exceed max_out_of_orderness "
+                f"({self.out_of_orderness_us} us): the newest on-time record is that far past the watermark"
+            )
+
+    def event_time_bound(self, watermark: int | None, cut_at_us: int | None) -> int | None:
+        """The latest event time an epoch believes: ``max_event_time_skew`` past the
+        watermark it starts from and past the wall clock when it was cut (recorded, so
+        a retry decides the same). Later ones are dead letters: one record from the
+        far future would otherwise move the watermark for good."""
+        if self.max_skew_us is None:
+            return None
+        bounds = [t + self.max_skew_us for t in (watermark, cut_at_us) if t is not None]
+        return min(bounds) if bounds else None
 
     def layout(self) -> dict[str, Any]:
         """What must not change between epochs of one checkpoint root (the bound may)."""

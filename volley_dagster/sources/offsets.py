@@ -56,6 +56,7 @@ class EpochRange:
     end: dict[str, Position]
     segments: tuple[Segment, ...] = field(default_factory=tuple)
     end_of_stream: bool = False  # the final epoch: windows all fire, nothing is cut after it
+    cut_at_us: int | None = None  # wall clock when cut (microseconds); None in ranges cut before it was kept
 
     @property
     def records(self) -> int:
@@ -74,6 +75,7 @@ class EpochRange:
             "end": {p: asdict(pos) for p, pos in self.end.items()},
             "segments": [asdict(s) for s in self.segments],
             "end_of_stream": self.end_of_stream,
+            "cut_at_us": self.cut_at_us,
         }
 
     @classmethod
@@ -84,12 +86,14 @@ class EpochRange:
             end={p: Position.from_dict(v) for p, v in d["end"].items()},
             segments=tuple(Segment(**s) for s in d["segments"]),
             end_of_stream=bool(d.get("end_of_stream", False)),
+            cut_at_us=d.get("cut_at_us"),
         )
 
     def digest(self) -> str:
         """A short fingerprint of exactly what the epoch reads (files, versions, records):
         sinks store it so a re-cut range over other records is told apart from a retry."""
-        canonical = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":")).encode()
+        read = {k: v for k, v in self.to_dict().items() if k != "cut_at_us"}
+        canonical = json.dumps(read, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(canonical).hexdigest()[:32]
 
     def summary(self) -> dict[str, Any]:

@@ -29,7 +29,7 @@ from volley_dagster import columns, errors
 from volley_dagster.columns import POS_OFFSET_BITS
 from volley_dagster.errors import ConfigError
 from volley_dagster.operators.aggregate import ResolvedAggregate
-from volley_dagster.operators.window import ResolvedWindowAggregate
+from volley_dagster.operators.window import ResolvedWindowAggregate, describe_event_time
 from volley_dagster.pipeline import Pipeline
 from volley_dagster.sources.offsets import EpochRange
 from volley_dagster.state.keys import ShardLayout
@@ -110,7 +110,7 @@ def plan_epoch(spark: SparkSession, pipeline: Pipeline, rng: EpochRange) -> Plan
     return PlannedEpoch(raw, keyed, operator, kind, read.may_have_bad_records)
 
 
-def _dead_letter_frame(plan: PlannedEpoch, pipeline: Pipeline) -> DataFrame:
+def _dead_letter_frame(plan: PlannedEpoch, pipeline: Pipeline, bound: int | None = None) -> DataFrame:
     parse_errors = plan.raw.where(F.col(columns.ERROR).isNotNull()).select(
         F.col(columns.POS), F.col(columns.ERROR).alias("reason"), F.col(columns.RAW).alias("raw")
     )
@@ -131,20 +131,31 @@ def _dead_letter_frame(plan: PlannedEpoch, pipeline: Pipeline) -> DataFrame:
             F.to_json(F.struct(*user_cols)).alias("raw"),
         )
         bad = bad.unionByName(null_times)
+        if bound is not None:
+            skewed = plan.keyed.where(F.col(columns.KEY).isNotNull() & (window.event_us() > F.lit(bound))).select(
+                pos.alias(columns.POS),
+                F.lit(f"event time beyond max_event_time_skew: {column!r} is later than "
+                      f"{describe_event_time(bound)} (the watermark or the epoch's cut time plus the skew)").alias("reason"),
+                F.to_json(F.struct(*user_cols)).alias("raw"),
+            )
+            bad = bad.unionByName(skewed)
     return bad
 
 
-def _valid(plan: PlannedEpoch) -> DataFrame:
-    """The rows state sees: keyed and, for windows, with an event time."""
+def _valid(plan: PlannedEpoch, bound: int | None = None) -> DataFrame:
+    """The rows state sees: keyed and, for windows, with a believable event time."""
     valid = plan.keyed.where(F.col(columns.KEY).isNotNull())
     if plan.windowed is not None:
         valid = valid.where(F.col(plan.windowed.windowing.time_column).isNotNull())
+        if bound is not None:
+            valid = valid.where(plan.windowed.event_us() <= F.lit(bound))
     return valid
 
 
-def _side_outputs(plan: PlannedEpoch, pipeline: Pipeline, assigned: DataFrame | None, watermark: int | None) -> DataFrame:
+def _side_outputs(plan: PlannedEpoch, pipeline: Pipeline, assigned: DataFrame | None, watermark: int | None,
+                  bound: int | None) -> DataFrame:
     """Bad records, and for windows the late pairs and the latest event time: one Spark job."""
-    side = _dead_letter_frame(plan, pipeline).withColumn(_SIDE, F.lit("dead"))
+    side = _dead_letter_frame(plan, pipeline, bound).withColumn(_SIDE, F.lit("dead"))
     window = plan.windowed
     if window is None:
         return side
@@ -153,7 +164,7 @@ def _side_outputs(plan: PlannedEpoch, pipeline: Pipeline, assigned: DataFrame | 
         F.col(window.windowing.time_column).cast("timestamp").alias("_volley_time"),
         F.col(columns.WINDOW_START), F.col(columns.WINDOW_END), F.lit("late").alias(_SIDE),
     )
-    latest = _valid(plan).agg(F.max(window.event_us()).alias(_MAX_EVENT)).withColumn(_SIDE, F.lit("max"))
+    latest = _valid(plan, bound).agg(F.max(window.event_us()).alias(_MAX_EVENT)).withColumn(_SIDE, F.lit("max"))
     return side.unionByName(late, allowMissingColumns=True).unionByName(latest, allowMissingColumns=True)
 
 
@@ -251,9 +262,10 @@ def run_stage(
         if plan.single_job:  # null keys ride along: they fold into one partial row, counted per shard
             partials = _shard_partials(plan.keyed, plan.operator.partial_exprs(), layout)
         else:
-            assigned = window.assign(_valid(plan)) if window is not None else None
+            bound = window.windowing.event_time_bound(watermark, rng.cut_at_us) if window is not None else None
+            assigned = window.assign(_valid(plan, bound)) if window is not None else None
             with _engine_errors():
-                side = _side_outputs(plan, pipeline, assigned, watermark).toArrow()
+                side = _side_outputs(plan, pipeline, assigned, watermark, bound).toArrow()
             kind = side.column(_SIDE)
             dead = _resolve_dead_letters(side.filter(pc.equal(kind, "dead")).select([columns.POS, "reason", "raw"]), rng)
             if dead.num_rows and pipeline.bad_records == "fail":
