@@ -39,7 +39,8 @@ defs = build_definitions(
     ),
     tables=TablesResource(
         warehouse=os.environ.get("VOLLEY_WAREHOUSE", str(DEMO / "tables")),
-        iceberg_catalog_uri=os.environ.get("VOLLEY_ICEBERG_CATALOG_URI") or None,
+        # may hold a PostgreSQL password: Dagster keeps the variable's name, never its value
+        iceberg_catalog_uri=EnvVar("VOLLEY_ICEBERG_CATALOG_URI") if os.environ.get("VOLLEY_ICEBERG_CATALOG_URI") else None,
         s3=_s3(),
     ),
     spark=SparkResource(master=os.environ.get("VOLLEY_SPARK_MASTER"), remote=os.environ.get("VOLLEY_SPARK_REMOTE")),

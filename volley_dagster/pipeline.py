@@ -36,6 +36,7 @@ class Pipeline:
     windowing: Windowing | None = None
     sinks: tuple[Sink, ...] = ()
     bad_records: BadRecordPolicy = "fail"
+    quote_bad_records: bool = True
     layout: ShardLayout = field(default_factory=ShardLayout)
 
     def __post_init__(self) -> None:
@@ -108,12 +109,14 @@ class Pipeline:
             raise ConfigError(f"pipeline {self.name!r} already has a sink named {sink.name!r}")
         return replace(self, sinks=self.sinks + (sink,))
 
-    def on_bad_records(self, policy: BadRecordPolicy) -> Pipeline:
+    def on_bad_records(self, policy: BadRecordPolicy, *, quote_records: bool = True) -> Pipeline:
         """``"fail"`` (default): the epoch fails naming file, offset and reason.
-        ``"dead_letter"``: such records go to the epoch's dead-letter output, counted."""
+        ``"dead_letter"``: such records go to the epoch's dead-letter output, counted.
+        ``quote_records=False``: errors, which reach logs and the Dagster UI, give each
+        reason's kind only (never a value from the record); the file and offset stay."""
         if policy not in ("fail", "dead_letter"):
             raise ConfigError(f"bad-record policy must be 'fail' or 'dead_letter', got {policy!r}")
-        return replace(self, bad_records=policy)
+        return replace(self, bad_records=policy, quote_bad_records=quote_records)
 
     def with_shards(self, num_shards: int, num_key_groups: int = DEFAULT_KEY_GROUPS) -> Pipeline:
         return replace(self, layout=ShardLayout(num_shards, num_key_groups))

@@ -273,7 +273,7 @@ class EpochRunner:
         watermark = log.manifest(epoch - 1)["watermark"] if epoch > 1 else None
         stage = run_stage(self.spark, pipeline, rng, plan, merge, watermark, rng.end_of_stream)
         if stage.dead_letters.num_rows and pipeline.bad_records == "fail":
-            raise MalformedRecordError(_describe_bad(epoch, stage.dead_letters))
+            raise MalformedRecordError(_describe_bad(epoch, stage.dead_letters, pipeline.quote_bad_records))
         if sorted(stage.shards) != list(range(pipeline.layout.num_shards)):
             raise VolleyError(f"epoch {epoch}: shard results {sorted(stage.shards)} do not cover every shard")
         faults.fault_point("after_snapshot", epoch)
@@ -495,9 +495,11 @@ def _relative_shard(info: dict[str, Any], root: Path) -> dict[str, Any]:
 MAX_REASON_CHARS = 160  # a reason quotes the record's values: an error message carries a bounded part
 
 
-def _describe_bad(epoch: int, dead: pa.Table) -> str:
+def _describe_bad(epoch: int, dead: pa.Table, quote: bool) -> str:
+    """``quote=False``: a reason's kind only (the text before its first colon)."""
     rows = dead.slice(0, 3).to_pylist()
-    first = "; ".join(f"{r['file']} record {r['offset']}: {_bounded(r['reason'])}" for r in rows)
+    reasons = [_bounded(r["reason"]) if quote else r["reason"].split(":", 1)[0] + " (details withheld)" for r in rows]
+    first = "; ".join(f"{r['file']} record {r['offset']}: {reason}" for r, reason in zip(rows, reasons))
     more = f" (and {dead.num_rows - len(rows)} more)" if dead.num_rows > len(rows) else ""
     return (
         f"epoch {epoch}: {dead.num_rows} malformed record(s): {first}{more}. Nothing was committed; "
