@@ -52,7 +52,8 @@ def test_a_root_from_before_lineages_adopts_one_that_owns_its_committed_epochs(t
     legacy = {k: v for k, v in read_json(tmp_path / "pipeline.json").items() if k != "lineage"}
     write_json_atomic(tmp_path / "pipeline.json", legacy)
     adopted = log.lineage()
-    assert adopted.unlabelled_through == 0 and adopted == log.lineage()
+    assert adopted.unlabelled_through == 0 and adopted == log.lineage() == EpochLog(tmp_path).lineage()
+    assert (tmp_path / "lineage.json").exists() and "lineage" not in read_json(tmp_path / "pipeline.json")
     log.check_identity({"pipeline": "p", "layout": {"num_shards": 1}})  # the lineage is not part of the layout
 
 

@@ -3,6 +3,7 @@
 Layout under the checkpoint root::
 
     pipeline.json                      identity: layout the state was first written with, and the lineage
+    lineage.json                       the lineage of a root from before lineages were kept in pipeline.json
     sinks/delta.json                   a sink that held another lineage's epochs: what it chose (once)
     layouts/0000000001.json            a committed rescale: epochs from N on run with S shards
     epochs/0000000007/offsets.json     the range, written once before the first attempt
@@ -36,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from volley_dagster import faults
-from volley_dagster.checkpoint.atomic import create_json_exclusive, read_json, write_json_atomic
+from volley_dagster.checkpoint.atomic import create_json_exclusive, read_json
 from volley_dagster.errors import EpochNotCutError, StateLayoutError
 from volley_dagster.sinks.lineage import Lineage, SinkBinding
 from volley_dagster.sources.offsets import EpochRange
@@ -159,12 +160,15 @@ class EpochLog:
         )
 
     def lineage(self) -> Lineage:
-        """This root's lineage. A root from before lineages gets one now (the caller holds
-        the lease), and the sinks' unlabelled marks up to its last committed epoch are its own."""
+        """This root's lineage. A root from before lineages gets one now, in ``lineage.json``
+        (created exclusively: a concurrent reader adopts the same one), and the sinks'
+        unlabelled marks up to its last committed epoch are its own."""
         recorded = self.identity()
         if "lineage" not in recorded:
-            recorded = {**recorded, "lineage": uuid.uuid4().hex, "unlabelled_through": self.last_committed()}
-            write_json_atomic(self.root / "pipeline.json", recorded)
+            adopted = self.root / "lineage.json"
+            if not adopted.exists():
+                create_json_exclusive(adopted, {"lineage": uuid.uuid4().hex, "unlabelled_through": self.last_committed()})
+            recorded = read_json(adopted)
         return Lineage(recorded["lineage"], int(recorded.get("unlabelled_through", 0)))
 
     def sink_binding(self, sink: str) -> SinkBinding | None:
