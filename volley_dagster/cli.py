@@ -36,7 +36,11 @@ def disk_usage(root: Path) -> int:
 def describe_checkpoints(root: Path) -> str:
     log = EpochLog(root)
     lines = [f"{root}/  ({_human(disk_usage(root))} on disk, hardlinks counted once)"]
-    lines.append("  pipeline.json")
+    lines.append(f"  pipeline.json  lineage {log.lineage().id}" if log.has_identity() else "  pipeline.json")
+    for binding in sorted((root / "sinks").glob("*.json")) if (root / "sinks").is_dir() else []:
+        chosen = log.sink_binding(binding.stem)
+        lines.append(f"  sinks/{binding.name}  {chosen.choice!r} after {chosen.foreign.describe()}, "
+                     f"from this lineage's epoch {chosen.first_epoch}")
     holder = current_holder(root)
     if holder is not None:
         held = "released" if holder.released_at else "held" if holder.is_live(time.time()) else "holder gone"

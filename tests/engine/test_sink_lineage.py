@@ -13,6 +13,7 @@ import pytest
 
 from tests.helpers import assert_epoch_outputs, assert_state_equal, log_records, payments, reference_state
 from volley_dagster import EpochRunner
+from volley_dagster.cli import describe_checkpoints
 from volley_dagster.demo.events import generate
 from volley_dagster.errors import SinkLineageError
 from volley_dagster.verify import check_sink
@@ -81,7 +82,9 @@ def test_a_new_root_over_old_tables_fails_then_each_choice_equals_the_reference(
         assert_epoch_outputs(old_outputs, records, {e: PER_FILE for e in (1, 2, 3)})
         assert by_rows(new_changes).equals(by_rows(pa.concat_tables([old_changes, old_changes])))
     assert_sinks_pass_checks(chosen)
-    assert (tmp_path / "state" / "sinks" / "delta.json").exists()
+    shown = describe_checkpoints(tmp_path / "state")  # `volley inspect`
+    assert f"lineage {chosen.log.lineage().id}" in shown
+    assert f"sinks/delta.json  {choice!r} after epoch 3 of lineage {old_lineage}" in shown
 
 
 def test_a_root_restored_from_a_copy_skips_what_it_committed_and_refuses_another_range(spark, tmp_path):
