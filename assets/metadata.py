@@ -8,17 +8,11 @@ from dagster import AssetKey, MetadataValue, TableColumn, TableSchema
 
 from volley_dagster import EpochResult, Pipeline
 from volley_dagster.operators.window import describe_event_time
-from volley_dagster.sinks import DeltaSink, IcebergSink, ParquetSink, Sink
+from volley_dagster.sinks import Sink
 
 
 def sink_kind(sink: Sink) -> str:
-    if isinstance(sink, DeltaSink):
-        return "delta"
-    if isinstance(sink, IcebergSink):
-        return "iceberg"
-    if isinstance(sink, ParquetSink):
-        return "parquet"
-    return type(sink).__name__.lower()
+    return sink.location().kind
 
 
 def source_key(pipeline: Pipeline) -> AssetKey:
@@ -35,13 +29,9 @@ def sink_key(pipeline: Pipeline, sink: Sink) -> AssetKey:
 
 def sink_location(sink: Sink) -> dict[str, Any]:
     """Where the table lives, under Dagster's metadata conventions."""
-    if isinstance(sink, DeltaSink):
-        return {"dagster/uri": sink.uri, "mode": sink.mode}
-    if isinstance(sink, IcebergSink):
-        return {"dagster/table_name": sink.identifier, "mode": sink.mode}
-    if isinstance(sink, ParquetSink):
-        return {"dagster/uri": str(sink.path)}
-    return {}
+    location = sink.location()
+    shown = {"dagster/uri": location.uri, "dagster/table_name": location.table_name, "mode": location.mode}
+    return {k: v for k, v in shown.items() if v is not None}
 
 
 def column_schema(table: pa.Schema) -> TableSchema:

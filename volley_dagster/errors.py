@@ -45,6 +45,11 @@ class SinkLineageError(VolleyError):
     message names both lineages and the sink's ``on_foreign_lineage`` choices."""
 
 
+class SinkCommitError(VolleyError):
+    """A sink's table library failed to commit an epoch (its error is the cause), or
+    lost every commit race; nothing of the epoch is in that table, so a retry is safe."""
+
+
 class AggregateOverflowError(VolleyError):
     """An integer aggregate left int64 for some key: state never wraps, so the epoch
     fails naming the aggregate, the keys and the epoch."""

@@ -15,6 +15,7 @@ from deltalake import DeltaTable
 
 from tests.sinks.commit_worker import epoch_output, race
 from tests.sinks.helpers import PIPELINE, ROWS, ctx, frame, reference
+from volley_dagster.errors import SinkCommitError, is_retryable
 from volley_dagster.sinks.base import CommitContext
 from volley_dagster.sinks.delta import DeltaSink
 from volley_dagster.sinks.s3 import S3Endpoint
@@ -123,11 +124,11 @@ class _InterleavedSink(DeltaSink):
         self.rival: DeltaSink | None = rival
         self.rival_ctx = rival_ctx
 
-    def _write(self, table: Any, output: pa.Table, keys: Any, props: Any, replace: bool) -> dict[str, Any]:
+    def _write_rows(self, table: Any, output: pa.Table, keys: Any, props: Any, replace: bool) -> dict[str, Any]:
         if self.rival is not None:
             rival, self.rival = self.rival, None
             assert rival.commit(output, self.rival_ctx)["skipped"] is False
-        return super()._write(table, output, keys, props, replace)
+        return super()._write_rows(table, output, keys, props, replace)
 
 
 @pytest.mark.parametrize("mode", ["append", "upsert"])
@@ -159,3 +160,13 @@ def test_two_processes_commit_each_epoch_once(location: dict[str, Any], mode: st
     assert sink.committed_epoch(PIPELINE) == 3
     assert delta_table(location).version() == 2  # three commits in all
     pd.testing.assert_frame_equal(frame(sink.read()), reference(mode, range(1, 4)), check_dtype=False)
+
+
+def test_a_commit_the_table_refuses_is_a_sink_commit_error_naming_sink_table_and_epoch(tmp_path: Path) -> None:
+    sink = DeltaSink(tmp_path / "delta", name="balances")
+    sink.commit(epoch_output(1, ROWS), ctx(1))
+    wrong = pa.table({"merchant_id": pa.array(["not", "a", "number"])})  # the table's schema differs
+    with pytest.raises(SinkCommitError, match=rf"sink 'balances' \(delta {tmp_path}/delta\): epoch 2 did not commit: ") as err:
+        sink.commit(wrong, ctx(2))
+    assert err.value.__cause__ is not None and "volley" not in type(err.value.__cause__).__module__
+    assert sink.committed_epoch(PIPELINE) == 1 and is_retryable(err.value)

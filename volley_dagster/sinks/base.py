@@ -45,9 +45,23 @@ class CommitContext:
         return decide(sink, held, self.mark, self.lineage, self.binding)
 
 
+@dataclass(frozen=True)
+class SinkLocation:
+    """Where a sink's table lives, as an orchestrator shows it: its kind ("delta",
+    "iceberg", ...), a URI or a catalog table name, and its write mode."""
+
+    kind: str
+    uri: str | None = None
+    table_name: str | None = None
+    mode: str | None = None
+
+
 class Sink(ABC):
     name: str
     on_foreign_lineage: ForeignLineage = "fail"
+
+    def location(self) -> SinkLocation:
+        return SinkLocation(type(self).__name__.lower())
 
     @abstractmethod
     def committed_mark(self, pipeline: str) -> SinkMark | None:

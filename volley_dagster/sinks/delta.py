@@ -7,7 +7,7 @@ version back), and by default it rebases a conflicting blind append onto the
 winner's commit, so two writers of the same epoch can both land. Hence: every
 commit is built on the very snapshot whose txn version we checked, with
 ``max_commit_retries=0``; a concurrent commit surfaces as ``CommitFailedError``
-and our own loop re-reads the txn version and skips or tries again.
+and the shared loop (``sinks/table.py``) re-reads the txn version and decides again.
 
 The txn says which epoch number the table holds; the commit info of the commit
 that set it (``volley.lineage``, ``volley.range``: ``sinks/lineage.py``) says whose.
@@ -17,31 +17,32 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import pyarrow as pa
 from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundError
 
-from volley_dagster.errors import ConfigError
-from volley_dagster.sinks.base import CommitContext, Sink, commit_tags, upsert_keys
-from volley_dagster.sinks.lineage import ForeignLineage, SinkCommit, SinkMark, check_choice
+from volley_dagster.sinks.base import CommitContext, SinkLocation, commit_tags
+from volley_dagster.sinks.lineage import ForeignLineage, SinkCommit, SinkMark
 from volley_dagster.sinks.s3 import S3Endpoint
-
-Mode = Literal["append", "upsert"]
+from volley_dagster.sinks.table import Mode, TableSink
 
 
 def _quote(column: str) -> str:
     return "`" + column.replace("`", "``") + "`"
 
 
-class DeltaSink(Sink):
+class DeltaSink(TableSink[DeltaTable]):
     """``mode="append"`` adds each epoch's rows (window results, changelogs);
     ``mode="upsert"`` MERGEs them by ``key_columns`` (default: the pipeline's key)
     for running aggregates. The table is created on the first commit with the
     output's schema; ``uri`` is a local path or ``s3://`` (pass ``s3`` or
     ``storage_options``). ``on_foreign_lineage``: what to do when the table holds the
     pipeline's epochs from another checkpoint lineage (``sinks/lineage.py``)."""
+
+    conflicts = (CommitFailedError,)
+    process_local = ("_table",)  # a loaded DeltaTable is process-local
 
     def __init__(
         self,
@@ -55,28 +56,22 @@ class DeltaSink(Sink):
         max_attempts: int = 10,
         on_foreign_lineage: ForeignLineage = "fail",
     ) -> None:
-        self.on_foreign_lineage = check_choice(name, on_foreign_lineage)
-        if mode not in ("append", "upsert"):
-            raise ConfigError(f"DeltaSink mode must be 'append' or 'upsert', not {mode!r}")
+        super().__init__(name, mode, key_columns, max_attempts, on_foreign_lineage)
         text = os.fspath(uri)
         self.uri = text if "://" in text else str(Path(text).absolute())
-        self.name = name
-        self.mode: Mode = mode
-        self.key_columns = tuple(key_columns) if key_columns else None
         self.storage_options = {**(s3.delta_storage_options() if s3 else {}), **(storage_options or {})}
         self.partition_by = list(partition_by) if partition_by else None
-        self.max_attempts = max_attempts
         self._table: DeltaTable | None = None
-
-    def __getstate__(self) -> dict[str, Any]:
-        # A loaded DeltaTable is process-local: reload it where the sink is used.
-        return {**self.__dict__, "_table": None}
 
     def app_id(self, pipeline: str) -> str:
         return f"{pipeline}/{self.name}"
 
     def table(self) -> DeltaTable | None:
         """The table at its latest version (None before the first commit)."""
+        return self._load()
+
+    def _load(self, create_with: pa.Schema | None = None) -> DeltaTable | None:
+        # Delta creates the table with the first commit itself (see ``_write``).
         if self._table is None:
             try:
                 self._table = DeltaTable(self.uri, storage_options=self.storage_options or None)
@@ -86,42 +81,28 @@ class DeltaSink(Sink):
             self._table.update_incremental()
         return self._table
 
-    def committed_mark(self, pipeline: str) -> SinkMark | None:
-        return _mark(self.table(), self.app_id(pipeline), pipeline)
+    def _forget(self) -> None:
+        self._table = None
 
-    def commit(self, output: pa.Table, ctx: CommitContext) -> dict[str, Any]:
-        keys = upsert_keys(self, self.mode, self.key_columns, ctx)
+    def _held(self, table: DeltaTable, pipeline: str) -> SinkMark | None:
+        return _mark(table, self.app_id(pipeline), pipeline)
+
+    def _position(self, table: DeltaTable | None) -> dict[str, Any]:
+        return {"version": table.version() if table is not None else None}
+
+    def _write(self, table: DeltaTable | None, output: pa.Table, ctx: CommitContext,
+               keys: tuple[str, ...]) -> dict[str, Any]:
         app_id = self.app_id(ctx.pipeline)
         props = CommitProperties(
             app_transactions=[Transaction(app_id=app_id, version=ctx.sink_epoch)],
             custom_metadata={**commit_tags(ctx, output.num_rows), "volley.app_id": app_id},
             max_commit_retries=0,
         )
-        conflicts = 0
-        last: Exception = RuntimeError(f"Delta sink {self.name!r}: max_attempts={self.max_attempts} allows no commit")
-        for _ in range(self.max_attempts):
-            table = self.table()
-            held = _mark(table, app_id, ctx.pipeline)
-            if not ctx.should_commit(self.name, held):
-                return {"skipped": True, "held_epoch": held.epoch if held else None, "conflicts": conflicts,
-                        "mode": self.mode, "version": table.version() if table is not None else None}
-            try:
-                metrics = self._write(table, output, keys, props, ctx.replace)
-            except CommitFailedError as exc:
-                # Someone committed between our read and our commit (possibly this
-                # very epoch): drop the cached snapshot and decide again.
-                conflicts += 1
-                self._table = None
-                last = exc
-                continue
-            table = self.table()
-            assert table is not None
-            return {"skipped": False, "version": table.version(), "rows": output.num_rows, "mode": self.mode,
-                    "conflicts": conflicts, "replaced": ctx.replace, **metrics}
-        raise last
+        counts = self._write_rows(table, output, keys, props, ctx.replace)
+        return {**counts, **self._position(self._load())}
 
-    def _write(self, table: DeltaTable | None, output: pa.Table, keys: tuple[str, ...],
-               props: CommitProperties, replace: bool) -> dict[str, Any]:
+    def _write_rows(self, table: DeltaTable | None, output: pa.Table, keys: tuple[str, ...],
+                    props: CommitProperties, replace: bool) -> dict[str, Any]:
         if table is None:
             # The first commit creates the table (version 0) with this epoch's rows
             # and txn; a MERGE into an empty table would insert the same rows.
@@ -131,7 +112,7 @@ class DeltaSink(Sink):
                 write_deltalake(self.uri, output, mode="error", partition_by=self.partition_by,
                                 storage_options=self.storage_options or None, commit_properties=props)
             except DeltaError as exc:
-                if isinstance(exc, CommitFailedError) or self.table() is None:
+                if isinstance(exc, CommitFailedError) or self._load() is None:
                     raise
                 raise CommitFailedError(f"table {self.uri} was created concurrently: {exc}") from exc
             return {"inserted": output.num_rows, "updated": 0}
@@ -155,7 +136,7 @@ class DeltaSink(Sink):
 
     def commits(self, pipeline: str) -> list[SinkCommit]:
         """From the table's commit infos; after a replacing overwrite, only those since."""
-        table = self.table()
+        table = self._load()
         commits: list[SinkCommit] = []
         for info in table.history() if table is not None else []:  # newest first
             if info.get("volley.pipeline") == pipeline and "volley.epoch" in info and _same_app(info, self.app_id(pipeline)):
@@ -165,8 +146,11 @@ class DeltaSink(Sink):
         return commits[::-1]
 
     def read(self) -> pa.Table:
-        table = self.table()
+        table = self._load()
         return pa.table({}) if table is None else table.to_pyarrow_table()
+
+    def location(self) -> SinkLocation:
+        return SinkLocation("delta", uri=self.uri, mode=self.mode)
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "uri": self.uri, "mode": self.mode,
@@ -181,13 +165,12 @@ def _overwrote(info: dict[str, Any]) -> bool:
     return str((info.get("operationParameters") or {}).get("mode", "")).lower() == "overwrite"
 
 
-def _mark(table: DeltaTable | None, app_id: str, pipeline: str) -> SinkMark | None:
+def _mark(table: DeltaTable, app_id: str, pipeline: str) -> SinkMark | None:
     """The txn version, with the lineage of the commit that set it: the newest commit
     of this app carrying that version (found within the log's retained history)."""
-    version = None if table is None else table.transaction_version(app_id)
+    version = table.transaction_version(app_id)
     if version is None:
         return None
-    assert table is not None
     for limit in (8, None):
         for info in table.history(limit):
             if (info.get("volley.pipeline") == pipeline and info.get("volley.epoch") == str(version)

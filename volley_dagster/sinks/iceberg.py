@@ -7,8 +7,8 @@ expiry and compaction. (Tables written before marks had ``volley.epoch.<pipeline
 
 pyiceberg retries a failed commit by itself (``commit.retry.num-retries``,
 default 4) by rebasing the append onto the winner, which would land a racing
-epoch twice. Our tables set it to 0 and we run the loop ourselves: refresh,
-re-read the committed epoch, skip or try again.
+epoch twice. Our tables set it to 0 and the shared loop (``sinks/table.py``)
+refreshes, re-reads the committed mark, and skips or tries again.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import warnings
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -34,11 +34,11 @@ from pyiceberg.table import Table, Transaction
 from sqlalchemy.exc import SQLAlchemyError
 
 from volley_dagster.errors import ConfigError
-from volley_dagster.sinks.base import CommitContext, Sink, commit_tags, upsert_keys
-from volley_dagster.sinks.lineage import ForeignLineage, SinkCommit, SinkMark, check_choice
+from volley_dagster.sinks.base import CommitContext, SinkLocation, commit_tags
+from volley_dagster.sinks.lineage import ForeignLineage, SinkCommit, SinkMark
 from volley_dagster.sinks.s3 import S3Endpoint
+from volley_dagster.sinks.table import Mode, TableSink
 
-Mode = Literal["append", "upsert"]
 NO_RETRIES = {"commit.retry.num-retries": "0"}
 
 
@@ -59,13 +59,16 @@ def mark_prefix(pipeline: str, sink: str) -> str:
     return f"volley.{pipeline}.{sink}."
 
 
-class IcebergSink(Sink):
+class IcebergSink(TableSink[Table]):
     """``table`` is ``"namespace.table"``; ``catalog`` holds pyiceberg catalog
     properties (``type``, ``uri``, ``warehouse``, ``s3.*``), e.g. a SqlCatalog on
     PostgreSQL with ``uri="postgresql+psycopg2://..."``; without it, ``path``
     names a local SQLite catalog (see ``sqlite_catalog``). ``mode="upsert"``
     replaces rows by ``key_columns`` (default: the pipeline's key). ``on_foreign_lineage``:
     what to do when the table holds the pipeline's epochs from another checkpoint lineage."""
+
+    conflicts = (CommitFailedException,)
+    process_local = ("_catalog", "_table")  # catalogs hold engines and sockets
 
     def __init__(
         self,
@@ -80,9 +83,7 @@ class IcebergSink(Sink):
         max_attempts: int = 10,
         on_foreign_lineage: ForeignLineage = "fail",
     ) -> None:
-        self.on_foreign_lineage = check_choice(name, on_foreign_lineage)
-        if mode not in ("append", "upsert"):
-            raise ConfigError(f"IcebergSink mode must be 'append' or 'upsert', not {mode!r}")
+        super().__init__(name, mode, key_columns, max_attempts, on_foreign_lineage)
         if "." not in table:
             raise ConfigError(f"Iceberg table {table!r} must be 'namespace.table'")
         if catalog is None and path is None:
@@ -92,16 +93,8 @@ class IcebergSink(Sink):
         self.catalog_properties = {**(catalog if catalog is not None else sqlite_catalog(path)),  # type: ignore[arg-type]
                                    **(s3.iceberg_properties() if s3 else {})}
         self.catalog_name = catalog_name
-        self.name = name
-        self.mode: Mode = mode
-        self.key_columns = tuple(key_columns) if key_columns else None
-        self.max_attempts = max_attempts
         self._catalog: Catalog | None = None
         self._table: Table | None = None
-
-    def __getstate__(self) -> dict[str, Any]:
-        # Catalogs hold engines and sockets: reopen them in the process that commits.
-        return {**self.__dict__, "_catalog": None, "_table": None}
 
     @property
     def catalog(self) -> Catalog:
@@ -120,18 +113,27 @@ class IcebergSink(Sink):
 
     def table(self) -> Table | None:
         """The table at the catalog's current metadata (None before the first commit)."""
+        return self._load()
+
+    def _load(self, create_with: pa.Schema | None = None) -> Table | None:
         if self._table is None:
             try:
                 self._table = self.catalog.load_table(self.identifier)
             except NoSuchTableError:
-                return None
+                if create_with is None:
+                    return None
+                self._table = self._create(create_with)
         else:
+            self._table.refresh()
+        if create_with is not None and self._table.properties.get("commit.retry.num-retries") != "0":
+            # A table made elsewhere: pyiceberg reads the retry count from the metadata
+            # a transaction starts from, so fix it in its own commit first.
+            self._table.transaction().set_properties(NO_RETRIES).commit_transaction()
             self._table.refresh()
         return self._table
 
-    def committed_mark(self, pipeline: str) -> SinkMark | None:
-        table = self.table()
-        return None if table is None else self._held(table, pipeline)
+    def _forget(self) -> None:
+        self._table = None
 
     def _held(self, table: Table, pipeline: str) -> SinkMark | None:
         prefix = mark_prefix(pipeline, self.name)
@@ -141,36 +143,17 @@ class IcebergSink(Sink):
         legacy = table.properties.get(epoch_property(pipeline))
         return None if legacy is None else SinkMark(int(legacy))
 
-    def commit(self, output: pa.Table, ctx: CommitContext) -> dict[str, Any]:
-        keys = upsert_keys(self, self.mode, self.key_columns, ctx)
-        summary = commit_tags(ctx, output.num_rows)
-        conflicts = 0
-        last: Exception = RuntimeError(f"Iceberg sink {self.name!r}: max_attempts={self.max_attempts} allows no commit")
-        for _ in range(self.max_attempts):
-            table = self.table() or self._create(output.schema)
-            held = self._held(table, ctx.pipeline)
-            if not ctx.should_commit(self.name, held):
-                return {"skipped": True, "held_epoch": held.epoch if held else None, "conflicts": conflicts,
-                        "mode": self.mode, "snapshot_id": _snapshot_id(table)}
-            try:
-                if table.properties.get("commit.retry.num-retries") != "0":
-                    # A table made elsewhere: pyiceberg reads the retry count from the
-                    # metadata a transaction starts from, so fix it in its own commit.
-                    table.transaction().set_properties(NO_RETRIES).commit_transaction()
-                    continue
-                txn = table.transaction()
-                stats = self._stage(txn, table, output, keys, summary, ctx.replace)
-                prefix = mark_prefix(ctx.pipeline, self.name)
-                txn.set_properties({prefix + k[len("volley."):]: v for k, v in ctx.mark.tags().items()})
-                committed = txn.commit_transaction()
-            except CommitFailedException as exc:
-                # Someone committed since our refresh (possibly this very epoch).
-                conflicts += 1
-                last = exc
-                continue
-            return {"skipped": False, "snapshot_id": _snapshot_id(committed), "rows": output.num_rows,
-                    "mode": self.mode, "conflicts": conflicts, "replaced": ctx.replace, **stats}
-        raise last
+    def _position(self, table: Table | None) -> dict[str, Any]:
+        return {"snapshot_id": None if table is None else _snapshot_id(table)}
+
+    def _write(self, table: Table | None, output: pa.Table, ctx: CommitContext,
+               keys: tuple[str, ...]) -> dict[str, Any]:
+        assert table is not None  # ``_load(create_with=...)`` created it
+        txn = table.transaction()
+        stats = self._stage(txn, table, output, keys, commit_tags(ctx, output.num_rows), ctx.replace)
+        prefix = mark_prefix(ctx.pipeline, self.name)
+        txn.set_properties({prefix + k[len("volley."):]: v for k, v in ctx.mark.tags().items()})
+        return {**stats, **self._position(txn.commit_transaction())}
 
     def _stage(self, txn: Transaction, table: Table, output: pa.Table, keys: tuple[str, ...],
                summary: dict[str, str], replace: bool) -> dict[str, Any]:
@@ -242,6 +225,9 @@ class IcebergSink(Sink):
     def read(self) -> pa.Table:
         table = self.table()
         return pa.table({}) if table is None else table.scan().to_arrow()
+
+    def location(self) -> SinkLocation:
+        return SinkLocation("iceberg", table_name=self.identifier, mode=self.mode)
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "table": self.identifier, "mode": self.mode,

@@ -6,7 +6,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from volley_dagster.sinks.base import CommitContext, Sink
+from volley_dagster.sinks.base import CommitContext, Sink, SinkLocation
 from volley_dagster.sinks.lineage import ForeignLineage, SinkCommit, SinkMark, check_choice
 
 
@@ -30,6 +30,9 @@ class MemorySink(Sink):
         self.epochs.setdefault(ctx.pipeline, {})[ctx.sink_epoch] = output
         self.marks.setdefault(ctx.pipeline, {})[ctx.sink_epoch] = ctx.mark
         return {"rows": output.num_rows}
+
+    def location(self) -> SinkLocation:
+        return SinkLocation("memory")
 
     def commits(self, pipeline: str) -> list[SinkCommit]:
         return [SinkCommit(self.marks[pipeline][epoch], table.num_rows)

@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from volley_dagster.checkpoint.atomic import create_bytes_exclusive
-from volley_dagster.sinks.base import CommitContext, Sink, commit_tags
+from volley_dagster.sinks.base import CommitContext, Sink, SinkLocation, commit_tags
 from volley_dagster.sinks.lineage import ForeignLineage, SinkCommit, SinkMark, check_choice
 
 _FILE = re.compile(r"^epoch-(\d+)\.parquet$")
@@ -78,6 +78,9 @@ class ParquetSink(Sink):
             t = pq.read_table(path).replace_schema_metadata(None)
             tables.append(t.append_column("epoch", pa.array([epoch] * t.num_rows, pa.int64())))
         return pa.concat_tables(tables) if tables else pa.table({})
+
+    def location(self) -> SinkLocation:
+        return SinkLocation("parquet", uri=str(self.path))
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "path": str(self.path)}

@@ -1,0 +1,113 @@
+"""The commit lifecycle every idempotent table sink shares, so a table format only
+says how to read what it holds and how to write one epoch atomically.
+
+One attempt: load the table as it is now; read its lineage mark; let the epoch's
+``CommitContext`` decide (skip, commit, or ``SinkLineageError``); write the epoch in
+one commit built on the very table state that was checked. A write that loses a race
+to another writer (``conflicts``) is decided again from the new state, so two writers
+of one epoch leave exactly one copy; any other failure of the table library comes
+out as ``SinkCommitError`` with the library's error as its cause.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from typing import Any, ClassVar, Generic, Literal, TypeVar
+
+import pyarrow as pa
+
+from volley_dagster.errors import ConfigError, SinkCommitError, VolleyError
+from volley_dagster.sinks.base import CommitContext, Sink, upsert_keys
+from volley_dagster.sinks.lineage import ForeignLineage, SinkMark, check_choice
+
+Mode = Literal["append", "upsert"]
+Table = TypeVar("Table")
+
+
+class TableSink(Sink, Generic[Table]):
+    """``mode="append"`` adds each epoch's rows; ``mode="upsert"`` replaces rows by
+    ``key_columns`` (default: the pipeline's key). Subclasses implement ``_load``,
+    ``_held``, ``_write`` and ``_position`` and name their lost-race errors."""
+
+    conflicts: ClassVar[tuple[type[BaseException], ...]] = ()
+    process_local: ClassVar[tuple[str, ...]] = ()  # cached clients and tables: reopened where the sink is used
+
+    def __init__(self, name: str, mode: Mode, key_columns: tuple[str, ...] | list[str] | None,
+                 max_attempts: int, on_foreign_lineage: ForeignLineage) -> None:
+        if mode not in ("append", "upsert"):
+            raise ConfigError(f"{type(self).__name__} mode must be 'append' or 'upsert', not {mode!r}")
+        if max_attempts < 1:
+            raise ConfigError(f"{type(self).__name__} {name!r}: max_attempts must be at least 1, got {max_attempts}")
+        self.name = name
+        self.mode: Mode = mode
+        self.key_columns = tuple(key_columns) if key_columns else None
+        self.max_attempts = max_attempts
+        self.on_foreign_lineage = check_choice(name, on_foreign_lineage)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, **{attr: None for attr in self.process_local}}
+
+    # -- what a table format implements ----------------------------------------------
+
+    @abstractmethod
+    def _load(self, create_with: pa.Schema | None = None) -> Table | None:
+        """The table at its latest state (None before it exists; with ``create_with``,
+        formats that must exist before a commit create it)."""
+
+    @abstractmethod
+    def _forget(self) -> None:
+        """Drop cached table state after a lost race."""
+
+    @abstractmethod
+    def _held(self, table: Table, pipeline: str) -> SinkMark | None:
+        """The mark of ``pipeline``'s latest commit, from ``table``'s own metadata."""
+
+    @abstractmethod
+    def _write(self, table: Table | None, output: pa.Table, ctx: CommitContext, keys: tuple[str, ...]) -> dict[str, Any]:
+        """Commit the epoch on exactly the state of ``table`` that was checked, tagged
+        with ``ctx.mark``; raise one of ``conflicts`` when another writer got there first.
+        Returns what the manifest records (counts, the new table position)."""
+
+    @abstractmethod
+    def _position(self, table: Table | None) -> dict[str, Any]:
+        """Where the table stands (its version or snapshot id), for the manifest."""
+
+    # -- the lifecycle ------------------------------------------------------------------
+
+    def committed_mark(self, pipeline: str) -> SinkMark | None:
+        table = self._load()
+        return None if table is None else self._held(table, pipeline)
+
+    def commit(self, output: pa.Table, ctx: CommitContext) -> dict[str, Any]:
+        keys = upsert_keys(self, self.mode, self.key_columns, ctx)
+        conflicts, lost_to = 0, None
+        for _ in range(self.max_attempts):
+            try:
+                table = self._load(create_with=output.schema)
+                held = None if table is None else self._held(table, ctx.pipeline)
+                if not ctx.should_commit(self.name, held):
+                    return {"skipped": True, "held_epoch": held.epoch if held else None, "conflicts": conflicts,
+                            "mode": self.mode, **self._position(table)}
+                metrics = self._write(table, output, ctx, keys)
+            except self.conflicts as exc:
+                conflicts, lost_to = conflicts + 1, exc  # someone committed since we looked (possibly this very epoch): decide again
+                self._forget()
+                continue
+            except VolleyError:
+                raise
+            except Exception as exc:
+                raise SinkCommitError(
+                    f"sink {self.name!r} ({self.describe_target()}): epoch {ctx.epoch} did not commit: "
+                    f"{type(exc).__name__}: {exc}"
+                ) from exc
+            return {"skipped": False, "rows": output.num_rows, "mode": self.mode, "conflicts": conflicts,
+                    "replaced": ctx.replace, **metrics}
+        raise SinkCommitError(
+            f"sink {self.name!r} ({self.describe_target()}): epoch {ctx.epoch} lost {conflicts} commit races in a row "
+            f"(max_attempts={self.max_attempts}); another writer keeps committing to the table. Nothing of this "
+            "epoch was committed to it; retrying is safe"
+        ) from lost_to
+
+    def describe_target(self) -> str:
+        location = self.location()
+        return f"{location.kind} {location.uri or location.table_name}"
