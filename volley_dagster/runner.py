@@ -462,7 +462,7 @@ class EpochRunner:
             if not path.exists() and self._stored_remotely(info):
                 with contextlib.suppress(SnapshotError):  # not on this machine: S3 has it unless pruned there too
                     restored = path = self.snapshot_store.restore(epoch, shard, Path(self.snapshot_cache),
-                                                                  attempt=info.get("attempt"))
+                                                                  attempt=info.get("attempt")).path
             if not path.exists():
                 raise SnapshotError(
                     f"epoch {epoch}'s snapshot of shard {shard} was removed by retention "
@@ -484,8 +484,9 @@ class EpochRunner:
 
     def _stored_remotely(self, info: dict[str, Any]) -> bool:
         """Whether a manifest's shard entry was uploaded to the snapshot store (an epoch's
-        own snapshots are; a rescale's rewrite is not)."""
-        return self.snapshot_store is not None and "s3_upload_s" in info
+        own snapshots are; a rescale's rewrite is not). Manifests written before the flag
+        said so by their upload timing alone."""
+        return self.snapshot_store is not None and bool(info.get("stored_remotely", "s3_upload_s" in info))
 
 
 def _relative_shard(info: dict[str, Any], root: Path) -> dict[str, Any]:

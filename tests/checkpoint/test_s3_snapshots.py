@@ -104,10 +104,9 @@ def test_upload_is_incremental_and_warm_restore_downloads_nothing(store, seaweed
     assert {f.name for f in store.manifest(2, 0).files} == {p.name for p in cp2.iterdir()}
 
     cache = tmp_path / "cache"
-    cold = store.restore(2, 0, cache)
-    assert store.last_restore is not None
-    assert store.last_restore.bytes_downloaded == second.total_bytes
-    assert store.last_restore.files_cached == 0
+    restored = store.restore(2, 0, cache)
+    assert restored.bytes_downloaded == second.total_bytes and restored.files_cached == 0
+    cold = restored.path
     assert read_all(cold) == state
     plain = rocksdict.Rdict(str(cold))  # rocksdict's own defaults open it too
     try:
@@ -117,10 +116,10 @@ def test_upload_is_incremental_and_warm_restore_downloads_nothing(store, seaweed
 
     # A warm restore through a pickled copy (what a Spark executor gets) downloads nothing.
     shipped: S3SnapshotStore = pickle.loads(pickle.dumps(store))
-    warm = shipped.restore(2, 0, cache)
-    assert warm != cold and shipped.last_restore is not None
-    assert shipped.last_restore.bytes_downloaded == 0
-    assert shipped.last_restore.files_cached == len({f.sha256 for f in second.manifest.files})
+    rewarmed = shipped.restore(2, 0, cache)
+    warm = rewarmed.path
+    assert warm != cold and rewarmed.bytes_downloaded == 0
+    assert rewarmed.files_cached == len({f.sha256 for f in second.manifest.files})
     assert read_all(warm) == state
     sst_name = next(iter(new))
     assert os.path.samefile(warm / sst_name, cache / "objects" / new[sst_name])  # hardlinked from the cache
@@ -138,7 +137,7 @@ def test_same_named_ssts_from_two_restores_do_not_collide(store, tmp_path):
     expected: dict[str, dict[bytes, bytes]] = {}
     snapshots: dict[str, Path] = {}
     for shard, tag in ((0, b"left"), (1, b"right")):
-        restored = store.restore(1, 0, tmp_path / f"cache-{tag.decode()}")
+        restored = store.restore(1, 0, tmp_path / f"cache-{tag.decode()}").path
         shard_store = ShardStore.restore(restored, None, tmp_path / f"work-{tag.decode()}")
         changes = {key(i): tag * 8 for i in range(0, 2_000, 3)}
         write(shard_store.db, changes)
@@ -158,8 +157,8 @@ def test_same_named_ssts_from_two_restores_do_not_collide(store, tmp_path):
         assert keys_left[name] == f"sst/{left[name]}.sst" != keys_right[name] == f"sst/{right[name]}.sst"
 
     cache = tmp_path / "cache-both"  # one cache serves both: entries are content-addressed
-    assert read_all(store.restore(2, 0, cache)) == expected["left"]
-    assert read_all(store.restore(2, 1, cache)) == expected["right"]
+    assert read_all(store.restore(2, 0, cache).path) == expected["left"]
+    assert read_all(store.restore(2, 1, cache).path) == expected["right"]
 
 
 def test_retention_deletes_old_manifests_then_unreferenced_ssts(store, seaweedfs, tmp_path):
@@ -196,7 +195,7 @@ def test_retention_deletes_old_manifests_then_unreferenced_ssts(store, seaweedfs
         assert not objects(seaweedfs, store, f"epochs/{epoch:010d}/")
     assert objects(seaweedfs, store, "sst/") == sst_keys(3, 4)
     for epoch in (3, 4):
-        assert read_all(store.restore(epoch, 0, tmp_path / "cache")) == states[epoch]
+        assert read_all(store.restore(epoch, 0, tmp_path / "cache").path) == states[epoch]
     assert store.retain(2).epochs_removed == []  # idempotent
 
 
@@ -221,7 +220,7 @@ def test_unreachable_store_commits_nothing_and_a_rerun_succeeds(store, seaweedfs
     done = store.upload(7, 3, cp)
     assert done.files_uploaded == len(done.manifest.files)
     assert store.epochs() == [7]
-    assert len(read_all(store.restore(7, 3, tmp_path / "cache"))) == 1_000
+    assert len(read_all(store.restore(7, 3, tmp_path / "cache").path)) == 1_000
 
 
 def test_outage_between_epochs_then_rerun_reuses_stored_ssts(tmp_path):
@@ -250,7 +249,7 @@ def test_outage_between_epochs_then_rerun_reuses_stored_ssts(tmp_path):
 
         second = store.upload(2, 0, cp2)
         assert second.files_reused >= 1 and second.bytes_uploaded < first.bytes_uploaded / 2
-        assert read_all(store.restore(2, 0, tmp_path / "cache")) == state
+        assert read_all(store.restore(2, 0, tmp_path / "cache").path) == state
     finally:
         db.close()
         server.stop()
@@ -275,11 +274,10 @@ def test_missing_manifest_and_corrupt_files(store, seaweedfs, tmp_path):
     data[len(data) // 2] ^= 0xFF
     with open(cached, "r+b") as fh:
         fh.write(data)
-    again = store.restore(1, 0, cache)
-    assert store.last_restore is not None
-    assert (store.last_restore.files_downloaded, store.last_restore.bytes_downloaded) == (1, sst.size)
+    refetched = store.restore(1, 0, cache)
+    assert (refetched.files_downloaded, refetched.bytes_downloaded) == (1, sst.size)
     assert sha256_file(cache / "objects" / sst.sha256) == sst.sha256
-    assert read_all(again) == state
+    assert read_all(refetched.path) == state
 
     # An object corrupted in the store is refused after download, naming the file.
     client: Any = seaweedfs.boto3()
@@ -309,8 +307,8 @@ def test_attempts_keep_their_own_manifests_and_retention_keeps_the_winners(store
     db.close()
     store.upload(1, 0, first, attempt="aaaa")
     store.upload(1, 0, second, attempt="bbbb")  # a late twin of epoch 1 shard 0: its own manifest
-    assert read_all(store.restore(1, 0, tmp_path / "cache", attempt="aaaa")) == read_all(first)
-    assert read_all(store.restore(1, 0, tmp_path / "cache", attempt="bbbb")) == read_all(second)
+    assert read_all(store.restore(1, 0, tmp_path / "cache", attempt="aaaa").path) == read_all(first)
+    assert read_all(store.restore(1, 0, tmp_path / "cache", attempt="bbbb").path) == read_all(second)
 
     carried = store.carry_forward(1, 0, 2, from_attempt="aaaa", attempt="cccc")
     assert carried.bytes_uploaded == 0 and carried.files_reused == len(carried.manifest.files)
@@ -322,7 +320,7 @@ def test_attempts_keep_their_own_manifests_and_retention_keeps_the_winners(store
 
     result = store.prune([2], {(2, 0): "cccc"})
     assert result.epochs_removed == [1]
-    assert read_all(store.restore(2, 0, tmp_path / "cache2", attempt="cccc")) == read_all(first)
+    assert read_all(store.restore(2, 0, tmp_path / "cache2", attempt="cccc").path) == read_all(first)
     assert objects(seaweedfs, store, "epochs/0000000001/")  # the small files epoch 2 names stay
 
 
@@ -338,7 +336,7 @@ def test_the_restore_cache_must_be_private_and_is_hashed_after_laying_out(store,
         store.restore(1, 0, shared)
 
     cache = tmp_path / "cache"
-    expected = read_all(store.restore(1, 0, cache))
+    expected = read_all(store.restore(1, 0, cache).path)
     assert os.stat(cache).st_mode & 0o777 == 0o700
     # a cache entry swapped for other bytes of the same size after it was stored: caught
     # once laid out (the file RocksDB would open is what is hashed), and fetched again
@@ -347,5 +345,5 @@ def test_the_restore_cache_must_be_private_and_is_hashed_after_laying_out(store,
     data[len(data) // 2] ^= 0xFF
     entry.write_bytes(bytes(data))
     again = store.restore(1, 0, cache)
-    assert read_all(again) == expected
-    assert store.last_restore.files_downloaded == 1
+    assert read_all(again.path) == expected
+    assert again.files_downloaded == 1

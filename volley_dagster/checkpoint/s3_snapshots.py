@@ -133,13 +133,12 @@ class S3SnapshotStore:
         self.endpoint = endpoint
         self.max_workers = max_workers
         self.max_attempts = max_attempts
-        self.last_restore: RestoreResult | None = None
         self._client: Any = None
         self._lock = threading.Lock()
         self._known_ssts: set[str] = set()  # hashes this process saw in the store
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_client": None, "_lock": None, "_known_ssts": set(), "last_restore": None}
+        return {**self.__dict__, "_client": None, "_lock": None, "_known_ssts": set()}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -281,12 +280,13 @@ class S3SnapshotStore:
                                 f"not epoch {epoch} shard {shard}")
         return manifest
 
-    def restore(self, epoch: int, shard: int, cache_dir: Path, *, attempt: str | None = None) -> Path:
+    def restore(self, epoch: int, shard: int, cache_dir: Path, *, attempt: str | None = None) -> RestoreResult:
         """A new directory under ``cache_dir/restores`` that RocksDB opens as the
         snapshot. Files come from ``cache_dir/objects`` (content-addressed) and are
         downloaded only when missing; each file is hashed once laid out in the new
         directory, and one that does not match (a damaged cache entry) is downloaded
-        again. ``cache_dir`` must be this user's alone. Statistics go to ``last_restore``."""
+        again. ``cache_dir`` must be this user's alone. Returns the directory (``path``)
+        with what the restore cost."""
         started = time.monotonic()
         manifest = self.manifest(epoch, shard, attempt)
         cache_dir = Path(cache_dir)
@@ -323,7 +323,7 @@ class S3SnapshotStore:
         target = restores / name
         os.replace(tmp, target)
         downloaded = [n for n in fetched if n is not None]
-        self.last_restore = RestoreResult(
+        return RestoreResult(
             epoch=epoch,
             shard=shard,
             path=target,
@@ -332,7 +332,6 @@ class S3SnapshotStore:
             files_cached=len(distinct) - len(downloaded),
             seconds=time.monotonic() - started,
         )
-        return target
 
     def _fetch(self, manifest: SnapshotManifest, f: SnapshotFile, objects: Path) -> int | None:
         """Make ``objects/<sha256>`` hold the file; the bytes downloaded, None on a cache

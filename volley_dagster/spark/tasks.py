@@ -198,9 +198,8 @@ class ShardMerge:
                 f"snapshot {prev.path} is not on this machine and the snapshot store has no copy of it "
                 "(a rescale's rewrite is kept on the checkpoint root only)"
             )
-        path = self.remote.restore(prev.remote_epoch, shard, Path(self.cache_root), attempt=prev.remote_attempt)
-        r = self.remote.last_restore
-        return path, {"s3_restore_bytes": r.bytes_downloaded if r else 0, "s3_restore_s": r.seconds if r else 0.0}
+        restored = self.remote.restore(prev.remote_epoch, shard, Path(self.cache_root), attempt=prev.remote_attempt)
+        return restored.path, {"s3_restore_bytes": restored.bytes_downloaded, "s3_restore_s": restored.seconds}
 
     def _output(self, values: list[pa.Array], stats: dict) -> pa.Table:
         names = [self.key_column] + self.operator.output_names() + [columns.STATS]
@@ -223,8 +222,8 @@ def shard_stats(shard: int, snap: SnapshotInfo, attempt: str, **measured: Any) -
 
 
 def upload_stats(upload: UploadResult) -> dict[str, Any]:
-    """A shard's S3 figures in the manifest (their presence says the snapshot is on S3)."""
-    return {"s3_bytes_uploaded": upload.bytes_uploaded, "s3_files_uploaded": upload.files_uploaded,
+    """A shard's S3 figures in the manifest, and that its snapshot is in the store."""
+    return {"stored_remotely": True, "s3_bytes_uploaded": upload.bytes_uploaded, "s3_files_uploaded": upload.files_uploaded,
             "s3_files_reused": upload.files_reused, "s3_upload_s": upload.seconds}
 
 
