@@ -50,8 +50,12 @@ def epochs_job_name(pipeline: str) -> str:
     return f"{pipeline}_epochs_job"
 
 
+def partitions_name(deployment: Deployment) -> str:
+    return f"{deployment.name}_epochs"
+
+
 def epochs_partitions(deployment: Deployment) -> DynamicPartitionsDefinition:
-    return DynamicPartitionsDefinition(name=f"{deployment.name}_epochs")
+    return DynamicPartitionsDefinition(name=partitions_name(deployment))
 
 
 def make_runner(

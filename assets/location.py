@@ -1,6 +1,19 @@
 """Assemble a code location from pipeline deployments and resources."""
 
-from dagster import AssetSelection, Definitions, define_asset_job, in_process_executor
+from typing import TYPE_CHECKING
+
+from dagster import (
+    AssetChecksDefinition,
+    AssetsDefinition,
+    AssetSelection,
+    Definitions,
+    JobDefinition,
+    ScheduleDefinition,
+    SensorDefinition,
+    SourceAsset,
+    define_asset_job,
+    in_process_executor,
+)
 
 from assets.epochs import PIPELINE_TAG, RUN_RETRY_TAGS, epoch_assets, epochs_job_name, epochs_partitions
 from assets.rescale import rescale_job
@@ -8,11 +21,17 @@ from resources import CheckpointResource, SparkResource, TablesResource
 from sensors import epoch_schedule, epoch_sensor
 from volley_dagster.deploy import Deployment
 
+if TYPE_CHECKING:  # what define_asset_job returns; Dagster does not export the name
+    from dagster._core.definitions.unresolved_asset_job_definition import UnresolvedAssetJobDefinition
+
 
 def build_definitions(
     deployments: list[Deployment], checkpoints: CheckpointResource, tables: TablesResource, spark: SparkResource
 ) -> Definitions:
-    assets, jobs, sensors, schedules = [], [], [], []
+    assets: list[AssetsDefinition | AssetChecksDefinition | SourceAsset] = []
+    jobs: list[JobDefinition | UnresolvedAssetJobDefinition] = []
+    sensors: list[SensorDefinition] = []
+    schedules: list[ScheduleDefinition] = []
     for deployment in deployments:
         source, epochs, checks = epoch_assets(deployment, tables.settings())
         assets.extend([source, epochs, checks])

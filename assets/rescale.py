@@ -9,8 +9,8 @@ holds the pipeline's lease while it rewrites the state.
 from dagster import AssetObservation, Config, JobDefinition, MetadataValue, OpExecutionContext, job, op
 
 from assets.epochs import PIPELINE_TAG, RUN_RETRY_TAGS, make_runner
-from assets.runs import pipeline_pool
 from assets.metadata import state_key
+from assets.runs import pipeline_pool
 from resources import CheckpointResource, TablesResource
 from volley_dagster.deploy import Deployment, TableSettings
 

@@ -92,6 +92,6 @@ def _run_worker_pid(instance: DagsterInstance, run_id: str) -> Optional[int]:
     for record in records:
         event = record.event_log_entry.dagster_event
         metadata = (event.engine_event_data.metadata or {}) if event is not None and event.engine_event_data else {}
-        if "pid" in metadata:
-            return int(metadata["pid"].value)
+        if "pid" in metadata and isinstance(metadata["pid"].value, int):
+            return metadata["pid"].value
     return None

@@ -40,6 +40,8 @@ class S3Resource(ConfigurableResource):
     def endpoint(self) -> Optional[S3Endpoint]:
         if not self.endpoint_url:
             return None
+        if not (self.access_key_id and self.secret_access_key):
+            raise ValueError(f"S3 endpoint {self.endpoint_url}: set access_key_id and secret_access_key too")
         return S3Endpoint(self.endpoint_url, self.access_key_id, self.secret_access_key, self.region)
 
 

@@ -29,7 +29,7 @@ from dagster import (
     sensor,
 )
 
-from assets.epochs import PIPELINE_TAG, epochs_job_name, epochs_partitions, make_runner
+from assets.epochs import PIPELINE_TAG, epochs_job_name, epochs_partitions, make_runner, partitions_name
 from assets.runs import MAX_RECOVERY_REQUESTS, fail_orphaned_runs, pool_limits_ensured, run_in_flight
 from resources import CheckpointResource, TablesResource
 from volley_dagster import EpochRunner
@@ -83,7 +83,7 @@ def epoch_sensor(deployment: Deployment, job, checks_job=None):
             if not cut:
                 break
             runner.cut_next()
-        known = set(context.instance.get_dynamic_partitions(partitions.name))
+        known = set(context.instance.get_dynamic_partitions(partitions_name(deployment)))
         new_keys = [epoch_key(e) for e in runner.log.epochs_cut() if epoch_key(e) not in known]
         add = [partitions.build_add_request(new_keys)] if new_keys else []
 
@@ -115,7 +115,8 @@ def epoch_sensor(deployment: Deployment, job, checks_job=None):
 
 
 def epoch_schedule(deployment: Deployment, job):
-    partitions = epochs_partitions(deployment)
+    if deployment.cron is None:
+        raise ValueError(f"deployment {deployment.name!r} has no cron, so no schedule")
 
     @schedule(
         name=f"{deployment.name}_clock",
@@ -129,7 +130,7 @@ def epoch_schedule(deployment: Deployment, job):
         if rng is None:
             return SkipReason("no new records in the source")
         # A schedule cannot return partition requests: add the partition directly.
-        context.instance.add_dynamic_partitions(partitions.name, [epoch_key(rng.epoch)])
+        context.instance.add_dynamic_partitions(partitions_name(deployment), [epoch_key(rng.epoch)])
         return range_request(deployment, rng.epoch, rng.epoch, run_key=f"{deployment.name}-{epoch_key(rng.epoch)}")
 
     return clock

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from volley_dagster.checkpoint.epoch_log import EpochLog
 from volley_dagster.checkpoint.lease import current_holder
+from volley_dagster.sinks import DeltaSink, IcebergSink
 
 
 def _human(n: float) -> str:
@@ -39,6 +40,8 @@ def describe_checkpoints(root: Path) -> str:
     lines.append(f"  pipeline.json  lineage {log.lineage().id}" if log.has_identity() else "  pipeline.json")
     for binding in sorted((root / "sinks").glob("*.json")) if (root / "sinks").is_dir() else []:
         chosen = log.sink_binding(binding.stem)
+        if chosen is None:
+            continue
         lines.append(f"  sinks/{binding.name}  {chosen.choice!r} after {chosen.foreign.describe()}, "
                      f"from this lineage's epoch {chosen.first_epoch}")
     holder = current_holder(root)
@@ -81,6 +84,7 @@ def demo(args: argparse.Namespace) -> int:
         print("no epochs committed")
         return 1
     balances, changes = pipeline.sinks
+    assert isinstance(balances, DeltaSink) and isinstance(changes, IcebergSink)  # the demo pipeline's
     delta = balances.read().sort_by([("total", "descending")])
     print(f"\nDelta table {balances.uri} (upsert, epoch {balances.committed_epoch(pipeline.name)}): "
           f"{delta.num_rows:,} merchants; top 5 by total:")
@@ -112,6 +116,11 @@ def demo_windows(pipeline, work: Path, args: argparse.Namespace, spark) -> None:
     (minutes,) = pipeline.sinks
     print(f"Delta table {minutes.uri} (append): {minutes.read().num_rows:,} closed windows; "
           f"{runner.read_state().num_rows:,} still open")
+
+
+def _generate(args: argparse.Namespace) -> int:
+    generate_events(args)
+    return 0
 
 
 def generate_events(args: argparse.Namespace) -> None:
@@ -175,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--records-per-file", type=int, default=50_000)
     g.add_argument("--keys", type=int, default=20_000)
     g.add_argument("--seed", type=int, default=7)
-    g.set_defaults(func=lambda a: generate_events(a) or 0)
+    g.set_defaults(func=_generate)
     c = sub.add_parser("spark-connect", help="run a Spark Connect server on 127.0.0.1 until interrupted")
     c.add_argument("--port", type=int, default=15002)
     c.add_argument("--master", default="local[*]")

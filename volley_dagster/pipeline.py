@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field, replace
-from typing import Callable, Literal
+from typing import Callable, Literal, TypeVar
 
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
@@ -23,16 +23,17 @@ from volley_dagster.state.keys import DEFAULT_KEY_GROUPS, ShardLayout
 
 Transform = Callable[[DataFrame], DataFrame]
 BadRecordPolicy = Literal["fail", "dead_letter"]
+T = TypeVar("T")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
 
 
 @dataclass(frozen=True)
 class Pipeline:
     name: str
-    source_log: FileLog | None = None
+    source_given: FileLog | None = None
     transforms: tuple[Transform, ...] = ()
-    key_column: str | None = None
-    operator: Aggregate | None = None
+    key_given: str | None = None
+    operator_given: Aggregate | None = None
     windowing: Windowing | None = None
     sinks: tuple[Sink, ...] = ()
     bad_records: BadRecordPolicy = "fail"
@@ -43,8 +44,26 @@ class Pipeline:
         if not _NAME.match(self.name):
             raise ConfigError(f"pipeline name {self.name!r}: use letters, digits, '_', '-' or '.' (max 100)")
 
+    # The builder fills these in any order; a pipeline that runs has all of them (``validate``).
+    @property
+    def source_log(self) -> FileLog:
+        return self._required(self.source_given, "source(...)")
+
+    @property
+    def key_column(self) -> str:
+        return self._required(self.key_given, "key_by(...)")
+
+    @property
+    def operator(self) -> Aggregate:
+        return self._required(self.operator_given, "aggregate(...)")
+
+    def _required(self, value: T | None, step: str) -> T:
+        if value is None:
+            raise ConfigError(f"pipeline {self.name!r} is incomplete: add {step}")
+        return value
+
     def source(self, log: FileLog) -> Pipeline:
-        return replace(self, source_log=log)
+        return replace(self, source_given=log)
 
     def transform(self, fn: Transform) -> Pipeline:
         """Any DataFrame -> DataFrame function; keep the ``_volley_*`` columns."""
@@ -59,11 +78,11 @@ class Pipeline:
         return self.transform(lambda df: df.withColumn(name, _column(expr)))
 
     def key_by(self, column: str) -> Pipeline:
-        return replace(self, key_column=column)
+        return replace(self, key_given=column)
 
     def aggregate(self, **accumulators: Accumulator) -> Pipeline:
         """A running aggregate per key; after ``window(...)``, one per key and window."""
-        return replace(self, operator=Aggregate(tuple(accumulators.items())))
+        return replace(self, operator_given=Aggregate(tuple(accumulators.items())))
 
     def window(
         self,
@@ -124,7 +143,8 @@ class Pipeline:
     def validate(self) -> None:
         missing = [
             what
-            for what, value in (("source(...)", self.source_log), ("key_by(...)", self.key_column), ("aggregate(...)", self.operator))
+            for what, value in (("source(...)", self.source_given), ("key_by(...)", self.key_given),
+                                ("aggregate(...)", self.operator_given))
             if value is None
         ]
         if missing:

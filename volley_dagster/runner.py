@@ -34,9 +34,19 @@ from volley_dagster import faults
 from volley_dagster.checkpoint.atomic import write_bytes_atomic
 from volley_dagster.checkpoint.epoch_log import EpochLog
 from volley_dagster.checkpoint.lease import DEFAULT_TTL_S, DEFAULT_WAIT_S, Fence, PipelineLease
+from volley_dagster.checkpoint.rescale import RescaleResult
+from volley_dagster.checkpoint.rescale import rescale as rescale_state
 from volley_dagster.checkpoint.s3_snapshots import S3SnapshotStore
-from volley_dagster.checkpoint.rescale import RescaleResult, rescale as rescale_state
-from volley_dagster.errors import ConfigError, EpochOrderError, MalformedRecordError, SnapshotError, StateLayoutError, StorageFullError, VolleyError, is_disk_full
+from volley_dagster.errors import (
+    ConfigError,
+    EpochOrderError,
+    MalformedRecordError,
+    SnapshotError,
+    StateLayoutError,
+    StorageFullError,
+    VolleyError,
+    is_disk_full,
+)
 from volley_dagster.operators.aggregate import ResolvedAggregate
 from volley_dagster.operators.base import ShardStep, StatefulOperator
 from volley_dagster.operators.window import WINDOW_END, WINDOW_START
@@ -54,7 +64,6 @@ from volley_dagster.state.options import RocksDBOptions
 from volley_dagster.state.resident import ResidentStateCache
 from volley_dagster.state.store import open_snapshot_read_only, verify_snapshot
 from volley_dagster.state.transaction import DEFAULT_SCAN_FRACTION, scan_prefix
-
 
 
 class EpochRunner:
@@ -103,9 +112,7 @@ class EpochRunner:
         self.verify_checksums = verify_checksums
         self.snapshot_store = snapshot_store
         self.snapshot_cache = str(snapshot_cache or Path(tempfile.gettempdir()) / f"volley-snapshot-cache-{os.getuid()}")
-        if resident_state is True:
-            resident_state = ResidentStateCache.from_env()
-        self.resident_state = resident_state or None
+        self.resident_state = ResidentStateCache.from_env() if resident_state is True else resident_state or None
         self.lease_wait_s = lease_wait_s
         self.lease_ttl_s = lease_ttl_s
         self._lease: PipelineLease | None = None
@@ -184,7 +191,9 @@ class EpochRunner:
             while self.log.last_cut() > self.log.last_committed():
                 results.append(self.run(self.log.last_committed() + 1))
             if not (results and results[-1].end_of_stream):
-                results.append(self.run(self.cut_next(end_of_stream=True).epoch))
+                final = self.cut_next(end_of_stream=True)
+                assert final is not None  # an end-of-stream cut records even an empty range
+                results.append(self.run(final.epoch))
         return results
 
     # -- running -------------------------------------------------------------------
@@ -270,7 +279,7 @@ class EpochRunner:
             state_identity=f"{log.root.resolve()}|{pipeline.name}",
             fence=self._fence(),
         )
-        watermark = log.manifest(epoch - 1)["watermark"] if epoch > 1 else None
+        watermark = log.committed_manifest(epoch - 1)["watermark"] if epoch > 1 else None
         stage = run_stage(self.spark, pipeline, rng, plan, merge, watermark, rng.end_of_stream)
         if stage.dead_letters.num_rows and pipeline.bad_records == "fail":
             raise MalformedRecordError(_describe_bad(epoch, stage.dead_letters, pipeline.quote_bad_records))
@@ -323,7 +332,7 @@ class EpochRunner:
             )
         self._check_fence(f"epoch {epoch}: writing its manifest")
         if not log.write_manifest(epoch, result.to_manifest()):
-            return EpochResult.from_manifest(log.manifest(epoch))
+            return EpochResult.from_manifest(log.committed_manifest(epoch))
         self._prune(epoch)
         return result
 
@@ -459,9 +468,10 @@ class EpochRunner:
         values: list[bytes] = []
         for shard, info in sorted(shards.items()):
             path, restored = self.log.root / info["snapshot"], None
-            if not path.exists() and self._stored_remotely(info):
+            store = self.snapshot_store
+            if not path.exists() and store is not None and self._stored_remotely(info):
                 with contextlib.suppress(SnapshotError):  # not on this machine: S3 has it unless pruned there too
-                    restored = path = self.snapshot_store.restore(epoch, shard, Path(self.snapshot_cache),
+                    restored = path = store.restore(epoch, shard, Path(self.snapshot_cache),
                                                                   attempt=info.get("attempt")).path
             if not path.exists():
                 raise SnapshotError(
@@ -500,7 +510,7 @@ def _describe_bad(epoch: int, dead: pa.Table, quote: bool) -> str:
     """``quote=False``: a reason's kind only (the text before its first colon)."""
     rows = dead.slice(0, 3).to_pylist()
     reasons = [_bounded(r["reason"]) if quote else r["reason"].split(":", 1)[0] + " (details withheld)" for r in rows]
-    first = "; ".join(f"{r['file']} record {r['offset']}: {reason}" for r, reason in zip(rows, reasons))
+    first = "; ".join(f"{r['file']} record {r['offset']}: {reason}" for r, reason in zip(rows, reasons, strict=True))
     more = f" (and {dead.num_rows - len(rows)} more)" if dead.num_rows > len(rows) else ""
     return (
         f"epoch {epoch}: {dead.num_rows} malformed record(s): {first}{more}. Nothing was committed; "

@@ -53,7 +53,7 @@ def check_sink(runner: EpochRunner, sink: Sink) -> list[CheckOutcome]:
     )
     mismatched: list[str] = []
     for epoch in range(1, committed + 1):
-        manifest = runner.log.manifest(epoch)
+        manifest = runner.log.committed_manifest(epoch)
         commits = history.get(epoch)
         if commits is None:
             mismatched.append(f"epoch {epoch}: missing")
@@ -77,7 +77,7 @@ def check_latest_snapshot(runner: EpochRunner) -> CheckOutcome:
         return CheckOutcome("snapshot_checksums", True, "no committed epoch yet")
     files = 0
     try:
-        for info in runner.log.state_shards(epoch).values():  # after a rescale: its rewrite
+        for info in (runner.log.state_shards(epoch) or {}).values():  # after a rescale: its rewrite
             verify_snapshot(runner.log.root / info["snapshot"], info["files"], full=True)
             files += len(info["files"])
     except SnapshotError as exc:

@@ -38,7 +38,7 @@ from typing import Any
 
 from volley_dagster import faults
 from volley_dagster.checkpoint.atomic import create_json_exclusive, read_json
-from volley_dagster.errors import EpochNotCutError, StateLayoutError
+from volley_dagster.errors import EpochNotCutError, EpochOrderError, StateLayoutError
 from volley_dagster.sinks.lineage import Lineage, SinkBinding
 from volley_dagster.sources.offsets import EpochRange
 from volley_dagster.state.keys import ShardLayout
@@ -279,6 +279,13 @@ class EpochLog:
     def manifest(self, epoch: int) -> dict[str, Any] | None:
         path = self.epoch_dir(epoch) / "manifest.json"
         return read_json(path) if path.exists() else None
+
+    def committed_manifest(self, epoch: int) -> dict[str, Any]:
+        """The manifest of an epoch that must be committed (``EpochOrderError`` if not)."""
+        manifest = self.manifest(epoch)
+        if manifest is None:
+            raise EpochOrderError(f"epoch {epoch} is not committed (the last committed epoch is {self.last_committed()})")
+        return manifest
 
     def write_manifest(self, epoch: int, manifest: dict[str, Any]) -> bool:
         """Commit the epoch; False when another attempt committed it first."""

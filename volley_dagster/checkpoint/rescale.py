@@ -40,7 +40,7 @@ import uuid
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, cast
 
 import numpy as np
 import pyarrow as pa
@@ -94,6 +94,17 @@ class StateNamespaces:
     keyed: tuple[int, ...]  # ns | key group | key
     pending: int | None = None  # ns | end | state key (key group inside the state key)
     meta: int | None = None  # per-shard pending-window index
+
+    @property
+    def meta_ns(self) -> int:
+        assert self.meta is not None, "the operator keeps no pending-window index"
+        return self.meta
+
+    @property
+    def pending_ns(self) -> int:
+        """The pending-window namespace; asked for only when the state has one."""
+        assert self.pending is not None, "the operator keeps no pending-window index"
+        return self.pending
 
     @classmethod
     def of(cls, identity: dict[str, Any]) -> StateNamespaces:
@@ -228,18 +239,18 @@ class _Rewriter:
         """The old shard's evicted index entries whose state key is in key groups [lo, hi)
         (each old shard scanned once, however many new shards it feeds)."""
         if shard not in self._evicted:
-            entries = list(scan_prefix(self.dbs[shard], namespace_prefix(self.ns.pending)))
+            entries = list(scan_prefix(self.dbs[shard], namespace_prefix(self.ns.pending_ns)))
             groups = _key_groups([k for k, _ in entries], _PENDING_KEY_GROUP_AT) if entries else np.empty(0, np.int64)
             self._evicted[shard] = (entries, groups)
         entries, groups = self._evicted[shard]
         keep = (groups >= lo) & (groups < hi)
-        return [e for e, k in zip(entries, keep) if k]
+        return [e for e, k in zip(entries, keep, strict=True) if k]
 
     def _old_index(self, shard: int) -> PendingIndex:
         if shard not in self._indexes:
             txn = ShardTransaction(self.dbs[shard])
             self._indexes[shard] = PersistentPendingIndex(
-                txn, namespace_prefix(self.ns.meta), namespace_prefix(self.ns.pending), None
+                txn, namespace_prefix(self.ns.meta_ns), namespace_prefix(self.ns.pending_ns), None
             ).index
         return self._indexes[shard]
 
@@ -256,7 +267,7 @@ class _Rewriter:
                 ends.append(index.ends[keep])
                 used.append(index.used[keep])
         txn = store.transaction()
-        pending = PersistentPendingIndex(txn, namespace_prefix(self.ns.meta), namespace_prefix(self.ns.pending), None)
+        pending = PersistentPendingIndex(txn, namespace_prefix(self.ns.meta_ns), namespace_prefix(self.ns.pending_ns), None)
         merged = pending.index  # the new DB has none yet: empty, and marked loaded so flush writes it
         if keys:
             all_ends = np.concatenate(ends)
@@ -272,7 +283,7 @@ class _Rewriter:
         entry outside its old shard's key groups would otherwise be dropped)."""
         if self.ns.meta is None:
             return
-        old_evicted = sum(sum(1 for _ in scan_prefix(db, namespace_prefix(self.ns.pending))) for db in self.dbs)
+        old_evicted = sum(_count(scan_prefix(db, namespace_prefix(self.ns.pending_ns))) for db in self.dbs)
         old_resident = sum(len(self._old_index(s)) for s in range(self.old.num_shards))
         if (evicted, resident) != (old_evicted, old_resident):
             raise StateLayoutError(
@@ -317,7 +328,7 @@ def _check_old_shard(db: rocksdict.Rdict, shard: int, layout: ShardLayout, names
     lo, hi = layout.key_group_range(shard)
     lower = b""
     while True:
-        first = next(iter(db.keys(from_key=lower)), None)
+        first = cast("bytes | None", next(iter(db.keys(from_key=lower)), None))
         if first is None:
             return
         ns = int.from_bytes(first[:2], "big")
@@ -332,7 +343,7 @@ def _check_old_shard(db: rocksdict.Rdict, shard: int, layout: ShardLayout, names
         if ns in namespaces.keyed:
             read_opt = rocksdict.ReadOptions()
             read_opt.set_iterate_upper_bound(upper)
-            last = next(iter(db.keys(backwards=True, from_key=upper, read_opt=read_opt)))
+            last = cast(bytes, next(iter(db.keys(backwards=True, from_key=upper, read_opt=read_opt))))
             for key in (first, last):
                 group = int.from_bytes(key[_STATE_KEY_GROUP_AT:PREFIX_BYTES], "big")
                 if not lo <= group < hi:
@@ -357,3 +368,7 @@ def _key_groups(keys: list[bytes], offset: int) -> np.ndarray:
     groups = pc.binary_slice(arr, offset, offset + 2).cast(pa.binary(2))
     return np.frombuffer(groups.buffers()[1], dtype=">u2", count=len(arr)).astype(np.int64)
 
+
+
+def _count(items: Iterable[object]) -> int:
+    return sum(1 for _ in items)

@@ -33,6 +33,7 @@ import time
 import uuid
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, TypeVar
 from urllib.parse import urlparse
@@ -193,7 +194,7 @@ class S3SnapshotStore:
             if not e.is_file(follow_symlinks=False):
                 raise SnapshotError(f"{where}: {local / e.name} is not a regular file; snapshots are flat directories")
 
-        results = self._parallel([lambda e=e: self._put_file(epoch, shard, Path(e.path)) for e in entries],
+        results = self._parallel([partial(self._put_file, epoch, shard, Path(e.path)) for e in entries],
                                  what=f"uploading {where} from {local}")
         files = tuple(f for f, _ in results)
         uploaded = [f for f, did in results if did]
@@ -296,7 +297,7 @@ class S3SnapshotStore:
         objects = cache_dir / "objects"
         objects.mkdir(exist_ok=True)
         distinct = list({f.sha256: f for f in manifest.files}.values())  # equal files (empty WALs) fetched once
-        fetched = self._parallel([lambda f=f: self._fetch(manifest, f, objects) for f in distinct],
+        fetched = self._parallel([partial(self._fetch, manifest, f, objects) for f in distinct],
                                  what=f"restoring epoch {epoch} shard {shard}")
 
         restores = cache_dir / "restores"
@@ -392,7 +393,7 @@ class S3SnapshotStore:
         lost = [k for k, sid in manifests.items() if sid[0] in keep and sid in winners and attempts[k] != winners[sid]]
         dropped_manifests = [k for k, (e, _) in manifests.items() if e in drop] + lost
         remaining = [(*sid, attempts[k]) for k, sid in manifests.items() if sid[0] not in drop and k not in lost]
-        kept = self._parallel([lambda s=s: self.manifest(*s) for s in remaining], what="reading kept manifests")
+        kept = self._parallel([partial(self.manifest, *s) for s in remaining], what="reading kept manifests")
         referenced = {f.key for m in kept for f in m.files}  # a carried-forward epoch names an older one's files
         self._delete(dropped_manifests, what="manifests")
         # Attempts that never committed left small files too; those of epochs
@@ -410,7 +411,7 @@ class S3SnapshotStore:
 
     def _list(self, under: str) -> list[str]:
         base = f"{self.prefix}/" if self.prefix else ""
-        keys = []
+        keys: list[str] = []
         try:
             for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=base + under):
                 keys.extend(obj["Key"][len(base):] for obj in page.get("Contents", []))

@@ -4,7 +4,7 @@ those partials into RocksDB state and emit each changed key's new value."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -55,7 +55,7 @@ class ResolvedAggregate:
 
     def __post_init__(self) -> None:
         fields: list[tuple[str, Any]] = [("_format", np.uint8)]
-        for (name, acc), kind in zip(self.accumulators, self.kinds):
+        for (name, acc), kind in zip(self.accumulators, self.kinds, strict=True):
             fields.extend(acc.fields(name, kind))
         object.__setattr__(self, "dtype", np.dtype(fields))
 
@@ -70,18 +70,18 @@ class ResolvedAggregate:
             "format": STATE_FORMAT,
             "accumulators": [
                 {"name": name, "type": type(acc).__name__, "column": acc.column, "kind": kind}
-                for (name, acc), kind in zip(self.accumulators, self.kinds)
+                for (name, acc), kind in zip(self.accumulators, self.kinds, strict=True)
             ],
         }
 
     def partial_exprs(self) -> list[Column]:
         exprs = [F.count(F.lit(1)).alias(columns.ROWS)]
-        for (name, acc), kind in zip(self.accumulators, self.kinds):
+        for (name, acc), kind in zip(self.accumulators, self.kinds, strict=True):
             exprs.extend(expr.alias(col) for col, expr in acc.partials(name, kind).items())
         return exprs
 
     def output_fields(self) -> list[tuple[str, ValueKind]]:
-        return [(name, acc.output_kind(kind)) for (name, acc), kind in zip(self.accumulators, self.kinds)]
+        return [(name, acc.output_kind(kind)) for (name, acc), kind in zip(self.accumulators, self.kinds, strict=True)]
 
     def output_ddl(self) -> list[str]:
         return [f"`{name}` {spark_ddl(kind)}" for name, kind in self.output_fields()]
@@ -97,7 +97,7 @@ class ResolvedAggregate:
         key_values = data.column(columns.KEY).combine_chunks()
         keys = encode_keys(self.namespace, key_groups, key_values)
         resident = txn.resident  # only for int keys (``spark/tasks.py``)
-        ints = key_values.to_numpy(zero_copy_only=False).astype(np.int64) if resident is not None else None
+        ints = key_values.to_numpy(zero_copy_only=False).astype(np.int64) if resident is not None else np.empty(0, np.int64)
         if resident is not None and resident.complete:
             state, existed = resident.lookup(ints, self.blank_rows)
         else:
@@ -127,7 +127,7 @@ class ResolvedAggregate:
         states, _ = self.decode(list(scanned.values()))
         resident.adopt(keys.to_numpy(), states)
 
-    def decode(self, values: list[bytes | None]) -> tuple[np.ndarray, np.ndarray]:
+    def decode(self, values: Sequence[bytes | None]) -> tuple[np.ndarray, np.ndarray]:
         """States for a batch of lookups (misses start zeroed) and which existed."""
         existed = np.fromiter((v is not None for v in values), dtype=bool, count=len(values))
         blank = self.blank()
@@ -151,11 +151,11 @@ class ResolvedAggregate:
 
     def load(self, state: np.ndarray, partials: pa.Table, epoch: int) -> None:
         """Fill blank state rows with exactly these partials (from ``epoch``)."""
-        for (name, acc), kind in zip(self.accumulators, self.kinds):
+        for (name, acc), kind in zip(self.accumulators, self.kinds, strict=True):
             acc.load(name, kind, state, partials, epoch)
 
     def combine(self, state: np.ndarray, other: np.ndarray) -> None:
-        for (name, acc), kind in zip(self.accumulators, self.kinds):
+        for (name, acc), kind in zip(self.accumulators, self.kinds, strict=True):
             acc.combine(name, kind, state, other)
 
     def merge(self, state: np.ndarray, partials: pa.Table, epoch: int) -> None:
@@ -170,4 +170,4 @@ class ResolvedAggregate:
         return rows
 
     def outputs(self, state: np.ndarray) -> list[pa.Array]:
-        return [acc.output(name, kind, state) for (name, acc), kind in zip(self.accumulators, self.kinds)]
+        return [acc.output(name, kind, state) for (name, acc), kind in zip(self.accumulators, self.kinds, strict=True)]

@@ -77,7 +77,7 @@ def duration_us(value: Duration, what: str) -> int:
     else:
         match = _DURATION.match(str(value).lower())
         unit = match and (_UNITS_US.get(match.group(2)) or _UNITS_US.get(match.group(2) + "s"))
-        if not unit:
+        if not match or not unit:
             raise ConfigError(f"{what}: cannot read {value!r} as a duration; use e.g. '30 seconds', '1 minute', '250 ms'")
         us = int(match.group(1)) * unit
     if us < 0:

@@ -15,7 +15,7 @@ Everything is columnar: a batch of windows is one array, grouped by sorting.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 import pandas as pd
@@ -39,11 +39,11 @@ _MIN = np.iinfo(np.int64).min
 
 
 def window_dtype(aggregate: ResolvedAggregate) -> np.dtype:
-    fields = [(n, aggregate.dtype.fields[n][0]) for n in aggregate.dtype.names]
+    fields = [(n, aggregate.dtype[n]) for n in aggregate.dtype.names or ()]
     return np.dtype([("start", np.int64), ("end", np.int64)] + fields)
 
 
-def decode_windows(values: list[bytes | None], dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+def decode_windows(values: Sequence[bytes | None], dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
     """The windows stored under each key, as rows, and the index of the key of each row."""
     arr = pa.array(values, pa.binary())
     offsets = np.frombuffer(arr.buffers()[1], dtype=np.int32, count=len(arr) + 1) if len(arr) else np.zeros(1, np.int32)
@@ -151,7 +151,7 @@ def apply_windows(
     keep = counts > 0
     existed = np.fromiter((v is not None for v in stored), dtype=bool, count=len(stored))
     key_array = np.array(keys, dtype=object) if keys else np.empty(0, dtype=object)
-    txn.set_many(list(key_array[keep]), [r for r, k in zip(records, keep) if k])
+    txn.set_many(list(key_array[keep]), [r for r, k in zip(records, keep, strict=True) if k])
     txn.delete_many(list(key_array[~keep & existed]))
 
     opened = changed & ~fire

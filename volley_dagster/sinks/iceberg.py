@@ -218,7 +218,7 @@ class IcebergSink(TableSink[Table]):
                 continue
             if props.get("volley.replaced") == "true":
                 commits = []
-            if snap.summary.operation.value == "append":
+            if snap.summary is not None and snap.summary.operation.value == "append":
                 commits.append(SinkCommit(SinkMark.from_tags(props), int(props.get("volley.rows", -1))))
         return commits
 
@@ -243,7 +243,9 @@ def _key_range(output: pa.Table, keys: tuple[str, ...]) -> BooleanExpression:
         low, high = bounds["min"].as_py(), bounds["max"].as_py()
         if low is None:  # no non-null key: nothing to replace
             return AlwaysFalse()
-        condition = And(condition, And(GreaterThanOrEqual(key, low), LessThanOrEqual(key, high)))
+        # pyiceberg's predicates are pydantic models whose explicit __init__ mypy does not see
+        at_least, at_most = GreaterThanOrEqual(key, low), LessThanOrEqual(key, high)  # type: ignore[call-arg,arg-type,misc]
+        condition = And(condition, And(at_least, at_most))
     return condition
 
 

@@ -133,9 +133,10 @@ def decide(sink: str, held: SinkMark | None, want: SinkMark, lineage: Lineage, b
             return False  # the runner checks the range of the epoch itself (``Sink.commit_of``)
         if held.epoch == want.epoch - 1:
             return True
+        next_epoch = lineage.epoch_of(want)
         raise SinkLineageError(
             f"sink {sink!r} holds this lineage's ({lineage.id}) epochs only up to {lineage.epoch_of(held)}, but epoch "
-            f"{want.lineage_epoch} is next: epochs {lineage.epoch_of(held) + 1}..{want.lineage_epoch - 1} are missing "
+            f"{next_epoch} is next: epochs {lineage.epoch_of(held) + 1}..{next_epoch - 1} are missing "
             "from it (was the table rolled back or restored?). Nothing was committed to the sink; restore the table, "
             "or write to a new table"
         )

@@ -246,7 +246,7 @@ def _fair_shares(available: dict[str, int], budget: int | None) -> dict[str, int
             left -= n
             hungry.pop(0)
             continue
-        for n, p in hungry:
+        for _, p in hungry:
             give = min(each, left)
             shares[p] = give
             left -= give

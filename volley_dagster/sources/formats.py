@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+from collections.abc import Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -57,7 +58,7 @@ def _with_meta(table: pa.Table, positions: np.ndarray, errors: pa.Array, raws: p
     )
 
 
-def _bad_rows(schema: pa.Schema, positions: np.ndarray, reasons: list[str], raws: list[str | None]) -> pa.Table:
+def _bad_rows(schema: pa.Schema, positions: np.ndarray, reasons: list[str], raws: Sequence[str | None]) -> pa.Table:
     n = len(positions)
     empty = pa.table({f.name: pa.nulls(n, f.type) for f in schema}, schema=schema)
     return _with_meta(empty, positions, pa.array(reasons, pa.string()), pa.array(raws, pa.string()))

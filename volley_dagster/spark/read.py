@@ -53,7 +53,7 @@ def _native_parquet(spark: SparkSession, rng: EpochRange, paths: list[str], sche
     spark_schema = from_arrow_schema(schema)
     no_text = F.lit(None).cast("string")
     frames = []
-    for seg, path in zip(rng.segments, paths):
+    for seg, path in zip(rng.segments, paths, strict=True):
         row = F.col("_metadata.row_index")
         frames.append(
             spark.read.schema(spark_schema).parquet(path)

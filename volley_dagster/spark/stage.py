@@ -20,10 +20,10 @@ from typing import Any, Iterator
 import pyarrow as pa
 import pyarrow.compute as pc
 from pyspark import StorageLevel
+from pyspark.errors import PythonException
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
-from pyspark.errors import PythonException
 
 from volley_dagster import columns, errors
 from volley_dagster.columns import POS_OFFSET_BITS
@@ -32,11 +32,11 @@ from volley_dagster.operators.aggregate import ResolvedAggregate
 from volley_dagster.operators.window import ResolvedWindowAggregate, describe_event_time
 from volley_dagster.pipeline import Pipeline
 from volley_dagster.sources.offsets import EpochRange
-from volley_dagster.state.keys import ShardLayout
-from volley_dagster.state.store import SnapshotInfo, carry_forward
 from volley_dagster.spark.partitioning import ROUTING_COLUMNS, to_shards
 from volley_dagster.spark.read import read_range
 from volley_dagster.spark.tasks import ShardMerge, attempt_id, shard_stats, snapshot_name, upload_stats
+from volley_dagster.state.keys import ShardLayout
+from volley_dagster.state.store import SnapshotInfo, carry_forward
 
 _WHERE = [pa.field("partition", pa.string()), pa.field("file", pa.string()), pa.field("offset", pa.int64())]
 DEAD_LETTER_SCHEMA = pa.schema(_WHERE + [pa.field("reason", pa.string()), pa.field("raw", pa.string())])
@@ -65,6 +65,12 @@ class PlannedEpoch:
     @property
     def windowed(self) -> ResolvedWindowAggregate | None:
         return self.operator if isinstance(self.operator, ResolvedWindowAggregate) else None
+
+    @property
+    def running(self) -> ResolvedAggregate:
+        """The running aggregate (a plan without windows)."""
+        assert isinstance(self.operator, ResolvedAggregate), "a windowed plan has no running aggregate"
+        return self.operator
 
 
 @dataclass
@@ -157,7 +163,7 @@ def _side_outputs(plan: PlannedEpoch, pipeline: Pipeline, assigned: DataFrame | 
     """Bad records, and for windows the late pairs and the latest event time: one Spark job."""
     side = _dead_letter_frame(plan, pipeline, bound).withColumn(_SIDE, F.lit("dead"))
     window = plan.windowed
-    if window is None:
+    if window is None or assigned is None:
         return side
     late = assigned.where(window.is_late(watermark)).select(
         F.col(columns.POS), F.lit(LATE_REASON).alias("reason"), F.col(columns.KEY),
@@ -210,7 +216,7 @@ def _engine_errors() -> Iterator[None]:
     except PythonException as exc:
         match = _TASK_ERROR.search(str(exc))
         cls = getattr(errors, match.group(1), None) if match else None
-        if isinstance(cls, type) and issubclass(cls, errors.VolleyError):
+        if match and isinstance(cls, type) and issubclass(cls, errors.VolleyError):
             raise cls(match.group(2)) from exc
         raise
 
@@ -260,7 +266,7 @@ def run_stage(
         t0 = time.perf_counter()
         late, new_watermark, dead = None, watermark, None
         if plan.single_job:  # null keys ride along: they fold into one partial row, counted per shard
-            partials = _shard_partials(plan.keyed, plan.operator.partial_exprs(), layout)
+            partials = _shard_partials(plan.keyed, plan.running.partial_exprs(), layout)
         else:
             bound = window.windowing.event_time_bound(watermark, rng.cut_at_us) if window is not None else None
             assigned = window.assign(_valid(plan, bound)) if window is not None else None
@@ -275,9 +281,10 @@ def run_stage(
                 new_watermark = window.windowing.advance(watermark, side.filter(pc.equal(kind, "max")).column(_MAX_EVENT)[0].as_py())
                 limit = window.windowing.fire_limit(new_watermark, end_of_stream)
                 merge = replace(merge, step=replace(merge.step, fire_limit=limit))
+                assert assigned is not None
                 partials = window.partials(to_shards(assigned.where(~window.is_late(watermark)), layout), ROUTING_COLUMNS)
             else:
-                partials = _shard_partials(_valid(plan), plan.operator.partial_exprs(), layout)
+                partials = _shard_partials(_valid(plan), plan.running.partial_exprs(), layout)
         t1 = time.perf_counter()
         out_schema = ", ".join(_output_ddl(pipeline, plan) + [f"`{columns.STATS}` string"])
         with _engine_errors(), _source_unchanged(pipeline, rng, plan):
@@ -330,7 +337,8 @@ def _carry_forward_stage(spark: SparkSession, pipeline: Pipeline, plan: PlannedE
         if merge.remote is not None:
             upload = (merge.remote.carry_forward(prev.remote_epoch, shard, merge.step.epoch,
                                                  from_attempt=prev.remote_attempt, attempt=attempt)
-                      if remote_copy else merge.remote.upload(merge.step.epoch, shard, snap.path, attempt=attempt))
+                      if prev.remote_epoch is not None
+                      else merge.remote.upload(merge.step.epoch, shard, snap.path, attempt=attempt))
             remote = upload_stats(upload)
         shards[shard] = shard_stats(shard, snap, attempt, read_mode="carried_forward",
                                     snapshot_s=time.perf_counter() - t, **remote)

@@ -22,7 +22,7 @@ class RocksDBOptions:
         opts = rocksdict.Options(raw_mode=True)
         opts.create_if_missing(True)
         table = rocksdict.BlockBasedOptions()
-        table.set_bloom_filter(self.bloom_bits_per_key, False)
+        table.set_bloom_filter(self.bloom_bits_per_key, False)  # type: ignore[arg-type]  # the stub says int; RocksDB takes a double
         table.set_block_cache(_shared_cache(self.block_cache_mb))
         table.set_cache_index_and_filter_blocks(True)
         opts.set_block_based_table_factory(table)
@@ -43,5 +43,5 @@ def _shared_cache(mb: int) -> rocksdict.Cache:
 def write_options() -> rocksdict.WriteOptions:
     """No WAL: every flush is followed by a checkpoint, which is the durable copy."""
     wo = rocksdict.WriteOptions()
-    wo.disable_wal = True
+    wo.disable_wal = True  # type: ignore[method-assign,assignment]  # a property in rocksdict, a method in its stub
     return wo

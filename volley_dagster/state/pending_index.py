@@ -178,7 +178,7 @@ class PersistentPendingIndex:
             keys, ends = self.index.evict_beyond(self._max_resident)
             if len(keys):
                 ns, ordered_ends = self._evicted_ns, _ordered_us(ends).view("V8").tolist()
-                self._txn.set_many([ns + end + key for end, key in zip(ordered_ends, keys)], [b""] * len(keys))
+                self._txn.set_many([ns + end + key for end, key in zip(ordered_ends, keys, strict=True)], [b""] * len(keys))
                 self.meta.evicted += len(keys)
                 self.evicted_now = len(keys)
         index = self._index

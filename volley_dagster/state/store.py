@@ -162,7 +162,7 @@ def _digest(path: Path, previous: Path | None, previous_files: FileDigests) -> t
             and prev["size"] == st.st_size
             and _same_inode(st, previous / entry.name)
         )
-        if shared:
+        if shared and prev is not None:
             files[entry.name] = dict(prev)
         else:
             files[entry.name] = {"size": st.st_size, "sha256": sha256_file(Path(entry.path))}

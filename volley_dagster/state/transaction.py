@@ -9,7 +9,7 @@ writes stay in memory and reach RocksDB as a single ``WriteBatch`` at
 from __future__ import annotations
 
 from collections import deque
-from typing import Iterator
+from typing import Iterator, cast
 
 import numpy as np
 import rocksdict
@@ -52,13 +52,13 @@ class ShardTransaction:
                 loaded = _multi_get_sorted(self._db, misses)
             if not cache:
                 return loaded
-            fetched = dict(zip(misses, loaded))
+            fetched = dict(zip(misses, loaded, strict=True))
         else:
             fetched = {}
-        out = []
+        out: list[bytes | None] = []
         for k in keys:
             v = cache.get(k, fetched.get(k))
-            out.append(None if v is _DELETED else v)
+            out.append(None if v is _DELETED else cast("bytes | None", v))
         return out
 
     def scan_flushed(self, lower: bytes, upper: bytes) -> Iterator[tuple[bytes, bytes]]:
@@ -66,7 +66,7 @@ class ShardTransaction:
         return scan_range(self._db, lower, upper)
 
     def set_many(self, keys: list[bytes], values: list[bytes]) -> None:
-        self._cache.update(zip(keys, values))
+        self._cache.update(zip(keys, values, strict=True))
 
     def delete_many(self, keys: list[bytes]) -> None:
         self._cache.update(dict.fromkeys(keys, _DELETED))
@@ -83,7 +83,7 @@ class ShardTransaction:
         batch = rocksdict.WriteBatch(raw_mode=True)
         keys, values = _in_key_order(self._cache)
         if self._deletes:
-            for key, value in zip(keys, values):
+            for key, value in zip(keys, values, strict=True):
                 if value is _DELETED:
                     batch.delete(key)
                 else:
