@@ -1,0 +1,79 @@
+"""Planning one epoch on the driver: read the recorded range, apply the user's
+transforms, key the rows and resolve the stateful operator against their schema.
+Nothing runs until the stage (``spark/stage.py``) asks for results."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
+from pyspark.sql import types as T
+
+from volley_dagster import columns
+from volley_dagster.errors import ConfigError
+from volley_dagster.operators.aggregate import ResolvedAggregate
+from volley_dagster.operators.window import ResolvedWindowAggregate
+from volley_dagster.pipeline import Pipeline
+from volley_dagster.sources.offsets import EpochRange
+from volley_dagster.spark.read import read_range
+
+
+@dataclass
+class PlannedEpoch:
+    """The epoch's DataFrames, before anything runs."""
+
+    raw: DataFrame
+    keyed: DataFrame
+    operator: ResolvedAggregate | ResolvedWindowAggregate
+    key_kind: str
+    may_have_bad_records: bool = True  # False: a native Parquet read, every record parsed
+
+    @property
+    def single_job(self) -> bool:
+        """One Spark job does the epoch: nothing has to be known before the state stage
+        (no parse errors to look for, no watermark to advance). Null keys are counted
+        by the shard tasks, and only then looked up, in a second job."""
+        return not self.may_have_bad_records and self.windowed is None
+
+    @property
+    def windowed(self) -> ResolvedWindowAggregate | None:
+        return self.operator if isinstance(self.operator, ResolvedWindowAggregate) else None
+
+    @property
+    def running(self) -> ResolvedAggregate:
+        """The running aggregate (a plan without windows)."""
+        assert isinstance(self.operator, ResolvedAggregate), "a windowed plan has no running aggregate"
+        return self.operator
+
+
+def plan_epoch(spark: SparkSession, pipeline: Pipeline, rng: EpochRange) -> PlannedEpoch:
+    source = pipeline.source_log
+    schema = source.schema()
+    reserved = [n for n in schema.names if n.startswith("_volley_")]
+    if reserved:
+        raise ConfigError(f"source columns {reserved} use the engine's reserved prefix _volley_")
+    read = read_range(spark, source, rng, schema)
+    raw = read.raw
+    parsed = raw.where(F.col(columns.ERROR).isNull()).drop(columns.ERROR, columns.RAW)
+    transformed = pipeline.apply_transforms(parsed)
+    if pipeline.key_column not in transformed.columns:
+        raise ConfigError(
+            f"pipeline {pipeline.name!r}: key column {pipeline.key_column!r} is not among the columns "
+            f"after the transforms: {transformed.columns}"
+        )
+    key_type = transformed.schema[pipeline.key_column].dataType
+    if isinstance(key_type, T.IntegralType):
+        kind, key = "int", pipeline.key_expr().cast("long")
+    elif isinstance(key_type, T.StringType):
+        kind, key = "str", pipeline.key_expr()
+    else:
+        raise ConfigError(
+            f"pipeline {pipeline.name!r}: key column {pipeline.key_column!r} is {key_type.simpleString()}; "
+            "keys must be integers or strings"
+        )
+    keyed = transformed.withColumn(columns.KEY, key)
+    operator = pipeline.stateful_operator().resolve(keyed.schema)
+    if pipeline.key_column in operator.output_names():
+        raise ConfigError(f"output column {pipeline.key_column!r} has the same name as the key column")
+    return PlannedEpoch(raw, keyed, operator, kind, read.may_have_bad_records)

@@ -1,0 +1,152 @@
+"""An epoch's side outputs: records that do not reach state, each with its reason
+and where it came from (partition, file, offset). Bad records (unparseable, null
+key, null or unbelievable event time) become dead letters; for windows, the (record,
+window) pairs whose window had closed become late records, and the epoch's latest
+event time moves the watermark. One Spark job computes them all, before the state stage."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from pyspark.sql import DataFrame
+from pyspark.sql import functions as F
+
+from volley_dagster import columns
+from volley_dagster.columns import POS_OFFSET_BITS
+from volley_dagster.operators.window import ResolvedWindowAggregate, describe_event_time
+from volley_dagster.pipeline import Pipeline
+from volley_dagster.sources.offsets import EpochRange
+from volley_dagster.spark.plan import PlannedEpoch
+from volley_dagster.spark.task_errors import engine_errors
+
+_WHERE = [pa.field("partition", pa.string()), pa.field("file", pa.string()), pa.field("offset", pa.int64())]
+DEAD_LETTER_SCHEMA = pa.schema(_WHERE + [pa.field("reason", pa.string()), pa.field("raw", pa.string())])
+_SIDE = "_volley_side"  # which side output a row of the side-output job belongs to
+_MAX_EVENT = "_volley_max_event"
+LATE_REASON = "window closed: window end + allowed lateness <= watermark"
+
+
+@dataclass(frozen=True)
+class SideOutputs:
+    dead_letters: pa.Table  # DEAD_LETTER_SCHEMA
+    late: pa.Table | None = None  # windows: (record, window) pairs that came too late
+    max_event_us: int | None = None  # windows: the latest believable event time of the epoch
+
+
+def collect_side_outputs(plan: PlannedEpoch, pipeline: Pipeline, rng: EpochRange, assigned: DataFrame | None,
+                         watermark: int | None, bound: int | None) -> SideOutputs:
+    """Run the side-output job. ``assigned``: the windowed rows with their windows;
+    ``watermark``: the one the epoch starts from; ``bound``: the latest event time
+    believed (``Windowing.event_time_bound``)."""
+    with engine_errors():
+        side = _side_output_frame(plan, pipeline, assigned, watermark, bound).toArrow()
+    kind = side.column(_SIDE)
+    dead = _resolve_dead_letters(side.filter(pc.equal(kind, "dead")).select([columns.POS, "reason", "raw"]), rng)
+    window = plan.windowed
+    if window is None:
+        return SideOutputs(dead)
+    late = _resolve_late(side.filter(pc.equal(kind, "late")), rng, pipeline, window, watermark)
+    return SideOutputs(dead, late, side.filter(pc.equal(kind, "max")).column(_MAX_EVENT)[0].as_py())
+
+
+def _dead_letter_frame(plan: PlannedEpoch, pipeline: Pipeline, bound: int | None = None) -> DataFrame:
+    parse_errors = plan.raw.where(F.col(columns.ERROR).isNotNull()).select(
+        F.col(columns.POS), F.col(columns.ERROR).alias("reason"), F.col(columns.RAW).alias("raw")
+    )
+    user_cols = [c for c in plan.keyed.columns if not c.startswith("_volley_")]
+    pos = F.col(columns.POS) if columns.POS in plan.keyed.columns else F.lit(None).cast("long")
+    null_keys = plan.keyed.where(F.col(columns.KEY).isNull()).select(
+        pos.alias(columns.POS),
+        F.lit(f"null key: {pipeline.key_column!r} is null").alias("reason"),
+        F.to_json(F.struct(*user_cols)).alias("raw"),
+    )
+    bad = parse_errors.unionByName(null_keys)
+    window = plan.windowed
+    if window is not None:
+        column = window.windowing.time_column
+        null_times = plan.keyed.where(F.col(columns.KEY).isNotNull() & F.col(column).isNull()).select(
+            pos.alias(columns.POS),
+            F.lit(f"null event time: {column!r} is null").alias("reason"),
+            F.to_json(F.struct(*user_cols)).alias("raw"),
+        )
+        bad = bad.unionByName(null_times)
+        if bound is not None:
+            skewed = plan.keyed.where(F.col(columns.KEY).isNotNull() & (window.event_us() > F.lit(bound))).select(
+                pos.alias(columns.POS),
+                F.lit(f"event time beyond max_event_time_skew: {column!r} is later than "
+                      f"{describe_event_time(bound)} (the watermark or the epoch's cut time plus the skew)").alias("reason"),
+                F.to_json(F.struct(*user_cols)).alias("raw"),
+            )
+            bad = bad.unionByName(skewed)
+    return bad
+
+
+def valid_rows(plan: PlannedEpoch, bound: int | None = None) -> DataFrame:
+    """The rows state sees: keyed and, for windows, with a believable event time."""
+    valid = plan.keyed.where(F.col(columns.KEY).isNotNull())
+    if plan.windowed is not None:
+        valid = valid.where(F.col(plan.windowed.windowing.time_column).isNotNull())
+        if bound is not None:
+            valid = valid.where(plan.windowed.event_us() <= F.lit(bound))
+    return valid
+
+
+def _side_output_frame(plan: PlannedEpoch, pipeline: Pipeline, assigned: DataFrame | None, watermark: int | None,
+                  bound: int | None) -> DataFrame:
+    """Bad records, and for windows the late pairs and the latest event time: one Spark job."""
+    side = _dead_letter_frame(plan, pipeline, bound).withColumn(_SIDE, F.lit("dead"))
+    window = plan.windowed
+    if window is None or assigned is None:
+        return side
+    late = assigned.where(window.is_late(watermark)).select(
+        F.col(columns.POS), F.lit(LATE_REASON).alias("reason"), F.col(columns.KEY),
+        F.col(window.windowing.time_column).cast("timestamp").alias("_volley_time"),
+        F.col(columns.WINDOW_START), F.col(columns.WINDOW_END), F.lit("late").alias(_SIDE),
+    )
+    latest = valid_rows(plan, bound).agg(F.max(window.event_us()).alias(_MAX_EVENT)).withColumn(_SIDE, F.lit("max"))
+    return side.unionByName(late, allowMissingColumns=True).unionByName(latest, allowMissingColumns=True)
+
+
+def _positions(table: pa.Table, rng: EpochRange) -> list[pa.Array]:
+    """Event positions back as partition, file and record offset, in bulk (late records
+    can be many): segment = position >> 40, offset = the low 40 bits."""
+    pos = table.column(columns.POS).combine_chunks().cast(pa.int64())
+    segment = pc.shift_right(pos, POS_OFFSET_BITS)
+    by_segment = [pa.array([getattr(s, a) for s in rng.segments], pa.string()) for a in ("partition", "file")]
+    return [pc.take(values, segment) for values in by_segment] + [pc.bit_wise_and(pos, (1 << POS_OFFSET_BITS) - 1)]
+
+
+def _resolve_dead_letters(table: pa.Table, rng: EpochRange) -> pa.Table:
+    table = table.sort_by(columns.POS)
+    return pa.table(_positions(table, rng) + [table.column("reason"), table.column("raw")], schema=DEAD_LETTER_SCHEMA)
+
+
+def _resolve_late(table: pa.Table, rng: EpochRange, pipeline: Pipeline, window: ResolvedWindowAggregate, watermark: int | None) -> pa.Table:
+    table = table.sort_by([(columns.POS, "ascending"), (columns.WINDOW_START, "ascending")])
+    ts = pa.timestamp("us", tz="UTC")
+    n = table.num_rows
+    cols = _positions(table, rng) + [
+        table.column(columns.KEY),
+        table.column("_volley_time").cast(ts),
+        table.column(columns.WINDOW_START).cast(ts),
+        table.column(columns.WINDOW_END).cast(ts),
+        pa.array([watermark] * n, pa.int64()).cast(ts),
+        table.column("reason"),
+    ]
+    names = [f.name for f in _WHERE] + [pipeline.key_column, window.windowing.time_column, "window_start", "window_end", "watermark", "reason"]
+    return pa.table(cols, names=names)
+
+
+def null_key_dead_letters(
+    plan: PlannedEpoch, pipeline: Pipeline, rng: EpochRange, shards: dict[int, dict[str, Any]]
+) -> pa.Table:
+    """Single-job epochs: the shard tasks counted records with a null key; only when
+    there are some, a second job finds which (file, offset) they are."""
+    if not sum(s["null_key_records"] for s in shards.values()):
+        return DEAD_LETTER_SCHEMA.empty_table()
+    with engine_errors():
+        bad = _dead_letter_frame(plan, pipeline).toArrow()
+    return _resolve_dead_letters(bad, rng)
