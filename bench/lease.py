@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from volley_dagster.checkpoint.atomic import create_json_exclusive  # noqa: E402
+from volley_dagster.io.atomic import create_json_exclusive  # noqa: E402
 from volley_dagster.checkpoint.lease import PipelineLease  # noqa: E402
 
 

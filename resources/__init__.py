@@ -11,9 +11,9 @@ from pyspark.sql import SparkSession
 
 from volley_dagster.checkpoint.s3_snapshots import S3SnapshotStore
 from volley_dagster.deploy import TableSettings
+from volley_dagster.io.s3 import S3Endpoint
 from volley_dagster.sinks.iceberg import sqlite_catalog
 from volley_dagster.sinks.lineage import check_choice
-from volley_dagster.sinks.s3 import S3Endpoint
 from volley_dagster.spark.session import get_or_create_spark
 from volley_dagster.state.resident import ResidentStateCache
 

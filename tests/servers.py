@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from volley_dagster.sinks.s3 import S3Endpoint
+from volley_dagster.io.s3 import S3Endpoint
 
 PG_INSTALL_HINT = "apt-get install -y postgresql"
 

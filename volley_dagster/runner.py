@@ -31,7 +31,6 @@ import pyarrow.parquet as pq
 from pyspark.sql import SparkSession
 
 from volley_dagster import faults
-from volley_dagster.checkpoint.atomic import write_bytes_atomic
 from volley_dagster.checkpoint.epoch_log import EpochLog
 from volley_dagster.checkpoint.lease import DEFAULT_TTL_S, DEFAULT_WAIT_S, Fence, PipelineLease
 from volley_dagster.checkpoint.rescale import RescaleResult
@@ -47,6 +46,7 @@ from volley_dagster.errors import (
     VolleyError,
     is_disk_full,
 )
+from volley_dagster.io.atomic import write_bytes_atomic
 from volley_dagster.operators.aggregate import ResolvedAggregate
 from volley_dagster.operators.base import ShardStep, StatefulOperator
 from volley_dagster.operators.window import WINDOW_END, WINDOW_START

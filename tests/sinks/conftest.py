@@ -11,7 +11,7 @@ import pytest
 
 from tests.conftest import BUCKET
 from tests.servers import Postgres, SeaweedFS
-from volley_dagster.sinks.s3 import S3Endpoint
+from volley_dagster.io.s3 import S3Endpoint
 
 
 @pytest.fixture

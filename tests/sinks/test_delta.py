@@ -18,7 +18,7 @@ from tests.sinks.helpers import PIPELINE, ROWS, ctx, frame, reference
 from volley_dagster.errors import SinkCommitError, is_retryable
 from volley_dagster.sinks.base import CommitContext
 from volley_dagster.sinks.delta import DeltaSink
-from volley_dagster.sinks.s3 import S3Endpoint
+from volley_dagster.io.s3 import S3Endpoint
 
 
 

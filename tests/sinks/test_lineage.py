@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from volley_dagster.checkpoint.atomic import read_json, write_json_atomic
+from volley_dagster.io.atomic import read_json, write_json_atomic
 from volley_dagster.checkpoint.epoch_log import EpochLog
 from volley_dagster.errors import ConfigError, SinkLineageError
 from volley_dagster.sinks import MemorySink

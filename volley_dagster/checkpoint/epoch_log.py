@@ -37,8 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from volley_dagster import faults
-from volley_dagster.checkpoint.atomic import create_json_exclusive, read_json
 from volley_dagster.errors import EpochNotCutError, EpochOrderError, StateLayoutError
+from volley_dagster.io.atomic import create_json_exclusive, read_json
 from volley_dagster.sinks.lineage import Lineage, SinkBinding
 from volley_dagster.sources.offsets import EpochRange
 from volley_dagster.state.keys import ShardLayout

@@ -38,8 +38,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
-from volley_dagster.checkpoint.atomic import create_json_exclusive, read_json, write_json_atomic
 from volley_dagster.errors import FencedError, PipelineBusyError
+from volley_dagster.io.atomic import create_json_exclusive, read_json, write_json_atomic
 from volley_dagster.process import boot_id, is_alive, start_ticks
 
 DEFAULT_WAIT_S = 60.0

@@ -36,14 +36,13 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, TypeVar
-from urllib.parse import urlparse
 
 from botocore.exceptions import BotoCoreError, ClientError
 
-from volley_dagster.checkpoint.atomic import private_dir
 from volley_dagster.checkpoint.epoch_log import epoch_key
 from volley_dagster.errors import ConfigError, SnapshotError, SnapshotStorageError
-from volley_dagster.sinks.s3 import S3Endpoint
+from volley_dagster.io.atomic import private_dir
+from volley_dagster.io.s3 import S3Endpoint, S3Location, s3_client
 from volley_dagster.state.store import sha256_file
 
 MANIFEST_VERSION = 1
@@ -123,14 +122,11 @@ class S3SnapshotStore:
 
     def __init__(self, uri: str, endpoint: S3Endpoint | None = None, *, max_workers: int = 8,
                  max_attempts: int = 5) -> None:
-        parsed = urlparse(uri)
-        if parsed.scheme not in ("s3", "s3a") or not parsed.netloc:
-            raise ConfigError(f"not an S3 URI: {uri!r} (expected s3://bucket/prefix)")
+        location = S3Location.parse(uri)
         if max_workers < 1 or max_attempts < 1:
             raise ConfigError(f"max_workers and max_attempts must be >= 1, got {max_workers}, {max_attempts}")
         self.uri = uri.rstrip("/")
-        self.bucket = parsed.netloc
-        self.prefix = parsed.path.strip("/")
+        self.bucket, self.prefix = location.bucket, location.prefix
         self.endpoint = endpoint
         self.max_workers = max_workers
         self.max_attempts = max_attempts
@@ -151,13 +147,9 @@ class S3SnapshotStore:
         creating them through the default session is not, hence the lock)."""
         with self._lock:
             if self._client is None:
-                import boto3
-                from botocore.config import Config
-
-                config = Config(s3={"addressing_style": "path"}, max_pool_connections=max(10, self.max_workers),
-                                retries={"max_attempts": self.max_attempts, "mode": "standard"})
-                options = self.endpoint.boto3_options() if self.endpoint else {}
-                self._client = boto3.session.Session().client("s3", config=config, **options)
+                self._client = s3_client(self.endpoint.boto3_options() if self.endpoint else None,
+                                         max_attempts=self.max_attempts,
+                                         max_pool_connections=max(10, self.max_workers))
             return self._client
 
     # -- keys ------------------------------------------------------------------------

@@ -23,9 +23,9 @@ import pyarrow as pa
 from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundError
 
+from volley_dagster.io.s3 import S3Endpoint
 from volley_dagster.sinks.base import CommitContext, SinkLocation, commit_tags
 from volley_dagster.sinks.lineage import ForeignLineage, SinkCommit, SinkMark
-from volley_dagster.sinks.s3 import S3Endpoint
 from volley_dagster.sinks.table import Mode, TableSink
 
 

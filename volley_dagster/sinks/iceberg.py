@@ -34,9 +34,9 @@ from pyiceberg.table import Table, Transaction
 from sqlalchemy.exc import SQLAlchemyError
 
 from volley_dagster.errors import ConfigError
+from volley_dagster.io.s3 import S3Endpoint
 from volley_dagster.sinks.base import CommitContext, SinkLocation, commit_tags
 from volley_dagster.sinks.lineage import ForeignLineage, SinkCommit, SinkMark
-from volley_dagster.sinks.s3 import S3Endpoint
 from volley_dagster.sinks.table import Mode, TableSink
 
 NO_RETRIES = {"commit.retry.num-retries": "0"}

@@ -13,7 +13,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from volley_dagster.checkpoint.atomic import create_bytes_exclusive
+from volley_dagster.io.atomic import create_bytes_exclusive
 from volley_dagster.sinks.base import CommitContext, Sink, SinkLocation, commit_tags
 from volley_dagster.sinks.lineage import ForeignLineage, SinkCommit, SinkMark, check_choice
 

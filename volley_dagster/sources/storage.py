@@ -11,9 +11,9 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
 from volley_dagster.errors import ConfigError, SourceChangedError, SourceError
+from volley_dagster.io.s3 import S3Location, s3_client
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,7 @@ class LocalStorage(Storage):
         return FileInfo(path, st.st_size, _local_version(st))
 
     def write(self, path: str, data: bytes) -> None:
-        from volley_dagster.checkpoint.atomic import write_bytes_atomic
+        from volley_dagster.io.atomic import write_bytes_atomic
 
         write_bytes_atomic(self.root / path, data)
 
@@ -100,12 +100,9 @@ class S3Storage(Storage):
     unset ones come from the usual AWS environment."""
 
     def __init__(self, uri: str, options: dict[str, Any] | None = None) -> None:
-        parsed = urlparse(uri)
-        if parsed.scheme not in ("s3", "s3a") or not parsed.netloc:
-            raise ConfigError(f"not an S3 URI: {uri!r} (expected s3://bucket/prefix)")
+        self.location = S3Location.parse(uri)
         self.uri = uri
-        self.bucket = parsed.netloc
-        self.prefix = parsed.path.strip("/")
+        self.bucket, self.prefix = self.location.bucket, self.location.prefix
         self.options = dict(options or {})
         self._client: Any = None
 
@@ -115,16 +112,11 @@ class S3Storage(Storage):
     @property
     def client(self) -> Any:
         if self._client is None:
-            import boto3
-            from botocore.config import Config
-
-            opts = dict(self.options)
-            opts.setdefault("config", Config(s3={"addressing_style": "path"}, retries={"max_attempts": 5}))
-            self._client = boto3.client("s3", **opts)
+            self._client = s3_client(self.options)
         return self._client
 
     def _key(self, path: str) -> str:
-        return f"{self.prefix}/{path}" if self.prefix else path
+        return self.location.key(path)
 
     def list(self) -> list[FileInfo]:
         out = []

@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from volley_dagster.checkpoint.atomic import private_dir, write_json_atomic
+from volley_dagster.io.atomic import private_dir, write_json_atomic
 from volley_dagster.process import boot_id
 
 _LINEAGE = "lineage.json"

@@ -18,8 +18,8 @@ from typing import Any
 
 import rocksdict
 
-from volley_dagster.checkpoint.atomic import fsync_dir
 from volley_dagster.errors import SnapshotError
+from volley_dagster.io.atomic import fsync_dir
 from volley_dagster.state.options import RocksDBOptions
 from volley_dagster.state.resident import ResidentShard
 from volley_dagster.state.transaction import DEFAULT_SCAN_FRACTION, ShardTransaction

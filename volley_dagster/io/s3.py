@@ -1,5 +1,7 @@
-"""One S3 endpoint description (URL, credentials, region) rendered for each client
-that talks to it: delta-rs storage options, pyiceberg FileIO properties, boto3.
+"""S3 access shared by sources, snapshots and sinks: an ``s3://bucket/prefix``
+location, one way to make a boto3 client, and one endpoint description (URL,
+credentials, region) rendered for each client that talks to it: delta-rs storage
+options, pyiceberg FileIO properties, boto3.
 
 S3-compatible servers (SeaweedFS, MinIO, R2) need path-style addressing, plain
 HTTP allowed, and for Delta a way to make the commit file creation exclusive.
@@ -9,6 +11,44 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlparse
+
+from volley_dagster.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class S3Location:
+    """``s3://bucket/prefix`` (or ``s3a://``), parsed once."""
+
+    bucket: str
+    prefix: str
+
+    @classmethod
+    def parse(cls, uri: str) -> S3Location:
+        parsed = urlparse(uri)
+        if parsed.scheme not in ("s3", "s3a") or not parsed.netloc:
+            raise ConfigError(f"not an S3 URI: {uri!r} (expected s3://bucket/prefix)")
+        return cls(parsed.netloc, parsed.path.strip("/"))
+
+    def key(self, path: str) -> str:
+        """The object key of ``path`` under the prefix."""
+        return f"{self.prefix}/{path}" if self.prefix else path
+
+    def url(self, path: str) -> str:
+        return f"s3://{self.bucket}/{self.key(path)}"
+
+
+def s3_client(options: dict[str, Any] | None = None, *, max_attempts: int = 5, max_pool_connections: int = 10) -> Any:
+    """A boto3 S3 client with path-style addressing (S3-compatible servers need it) and
+    standard retries. ``options``: ``boto3.client`` keyword arguments (an endpoint's
+    ``boto3_options()``; unset ones come from the usual AWS environment). Made from its
+    own session: the default session is not thread-safe to create clients from."""
+    import boto3
+    from botocore.config import Config
+
+    config = Config(s3={"addressing_style": "path"}, max_pool_connections=max_pool_connections,
+                    retries={"max_attempts": max_attempts, "mode": "standard"})
+    return boto3.session.Session().client("s3", **{"config": config, **(options or {})})
 
 
 @dataclass(frozen=True)
