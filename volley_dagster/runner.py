@@ -47,10 +47,7 @@ from volley_dagster.errors import (
     is_disk_full,
 )
 from volley_dagster.io.atomic import write_bytes_atomic
-from volley_dagster.operators.aggregate import ResolvedAggregate
 from volley_dagster.operators.base import ShardStep, StatefulOperator
-from volley_dagster.operators.window import WINDOW_END, WINDOW_START
-from volley_dagster.operators.window_state import WINDOW_NS, decode_windows, window_dtype
 from volley_dagster.pipeline import Pipeline
 from volley_dagster.result import EpochResult
 from volley_dagster.sinks.base import CommitContext
@@ -59,7 +56,7 @@ from volley_dagster.sources.offsets import EpochRange
 from volley_dagster.spark.session import get_or_create_spark
 from volley_dagster.spark.stage import plan_epoch, run_stage
 from volley_dagster.spark.tasks import PreviousSnapshot, ShardMerge
-from volley_dagster.state.keys import ShardLayout, decode_keys, namespace_prefix
+from volley_dagster.state.keys import ShardLayout, namespace_prefix
 from volley_dagster.state.options import RocksDBOptions
 from volley_dagster.state.resident import ResidentStateCache
 from volley_dagster.state.store import open_snapshot_read_only, verify_snapshot
@@ -440,23 +437,9 @@ class EpochRunner:
         window (key, window_start, window_end, aggregates)."""
         epoch = self.log.last_committed() if epoch is None else epoch
         identity = self.log.identity()
-        aggregate = ResolvedAggregate(
-            self.pipeline.operator.accumulators,
-            tuple(a["kind"] for a in identity["aggregate"]["accumulators"]),
-            identity["aggregate"]["namespace"],
-        )
-        names = [self.pipeline.key_column] + aggregate.output_names()
-        if self.pipeline.windowing is None:
-            keys, values = self._scan_snapshots(epoch, aggregate.namespace)
-            _, key_values = decode_keys(identity["key_kind"], keys)
-            state, _ = aggregate.decode(values)
-            return pa.table([key_values] + aggregate.outputs(state), names=names).sort_by(self.pipeline.key_column)
-        keys, values = self._scan_snapshots(epoch, WINDOW_NS)
-        rows, key_index = decode_windows(values, window_dtype(aggregate))
-        _, key_values = decode_keys(identity["key_kind"], [keys[i] for i in key_index])
-        ts = pa.timestamp("us", tz="UTC")
-        bounds = [pa.array(rows["start"]).cast(ts), pa.array(rows["end"]).cast(ts)]
-        table = pa.table([key_values] + bounds + aggregate.outputs(rows), names=names[:1] + [WINDOW_START, WINDOW_END] + names[1:])
+        operator = self.pipeline.stateful_operator().recorded(identity["aggregate"])
+        keys, values = self._scan_snapshots(epoch, operator.namespaces.state)
+        table = operator.decode_state(keys, values, identity["key_kind"], self.pipeline.key_column)
         return table.sort_by([(c, "ascending") for c in self.pipeline.output_keys()])
 
     def _scan_snapshots(self, epoch: int, namespace: int) -> tuple[list[bytes], list[bytes]]:

@@ -50,7 +50,8 @@ import rocksdict
 from volley_dagster import faults
 from volley_dagster.checkpoint.epoch_log import EpochLog, LayoutChange
 from volley_dagster.errors import EpochOrderError, StateLayoutError
-from volley_dagster.operators.window_state import META_NS, PENDING_NS, WINDOW_NS
+from volley_dagster.operators import recorded_namespaces
+from volley_dagster.operators.base import StateNamespaces
 from volley_dagster.state.keys import PREFIX_BYTES, ShardLayout, namespace_prefix
 from volley_dagster.state.options import RocksDBOptions
 from volley_dagster.state.pending_index import PendingIndex, PersistentPendingIndex
@@ -87,36 +88,6 @@ class RescaleResult:
         )
 
 
-@dataclass(frozen=True)
-class StateNamespaces:
-    """What the rewrite does with each namespace of an operator's state."""
-
-    keyed: tuple[int, ...]  # ns | key group | key
-    pending: int | None = None  # ns | end | state key (key group inside the state key)
-    meta: int | None = None  # per-shard pending-window index
-
-    @property
-    def meta_ns(self) -> int:
-        assert self.meta is not None, "the operator keeps no pending-window index"
-        return self.meta
-
-    @property
-    def pending_ns(self) -> int:
-        """The pending-window namespace; asked for only when the state has one."""
-        assert self.pending is not None, "the operator keeps no pending-window index"
-        return self.pending
-
-    @classmethod
-    def of(cls, identity: dict[str, Any]) -> StateNamespaces:
-        aggregate = identity["aggregate"]
-        if "windowing" in aggregate:
-            return cls((WINDOW_NS,), PENDING_NS, META_NS)
-        return cls((aggregate["namespace"],))
-
-    def all(self) -> set[int]:
-        return set(self.keyed) | {ns for ns in (self.pending, self.meta) if ns is not None}
-
-
 def rescale(
     log: EpochLog, num_shards: int, rocksdb: RocksDBOptions | None = None, verify_checksums: bool = False,
     before_commit: Callable[[], None] | None = None,
@@ -142,7 +113,7 @@ def rescale(
     if new == old:
         return RescaleResult(epoch, epoch + 1, old.num_shards, num_shards, 0, 0, 0, time.perf_counter() - t0, 0, None, True)
 
-    namespaces = StateNamespaces.of(log.identity())
+    namespaces = recorded_namespaces(log.identity()["aggregate"])
     sources = log.state_shards(epoch) or {}
     if sorted(sources) != list(range(old.num_shards)):
         raise StateLayoutError(

@@ -15,7 +15,7 @@ from pyspark.sql import types as T
 from volley_dagster import columns
 from volley_dagster.errors import AggregateOverflowError, ConfigError, StateLayoutError
 from volley_dagster.operators.accumulators import Accumulator, StateOverflow, ValueKind, spark_ddl
-from volley_dagster.operators.base import ShardStep
+from volley_dagster.operators.base import ShardStep, StateNamespaces
 from volley_dagster.state.keys import decode_keys, encode_keys, namespace_prefix
 from volley_dagster.state.resident import ResidentShard
 from volley_dagster.state.transaction import ShardTransaction
@@ -43,6 +43,10 @@ class Aggregate:
         kinds = tuple(acc.kind(schema) for _, acc in self.accumulators)
         return ResolvedAggregate(self.accumulators, kinds, self.namespace)
 
+    def recorded(self, layout: dict[str, Any]) -> ResolvedAggregate:
+        """Resolved as the checkpoint root recorded it (``layout()``), without Spark."""
+        return ResolvedAggregate(self.accumulators, tuple(a["kind"] for a in layout["accumulators"]), layout["namespace"])
+
 
 @dataclass(frozen=True)
 class ResolvedAggregate:
@@ -62,6 +66,15 @@ class ResolvedAggregate:
     @property
     def resident_records(self) -> np.dtype:
         return self.dtype
+
+    @property
+    def namespaces(self) -> StateNamespaces:
+        return StateNamespaces((self.namespace,))
+
+    def decode_state(self, keys: list[bytes], values: list[bytes], key_kind: str, key_name: str) -> pa.Table:
+        _, key_values = decode_keys(key_kind, keys)
+        state, _ = self.decode(values)
+        return pa.table([key_values] + self.outputs(state), names=[key_name] + self.output_names())
 
     def layout(self) -> dict[str, Any]:
         """What must not change between epochs of one checkpoint root."""

@@ -13,6 +13,33 @@ from volley_dagster.state.transaction import ShardTransaction
 
 
 @dataclass(frozen=True)
+class StateNamespaces:
+    """The RocksDB namespaces (``state/keys.py`` prefixes) an operator's state uses, so
+    rescaling and state reads ask the operator instead of knowing its layout."""
+
+    keyed: tuple[int, ...]  # ns | key group | key: the first holds the state ``decode_state`` reads
+    pending: int | None = None  # ns | end | state key (key group inside the state key)
+    meta: int | None = None  # per-shard pending-window index
+
+    @property
+    def state(self) -> int:
+        return self.keyed[0]
+
+    @property
+    def meta_ns(self) -> int:
+        assert self.meta is not None, "the operator keeps no pending-window index"
+        return self.meta
+
+    @property
+    def pending_ns(self) -> int:
+        assert self.pending is not None, "the operator keeps no pending-window index"
+        return self.pending
+
+    def all(self) -> set[int]:
+        return set(self.keyed) | {ns for ns in (self.pending, self.meta) if ns is not None}
+
+
+@dataclass(frozen=True)
 class ShardStep:
     """What a shard task knows about the epoch beyond its own rows."""
 
@@ -29,6 +56,13 @@ class StatefulOperator(Protocol):
 
     def layout(self) -> dict[str, Any]:
         """What must not change between epochs of one checkpoint root."""
+
+    @property
+    def namespaces(self) -> StateNamespaces:
+        """Where its state lives."""
+
+    def decode_state(self, keys: list[bytes], values: list[bytes], key_kind: str, key_name: str) -> pa.Table:
+        """The rows users read (key first) of records scanned from ``namespaces.state``."""
 
     def output_ddl(self) -> list[str]:
         """Spark DDL of the output columns after the key."""

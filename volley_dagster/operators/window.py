@@ -41,8 +41,9 @@ from volley_dagster import columns
 from volley_dagster.errors import AggregateOverflowError, ConfigError
 from volley_dagster.operators.accumulators import StateOverflow
 from volley_dagster.operators.aggregate import Aggregate, ResolvedAggregate
-from volley_dagster.operators.base import ShardStep
-from volley_dagster.operators.window_state import apply_windows
+from volley_dagster.operators.base import ShardStep, StateNamespaces
+from volley_dagster.operators.window_state import WINDOW_NAMESPACES, apply_windows, decode_windows, window_dtype
+from volley_dagster.state.keys import decode_keys
 from volley_dagster.state.transaction import ShardTransaction
 
 WindowKind = Literal["tumbling", "sliding", "session"]
@@ -198,6 +199,10 @@ class WindowedAggregate:
             raise ConfigError(f"aggregate output {clash[0]!r} is reserved for the window bounds")
         return ResolvedWindowAggregate(self.windowing, self.aggregate.resolve(schema))
 
+    def recorded(self, layout: dict[str, Any]) -> ResolvedWindowAggregate:
+        """Resolved as the checkpoint root recorded it (``layout()``), without Spark."""
+        return ResolvedWindowAggregate(self.windowing, self.aggregate.recorded(layout))
+
 
 @dataclass(frozen=True)
 class ResolvedWindowAggregate:
@@ -211,6 +216,19 @@ class ResolvedWindowAggregate:
 
     def layout(self) -> dict[str, Any]:
         return {**self.aggregate.layout(), "windowing": self.windowing.layout()}
+
+    @property
+    def namespaces(self) -> StateNamespaces:
+        return WINDOW_NAMESPACES
+
+    def decode_state(self, keys: list[bytes], values: list[bytes], key_kind: str, key_name: str) -> pa.Table:
+        """Every open window: key, window_start, window_end, the aggregates."""
+        rows, key_index = decode_windows(values, window_dtype(self.aggregate))
+        _, key_values = decode_keys(key_kind, [keys[i] for i in key_index])
+        ts = pa.timestamp("us", tz="UTC")
+        bounds = [pa.array(rows["start"]).cast(ts), pa.array(rows["end"]).cast(ts)]
+        return pa.table([key_values] + bounds + self.aggregate.outputs(rows),
+                        names=[key_name, WINDOW_START, WINDOW_END] + self.aggregate.output_names())
 
     def event_us(self) -> Column:
         return F.unix_micros(F.col(self.windowing.time_column).cast("timestamp"))
@@ -267,7 +285,8 @@ class ResolvedWindowAggregate:
 
     def apply(self, txn: ShardTransaction, data: pa.Table, step: ShardStep) -> tuple[list[pa.Array], dict[str, Any]]:
         try:
-            return apply_windows(self, txn, data, step)
+            return apply_windows(self.aggregate, self.windows.kind == "session", self.windowing.max_pending_windows,
+                                 txn, data, step)
         except StateOverflow as overflow:
             raise AggregateOverflowError(
                 f"epoch {step.epoch}: {overflow.aggregate} leaves int64 in {len(overflow.rows)} window(s); nothing was "

@@ -15,7 +15,7 @@ Everything is columnar: a batch of windows is one array, grouped by sorting.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import pandas as pd
@@ -25,15 +25,13 @@ import pyarrow.compute as pc
 from volley_dagster import columns
 from volley_dagster.errors import StateLayoutError
 from volley_dagster.operators.aggregate import STATE_FORMAT, ResolvedAggregate
-from volley_dagster.operators.base import ShardStep
+from volley_dagster.operators.base import ShardStep, StateNamespaces
 from volley_dagster.state.keys import decode_keys, encode_keys, namespace_prefix
 from volley_dagster.state.pending_index import PersistentPendingIndex
 from volley_dagster.state.transaction import ShardTransaction
 
-if TYPE_CHECKING:
-    from volley_dagster.operators.window import ResolvedWindowAggregate
-
 WINDOW_NS, PENDING_NS, META_NS = 2, 3, 4
+WINDOW_NAMESPACES = StateNamespaces((WINDOW_NS,), PENDING_NS, META_NS)
 _TIMESTAMP = pa.timestamp("us", tz="UTC")
 _MIN = np.iinfo(np.int64).min
 
@@ -108,13 +106,14 @@ def group_windows(
 
 
 def apply_windows(
-    op: ResolvedWindowAggregate, txn: ShardTransaction, data: pa.Table, step: ShardStep
+    aggregate: ResolvedAggregate, sessions: bool, max_pending: int | None,
+    txn: ShardTransaction, data: pa.Table, step: ShardStep,
 ) -> tuple[list[pa.Array], dict[str, Any]]:
-    aggregate, windowing = op.aggregate, op.windowing
+    """Merge one shard's (key, window) partials into its open windows, fire those ending
+    at or before ``step.fire_limit``; ``sessions``: windows of a key that touch merge;
+    ``max_pending``: the in-memory pending-index bound."""
     dtype = window_dtype(aggregate)
-    pending = PersistentPendingIndex(
-        txn, namespace_prefix(META_NS), namespace_prefix(PENDING_NS), windowing.max_pending_windows
-    )
+    pending = PersistentPendingIndex(txn, namespace_prefix(META_NS), namespace_prefix(PENDING_NS), max_pending)
     n, limit = data.num_rows, step.fire_limit
 
     touched: list[bytes] = []
@@ -143,7 +142,7 @@ def apply_windows(
         np.concatenate([rows, new]),
         np.concatenate([key_index, row_key]),
         np.concatenate([np.zeros(len(rows), dtype=bool), np.ones(n, dtype=bool)]),
-        sessions=op.windows.kind == "session",
+        sessions=sessions,
     )
     fire = windows["end"] <= limit if limit is not None else np.zeros(len(windows), dtype=bool)
 
