@@ -83,16 +83,26 @@ class EpochRunner:
         lease_wait_s: float = DEFAULT_WAIT_S,
         lease_ttl_s: float = DEFAULT_TTL_S,
     ) -> None:
-        """``snapshot_store``: also keep every shard snapshot on S3, incrementally (only
-        new SSTs upload); a task whose machine lacks N-1's snapshot restores it from
-        there into ``snapshot_cache`` (default: this user's folder under the system temp dir; it
-        must be this user's alone).
-        ``resident_state``: keep running-aggregate shards' state in the machines' memory
-        between epochs (``state/resident.py``); True takes the settings from the
-        environment, False reads state from RocksDB every epoch.
-        ``lease_wait_s``: how long a run waits for another runner of the pipeline to
-        finish before ``PipelineBusyError``; ``lease_ttl_s``: how long a holder on
-        another machine counts as alive after its last heartbeat."""
+        """Runs ``pipeline`` with its state and epoch log under ``checkpoint_root``.
+
+        - ``spark``: the session to use (default: ``get_or_create_spark()`` on first use).
+        - ``max_records_per_epoch``: how much one cut takes at most (None: everything waiting).
+        - ``keep_epochs``: committed epochs whose snapshots retention keeps (at least 1).
+        - ``rocksdb``: RocksDB options of the shard stores (``state/options.py``).
+        - ``scan_fraction``: above this share of a shard's keys touched, read the shard
+          with one scan instead of ``multi_get``.
+        - ``verify_checksums``: hash every file of N-1's snapshots before restoring them
+          (default: sizes only; the asset check hashes the latest in full).
+        - ``snapshot_store``: also keep every shard snapshot on S3, incrementally (only
+          new SSTs upload); a task whose machine lacks N-1's snapshot restores it from
+          there into ``snapshot_cache`` (default: this user's folder under the system
+          temp dir; it must be this user's alone).
+        - ``resident_state``: keep running-aggregate shards' state in the machines' memory
+          between epochs (``state/resident.py``); True takes the settings from the
+          environment, False reads state from RocksDB every epoch.
+        - ``lease_wait_s``: how long a run waits for another runner of the pipeline to
+          finish before ``PipelineBusyError``; ``lease_ttl_s``: how long a holder on
+          another machine counts as alive after its last heartbeat."""
         pipeline.validate()
         if keep_epochs < 1:
             raise ConfigError(f"keep_epochs must be at least 1 (the last committed epoch), got {keep_epochs}")
