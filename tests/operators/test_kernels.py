@@ -1,0 +1,102 @@
+"""The NumPy kernels of the operators, without Spark: the accumulators folding epoch
+partials into state records, and window grouping (sessions merging across epochs).
+Each is checked against a plain Python fold of the same values."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from volley_dagster.operators.accumulators import StateOverflow, count, first, last, max_, mean, min_, sum_
+from volley_dagster.operators.aggregate import STATE_FORMAT, Aggregate, ResolvedAggregate
+from volley_dagster.operators.window_state import group_windows, window_dtype
+
+ACCUMULATORS = (("total", sum_("x")), ("n", count("x")), ("low", min_("x")), ("high", max_("x")),
+                ("avg", mean("x")), ("first_x", first("x")), ("last_x", last("x")))
+
+
+def resolved() -> ResolvedAggregate:
+    return Aggregate(ACCUMULATORS).recorded(
+        {"namespace": 1, "accumulators": [{"kind": k} for k in ("int", None, "int", "int", "int", "int", "int")]})
+
+
+def partials(values_per_key: list[list[int | None]], first_pos: int) -> pa.Table:
+    """What Spark's partial aggregation gives for one epoch: per key, over its values in
+    log order (positions ``first_pos`` on)."""
+    cols: dict[str, list] = {k: [] for k in ("total:v", "n:n", "low:v", "high:v", "avg:s", "avg:n",
+                                             "first_x:v", "first_x:p", "last_x:v", "last_x:p")}
+    pos = first_pos
+    for values in values_per_key:
+        seen = [(p, v) for p, v in enumerate(values, start=pos) if v is not None]
+        pos += len(values)
+        xs = [v for _, v in seen]
+        cols["total:v"].append(sum(xs) if xs else None)
+        cols["n:n"].append(len(xs))
+        cols["low:v"].append(min(xs) if xs else None)
+        cols["high:v"].append(max(xs) if xs else None)
+        cols["avg:s"].append(float(sum(xs)) if xs else None)
+        cols["avg:n"].append(len(xs))
+        cols["first_x:v"].append(seen[0][1] if seen else None)
+        cols["first_x:p"].append(seen[0][0] if seen else None)
+        cols["last_x:v"].append(seen[-1][1] if seen else None)
+        cols["last_x:p"].append(seen[-1][0] if seen else None)
+    types = {"avg:s": pa.float64()}
+    return pa.table({k: pa.array(v, types.get(k, pa.int64())) for k, v in cols.items()})
+
+
+def test_accumulators_fold_epochs_like_a_plain_fold_of_the_values():
+    aggregate = resolved()
+    epochs = [  # three keys; a key may see only nulls, or nothing, in an epoch
+        [[3, None, 5], [None], [7]],
+        [[1], [4, 2], []],
+        [[None, 9], [], [-6, 0]],
+    ]
+    state = aggregate.blank_rows(3)
+    for epoch, values in enumerate(epochs, start=1):
+        aggregate.merge(state, partials(values, first_pos=100 * epoch), epoch)
+    outputs = {name: array.to_pylist() for (name, _), array in zip(ACCUMULATORS, aggregate.outputs(state), strict=True)}
+    for key in range(3):
+        xs = [v for values in epochs for v in values[key] if v is not None]
+        assert outputs["total"][key] == sum(xs) and outputs["n"][key] == len(xs)
+        assert (outputs["low"][key], outputs["high"][key]) == (min(xs), max(xs))
+        assert outputs["avg"][key] == pytest.approx(sum(xs) / len(xs))
+        assert (outputs["first_x"][key], outputs["last_x"][key]) == (xs[0], xs[-1])
+    assert (state["_format"] == STATE_FORMAT).all()
+
+
+def test_a_key_without_values_stays_null_not_zero():
+    aggregate = resolved()
+    state = aggregate.blank_rows(1)
+    aggregate.merge(state, partials([[None, None]], 0), 1)
+    outputs = dict(zip([n for n, _ in ACCUMULATORS], aggregate.outputs(state), strict=True))
+    assert outputs["total"].to_pylist() == [None] and outputs["n"].to_pylist() == [0]
+    assert outputs["avg"].to_pylist() == [None] and outputs["first_x"].to_pylist() == [None]
+
+
+def test_an_int64_sum_that_would_wrap_names_its_rows():
+    aggregate = resolved()
+    state = aggregate.blank_rows(3)
+    aggregate.merge(state, partials([[2**62], [1], [-(2**62)]], 0), 1)
+    with pytest.raises(StateOverflow) as overflow:
+        aggregate.merge(state, partials([[2**62], [1], [-(2**62) - 1]], 10), 2)
+    assert overflow.value.rows.tolist() == [0, 2] and "sum('x')" in overflow.value.aggregate
+
+
+def test_sessions_merge_when_a_record_bridges_them_and_tumbling_windows_do_not():
+    aggregate = ResolvedAggregate((("n", count()),), (None,), 1)
+    dtype = window_dtype(aggregate)
+    rows = np.zeros(5, dtype=dtype)
+    rows["_format"] = STATE_FORMAT
+    # key 0: stored sessions [0, 10) and [20, 30); a new record's [8, 22) bridges them.
+    # key 1: stored [0, 5); a new record's [3, 9) extends it.
+    rows["start"], rows["end"], rows["n:n"] = [0, 20, 8, 0, 3], [10, 30, 22, 5, 9], [2, 3, 1, 4, 1]
+    key_index = np.array([0, 0, 0, 1, 1])
+    is_new = np.array([False, False, True, False, True])
+    merged, keys, end_moved = group_windows(aggregate, rows.copy(), key_index, is_new, sessions=True)
+    assert sorted(zip(keys.tolist(), merged["start"].tolist(), merged["end"].tolist(), merged["n:n"].tolist(),
+                      strict=True)) == [(0, 0, 30, 6), (1, 0, 9, 5)]
+    # the pending index needs a new entry only where a session now ends later than stored
+    assert dict(zip(keys.tolist(), end_moved.tolist(), strict=True)) == {0: False, 1: True}
+    tumbling, _, _ = group_windows(aggregate, rows.copy(), key_index, is_new, sessions=False)
+    assert len(tumbling) == 5  # distinct windows never merge, even when they overlap
