@@ -206,11 +206,13 @@ def test_a_killed_dagster_dev_heals_after_a_restart(healing):
     srv, base = healing
     runner = runner_for(base)
     files = LANDED + LATER
-    earlier = set(run_workers(base))  # the last test's runs may still be exiting, their Spark with them
+    with srv.instance() as instance:  # the last test's runs finish first: the crash must catch only the new one
+        wait_for(lambda: run_in_flight(instance, "payments") is None and not run_workers(base), 120,
+                 "the last test's runs to finish", srv)
     committed = runner.committed_epoch()
     generate(base / "events", 1, PER_FILE, KEYS, first_file=files)
     wait_for(lambda: runner.log.last_cut() > committed, 120, "the sensor to cut the new epoch", srv)
-    victim = wait_for(lambda: next((p for p in run_workers(base) if p not in earlier and has_jvm(p)), None),
+    victim = wait_for(lambda: next((p for p in run_workers(base) if has_jvm(p)), None),
                       120, "the run of the new epoch to start Spark", srv)
     os.killpg(srv.proc.pid, signal.SIGKILL)
     srv.stop()  # stragglers outside the group, if any
