@@ -16,17 +16,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from harness.dagster_dev import dagster_dev
+from volley_dagster.checkpoint.epoch_log import EpochLog
+from volley_dagster.demo.events import generate
 
-from tests.dagster_server import dagster_dev  # noqa: E402
-from volley_dagster.checkpoint.epoch_log import EpochLog  # noqa: E402
-from volley_dagster.demo.events import generate  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def main() -> None:

@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from volley_dagster.checkpoint.lease import PipelineLease
+from volley_dagster.io.atomic import create_json_exclusive
 
-from volley_dagster.io.atomic import create_json_exclusive  # noqa: E402
-from volley_dagster.checkpoint.lease import PipelineLease  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def timed(fn, reps: int) -> list[float]:

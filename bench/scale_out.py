@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.workloads import Workload, scaling_log  # noqa: E402
-from tests.servers import start_seaweedfs  # noqa: E402
+from harness.seaweedfs import start_seaweedfs  # noqa: E402
 from bench.common import finish  # noqa: E402
 from volley_dagster import EpochRunner, S3SnapshotStore  # noqa: E402
 from volley_dagster.spark.session import get_or_create_spark  # noqa: E402

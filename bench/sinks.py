@@ -1,6 +1,6 @@
 """Commit cost per epoch of the exactly-once sinks (Delta append/upsert, Iceberg
 append/upsert) at several output sizes, on local disk and on a SeaweedFS S3
-server this script starts itself (tests/servers.py).
+server this script starts itself (harness/seaweedfs.py).
 
     ./dev bench sinks [--rows 10000,100000,1000000] [--reps 3] [--storage local,s3]
 
@@ -28,13 +28,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from harness.seaweedfs import SeaweedFS, start_seaweedfs
+from volley_dagster.sinks.base import CommitContext, Sink
+from volley_dagster.sinks.delta import DeltaSink
+from volley_dagster.sinks.iceberg import IcebergSink, sqlite_catalog
 
-from tests.servers import SeaweedFS, start_seaweedfs  # noqa: E402
-from volley_dagster.sinks.base import CommitContext, Sink  # noqa: E402
-from volley_dagster.sinks.delta import DeltaSink  # noqa: E402
-from volley_dagster.sinks.iceberg import IcebergSink, sqlite_catalog  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 PIPELINE = "bench"
 BUCKET = "bench"

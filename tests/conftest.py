@@ -13,7 +13,9 @@ from typing import Iterator
 
 import pytest
 
-from tests.servers import Postgres, SeaweedFS, SparkCluster, start_postgres, start_seaweedfs, start_spark_cluster
+from harness.postgres import Postgres, start_postgres
+from harness.seaweedfs import SeaweedFS, start_seaweedfs
+from harness.spark_cluster import SparkCluster, start_spark_cluster
 
 BUCKET = "volley-sinks"
 

@@ -17,7 +17,8 @@ import pytest
 import rocksdict
 
 from tests.conftest import BUCKET
-from tests.servers import SeaweedFS, free_ports, start_seaweedfs
+from harness.processes import free_ports
+from harness.seaweedfs import SeaweedFS, start_seaweedfs
 from volley_dagster.checkpoint.s3_snapshots import S3SnapshotStore, SnapshotManifest
 from volley_dagster.errors import SnapshotError, SnapshotStorageError
 from volley_dagster.state.options import RocksDBOptions, write_options

@@ -17,7 +17,8 @@ import sys
 from pathlib import Path
 
 from tests.helpers import payments
-from tests.servers import EXECUTOR_CLASS, proc_cmdline, proc_ancestors, proc_descendants
+from harness.processes import proc_ancestors, proc_cmdline, proc_descendants
+from harness.spark_cluster import EXECUTOR_CLASS
 from volley_dagster import EpochRunner
 from volley_dagster.faults import PAUSE_DIR_ENV, PAUSE_MAX_ENV
 from volley_dagster.spark.session import get_or_create_spark

@@ -1,5 +1,5 @@
 """The engine on a real Spark standalone cluster (a master and two 1-core workers
-from the pyspark package's own jars, tests/servers.py), driven from its own
+from the pyspark package's own jars, harness/spark_cluster.py), driven from its own
 process (tests/engine/cluster_worker.py): shard tasks run in executor processes,
 results equal the reference, and a worker killed (kill -9, with its executor and
 Python workers) while it runs a shard task costs a retry on the other worker,
@@ -19,7 +19,8 @@ import pandas as pd
 
 from tests.engine.cluster_worker import SHARDS
 from tests.helpers import assert_epoch_outputs, assert_state_equal, log_records, payments, read_sink, reference_state
-from tests.servers import SparkCluster, proc_ancestors
+from harness.processes import proc_ancestors
+from harness.spark_cluster import SparkCluster
 from volley_dagster import EpochRunner
 from volley_dagster.demo.events import generate
 from volley_dagster.faults import PAUSE_DIR_ENV, PAUSE_MAX_ENV

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import assert_epoch_outputs, assert_state_equal, log_records, payments, read_sink, reference_state, tree_digest
-from tests.servers import proc_ancestors
+from harness.processes import proc_ancestors
 from volley_dagster import EpochRunner, PipelineBusyError
 from volley_dagster.checkpoint.lease import newest_token
 from volley_dagster.demo.events import generate

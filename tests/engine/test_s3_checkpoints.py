@@ -14,7 +14,7 @@ import pytest
 
 from tests.conftest import BUCKET
 from tests.helpers import assert_state_equal, log_records, payments, reference_state
-from tests.servers import SeaweedFS, start_seaweedfs
+from harness.seaweedfs import SeaweedFS, start_seaweedfs
 from volley_dagster import EpochRunner
 from volley_dagster.checkpoint.s3_snapshots import S3SnapshotStore
 from volley_dagster.demo.events import generate

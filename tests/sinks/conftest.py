@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import BUCKET
-from tests.servers import Postgres, SeaweedFS
+from harness.postgres import Postgres
+from harness.seaweedfs import SeaweedFS
 from volley_dagster.io.s3 import S3Endpoint
 
 

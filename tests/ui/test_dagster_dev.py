@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.browser import dagster_ui
-from tests.dagster_server import dagster_dev
+from harness.browser import dagster_ui
+from harness.dagster_dev import dagster_dev
 from tests.helpers import assert_state_equal, log_records, reference_state
 from volley_dagster import EpochRunner
 from volley_dagster.demo.events import generate

