@@ -1,10 +1,21 @@
 """The code location on a real DagsterInstance: sensor-cut epochs, ordered
-single-run backfills, the ordering guard, hand-made partition keys, asset checks."""
+single-run backfills, the ordering guard, hand-made partition keys, asset checks.
+
+One scenario runs once per module (the runs are the slow part); each test checks
+one behaviour of it."""
 
 from __future__ import annotations
 
-from dagster import AssetKey, DagsterInstance, build_sensor_context
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
 
+import pytest
+from dagster import AssetKey, DagsterInstance, Definitions, build_sensor_context
+from deltalake import DeltaTable
+
+from tests.dagster.conftest import build_location, payments_cutting_at_3000
 from tests.helpers import assert_state_equal, log_records, reference_state
 from volley_dagster.demo.events import generate
 
@@ -12,6 +23,7 @@ STATE = AssetKey(["payments", "state"])
 DELTA = AssetKey(["payments", "delta_balances"])
 ICEBERG = AssetKey(["payments", "iceberg_changes"])
 KEYS = 300
+COLUMNS = ["merchant_id", "total", "events", "avg_amount", "largest", "last_seen"]
 
 
 def key(epoch: int) -> str:
@@ -45,79 +57,111 @@ def materializations(instance, asset: AssetKey) -> list[tuple[str, dict]]:
     return [(r.asset_materialization.partition, r.asset_materialization.metadata) for r in records]
 
 
-def test_sensor_backfill_order_guard_and_checks(location):
-    defs, instance, base = location
-    generate(base / "events", 1, 2_000, KEYS)
-    first = tick(defs, instance)
-    assert not first.run_requests  # 2,000 waiting < min_records 3,000
+def check_results(defs, instance) -> dict[tuple[AssetKey, str], bool]:
+    checks = defs.resolve_job_def("payments_checks_job").execute_in_process(instance=instance, raise_on_error=False)
+    return {(e.asset_check_evaluation_data.asset_key, e.asset_check_evaluation_data.check_name):
+            e.asset_check_evaluation_data.passed for e in checks.all_events if e.event_type_value == "ASSET_CHECK_EVALUATION"}
 
-    generate(base / "events", 2, 2_000, KEYS, first_file=1)
-    second = tick(defs, instance, first.cursor)
+
+@dataclass
+class Scenario:
+    defs: Definitions
+    instance: DagsterInstance
+    base: Path
+    ticks: dict[str, Any]
+    runs: dict[str, Any]
+    delta_after_3: Any
+    checks_clean: dict[tuple[AssetKey, str], bool]
+    checks_corrupt: dict[tuple[AssetKey, str], bool]
+
+
+@pytest.fixture(scope="module")
+def scenario(tmp_path_factory, spark) -> Iterator[Scenario]:
+    base = tmp_path_factory.mktemp("location")
+    with ExitStack() as stack:
+        defs, instance, _ = build_location(payments_cutting_at_3000(base), base, stack)
+        ticks, runs = {}, {}
+        generate(base / "events", 1, 2_000, KEYS)
+        ticks["first"] = tick(defs, instance)  # 2,000 waiting < min_records 3,000
+        generate(base / "events", 2, 2_000, KEYS, first_file=1)
+        ticks["second"] = tick(defs, instance, ticks["first"].cursor)
+        runs["1..2"] = run_range(defs, instance, 1, 2)  # the run the daemon launches for it
+        ticks["restarted"] = tick(defs, instance, ticks["second"].cursor)  # a restarted daemon: the same cursor
+        generate(base / "events", 1, 2_000, KEYS, first_file=3)
+        ticks["third"] = tick(defs, instance, ticks["restarted"].cursor)
+        runs["backfill 1..3"] = run_range(defs, instance, 1, 3)  # after epoch 3 was cut
+        delta_after_3 = DeltaTable(str(base / "tables" / "delta" / "merchant_balances")).to_pyarrow_table()
+        generate(base / "events", 2, 2_000, KEYS, first_file=4)
+        ticks["fourth"] = tick(defs, instance, ticks["third"].cursor)
+        runs["5 before 4"] = run_range(defs, instance, 5)
+        instance.add_dynamic_partitions("payments_epochs", [key(42)])  # by hand: no recorded offsets
+        runs["42"] = run_range(defs, instance, 42)
+        clean = check_results(defs, instance)
+        sst = next((base / "state" / "payments" / "snapshots" / key(3)).glob("shard-*/*.sst"))
+        data = bytearray(sst.read_bytes())
+        data[-1] ^= 1
+        sst.write_bytes(bytes(data))
+        yield Scenario(defs, instance, base, ticks, runs, delta_after_3, clean, check_results(defs, instance))
+
+
+def test_the_sensor_cuts_once_enough_records_wait_and_requests_one_run(scenario):
+    first, second = scenario.ticks["first"], scenario.ticks["second"]
+    assert not first.run_requests
     assert [range_of(r) for r in second.run_requests] == [(key(1), key(2))]  # 6,000 -> 2,000 + 2,000, one run
     assert all(r.tags["volley/pipeline"] == "payments" for r in second.run_requests)
-    assert instance.get_dynamic_partitions("payments_epochs") == [key(1), key(2)]
+    assert [range_of(r) for r in scenario.ticks["fourth"].run_requests] == [(key(4), key(5))]
+    assert scenario.instance.get_dynamic_partitions("payments_epochs")[:5] == [key(e) for e in range(1, 6)]
 
-    # the run the daemon launches for it commits both epochs, in order
-    assert run_range(defs, instance, 1, 2).success
-    restarted = tick(defs, instance, second.cursor)  # a restarted daemon: same cursor, nothing repeats
+
+def test_a_range_run_commits_its_epochs_and_a_restarted_sensor_repeats_nothing(scenario):
+    assert scenario.runs["1..2"].success
+    restarted = scenario.ticks["restarted"]
     assert not restarted.run_requests and "every cut epoch is committed" in restarted.skip_reason.skip_message
-    # a single-run backfill over 1..3 after epoch 3 was cut: 1 and 2 are no-ops, 3 commits
-    generate(base / "events", 1, 2_000, KEYS, first_file=3)
-    third = tick(defs, instance, restarted.cursor)
-    assert [range_of(r) for r in third.run_requests] == [(key(3), key(3))]
-    backfill = run_range(defs, instance, 1, 3)
+    assert [range_of(r) for r in scenario.ticks["third"].run_requests] == [(key(3), key(3))]
+
+
+def test_a_backfill_over_committed_epochs_runs_them_in_order_as_noops(scenario):
+    backfill = scenario.runs["backfill 1..3"]
     assert backfill.success
-    state_events = materializations(instance, STATE)
+    state_events = materializations(scenario.instance, STATE)
     assert [p for p, _ in state_events[:2]] == [key(1), key(2)]  # one event per epoch, as it commits
-    in_backfill = dict((p, m) for p, m in state_events[2:])
+    in_backfill = dict(state_events[2:5])
     assert {p: m["noop_already_committed"].value for p, m in in_backfill.items()} == {key(1): 1, key(2): 1, key(3): 0}
-    messages = [e.user_message for e in instance.all_logs(backfill.run_id) if e.user_message.startswith("epoch ")]
+    messages = [e.user_message for e in scenario.instance.all_logs(backfill.run_id) if e.user_message.startswith("epoch ")]
     assert [m.split(":")[0] for m in messages] == [  # processed in ascending epoch order
         "epoch 1 was already committed", "epoch 2 was already committed", "epoch 3 committed"]
-    last = in_backfill[key(3)]
+    expected = reference_state(log_records(3, 2_000, KEYS))  # epochs 1..3 hold the first 6,000 records
+    assert_state_equal(scenario.delta_after_3.select(COLUMNS), expected[COLUMNS])
+
+
+def test_each_epoch_carries_its_metadata_on_the_state_and_table_assets(scenario):
+    last = dict(materializations(scenario.instance, STATE))[key(3)]
     assert last["records_in"].value == 2_000 and last["epoch"].value == 3
     assert last["state_reads"].value == {"resident": last["shards"].value}  # epoch 2's mirror, from another run
     assert isinstance(last["seconds_total"].value, float)
-    delta_md = dict(materializations(instance, DELTA))[key(3)]
+    delta_md = dict(materializations(scenario.instance, DELTA))[key(3)]
     assert delta_md["delta_table_version"].value == 2 and delta_md["dagster/uri"].value.endswith("merchant_balances")
-    iceberg_md = dict(materializations(instance, ICEBERG))[key(3)]
+    iceberg_md = dict(materializations(scenario.instance, ICEBERG))[key(3)]
     assert iceberg_md["rows"].value > 0 and iceberg_md["dagster/table_name"].value == "payments.merchant_changes"
     assert [c.name for c in iceberg_md["dagster/column_schema"].schema.columns][:2] == ["merchant_id", "total"]
 
-    expected = reference_state(log_records(3, 2_000, KEYS))  # epochs 1..3 hold the first 6,000 records
-    from deltalake import DeltaTable
 
-    delta = DeltaTable(str(base / "tables" / "delta" / "merchant_balances")).to_pyarrow_table()
-    got = delta.select(["merchant_id", "total", "events", "avg_amount", "largest", "last_seen"])
-    assert_state_equal(got, expected[["merchant_id", "total", "events", "avg_amount", "largest", "last_seen"]])
-
-    # the guard: epoch 5 before epoch 4 fails naming epoch 4, and commits nothing
-    generate(base / "events", 2, 2_000, KEYS, first_file=4)
-    fourth = tick(defs, instance, third.cursor)
-    assert [range_of(r) for r in fourth.run_requests] == [(key(4), key(5))]
-    early = run_range(defs, instance, 5)
+def test_an_epoch_before_its_predecessor_fails_naming_it_and_commits_nothing(scenario):
+    early = scenario.runs["5 before 4"]
     assert not early.success
     failure = [e for e in early.all_events if e.is_failure]
     assert "needs epoch 4 committed first" in str(failure[0].event_specific_data.error)
-    assert not (base / "state" / "payments" / "epochs" / key(5) / "manifest.json").exists()
+    assert not (scenario.base / "state" / "payments" / "epochs" / key(5) / "manifest.json").exists()
 
-    # a partition key added by hand, with no recorded offsets, is refused, not run empty
-    instance.add_dynamic_partitions("payments_epochs", [key(42)])
-    rogue = run_range(defs, instance, 42)
+
+def test_a_partition_key_added_by_hand_is_refused_not_run_empty(scenario):
+    rogue = scenario.runs["42"]
     assert not rogue.success
-    assert "epoch 42 has no recorded offset range" in str([e for e in rogue.all_events if e.is_failure][0].event_specific_data.error)
+    error = str([e for e in rogue.all_events if e.is_failure][0].event_specific_data.error)
+    assert "epoch 42 has no recorded offset range" in error
 
-    # asset checks over what committed: all pass; a corrupted snapshot is caught
-    checks = defs.resolve_job_def("payments_checks_job").execute_in_process(instance=instance)
-    results = {(e.asset_check_evaluation_data.asset_key, e.asset_check_evaluation_data.check_name):
-               e.asset_check_evaluation_data.passed for e in checks.all_events if e.event_type_value == "ASSET_CHECK_EVALUATION"}
-    assert len(results) == 8, results
-    assert all(results.values()), results
-    sst = next((base / "state" / "payments" / "snapshots" / key(3)).glob("shard-*/*.sst"))
-    data = bytearray(sst.read_bytes())
-    data[-1] ^= 1
-    sst.write_bytes(bytes(data))
-    checks = defs.resolve_job_def("payments_checks_job").execute_in_process(instance=instance, raise_on_error=False)
-    failed = [e.asset_check_evaluation_data for e in checks.all_events
-              if e.event_type_value == "ASSET_CHECK_EVALUATION" and not e.asset_check_evaluation_data.passed]
-    assert [(f.asset_key, f.check_name) for f in failed] == [(STATE, "snapshot_checksums")]
+
+def test_asset_checks_pass_and_catch_a_corrupted_snapshot(scenario):
+    assert len(scenario.checks_clean) == 8 and all(scenario.checks_clean.values()), scenario.checks_clean
+    failed = [k for k, passed in scenario.checks_corrupt.items() if not passed]
+    assert failed == [(STATE, "snapshot_checksums")]
