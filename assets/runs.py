@@ -73,7 +73,7 @@ def fail_orphaned_runs(instance: DagsterInstance, pipeline: str) -> list[str]:
     failed = []
     for record in pool_runs(instance, pipeline, [DagsterRunStatus.STARTED]):
         run = record.dagster_run
-        pid = _run_worker_pid(instance, run.run_id)
+        pid = run_worker_pid(instance, run.run_id)
         if pid is None or record.start_time is None:
             continue
         began = started_at(pid)
@@ -85,13 +85,14 @@ def fail_orphaned_runs(instance: DagsterInstance, pipeline: str) -> list[str]:
     return failed
 
 
-def _run_worker_pid(instance: DagsterInstance, run_id: str) -> Optional[int]:
+def run_worker_pid(instance: DagsterInstance, run_id: str) -> Optional[int]:
     """The pid the run worker reports in its first engine events ("Started process for
     run", "Executing steps in process")."""
     records = instance.get_records_for_run(run_id, of_type=DagsterEventType.ENGINE_EVENT, limit=50).records
     for record in records:
         event = record.event_log_entry.dagster_event
         metadata = (event.engine_event_data.metadata or {}) if event is not None and event.engine_event_data else {}
-        if "pid" in metadata and isinstance(metadata["pid"].value, int):
-            return metadata["pid"].value
+        pid = metadata["pid"].value if "pid" in metadata else None  # Dagster reports it as text
+        if isinstance(pid, (str, int)) and str(pid).isdigit():
+            return int(pid)
     return None

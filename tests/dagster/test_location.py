@@ -6,6 +6,7 @@ one behaviour of it."""
 
 from __future__ import annotations
 
+import os
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,7 @@ import pytest
 from dagster import AssetKey, DagsterInstance, Definitions, build_sensor_context
 from deltalake import DeltaTable
 
+from assets.runs import run_worker_pid
 from tests.dagster.conftest import build_location, payments_cutting_at_3000
 from tests.helpers import assert_state_equal, log_records, reference_state
 from volley_dagster.demo.events import generate
@@ -165,3 +167,9 @@ def test_asset_checks_pass_and_catch_a_corrupted_snapshot(scenario):
     assert len(scenario.checks_clean) == 8 and all(scenario.checks_clean.values()), scenario.checks_clean
     failed = [k for k, passed in scenario.checks_corrupt.items() if not passed]
     assert failed == [(STATE, "snapshot_checksums")]
+
+
+def test_the_watchdog_finds_the_process_of_each_run(scenario):
+    """What the sensor's watchdog checks before failing an orphaned run: the pid the run
+    worker reported (in process here, so this test's own)."""
+    assert [run_worker_pid(scenario.instance, run.run_id) for run in scenario.runs.values()] == [os.getpid()] * 4
