@@ -44,9 +44,11 @@ def assert_sinks_pass_checks(runner: EpochRunner) -> None:
         assert all(o.passed for o in outcomes), [(sink.name, o.name, o.description) for o in outcomes]
 
 
-@pytest.mark.parametrize("choice", ["replace", "continue"])
-def test_a_new_root_over_old_tables_fails_then_each_choice_equals_the_reference(spark, tmp_path, choice):
+def test_a_new_root_over_old_tables_fails_then_each_choice_equals_the_reference(spark, tmp_path):
+    """Lineage A writes 3 epochs; its root is deleted. Lineage B fails by name, then
+    continues after A's epochs; its root is deleted too, and lineage C replaces it all."""
     generate(tmp_path / "events", FILES, PER_FILE, KEYS)
+    records = log_records(FILES, PER_FILE, KEYS)
     old = runner_for(tmp_path, spark)
     assert [r.epoch for r in old.run_available()] == [1, 2, 3]
     old_lineage = old.log.lineage().id
@@ -62,29 +64,29 @@ def test_a_new_root_over_old_tables_fails_then_each_choice_equals_the_reference(
     assert "'replace'" in message and "'continue'" in message
     assert new.committed_epoch() == 0 and table_versions(new) == before  # nothing committed, nothing skipped
 
-    chosen = runner_for(tmp_path, spark, choice)
-    assert [r.epoch for r in chosen.run_available()] == [1, 2, 3]
-    records = log_records(FILES, PER_FILE, KEYS)
-    parquet, delta, iceberg = chosen.pipeline.sinks
-    for result in (chosen.result(e) for e in (1, 2, 3)):  # each epoch follows the old lineage's in every sink
-        assert {s["sink_epoch"] for s in result.sinks.values()} == {result.epoch + 3}
-    assert_state_equal(chosen.read_state(), reference_state(records))
-    assert_state_equal(delta.read().select(list(reference_state(records).columns)), reference_state(records))
-    outputs = parquet.read("payments").to_pandas()
-    new_outputs = outputs[outputs["epoch"] > 3].assign(epoch=lambda f: f["epoch"] - 3)
-    assert_epoch_outputs(new_outputs, records, {e: PER_FILE for e in (1, 2, 3)})
-    new_changes = iceberg.read()
-    if choice == "replace":
-        assert sorted(outputs["epoch"].unique()) == [4, 5, 6]  # the old lineage's files are gone
-        assert by_rows(new_changes).equals(by_rows(old_changes))  # the same records again, once
-    else:
-        old_outputs = outputs[outputs["epoch"] <= 3]
-        assert_epoch_outputs(old_outputs, records, {e: PER_FILE for e in (1, 2, 3)})
-        assert by_rows(new_changes).equals(by_rows(pa.concat_tables([old_changes, old_changes])))
-    assert_sinks_pass_checks(chosen)
-    shown = describe_checkpoints(tmp_path / "state")  # `volley inspect`
-    assert f"lineage {chosen.log.lineage().id}" in shown
-    assert f"sinks/delta.json  {choice!r} after epoch 3 of lineage {old_lineage}" in shown
+    for choice, offset in (("continue", 3), ("replace", 6)):
+        if choice == "replace":
+            shutil.rmtree(tmp_path / "state")  # and once more: a third lineage replaces both
+        chosen = runner_for(tmp_path, spark, choice)
+        assert [r.epoch for r in chosen.run_available()] == [1, 2, 3]
+        parquet, delta, iceberg = chosen.pipeline.sinks
+        for result in (chosen.result(e) for e in (1, 2, 3)):  # each epoch follows the held ones in every sink
+            assert {s["sink_epoch"] for s in result.sinks.values()} == {result.epoch + offset}
+        assert_state_equal(chosen.read_state(), reference_state(records))
+        assert_state_equal(delta.read().select(list(reference_state(records).columns)), reference_state(records))
+        outputs = parquet.read("payments").to_pandas()
+        new_outputs = outputs[outputs["epoch"] > offset].assign(epoch=lambda f, o=offset: f["epoch"] - o)
+        assert_epoch_outputs(new_outputs, records, {e: PER_FILE for e in (1, 2, 3)})
+        if choice == "continue":  # the old rows stay, the new ones follow
+            assert_epoch_outputs(outputs[outputs["epoch"] <= 3], records, {e: PER_FILE for e in (1, 2, 3)})
+            assert by_rows(iceberg.read()).equals(by_rows(pa.concat_tables([old_changes, old_changes])))
+        else:  # every row the tables held is gone, the third lineage's are there once
+            assert sorted(outputs["epoch"].unique()) == [7, 8, 9]
+            assert by_rows(iceberg.read()).equals(by_rows(old_changes))
+        assert_sinks_pass_checks(chosen)
+        shown = describe_checkpoints(tmp_path / "state")  # `volley inspect`
+        assert f"lineage {chosen.log.lineage().id}" in shown
+        assert f"sinks/delta.json  {choice!r} after epoch {offset} of lineage " in shown
 
 
 def test_a_root_restored_from_a_copy_skips_what_it_committed_and_refuses_another_range(spark, tmp_path):
