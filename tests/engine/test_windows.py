@@ -28,6 +28,17 @@ def run_windows(spark, base, windows, max_pending=None, ntz=False):
     return runner, results, ref
 
 
+def write_batch(events, i: int, batch: list[tuple[int, dt.datetime]]) -> None:
+    """Log file ``i``: one active 1.0 payment per (merchant, event time)."""
+    pq.write_table(pa.table({
+        "event_id": pa.array([i * 10 + j for j in range(len(batch))], pa.int64()),
+        "merchant_id": pa.array([m for m, _ in batch], pa.int64()),
+        "amount": pa.array([1.0] * len(batch)),
+        "status": pa.array(["active"] * len(batch)),
+        "event_time": pa.array([t for _, t in batch], pa.timestamp("us", tz="UTC")),
+    }), events / f"events-{i:06d}.parquet")
+
+
 def check_against_reference(runner, results, ref):
     assert [r.epoch for r in results] == list(range(1, FILES + 2))
     emitted = set()
@@ -91,13 +102,7 @@ def test_session_spanning_three_epochs_and_bridging(spark, tmp_path):
     runner = EpochRunner(pipeline, tmp_path / "state", spark=spark)
     fired = []
     for i, batch in enumerate(batches):
-        pq.write_table(pa.table({
-            "event_id": pa.array([i * 10 + j for j in range(len(batch))], pa.int64()),
-            "merchant_id": pa.array([m for m, _ in batch], pa.int64()),
-            "amount": pa.array([1.0] * len(batch)),
-            "status": pa.array(["active"] * len(batch)),
-            "event_time": pa.array([t0 + dt.timedelta(seconds=s) for _, s in batch], pa.timestamp("us", tz="UTC")),
-        }), events / f"events-{i:06d}.parquet")
+        write_batch(events, i, [(m, t0 + dt.timedelta(seconds=s)) for m, s in batch])
         fired.append(window_rows(runner.run_next().output))
     us = lambda s: int((t0 + dt.timedelta(seconds=s)).timestamp() * 1_000_000)  # noqa: E731
     sessions = {(1, us(0), us(26), 3), (2, us(0), us(30), 3)}
@@ -132,13 +137,7 @@ def test_a_record_from_the_far_future_is_a_dead_letter_not_the_watermark(spark, 
                          tmp_path / "strict", spark=spark, max_records_per_epoch=2)
     results = []
     for i, batch in enumerate(batches):
-        pq.write_table(pa.table({
-            "event_id": pa.array([i * 10 + j for j in range(len(batch))], pa.int64()),
-            "merchant_id": pa.array([m for m, _ in batch], pa.int64()),
-            "amount": pa.array([1.0] * len(batch)),
-            "status": pa.array(["active"] * len(batch)),
-            "event_time": pa.array([t for _, t in batch], pa.timestamp("us", tz="UTC")),
-        }), events / f"events-{i:06d}.parquet")
+        write_batch(events, i, batch)
         results.append(runner.run_next())
         if i == 1:
             strict.run_next()
