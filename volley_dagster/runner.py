@@ -50,7 +50,7 @@ from volley_dagster.io.atomic import write_bytes_atomic
 from volley_dagster.operators.base import ShardStep, StatefulOperator
 from volley_dagster.pipeline import Pipeline
 from volley_dagster.result import EpochResult
-from volley_dagster.sinks.base import CommitContext
+from volley_dagster.sinks.base import CommitContext, SinkCommitResult
 from volley_dagster.sinks.lineage import SinkBinding
 from volley_dagster.sources.offsets import EpochRange
 from volley_dagster.spark.session import get_or_create_spark
@@ -383,10 +383,11 @@ class EpochRunner:
             if held is not None and lineage.owns(held) and held.epoch > ctx.sink_epoch:
                 held = sink.commit_of(self.pipeline.name, ctx.sink_epoch) or ctx.mark  # the range it holds for this epoch
             if not ctx.should_commit(sink.name, held):
-                results[sink.name] = {"skipped": True, "held_epoch": held.epoch if held else None}
+                commit = SinkCommitResult(skipped=True, held_epoch=held.epoch if held else None)
             else:
                 self._check_fence(f"epoch {epoch}: committing sink {sink.name!r}")
-                results[sink.name] = {"skipped": False, **sink.commit(output, ctx)}  # a lost race reports a skip
+                commit = sink.commit(output, ctx)  # a lost race reports a skip
+            results[sink.name] = commit.to_dict()
             results[sink.name].update(seconds=time.perf_counter() - t, lineage=lineage.id, sink_epoch=ctx.sink_epoch)
             faults.fault_point(f"after_sink_{sink.name}", epoch)
         return results

@@ -71,7 +71,7 @@ def main(spec: dict[str, Any]) -> list[dict[str, Any]]:
     for epoch in spec["epochs"]:
         _barrier(Path(spec["sync"]), epoch, spec["worker"], spec["peers"])
         result = sink.commit(outputs[epoch], CommitContext(spec["pipeline"], epoch, keys))
-        results.append({"epoch": epoch, "worker": spec["worker"], **result})
+        results.append({"epoch": epoch, "worker": spec["worker"], **result.to_dict()})
     return results
 
 

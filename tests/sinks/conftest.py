@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import BUCKET
 from harness.postgres import Postgres
 from harness.seaweedfs import SeaweedFS
+from tests.conftest import BUCKET
 from volley_dagster.io.s3 import S3Endpoint
 
 

@@ -16,10 +16,9 @@ from deltalake import DeltaTable
 from tests.sinks.commit_worker import epoch_output, race
 from tests.sinks.helpers import PIPELINE, ROWS, ctx, frame, reference
 from volley_dagster.errors import SinkCommitError, is_retryable
-from volley_dagster.sinks.base import CommitContext
-from volley_dagster.sinks.delta import DeltaSink
 from volley_dagster.io.s3 import S3Endpoint
-
+from volley_dagster.sinks.base import CommitContext, SinkCommitResult
+from volley_dagster.sinks.delta import DeltaSink
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -44,8 +43,8 @@ def test_epochs_equal_reference(location: dict[str, Any], mode: str) -> None:
     assert sink.committed_epoch(PIPELINE) is None
     for epoch in range(1, 5):
         result = sink.commit(epoch_output(epoch, ROWS), ctx(epoch))
-        assert result["skipped"] is False and result["rows"] == ROWS and result["mode"] == mode
-        assert result["version"] == epoch - 1  # one Delta commit per epoch, the first creates the table
+        assert not result.skipped and result.rows == ROWS and result.mode == mode
+        assert result.position["version"] == epoch - 1  # one Delta commit per epoch, the first creates the table
         assert sink.committed_epoch(PIPELINE) == epoch
     pd.testing.assert_frame_equal(frame(sink.read()), reference(mode, range(1, 5)), check_dtype=False)
 
@@ -65,7 +64,7 @@ def test_recommitting_a_held_epoch_changes_nothing(location: dict[str, Any], mod
     # The same epoch again, an older epoch, and an older epoch with other rows: all skipped.
     for epoch, output in [(3, epoch_output(3, ROWS)), (2, epoch_output(2, ROWS)), (1, epoch_output(9, ROWS))]:
         result = sink.commit(output, ctx(epoch))
-        assert result == {"skipped": True, "held_epoch": 3, "conflicts": 0, "mode": mode, "version": version}
+        assert result == SinkCommitResult(skipped=True, held_epoch=3, conflicts=0, mode=mode, position={"version": version})
 
     table = delta_table(location)
     assert table.version() == version
@@ -109,7 +108,7 @@ def test_upsert_by_several_key_columns(tmp_path: Path) -> None:
     second = pa.table({"region": ["eu", "us", "ap"], "merchant_id": [1, 2, 1], "total": [10.0, 40.0, 5.0]})
     sink.commit(first, ctx(1))
     result = sink.commit(second, ctx(2))
-    assert (result["inserted"], result["updated"]) == (1, 2)
+    assert (result.counts["inserted"], result.counts["updated"]) == (1, 2)
     got = sink.read().to_pandas().sort_values(["region", "merchant_id"]).reset_index(drop=True)
     assert got.to_dict("list") == {"region": ["ap", "eu", "eu", "us", "us"], "merchant_id": [1, 1, 2, 1, 2],
                                    "total": [5.0, 10.0, 2.0, 3.0, 40.0]}
@@ -127,7 +126,7 @@ class _InterleavedSink(DeltaSink):
     def _write_rows(self, table: Any, output: pa.Table, keys: Any, props: Any, replace: bool) -> dict[str, Any]:
         if self.rival is not None:
             rival, self.rival = self.rival, None
-            assert rival.commit(output, self.rival_ctx)["skipped"] is False
+            assert rival.commit(output, self.rival_ctx).skipped is False
         return super()._write_rows(table, output, keys, props, replace)
 
 
@@ -139,7 +138,7 @@ def test_losing_a_race_skips(location: dict[str, Any], mode: str, existing: bool
     epoch = 2 if existing else 1
     sink = _InterleavedSink(DeltaSink(**location, mode=mode), ctx(epoch), **location, mode=mode)
     result = sink.commit(epoch_output(epoch, ROWS), ctx(epoch))
-    assert result["skipped"] is True and result["held_epoch"] == epoch and result["conflicts"] == 1
+    assert result.skipped and result.held_epoch == epoch and result.conflicts == 1
     assert delta_table(location).version() == epoch - 1  # the rival's commit only
     pd.testing.assert_frame_equal(frame(sink.read()), reference(mode, range(1, epoch + 1)), check_dtype=False)
 

@@ -16,7 +16,7 @@ from pyiceberg.table import Table
 
 from tests.sinks.commit_worker import epoch_output, race
 from tests.sinks.helpers import PIPELINE, ROWS, ctx, frame, reference
-from volley_dagster.sinks.base import CommitContext
+from volley_dagster.sinks.base import CommitContext, SinkCommitResult
 from volley_dagster.sinks.iceberg import IcebergSink, sqlite_catalog
 
 TABLE = "volley.payments"
@@ -44,7 +44,7 @@ def test_epochs_equal_reference(iceberg_catalog: dict[str, str], mode: str) -> N
     metadata_files = []
     for epoch in range(1, 5):
         result = sink.commit(epoch_output(epoch, ROWS), ctx(epoch))
-        assert result["skipped"] is False and result["rows"] == ROWS and result["conflicts"] == 0
+        assert not result.skipped and result.rows == ROWS and result.conflicts == 0
         assert sink.committed_epoch(PIPELINE) == epoch
         metadata_files.append(load(iceberg_catalog).metadata_location)
     pd.testing.assert_frame_equal(frame(sink.read()), reference(mode, range(1, 5)), check_dtype=False)
@@ -73,7 +73,8 @@ def test_recommitting_a_held_epoch_changes_nothing(iceberg_catalog: dict[str, st
 
     for epoch, output in [(3, epoch_output(3, ROWS)), (2, epoch_output(2, ROWS)), (1, epoch_output(9, ROWS))]:
         result = sink.commit(output, ctx(epoch))
-        assert result == {"skipped": True, "held_epoch": 3, "conflicts": 0, "mode": mode, "snapshot_id": current}
+        assert result == SinkCommitResult(skipped=True, held_epoch=3, conflicts=0, mode=mode,
+                                         position={"snapshot_id": current})
 
     table = load(iceberg_catalog)
     assert (table.metadata_location, len(table.snapshots())) == (location, snapshots)
@@ -103,7 +104,7 @@ def test_committed_epoch_comes_from_the_table(iceberg_catalog: dict[str, str]) -
     assert fresh.committed_epoch(PIPELINE) == 3
     assert fresh.committed_epoch("refunds") == 1
     assert fresh.committed_epoch("unknown") is None
-    assert fresh.commit(epoch_output(3, ROWS), ctx(3))["skipped"] is True
+    assert fresh.commit(epoch_output(3, ROWS), ctx(3)).skipped is True
     assert fresh.read().num_rows == 4 * ROWS
 
 
@@ -115,7 +116,7 @@ def test_table_made_elsewhere_gets_retries_off(tmp_path: Path) -> None:
     cat.create_namespace("volley")
     cat.create_table(TABLE, schema=epoch_output(1, ROWS).schema)
     sink = IcebergSink(TABLE, catalog, mode="upsert")
-    assert sink.commit(epoch_output(1, ROWS), ctx(1))["skipped"] is False
+    assert sink.commit(epoch_output(1, ROWS), ctx(1)).skipped is False
     table = load(catalog)
     assert table.properties["commit.retry.num-retries"] == "0"
     assert table.properties["volley.payments.iceberg.epoch"] == "1"
@@ -147,7 +148,7 @@ class _InterleavedSink(IcebergSink):
     def _stage(self, txn: Any, table: Any, output: pa.Table, keys: Any, summary: Any, replace: bool) -> dict[str, Any]:
         if self.rival is not None:
             rival, self.rival = self.rival, None
-            assert rival.commit(output, self.rival_ctx)["skipped"] is False
+            assert rival.commit(output, self.rival_ctx).skipped is False
         return super()._stage(txn, table, output, keys, summary, replace)
 
 
@@ -161,7 +162,7 @@ def test_losing_a_race_skips(iceberg_catalog: dict[str, str], mode: str, existin
     rival = IcebergSink(TABLE, iceberg_catalog, mode=mode)
     sink = _InterleavedSink(rival, ctx(epoch), TABLE, iceberg_catalog, mode=mode)
     result = sink.commit(epoch_output(epoch, ROWS), ctx(epoch))
-    assert result["skipped"] is True and result["held_epoch"] == epoch and result["conflicts"] == 1
+    assert result.skipped and result.held_epoch == epoch and result.conflicts == 1
     table = load(iceberg_catalog)
     assert sorted({int(e) for _, e in epochs_of(table) if e}) == list(range(1, epoch + 1))
     pd.testing.assert_frame_equal(frame(sink.read()), reference(mode, range(1, epoch + 1)), check_dtype=False)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from volley_dagster.io.atomic import read_json, write_json_atomic
 from volley_dagster.checkpoint.epoch_log import EpochLog
 from volley_dagster.errors import ConfigError, SinkLineageError
+from volley_dagster.io.atomic import read_json, write_json_atomic
 from volley_dagster.sinks import MemorySink
 from volley_dagster.sinks.lineage import Lineage, SinkBinding, SinkMark, decide
 

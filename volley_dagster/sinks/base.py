@@ -46,6 +46,27 @@ class CommitContext:
 
 
 @dataclass(frozen=True)
+class SinkCommitResult:
+    """What one epoch's commit to one sink did; ``to_dict`` is its entry in the manifest.
+    ``position``: where the table stands after it (Delta ``version``, Iceberg
+    ``snapshot_id``, a file's ``path``); ``counts``: rows inserted, updated, rewritten."""
+
+    skipped: bool
+    rows: int | None = None
+    mode: str | None = None
+    conflicts: int | None = None
+    replaced: bool | None = None
+    held_epoch: int | None = None
+    position: dict[str, Any] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        fields = {"skipped": self.skipped, "rows": self.rows, "mode": self.mode, "conflicts": self.conflicts,
+                  "replaced": self.replaced, "held_epoch": self.held_epoch}
+        return {**{k: v for k, v in fields.items() if v is not None}, **self.position, **self.counts}
+
+
+@dataclass(frozen=True)
 class SinkLocation:
     """Where a sink's table lives, as an orchestrator shows it: its kind ("delta",
     "iceberg", ...), a URI or a catalog table name, and its write mode."""
@@ -68,7 +89,7 @@ class Sink(ABC):
         """The mark of the latest commit of ``pipeline``, read from the sink itself."""
 
     @abstractmethod
-    def commit(self, output: pa.Table, ctx: CommitContext) -> dict[str, Any]:
+    def commit(self, output: pa.Table, ctx: CommitContext) -> SinkCommitResult:
         """Write one epoch's output atomically, tagged with ``ctx.mark`` (decided again
         with ``ctx.should_commit`` after a lost race); returns what the manifest records."""
 

@@ -91,7 +91,7 @@ class DeltaSink(TableSink[DeltaTable]):
         return {"version": table.version() if table is not None else None}
 
     def _write(self, table: DeltaTable | None, output: pa.Table, ctx: CommitContext,
-               keys: tuple[str, ...]) -> dict[str, Any]:
+               keys: tuple[str, ...]) -> tuple[dict[str, int], dict[str, Any]]:
         app_id = self.app_id(ctx.pipeline)
         props = CommitProperties(
             app_transactions=[Transaction(app_id=app_id, version=ctx.sink_epoch)],
@@ -99,10 +99,10 @@ class DeltaSink(TableSink[DeltaTable]):
             max_commit_retries=0,
         )
         counts = self._write_rows(table, output, keys, props, ctx.replace)
-        return {**counts, **self._position(self._load())}
+        return counts, self._position(self._load())
 
     def _write_rows(self, table: DeltaTable | None, output: pa.Table, keys: tuple[str, ...],
-                    props: CommitProperties, replace: bool) -> dict[str, Any]:
+                    props: CommitProperties, replace: bool) -> dict[str, int]:
         if table is None:
             # The first commit creates the table (version 0) with this epoch's rows
             # and txn; a MERGE into an empty table would insert the same rows.

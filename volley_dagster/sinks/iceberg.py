@@ -147,16 +147,16 @@ class IcebergSink(TableSink[Table]):
         return {"snapshot_id": None if table is None else _snapshot_id(table)}
 
     def _write(self, table: Table | None, output: pa.Table, ctx: CommitContext,
-               keys: tuple[str, ...]) -> dict[str, Any]:
+               keys: tuple[str, ...]) -> tuple[dict[str, int], dict[str, Any]]:
         assert table is not None  # ``_load(create_with=...)`` created it
         txn = table.transaction()
         stats = self._stage(txn, table, output, keys, commit_tags(ctx, output.num_rows), ctx.replace)
         prefix = mark_prefix(ctx.pipeline, self.name)
         txn.set_properties({prefix + k[len("volley."):]: v for k, v in ctx.mark.tags().items()})
-        return {**stats, **self._position(txn.commit_transaction())}
+        return stats, self._position(txn.commit_transaction())
 
     def _stage(self, txn: Transaction, table: Table, output: pa.Table, keys: tuple[str, ...],
-               summary: dict[str, str], replace: bool) -> dict[str, Any]:
+               summary: dict[str, str], replace: bool) -> dict[str, int]:
         """Stage the epoch's rows in ``txn`` (the caller adds the epoch property).
         ``replace``: delete every row first (another lineage's), in the same commit.
 

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import pyarrow as pa
 
-from volley_dagster.sinks.base import CommitContext, Sink, SinkLocation
+from volley_dagster.sinks.base import CommitContext, Sink, SinkCommitResult, SinkLocation
 from volley_dagster.sinks.lineage import ForeignLineage, SinkCommit, SinkMark, check_choice
 
 
@@ -21,15 +19,16 @@ class MemorySink(Sink):
         marks = self.marks.get(pipeline, {})
         return marks[max(marks)] if marks else None
 
-    def commit(self, output: pa.Table, ctx: CommitContext) -> dict[str, Any]:
-        if not ctx.should_commit(self.name, self.committed_mark(ctx.pipeline)):
-            return {"rows": output.num_rows, "skipped": True}
+    def commit(self, output: pa.Table, ctx: CommitContext) -> SinkCommitResult:
+        held = self.committed_mark(ctx.pipeline)
+        if not ctx.should_commit(self.name, held):
+            return SinkCommitResult(skipped=True, held_epoch=held.epoch if held else None)
         if ctx.replace:
             self.epochs.pop(ctx.pipeline, None)
             self.marks.pop(ctx.pipeline, None)
         self.epochs.setdefault(ctx.pipeline, {})[ctx.sink_epoch] = output
         self.marks.setdefault(ctx.pipeline, {})[ctx.sink_epoch] = ctx.mark
-        return {"rows": output.num_rows}
+        return SinkCommitResult(skipped=False, rows=output.num_rows, replaced=ctx.replace)
 
     def location(self) -> SinkLocation:
         return SinkLocation("memory")

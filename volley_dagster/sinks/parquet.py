@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from volley_dagster.io.atomic import create_bytes_exclusive
-from volley_dagster.sinks.base import CommitContext, Sink, SinkLocation, commit_tags
+from volley_dagster.sinks.base import CommitContext, Sink, SinkCommitResult, SinkLocation, commit_tags
 from volley_dagster.sinks.lineage import ForeignLineage, SinkCommit, SinkMark, check_choice
 
 _FILE = re.compile(r"^epoch-(\d+)\.parquet$")
@@ -52,20 +52,22 @@ class ParquetSink(Sink):
         epoch, _, meta = files[-1]
         return SinkMark.from_tags(meta, epoch=epoch)
 
-    def commit(self, output: pa.Table, ctx: CommitContext) -> dict[str, Any]:
-        if not ctx.should_commit(self.name, self.committed_mark(ctx.pipeline)):
-            return {"path": str(self.file_for(ctx.pipeline, ctx.sink_epoch)), "rows": output.num_rows, "skipped": True}
+    def commit(self, output: pa.Table, ctx: CommitContext) -> SinkCommitResult:
+        target = self.file_for(ctx.pipeline, ctx.sink_epoch)
+        held = self.committed_mark(ctx.pipeline)
+        if not ctx.should_commit(self.name, held):
+            return SinkCommitResult(skipped=True, held_epoch=held.epoch if held else None, position={"path": str(target)})
         tags = commit_tags(ctx, output.num_rows)
         replaced = self._files(ctx.pipeline) if ctx.replace else []
         if replaced:
             tags[_REPLACES] = str(replaced[-1][0])
         buf = io.BytesIO()
         pq.write_table(output.replace_schema_metadata({k.encode(): v.encode() for k, v in tags.items()}), buf)
-        target = self.file_for(ctx.pipeline, ctx.sink_epoch)
-        created = create_bytes_exclusive(target, buf.getvalue())
+        created = create_bytes_exclusive(target, buf.getvalue())  # False: another writer of this epoch was first
         for _, path, _ in replaced:  # committed above: what remains is clean-up
             path.unlink(missing_ok=True)
-        return {"path": str(target), "rows": output.num_rows, "skipped": not created, "replaced": len(replaced)}
+        return SinkCommitResult(skipped=not created, rows=output.num_rows, replaced=ctx.replace,
+                                position={"path": str(target)}, counts={"files_replaced": len(replaced)})
 
     def commits(self, pipeline: str) -> list[SinkCommit]:
         return [SinkCommit(SinkMark.from_tags(meta, epoch=epoch), int(meta.get("volley.rows", -1)))

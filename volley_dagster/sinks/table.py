@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Generic, Literal, TypeVar
 import pyarrow as pa
 
 from volley_dagster.errors import ConfigError, SinkCommitError, VolleyError
-from volley_dagster.sinks.base import CommitContext, Sink, upsert_keys
+from volley_dagster.sinks.base import CommitContext, Sink, SinkCommitResult, upsert_keys
 from volley_dagster.sinks.lineage import ForeignLineage, SinkMark, check_choice
 
 Mode = Literal["append", "upsert"]
@@ -63,10 +63,11 @@ class TableSink(Sink, Generic[Table]):
         """The mark of ``pipeline``'s latest commit, from ``table``'s own metadata."""
 
     @abstractmethod
-    def _write(self, table: Table | None, output: pa.Table, ctx: CommitContext, keys: tuple[str, ...]) -> dict[str, Any]:
+    def _write(self, table: Table | None, output: pa.Table, ctx: CommitContext,
+               keys: tuple[str, ...]) -> tuple[dict[str, int], dict[str, Any]]:
         """Commit the epoch on exactly the state of ``table`` that was checked, tagged
         with ``ctx.mark``; raise one of ``conflicts`` when another writer got there first.
-        Returns what the manifest records (counts, the new table position)."""
+        Returns the row counts and the table's new position."""
 
     @abstractmethod
     def _position(self, table: Table | None) -> dict[str, Any]:
@@ -78,7 +79,7 @@ class TableSink(Sink, Generic[Table]):
         table = self._load()
         return None if table is None else self._held(table, pipeline)
 
-    def commit(self, output: pa.Table, ctx: CommitContext) -> dict[str, Any]:
+    def commit(self, output: pa.Table, ctx: CommitContext) -> SinkCommitResult:
         keys = upsert_keys(self, self.mode, self.key_columns, ctx)
         conflicts, lost_to = 0, None
         for _ in range(self.max_attempts):
@@ -86,9 +87,9 @@ class TableSink(Sink, Generic[Table]):
                 table = self._load(create_with=output.schema)
                 held = None if table is None else self._held(table, ctx.pipeline)
                 if not ctx.should_commit(self.name, held):
-                    return {"skipped": True, "held_epoch": held.epoch if held else None, "conflicts": conflicts,
-                            "mode": self.mode, **self._position(table)}
-                metrics = self._write(table, output, ctx, keys)
+                    return SinkCommitResult(skipped=True, held_epoch=held.epoch if held else None,
+                                            conflicts=conflicts, mode=self.mode, position=self._position(table))
+                counts, position = self._write(table, output, ctx, keys)
             except self.conflicts as exc:
                 conflicts, lost_to = conflicts + 1, exc  # someone committed since we looked (possibly this very epoch): decide again
                 self._forget()
@@ -100,8 +101,8 @@ class TableSink(Sink, Generic[Table]):
                     f"sink {self.name!r} ({self.describe_target()}): epoch {ctx.epoch} did not commit: "
                     f"{type(exc).__name__}: {exc}"
                 ) from exc
-            return {"skipped": False, "rows": output.num_rows, "mode": self.mode, "conflicts": conflicts,
-                    "replaced": ctx.replace, **metrics}
+            return SinkCommitResult(skipped=False, rows=output.num_rows, mode=self.mode, conflicts=conflicts,
+                                    replaced=ctx.replace, position=position, counts=counts)
         raise SinkCommitError(
             f"sink {self.name!r} ({self.describe_target()}): epoch {ctx.epoch} lost {conflicts} commit races in a row "
             f"(max_attempts={self.max_attempts}); another writer keeps committing to the table. Nothing of this "
