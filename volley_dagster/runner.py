@@ -255,10 +255,7 @@ class EpochRunner:
         return self.log.last_committed()
 
     def result(self, epoch: int) -> EpochResult:
-        manifest = self.log.manifest(epoch)
-        if manifest is None:
-            raise EpochOrderError(f"epoch {epoch} of pipeline {self.pipeline.name!r} is not committed")
-        return EpochResult.from_manifest(manifest)
+        return EpochResult.from_manifest(self.log.committed_manifest(epoch))
 
     def _process(self, rng: EpochRange) -> EpochResult:
         epoch, pipeline, log = rng.epoch, self.pipeline, self.log
@@ -424,7 +421,7 @@ class EpochRunner:
     def _previous_snapshots(self, epoch: int, layout: ShardLayout) -> dict[int, PreviousSnapshot]:
         if epoch == 1:
             return {}
-        shards = self.log.state_shards(epoch - 1) or {}
+        shards = self.log.state_shards(epoch - 1)
         if sorted(shards) != list(range(layout.num_shards)):
             raise StateLayoutError(
                 f"epoch {epoch - 1}'s state has {len(shards)} shards, epoch {epoch} runs with {layout.num_shards} "
@@ -455,8 +452,6 @@ class EpochRunner:
 
     def _scan_snapshots(self, epoch: int, namespace: int) -> tuple[list[bytes], list[bytes]]:
         shards = self.log.state_shards(epoch)  # after a rescale of the epoch: the rewritten snapshots
-        if shards is None:
-            raise EpochOrderError(f"epoch {epoch} of pipeline {self.pipeline.name!r} is not committed")
         prefix = namespace_prefix(namespace)
         keys: list[bytes] = []
         values: list[bytes] = []

@@ -26,14 +26,15 @@ def check_sink(runner: EpochRunner, sink: Sink) -> list[CheckOutcome]:
     pipeline = runner.pipeline.name
     committed = runner.committed_epoch()
     mark = sink.committed_mark(pipeline)
-    if committed == 0:
-        held, whose = None, ""
-    else:
+    held: int | None = None
+    whose, history = "", {}
+    if committed:
         lineage = runner.log.lineage()
-        owned = mark is not None and lineage.owns(mark)
-        held = lineage.epoch_of(mark) if owned else None  # type: ignore[arg-type]
-        whose = "" if owned or mark is None else f" (it holds {mark.describe()}, not this lineage's)"
-    history = sink.epoch_history(pipeline, runner.log.lineage()) if committed else {}
+        if mark is not None and lineage.owns(mark):
+            held = lineage.epoch_of(mark)
+        elif mark is not None:
+            whose = f" (it holds {mark.describe()}, not this lineage's)"
+        history = sink.epoch_history(pipeline, lineage)
     outcomes = [
         CheckOutcome(
             "recorded_epoch",
@@ -77,7 +78,7 @@ def check_latest_snapshot(runner: EpochRunner) -> CheckOutcome:
         return CheckOutcome("snapshot_checksums", True, "no committed epoch yet")
     files = 0
     try:
-        for info in (runner.log.state_shards(epoch) or {}).values():  # after a rescale: its rewrite
+        for info in runner.log.state_shards(epoch).values():  # after a rescale: its rewrite
             verify_snapshot(runner.log.root / info["snapshot"], info["files"], full=True)
             files += len(info["files"])
     except SnapshotError as exc:

@@ -44,7 +44,6 @@ from volley_dagster.sources.offsets import EpochRange
 from volley_dagster.state.keys import ShardLayout
 
 LAYOUT_VERSION = 1
-_LINEAGE_KEYS = ("lineage", "unlabelled_through")  # in pipeline.json, but not part of the layout
 
 
 def epoch_key(epoch: int) -> str:
@@ -140,7 +139,7 @@ class EpochLog:
         layout only) or the current one after a rescale; nothing else may change."""
         if not self.has_identity():  # written once: later epochs only read it (a full disk stays readable)
             create_json_exclusive(self.root / "pipeline.json", {**identity, "lineage": uuid.uuid4().hex})
-        recorded = {k: v for k, v in self.identity().items() if k not in _LINEAGE_KEYS}
+        recorded = {k: v for k, v in self.identity().items() if k != "lineage"}  # the lineage is no layout
         if recorded == identity:
             return
         shards = identity.get("layout", {}).get("num_shards")
@@ -223,13 +222,11 @@ class EpochLog:
     def describe_layouts(self) -> str:
         return "; ".join(f"from epoch {e}: {layout.num_shards} shards" for e, layout in self.layout_history())
 
-    def state_shards(self, epoch: int) -> dict[int, dict[str, Any]] | None:
+    def state_shards(self, epoch: int) -> dict[int, dict[str, Any]]:
         """A committed epoch's shard snapshots (manifest entries, paths relative to the
         root) in the newest layout they exist in: a rescale's rewrite of the epoch when
-        there is one, else the epoch's own. None when the epoch is not committed."""
-        manifest = self.manifest(epoch)
-        if manifest is None:
-            return None
+        there is one, else the epoch's own (``EpochOrderError`` if it is not committed)."""
+        manifest = self.committed_manifest(epoch)
         rewrites = [c for c in self.layout_changes() if c.snapshot_epoch == epoch]
         shards = rewrites[-1].shards if rewrites else manifest["shards"]
         return {int(s): info for s, info in shards.items()}

@@ -114,7 +114,7 @@ def rescale(
         return RescaleResult(epoch, epoch + 1, old.num_shards, num_shards, 0, 0, 0, time.perf_counter() - t0, 0, None, True)
 
     namespaces = recorded_namespaces(log.identity()["aggregate"])
-    sources = log.state_shards(epoch) or {}
+    sources = log.state_shards(epoch)
     if sorted(sources) != list(range(old.num_shards)):
         raise StateLayoutError(
             f"epoch {epoch}'s state has shards {sorted(sources)}, its layout says {old.num_shards}"

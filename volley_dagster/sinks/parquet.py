@@ -46,19 +46,16 @@ class ParquetSink(Sink):
         return [f for f in found if f[0] > horizon]
 
     def committed_mark(self, pipeline: str) -> SinkMark | None:
-        files = self._files(pipeline)
-        if not files:
-            return None
-        epoch, _, meta = files[-1]
-        return SinkMark.from_tags(meta, epoch=epoch)
+        return _latest_mark(self._files(pipeline))
 
     def commit(self, output: pa.Table, ctx: CommitContext) -> SinkCommitResult:
         target = self.file_for(ctx.pipeline, ctx.sink_epoch)
-        held = self.committed_mark(ctx.pipeline)
+        files = self._files(ctx.pipeline)  # one read of the footers decides and names what a replace removes
+        held = _latest_mark(files)
         if not ctx.should_commit(self.name, held):
             return SinkCommitResult(skipped=True, held_epoch=held.epoch if held else None, position={"path": str(target)})
         tags = commit_tags(ctx, output.num_rows)
-        replaced = self._files(ctx.pipeline) if ctx.replace else []
+        replaced = files if ctx.replace else []
         if replaced:
             tags[_REPLACES] = str(replaced[-1][0])
         buf = io.BytesIO()
@@ -86,3 +83,10 @@ class ParquetSink(Sink):
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "path": str(self.path)}
+
+
+def _latest_mark(files: list[tuple[int, Path, dict[str, str]]]) -> SinkMark | None:
+    if not files:
+        return None
+    epoch, _, meta = files[-1]
+    return SinkMark.from_tags(meta, epoch=epoch)
