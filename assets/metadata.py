@@ -51,7 +51,7 @@ def epoch_metadata(pipeline: Pipeline, result: EpochResult) -> dict[AssetKey, di
         "keys_touched": MetadataValue.int(result.keys_touched),
         "shards": MetadataValue.int(len(result.shards)),  # rescales change it between epochs
         # how shards read state: "resident" (memory), "scan", "multi_get", "carried_forward"
-        "state_reads": MetadataValue.json(dict(Counter(s.get("read_mode", "-") for s in result.shards.values()))),
+        "state_reads": MetadataValue.json(dict(Counter(s.read_mode or "-" for s in result.shards.values()))),
         "new_keys": MetadataValue.int(result.new_keys),
         "state_bytes": MetadataValue.int(result.state_bytes),
         "state_bytes_written": MetadataValue.int(result.state_bytes_written),

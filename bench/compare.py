@@ -99,8 +99,8 @@ def volley_epoch(runner, w: Workload, index: int) -> dict[str, Any]:
                    "snapshot": d["snapshot_shard_sum"],
                    **{f"sink_{name}": s.get("seconds", 0.0) for name, s in r.sinks.items()}},
         "bytes_written": r.state_bytes_written,
-        "worker_peak_rss_mib": max(s["peak_rss_mib"] for s in r.shards.values()),
-        "state_reads": sorted(s["read_mode"] for s in r.shards.values()),  # "resident": the memory mirror
+        "worker_peak_rss_mib": max(s.peak_rss_mib for s in r.shards.values()),
+        "state_reads": sorted(s.read_mode for s in r.shards.values()),  # "resident": the memory mirror
     }
 
 

@@ -56,12 +56,12 @@ def main() -> None:
                     raise SystemExit(f"epoch {epoch} not committed after 300 s:\n{srv.log_tail()}")
                 time.sleep(0.2)
             latency = time.time() - landed
-            manifest = log.manifest(epoch)
+            manifest = log.committed_manifest(epoch)
             run = _run_for(srv, epoch)
             rows.append({"epoch": epoch, "landing_to_commit_s": latency, "run_wall_s": run,
-                         "epoch_processing_s": manifest["durations"]["total"]})
+                         "epoch_processing_s": manifest.durations["total"]})
             print(f"epoch {epoch}: landed -> committed {latency:6.1f} s; run {run:5.1f} s, "
-                  f"of which epoch processing {manifest['durations']['total']:4.1f} s")
+                  f"of which epoch processing {manifest.durations['total']:4.1f} s")
     if server is not None:
         server.stop()
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0] if k != "epoch"}

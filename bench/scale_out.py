@@ -22,9 +22,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.common import finish  # noqa: E402
 from bench.workloads import Workload, scaling_log  # noqa: E402
 from harness.seaweedfs import start_seaweedfs  # noqa: E402
-from bench.common import finish  # noqa: E402
 from volley_dagster import EpochRunner, S3SnapshotStore  # noqa: E402
 from volley_dagster.spark.session import get_or_create_spark  # noqa: E402
 
@@ -39,8 +39,8 @@ def run_epochs(runner: EpochRunner, w: Workload) -> list[dict]:
         shards = r.shards.values()
         rows.append({"epoch": r.epoch, "keys_touched": r.keys_touched, "state_bytes": r.state_bytes,
                      "written_bytes": r.state_bytes_written,
-                     "uploaded_bytes": sum(s.get("s3_bytes_uploaded", 0) for s in shards),
-                     "upload_s": max(s.get("s3_upload_s", 0.0) for s in shards), "total_s": r.durations["total"]})
+                     "uploaded_bytes": sum(s.upload.bytes_uploaded for s in shards if s.upload),
+                     "upload_s": max((s.upload.seconds for s in shards if s.upload), default=0.0), "total_s": r.durations["total"]})
     return rows
 
 
@@ -87,7 +87,7 @@ def main() -> None:
         report["epochs"] = rows
         report["median_uploaded_fraction"] = statistics.median(r["uploaded_bytes"] / r["state_bytes"] for r in later)
         last = rows[-1]["epoch"]
-        attempts = {int(s): info["attempt"] for s, info in runner.result(last).shards.items()}
+        attempts = {s: info.snapshot.attempt for s, info in runner.result(last).shards.items()}
         cold = [restore_all(store, attempts, last, work / f"cache-cold-{i}") for i in range(3)]
         warm = [restore_all(store, attempts, last, work / "cache-cold-0") for _ in range(3)]
         report["restore"] = {"cold_s": [c[0] for c in cold], "cold_bytes": cold[0][1],

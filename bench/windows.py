@@ -84,9 +84,9 @@ def main() -> None:
                 "epoch": r.epoch, "run": label, "records_per_s": r.records_per_second, "total_s": r.durations["total"],
                 "side_outputs_s": r.durations["read_transform"], "state_stage_s": r.durations["state_stage"],
                 "merge_s": r.durations["merge_shard_sum"], "windows_fired": r.records_out, "late": r.late_records,
-                "pending_resident": sum(s["pending_resident"] for s in shards),
-                "pending_evicted": sum(s["pending_evicted"] for s in shards),
-                "worker_peak_rss_mib": max(s["peak_rss_mib"] for s in shards), "floor_s": floor,
+                "pending_resident": sum(s.operator.figures["pending_resident"] for s in shards),
+                "pending_evicted": sum(s.operator.figures["pending_evicted"] for s in shards),
+                "worker_peak_rss_mib": max(s.peak_rss_mib for s in shards), "floor_s": floor,
             }
             rows.append(row)
             print(f"{row['epoch']:>5} {label:>9} {row['records_per_s']:>10,.0f} {row['total_s']:>8.2f} "

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import pyarrow as pa
+
+from volley_dagster.checkpoint.manifest import ShardEntry
 
 
 @dataclass
 class EpochResult:
     pipeline: str
     epoch: int
-    range: dict[str, Any]  # per partition "file:record -> file:record"
+    range: dict[str, str]  # per partition "file:record -> file:record"
     records_in: int
     records_aggregated: int
     dead_letters: int
@@ -21,8 +23,8 @@ class EpochResult:
     new_keys: int
     state_bytes: int  # bytes of the epoch's snapshots (hardlinked files counted once per snapshot)
     state_bytes_written: int  # bytes this epoch added to the checkpoint root
-    shards: dict[str, dict[str, Any]]  # per shard: snapshot path, file digests, timings
-    sinks: dict[str, dict[str, Any]]
+    shards: dict[int, ShardEntry]  # per shard: the snapshot (path relative to the root), what its task did
+    sinks: dict[str, dict[str, Any]]  # per sink: its SinkCommitResult, as recorded
     durations: dict[str, float]
     dead_letter_path: str | None = None
     watermark: int | None = None  # windows: event time (microseconds) the next epoch starts from
@@ -35,14 +37,16 @@ class EpochResult:
     output: pa.Table | None = field(default=None, repr=False, compare=False)
 
     def to_manifest(self) -> dict[str, Any]:
-        d = asdict(self)
+        d = asdict(replace(self, shards={}, output=None))
         d.pop("output")
         d.pop("already_committed")
+        d["shards"] = {str(shard): entry.to_dict() for shard, entry in sorted(self.shards.items())}
         return d
 
     @classmethod
     def from_manifest(cls, manifest: dict[str, Any], already_committed: bool = True) -> EpochResult:
-        return cls(**manifest, already_committed=already_committed)
+        shards = {int(s): ShardEntry.from_dict(entry) for s, entry in manifest["shards"].items()}
+        return cls(**{**manifest, "shards": shards}, already_committed=already_committed)
 
     @property
     def records_per_second(self) -> float:

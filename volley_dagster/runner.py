@@ -33,6 +33,7 @@ from pyspark.sql import SparkSession
 from volley_dagster import faults
 from volley_dagster.checkpoint.epoch_log import EpochLog
 from volley_dagster.checkpoint.lease import DEFAULT_TTL_S, DEFAULT_WAIT_S, Fence, PipelineLease
+from volley_dagster.checkpoint.manifest import ShardSnapshot
 from volley_dagster.checkpoint.rescale import RescaleResult
 from volley_dagster.checkpoint.rescale import rescale as rescale_state
 from volley_dagster.checkpoint.s3_snapshots import S3SnapshotStore
@@ -207,9 +208,9 @@ class EpochRunner:
 
     def run(self, epoch: int) -> EpochResult:
         """Process a cut epoch, or return its recorded result if it committed already."""
-        manifest = self.log.manifest(epoch)
-        if manifest is not None:
-            return EpochResult.from_manifest(manifest)
+        committed = self.log.manifest(epoch)
+        if committed is not None:
+            return committed
         try:
             with self.lease():
                 return self._run_leased(epoch)
@@ -222,9 +223,9 @@ class EpochRunner:
             ) from exc
 
     def _run_leased(self, epoch: int) -> EpochResult:
-        manifest = self.log.manifest(epoch)  # the runner that held the lease before may have committed it
-        if manifest is not None:
-            return EpochResult.from_manifest(manifest)
+        committed = self.log.manifest(epoch)  # the runner that held the lease before may have committed it
+        if committed is not None:
+            return committed
         rng = self.log.offsets(epoch)
         if epoch > 1 and not self.log.is_committed(epoch - 1):
             raise EpochOrderError(
@@ -255,7 +256,7 @@ class EpochRunner:
         return self.log.last_committed()
 
     def result(self, epoch: int) -> EpochResult:
-        return EpochResult.from_manifest(self.log.committed_manifest(epoch))
+        return self.log.committed_manifest(epoch)
 
     def _process(self, rng: EpochRange) -> EpochResult:
         epoch, pipeline, log = rng.epoch, self.pipeline, self.log
@@ -283,7 +284,7 @@ class EpochRunner:
             state_identity=f"{log.root.resolve()}|{pipeline.name}",
             fence=self._fence(),
         )
-        watermark = log.committed_manifest(epoch - 1)["watermark"] if epoch > 1 else None
+        watermark = log.committed_manifest(epoch - 1).watermark if epoch > 1 else None
         stage = run_stage(self.spark, pipeline, rng, plan, merge, watermark, rng.end_of_stream)
         if stage.dead_letters.num_rows and pipeline.bad_records == "fail":
             raise MalformedRecordError(_describe_bad(epoch, stage.dead_letters, pipeline.quote_bad_records))
@@ -298,25 +299,26 @@ class EpochRunner:
         faults.fault_point("after_sinks", epoch)
         t_commit = time.perf_counter()
 
-        shards = {str(s): _relative_shard(info, log.root) for s, info in sorted(stage.shards.items())}
+        shards = {s: entry.relative_to(log.root) for s, entry in sorted(stage.shards.items())}
         result = EpochResult(
             pipeline=pipeline.name,
             epoch=epoch,
             range=rng.summary(),
             records_in=rng.records,
-            records_aggregated=sum(s["records"] for s in shards.values()),
+            records_aggregated=sum(s.records for s in shards.values()),
             dead_letters=stage.dead_letters.num_rows,
             records_out=stage.output.num_rows,
-            keys_touched=sum(s["keys_touched"] for s in shards.values()),
-            new_keys=sum(s["new_keys"] for s in shards.values()),
-            state_bytes=sum(s["bytes_total"] for s in shards.values()),
-            state_bytes_written=sum(s["bytes_new"] for s in shards.values()),
+            keys_touched=sum(s.keys_touched for s in shards.values()),
+            new_keys=sum(s.new_keys for s in shards.values()),
+            state_bytes=sum(s.snapshot.bytes_total for s in shards.values()),
+            state_bytes_written=sum(s.bytes_new for s in shards.values()),
             shards=shards,
             sinks=sink_results,
             durations={
                 "read_transform": stage.read_transform_s,
                 "state_stage": stage.state_stage_s,
-                **{f"{p}_shard_sum": sum(s[f"{p}_s"] for s in shards.values()) for p in ("restore", "merge", "flush", "snapshot")},
+                **{f"{p}_shard_sum": sum(getattr(s, f"{p}_s") for s in shards.values())
+                   for p in ("restore", "merge", "flush", "snapshot")},
                 "sinks": t_commit - t_sinks,
                 "total": t_commit - t0,
             },
@@ -335,8 +337,8 @@ class EpochRunner:
                 f"({log.describe_layouts()}); nothing was committed: run the epoch again"
             )
         self._check_fence(f"epoch {epoch}: writing its manifest")
-        if not log.write_manifest(epoch, result.to_manifest()):
-            return EpochResult.from_manifest(log.committed_manifest(epoch))
+        if not log.write_manifest(result):
+            return log.committed_manifest(epoch)
         self._prune(epoch)
         return result
 
@@ -346,8 +348,8 @@ class EpochRunner:
         self.log.prune(committed, self.keep_epochs)
         if self.snapshot_store is not None:
             retained = self.log.retained_epochs(committed, self.keep_epochs)  # never from a local listing
-            winners = {(e, int(s)): info.get("attempt")
-                       for e in retained for s, info in (self.log.manifest(e) or {}).get("shards", {}).items()}
+            winners = {(e, s): entry.snapshot.attempt
+                       for e in retained for s, entry in self.log.committed_manifest(e).shards.items()}
             self.snapshot_store.prune(retained, winners)
 
     def _write_side_output(self, table: pa.Table | None, path: Path) -> str | None:
@@ -429,12 +431,12 @@ class EpochRunner:
                 "restore the checkpoint root from a copy or remove the conflicting layouts/ record"
             )
         previous = {}
-        for shard, info in shards.items():
-            path = self.log.root / info["snapshot"]
-            remote = epoch - 1 if self._stored_remotely(info) else None
+        for shard, snap in shards.items():
+            path = self.log.root / snap.path
+            remote = epoch - 1 if self._stored_remotely(snap) else None
             if remote is None or path.exists():  # else the task restores it from the store
-                verify_snapshot(path, info["files"], full=self.verify_checksums)  # fail before Spark starts work
-            previous[shard] = PreviousSnapshot(str(path), info["files"], remote, info.get("attempt"))
+                verify_snapshot(path, snap.files, full=self.verify_checksums)  # fail before Spark starts work
+            previous[shard] = PreviousSnapshot(str(path), snap.files, remote, snap.attempt)
         return previous
 
     # -- reading state ---------------------------------------------------------------
@@ -455,20 +457,19 @@ class EpochRunner:
         prefix = namespace_prefix(namespace)
         keys: list[bytes] = []
         values: list[bytes] = []
-        for shard, info in sorted(shards.items()):
-            path, restored = self.log.root / info["snapshot"], None
+        for shard, snap in sorted(shards.items()):
+            path, restored = self.log.root / snap.path, None
             store = self.snapshot_store
-            if not path.exists() and store is not None and self._stored_remotely(info):
+            if not path.exists() and store is not None and self._stored_remotely(snap):
                 with contextlib.suppress(SnapshotError):  # not on this machine: S3 has it unless pruned there too
-                    restored = path = store.restore(epoch, shard, Path(self.snapshot_cache),
-                                                                  attempt=info.get("attempt")).path
+                    restored = path = store.restore(epoch, shard, Path(self.snapshot_cache), attempt=snap.attempt).path
             if not path.exists():
                 raise SnapshotError(
                     f"epoch {epoch}'s snapshot of shard {shard} was removed by retention "
                     f"(keep_epochs={self.keep_epochs}); retained epochs: {self.log.retained_snapshots()}"
                 )
             try:
-                verify_snapshot(path, info["files"], full=self.verify_checksums)
+                verify_snapshot(path, snap.files, full=self.verify_checksums)
                 db = open_snapshot_read_only(path, self.rocksdb)
                 try:
                     entries = list(scan_prefix(db, prefix))
@@ -481,15 +482,10 @@ class EpochRunner:
             values.extend(v for _, v in entries)
         return keys, values
 
-    def _stored_remotely(self, info: dict[str, Any]) -> bool:
-        """Whether a manifest's shard entry was uploaded to the snapshot store (an epoch's
-        own snapshots are; a rescale's rewrite is not). Manifests written before the flag
-        said so by their upload timing alone."""
-        return self.snapshot_store is not None and bool(info.get("stored_remotely", "s3_upload_s" in info))
-
-
-def _relative_shard(info: dict[str, Any], root: Path) -> dict[str, Any]:
-    return {**info, "snapshot": str(Path(info["snapshot"]).relative_to(root))}
+    def _stored_remotely(self, snap: ShardSnapshot) -> bool:
+        """Whether this runner's snapshot store holds the snapshot (an epoch's own
+        snapshots are uploaded; a rescale's rewrite is not)."""
+        return self.snapshot_store is not None and snap.stored_remotely
 
 
 MAX_REASON_CHARS = 160  # a reason quotes the record's values: an error message carries a bounded part

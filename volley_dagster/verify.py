@@ -58,8 +58,8 @@ def check_sink(runner: EpochRunner, sink: Sink) -> list[CheckOutcome]:
         commits = history.get(epoch)
         if commits is None:
             mismatched.append(f"epoch {epoch}: missing")
-        elif commits != [manifest["records_out"]]:
-            mismatched.append(f"epoch {epoch}: {commits} rows, manifest says {manifest['records_out']}")
+        elif commits != [manifest.records_out]:
+            mismatched.append(f"epoch {epoch}: {commits} rows, manifest says {manifest.records_out}")
     outcomes.append(
         CheckOutcome(
             "row_counts",
@@ -78,9 +78,9 @@ def check_latest_snapshot(runner: EpochRunner) -> CheckOutcome:
         return CheckOutcome("snapshot_checksums", True, "no committed epoch yet")
     files = 0
     try:
-        for info in runner.log.state_shards(epoch).values():  # after a rescale: its rewrite
-            verify_snapshot(runner.log.root / info["snapshot"], info["files"], full=True)
-            files += len(info["files"])
+        for snap in runner.log.state_shards(epoch).values():  # after a rescale: its rewrite
+            verify_snapshot(runner.log.root / snap.path, snap.files, full=True)
+            files += len(snap.files)
     except SnapshotError as exc:
         return CheckOutcome("snapshot_checksums", False, str(exc), {"epoch": epoch})
     return CheckOutcome("snapshot_checksums", True, f"epoch {epoch}: {files} files match", {"epoch": epoch, "files": files})

@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 import rocksdict
 
-from tests.conftest import BUCKET
 from harness.processes import free_ports
 from harness.seaweedfs import SeaweedFS, start_seaweedfs
+from tests.conftest import BUCKET
 from volley_dagster.checkpoint.s3_snapshots import S3SnapshotStore, SnapshotManifest
 from volley_dagster.errors import SnapshotError, SnapshotStorageError
 from volley_dagster.state.options import RocksDBOptions, write_options

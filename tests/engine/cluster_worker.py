@@ -16,9 +16,9 @@ import os
 import sys
 from pathlib import Path
 
-from tests.helpers import payments
 from harness.processes import proc_ancestors, proc_cmdline, proc_descendants
 from harness.spark_cluster import EXECUTOR_CLASS
+from tests.helpers import payments
 from volley_dagster import EpochRunner
 from volley_dagster.faults import PAUSE_DIR_ENV, PAUSE_MAX_ENV
 from volley_dagster.spark.session import get_or_create_spark
@@ -65,7 +65,7 @@ if __name__ == "__main__":
     while (result := runner.run_next()) is not None:
         shards = {}
         for shard, info in result.shards.items():
-            pid = info["task_pid"]
+            pid = info.task_pid
             shards[shard] = {"task_pid": pid, "ancestors": [[a, kind(a)] for a in proc_ancestors(pid)]}
         print(json.dumps({
             "epoch": result.epoch,

@@ -2,9 +2,8 @@
 ``python -m tests.engine.crash_worker BASE MAX_RECORDS KEEP [payments|payments_json|windows]``."""
 
 import sys
-from pathlib import Path
-
 from functools import partial
+from pathlib import Path
 
 from tests.helpers import payments
 from tests.window_reference import crash_window_pipeline

@@ -10,6 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from tests.helpers import payments
 from volley_dagster import (
     ConfigError,
     EpochRunner,
@@ -25,7 +26,6 @@ from volley_dagster import (
     sum_,
 )
 from volley_dagster.demo.events import generate
-from tests.helpers import payments
 
 SCHEMA = pa.schema([("user", pa.string()), ("amount", pa.float64()), ("ts", pa.timestamp("us", tz="UTC"))])
 GOOD = [{"user": f"u{i % 3}", "amount": float(i), "ts": "2026-01-01T00:00:00"} for i in range(6)]
@@ -155,7 +155,7 @@ def test_corrupt_snapshot_is_named(spark, tmp_path):
                          max_records_per_epoch=500)
     runner.run_next()
     runner.cut_next()
-    sst = next((runner.log.root / runner.result(1).shards["1"]["snapshot"]).glob("*.sst"))
+    sst = next((runner.log.root / runner.result(1).shards[1].snapshot.path).glob("*.sst"))
     sst.write_bytes(sst.read_bytes()[:-10])
     with pytest.raises(SnapshotError, match=r"snapshot .*shard-0001-[0-9a-f]+ is corrupt: .*\.sst has \d+ bytes, manifest says"):
         runner.run(2)

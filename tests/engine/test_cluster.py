@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pandas as pd
 
-from tests.engine.cluster_worker import SHARDS
-from tests.helpers import assert_epoch_outputs, assert_state_equal, log_records, payments, read_sink, reference_state
 from harness.processes import proc_ancestors
 from harness.spark_cluster import SparkCluster
+from tests.engine.cluster_worker import SHARDS
+from tests.helpers import assert_epoch_outputs, assert_state_equal, log_records, payments, read_sink, reference_state
 from volley_dagster import EpochRunner
 from volley_dagster.demo.events import generate
 from volley_dagster.faults import PAUSE_DIR_ENV, PAUSE_MAX_ENV
@@ -171,12 +171,12 @@ def test_killed_worker_during_shard_stage(spark_cluster: SparkCluster, tmp_path:
         assert all(ran_on[(e, s)] == survivor.pid for (e, s) in ran_on if e > epoch)
         runner = assert_exactly_once(tmp_path)
         # the retry wrote its own snapshot, which the manifest names; retention removed the killed attempt's
-        shards = runner.log.manifest(epoch)["shards"]
-        info = shards[str(shard)]
-        assert Path(info["snapshot"]).name != killed_snapshot
-        verify_snapshot(tmp_path / "state" / info["snapshot"], info["files"], full=True)
+        shards = runner.result(epoch).shards
+        snap = shards[shard].snapshot
+        assert Path(snap.path).name != killed_snapshot
+        verify_snapshot(tmp_path / "state" / snap.path, snap.files, full=True)
         leftovers = [p.name for p in (tmp_path / "state" / "snapshots" / f"{epoch:010d}").iterdir()]
-        assert sorted(leftovers) == sorted(Path(shards[str(s)]["snapshot"]).name for s in range(SHARDS))
+        assert sorted(leftovers) == sorted(Path(shards[s].snapshot.path).name for s in range(SHARDS))
         assert not marker.exists() and not list(pause.glob("*.armed"))
         print(f"killed worker {victim.index} (pids {killed}); the run finished {recovered:.1f}s later; "
               f"the driver logged: {lost}")

@@ -99,7 +99,7 @@ def test_kill_and_resume_equals_clean_run(spark, tmp_path, point, epoch, shard, 
     # Resident state (state/resident.py) outlives the killed process: the first resumed
     # epoch reads it where it is the restored snapshot, and RocksDB where the killed
     # attempt already stamped it with a snapshot of an epoch that never committed.
-    first = {int(s): info["read_mode"] for s, info in runner.result(committed_after_crash + 1).shards.items()}
+    first = {s: info.read_mode for s, info in runner.result(committed_after_crash + 1).shards.items()}
     if point in ("segment_read", "during_retention"):
         assert set(first.values()) == {"resident"}
     elif point == "shard_after_snapshot":

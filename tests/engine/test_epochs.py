@@ -6,7 +6,15 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from tests.helpers import assert_epoch_outputs, assert_state_equal, log_records, payments, read_sink, reference_state, tree_digest
+from tests.helpers import (
+    assert_epoch_outputs,
+    assert_state_equal,
+    log_records,
+    payments,
+    read_sink,
+    reference_state,
+    tree_digest,
+)
 from volley_dagster import EpochNotCutError, EpochOrderError, EpochRunner, SnapshotError
 from volley_dagster.demo.events import generate
 
@@ -133,12 +141,12 @@ def test_empty_epoch_carries_state_forward_without_spark_work(spark, tmp_path):
     runner.run_next()
     empty = runner.run(runner.cut_next(allow_empty=True).epoch)
     assert (empty.epoch, empty.records_in, empty.records_out, empty.state_bytes_written) == (2, 0, 0, 0)
-    assert all(s["read_mode"] == "carried_forward" for s in empty.shards.values())
+    assert all(s.read_mode == "carried_forward" for s in empty.shards.values())
     for shard, info in runner.result(1).shards.items():
-        new = runner.log.root / empty.shards[shard]["snapshot"]
-        assert empty.shards[shard]["files"] == info["files"]
-        assert all((new / n).stat().st_ino == (runner.log.root / info["snapshot"] / n).stat().st_ino
-                   for n in info["files"])  # hardlinks: the same files
+        new = runner.log.root / empty.shards[shard].snapshot.path
+        assert empty.shards[shard].snapshot.files == info.snapshot.files
+        assert all((new / n).stat().st_ino == (runner.log.root / info.snapshot.path / n).stat().st_ino
+                   for n in info.snapshot.files)  # hardlinks: the same files
     sinks = {s.name: s for s in pipeline.sinks}
     assert sinks["delta"].committed_epoch("payments") == sinks["iceberg"].committed_epoch("payments") == 2
     assert_state_equal(runner.read_state(2), reference_state(log_records(1, 1_000, 100)))
@@ -164,7 +172,7 @@ def test_resident_state_is_used_only_while_it_is_the_restored_snapshot(spark, tm
     modes = []
     for runner in (mirrored, mirrored, plain, mirrored, mirrored):
         result = runner.run_next()
-        modes.append({s["read_mode"] for s in result.shards.values()})
+        modes.append({s.read_mode for s in result.shards.values()})
     assert modes[0] == modes[1] == modes[4] == {"resident"}
     assert "resident" not in modes[2] | modes[3]  # epoch 4: the mirror is epoch 2's state
     assert modes[3] == {"scan"}  # 1,000 records touch most of 400 keys: scanned, so mirrored again

@@ -13,8 +13,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import assert_epoch_outputs, assert_state_equal, log_records, payments, read_sink, reference_state, tree_digest
 from harness.processes import proc_ancestors
+from tests.helpers import (
+    assert_epoch_outputs,
+    assert_state_equal,
+    log_records,
+    payments,
+    read_sink,
+    reference_state,
+    tree_digest,
+)
 from volley_dagster import EpochRunner, PipelineBusyError
 from volley_dagster.checkpoint.lease import newest_token
 from volley_dagster.demo.events import generate
@@ -71,7 +79,7 @@ def test_a_paused_attempt_cannot_touch_what_another_runner_committed(spark, tmp_
         result = second.run(2)
         assert _state(paused) in ("S", "R")
         assert not result.already_committed and result.fencing_token == 2
-        winner = state / result.shards["1"]["snapshot"]
+        winner = state / result.shards[1].snapshot.path
         assert winner != zombie_snapshot[0]
         committed = tree_digest(winner)
         manifest = (state / "epochs" / f"{2:010d}" / "manifest.json").read_bytes()
@@ -92,7 +100,7 @@ def test_a_paused_attempt_cannot_touch_what_another_runner_committed(spark, tmp_
         for sink in pipeline.sinks[1:]:  # Delta and Iceberg hold each epoch once
             assert sink.committed_epoch("payments") == FILES
         assert second.log.retained_snapshots() == [FILES - 1, FILES]
-        named = {Path(info["snapshot"]).name for info in second.result(FILES).shards.values()}
+        named = {Path(info.snapshot.path).name for info in second.result(FILES).shards.values()}
         assert {p.name for p in (state / "snapshots" / f"{FILES:010d}").iterdir()} == named
         assert not any((state / "work").iterdir())
     finally:

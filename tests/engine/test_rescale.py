@@ -19,6 +19,7 @@ from tests.helpers import assert_epoch_outputs, assert_state_equal, log_records,
 from tests.window_reference import reference, window_pipeline
 from volley_dagster import ConfigError, EpochOrderError, EpochRunner, SnapshotError, StateLayoutError, session, sliding
 from volley_dagster.demo.events import generate
+from volley_dagster.checkpoint.manifest import ShardSnapshot
 from volley_dagster.operators.window_state import META_NS, PENDING_NS
 from volley_dagster.state.keys import ShardLayout, namespace_prefix
 from volley_dagster.state.pending_index import PendingIndex, PendingMeta
@@ -88,11 +89,11 @@ def test_running_aggregate_4_to_7_to_2_equals_reference(spark, tmp_path):
 WINDOW_FILES, WINDOW_PER_FILE, WINDOW_KEYS = 10, 300, 20  # as tests/engine/test_windows.py
 
 
-def pending_of(runner: EpochRunner, shards: dict[int, dict]) -> list[tuple[PendingMeta, PendingIndex, int]]:
+def pending_of(runner: EpochRunner, shards: dict[int, ShardSnapshot]) -> list[tuple[PendingMeta, PendingIndex, int]]:
     """Per shard: the meta record, the in-memory index and the evicted entries' count."""
     out = []
-    for _, info in sorted(shards.items()):
-        db = open_snapshot_read_only(runner.log.root / info["snapshot"])
+    for _, snap in sorted(shards.items()):
+        db = open_snapshot_read_only(runner.log.root / snap.path)
         try:
             meta_ns = namespace_prefix(META_NS)
             meta, index = db.get([meta_ns + b"meta", meta_ns + b"index"])
@@ -106,7 +107,7 @@ def pending_of(runner: EpochRunner, shards: dict[int, dict]) -> list[tuple[Pendi
 def check_pending_split(runner: EpochRunner, epoch: int, new: ShardLayout) -> int:
     """The rewritten index holds the old entries, each in the shard of its key group,
     with meta records that count them; returns the evicted entries."""
-    before = pending_of(runner, {int(s): i for s, i in runner.log.manifest(epoch)["shards"].items()})
+    before = pending_of(runner, {s: entry.snapshot for s, entry in runner.result(epoch).shards.items()})
     after = pending_of(runner, runner.log.state_shards(epoch))
     assert len(after) == new.num_shards
     entries = lambda rows: sorted((k, e, u) for _, ix, _ in rows for k, e, u in zip(ix.keys, ix.ends, ix.used))  # noqa: E731
@@ -147,7 +148,7 @@ def test_windows_fire_as_reference_across_rescales(spark, tmp_path, windows, max
     ref = reference([tmp_path / "events" / f for f in files], windows, 5_000_000, 2_000_000, end_of_stream=False)
     check_against_reference(runner, results, ref)
     if max_pending is not None:
-        assert all(s["pending_resident"] <= max_pending for r in results for s in r.shards.values())
+        assert all(s.operator.figures["pending_resident"] <= max_pending for r in results for s in r.shards.values())
 
 
 def test_rescale_is_refused_until_every_cut_epoch_committed(spark, tmp_path):

@@ -12,9 +12,9 @@ from typing import Iterator
 
 import pytest
 
+from harness.seaweedfs import SeaweedFS, start_seaweedfs
 from tests.conftest import BUCKET
 from tests.helpers import assert_state_equal, log_records, payments, reference_state
-from harness.seaweedfs import SeaweedFS, start_seaweedfs
 from volley_dagster import EpochRunner
 from volley_dagster.checkpoint.s3_snapshots import S3SnapshotStore
 from volley_dagster.demo.events import generate
@@ -35,10 +35,10 @@ def test_snapshots_upload_incrementally_and_restore_from_s3(spark, seaweedfs: Se
     runner = runner_for(tmp_path, spark, store)
     results = [runner.run_next() for _ in range(FILES - 1)]
     for r in results:
-        uploaded = sum(s["s3_bytes_uploaded"] for s in r.shards.values())
+        uploaded = sum(s.upload.bytes_uploaded for s in r.shards.values() if s.upload)
         assert uploaded == r.state_bytes_written  # what the epoch wrote locally, and nothing more
         if r.epoch > 1:  # the SSTs epoch N-1 left unchanged are reused, not uploaded again
-            assert sum(s["s3_files_reused"] for s in r.shards.values()) > 0 and uploaded < r.state_bytes
+            assert sum(s.upload.files_reused for s in r.shards.values() if s.upload) > 0 and uploaded < r.state_bytes
     assert store.epochs() == runner.log.retained_snapshots() == [FILES - 2, FILES - 1]  # retention on both
 
     # another machine: the last epoch's snapshots are not on its disk, so read_state and the
@@ -46,8 +46,8 @@ def test_snapshots_upload_incrementally_and_restore_from_s3(spark, seaweedfs: Se
     shutil.rmtree(runner.log.root / "snapshots" / f"{FILES - 1:010d}")
     assert_state_equal(runner.read_state(FILES - 1), reference_state(log_records(FILES - 1, PER_FILE, KEYS)))
     last = runner.run_next()
-    assert all("s3_restore_s" in s for s in last.shards.values())  # each shard came back from S3,
-    assert sum(s["s3_restore_bytes"] for s in last.shards.values()) == 0  # from the cache read_state filled
+    assert all(s.download is not None for s in last.shards.values())  # each shard came back from S3,
+    assert sum(s.download.bytes_downloaded for s in last.shards.values() if s.download) == 0  # from the cache read_state filled
     assert_state_equal(runner.read_state(), reference_state(log_records(FILES, PER_FILE, KEYS)))
     assert not any((tmp_path / "cache" / "restores").iterdir())  # restores were checkpointed into work/, then removed
 
@@ -128,8 +128,8 @@ def test_a_driver_without_local_snapshots_keeps_s3_whole_across_empty_epochs(spa
         result = runner.run(runner.cut_next(allow_empty=True).epoch)
         assert (result.records_in == 0) == (kind == "E")
         if kind == "E":
-            assert {s["read_mode"] for s in result.shards.values()} == {"carried_forward"}
-            assert sum(s["s3_bytes_uploaded"] for s in result.shards.values()) == 0  # a manifest only
+            assert {s.read_mode for s in result.shards.values()} == {"carried_forward"}
+            assert sum(s.upload.bytes_uploaded for s in result.shards.values() if s.upload) == 0  # a manifest only
         files_by_epoch[result.epoch] = files
         shutil.rmtree(runner.log.root / "snapshots", ignore_errors=True)  # not on the driver's disk
 
@@ -138,5 +138,5 @@ def test_a_driver_without_local_snapshots_keeps_s3_whole_across_empty_epochs(spa
         assert_state_equal(runner.read_state(epoch), reference_state(log_records(files_by_epoch[epoch], PER_FILE, KEYS)))
     generate(tmp_path / "events", 1, PER_FILE, KEYS, first_file=files)
     after = runner.run_next()  # its tasks restore epoch 10 from S3
-    assert all("s3_restore_s" in s for s in after.shards.values())
+    assert all(s.download is not None for s in after.shards.values())
     assert_state_equal(runner.read_state(), reference_state(log_records(files + 1, PER_FILE, KEYS)))

@@ -71,7 +71,7 @@ def check_against_reference(runner, results, ref):
 def test_windows_equal_reference(spark, tmp_path, windows):
     runner, results, ref = run_windows(spark, tmp_path, windows)
     check_against_reference(runner, results, ref)
-    assert all(s["pending_evicted"] == 0 for r in results for s in r.shards.values())
+    assert all(s.operator.figures["pending_evicted"] == 0 for r in results for s in r.shards.values())
     with pytest.raises(EpochOrderError, match="ended its stream"):
         runner.cut_next()
 
@@ -81,9 +81,9 @@ def test_bounded_pending_index_evicts_and_emits_the_same(spark, tmp_path):
     runner, results, ref = run_windows(spark, tmp_path, sliding("20 seconds", "10 seconds"), max_pending=bound)
     check_against_reference(runner, results, ref)
     shards = [s for r in results[:FILES] for s in r.shards.values()]
-    assert all(s["pending_resident"] <= bound for s in shards)  # what stays in memory is bounded
-    assert all(s["pending_evicted_now"] > 0 for r in results[:FILES - 1] for s in r.shards.values())
-    assert sum(s["pending_evicted_fired"] for s in shards) > 0  # evicted windows still fire
+    assert all(s.operator.figures["pending_resident"] <= bound for s in shards)  # what stays in memory is bounded
+    assert all(s.operator.figures["pending_evicted_now"] > 0 for r in results[:FILES - 1] for s in r.shards.values())
+    assert sum(s.operator.figures["pending_evicted_fired"] for s in shards) > 0  # evicted windows still fire
 
 
 def test_session_spanning_three_epochs_and_bridging(spark, tmp_path):

@@ -16,8 +16,8 @@ from dagster import DagsterRunStatus, RunsFilter
 
 from assets.runs import pool_limits_ensured, pool_runs, run_in_flight
 from harness.dagster_dev import dagster_dev
-from tests.helpers import assert_state_equal, log_records, reference_state
 from harness.processes import proc_descendants
+from tests.helpers import assert_state_equal, log_records, reference_state
 from volley_dagster import EpochRunner
 from volley_dagster.demo.events import generate
 from volley_dagster.demo.payments import local_tables, payments_pipeline

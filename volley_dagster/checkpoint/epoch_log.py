@@ -37,8 +37,10 @@ from pathlib import Path
 from typing import Any
 
 from volley_dagster import faults
+from volley_dagster.checkpoint.manifest import ShardSnapshot
 from volley_dagster.errors import EpochNotCutError, EpochOrderError, StateLayoutError
 from volley_dagster.io.atomic import create_json_exclusive, read_json
+from volley_dagster.result import EpochResult
 from volley_dagster.sinks.lineage import Lineage, SinkBinding
 from volley_dagster.sources.offsets import EpochRange
 from volley_dagster.state.keys import ShardLayout
@@ -62,7 +64,7 @@ class LayoutChange:
     num_shards: int
     num_key_groups: int
     previous_shards: int
-    shards: dict[str, dict[str, Any]]
+    shards: dict[int, ShardSnapshot]
     stats: dict[str, Any] = field(default_factory=dict)  # keys, keys_moved, seconds, bytes_written, created_at
 
     @property
@@ -82,7 +84,7 @@ class LayoutChange:
             "num_shards": self.num_shards,
             "num_key_groups": self.num_key_groups,
             "previous_shards": self.previous_shards,
-            "shards": self.shards,
+            "shards": {str(shard): snap.to_dict() for shard, snap in sorted(self.shards.items())},
             "stats": self.stats,
         }
 
@@ -91,7 +93,7 @@ class LayoutChange:
         if d.get("version") != LAYOUT_VERSION:
             raise StateLayoutError(f"layout record version {d.get('version')} is unknown; this engine reads {LAYOUT_VERSION}")
         return cls(d["sequence"], d["from_epoch"], d["num_shards"], d["num_key_groups"], d["previous_shards"],
-                   d["shards"], d.get("stats", {}))
+                   {int(s): ShardSnapshot.from_dict(snap) for s, snap in d["shards"].items()}, d.get("stats", {}))
 
 
 class EpochLog:
@@ -222,14 +224,15 @@ class EpochLog:
     def describe_layouts(self) -> str:
         return "; ".join(f"from epoch {e}: {layout.num_shards} shards" for e, layout in self.layout_history())
 
-    def state_shards(self, epoch: int) -> dict[int, dict[str, Any]]:
-        """A committed epoch's shard snapshots (manifest entries, paths relative to the
-        root) in the newest layout they exist in: a rescale's rewrite of the epoch when
-        there is one, else the epoch's own (``EpochOrderError`` if it is not committed)."""
+    def state_shards(self, epoch: int) -> dict[int, ShardSnapshot]:
+        """A committed epoch's shard snapshots (paths relative to the root) in the newest
+        layout they exist in: a rescale's rewrite of the epoch when there is one, else the
+        epoch's own (``EpochOrderError`` if it is not committed)."""
         manifest = self.committed_manifest(epoch)
         rewrites = [c for c in self.layout_changes() if c.snapshot_epoch == epoch]
-        shards = rewrites[-1].shards if rewrites else manifest["shards"]
-        return {int(s): info for s, info in shards.items()}
+        if rewrites:
+            return dict(rewrites[-1].shards)
+        return {shard: entry.snapshot for shard, entry in manifest.shards.items()}
 
     def record_layout_change(self, change: LayoutChange) -> bool:
         """Commit a rescale; False when another rescale took this sequence number first."""
@@ -273,20 +276,21 @@ class EpochLog:
     def is_committed(self, epoch: int) -> bool:
         return (self.epoch_dir(epoch) / "manifest.json").exists()
 
-    def manifest(self, epoch: int) -> dict[str, Any] | None:
+    def manifest(self, epoch: int) -> EpochResult | None:
+        """A committed epoch's recorded result (without its output); None if not committed."""
         path = self.epoch_dir(epoch) / "manifest.json"
-        return read_json(path) if path.exists() else None
+        return EpochResult.from_manifest(read_json(path)) if path.exists() else None
 
-    def committed_manifest(self, epoch: int) -> dict[str, Any]:
+    def committed_manifest(self, epoch: int) -> EpochResult:
         """The manifest of an epoch that must be committed (``EpochOrderError`` if not)."""
         manifest = self.manifest(epoch)
         if manifest is None:
             raise EpochOrderError(f"epoch {epoch} is not committed (the last committed epoch is {self.last_committed()})")
         return manifest
 
-    def write_manifest(self, epoch: int, manifest: dict[str, Any]) -> bool:
+    def write_manifest(self, result: EpochResult) -> bool:
         """Commit the epoch; False when another attempt committed it first."""
-        return create_json_exclusive(self.epoch_dir(epoch) / "manifest.json", manifest)
+        return create_json_exclusive(self.epoch_dir(result.epoch) / "manifest.json", result.to_manifest())
 
     # -- retention -----------------------------------------------------------------
 
@@ -318,10 +322,11 @@ class EpochLog:
         """A committed epoch's snapshot directories that no record names: attempts that
         lost to the one the manifest names, and rescale attempts that never committed.
         Hidden temporaries are left to the epoch's own removal (one may be in flight)."""
-        records = [(self.manifest(epoch) or {}).get("shards", {})]
+        manifest = self.manifest(epoch)
+        records = [{s: entry.snapshot for s, entry in manifest.shards.items()}] if manifest else []
         records += [change.shards for change in self.layout_changes() if change.snapshot_epoch == epoch]
-        named = {(self.root / info["snapshot"]).relative_to(snapshots).parts[0]
-                 for shards in records for info in shards.values()}
+        named = {(self.root / snap.path).relative_to(snapshots).parts[0]
+                 for shards in records for snap in shards.values()}
         for entry in snapshots.iterdir():
             if not entry.name.startswith(".") and entry.name not in named:
                 shutil.rmtree(entry, ignore_errors=True)

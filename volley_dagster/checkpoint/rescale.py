@@ -40,7 +40,7 @@ import uuid
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Iterable, cast
+from typing import Callable, Iterable, cast
 
 import numpy as np
 import pyarrow as pa
@@ -49,6 +49,7 @@ import rocksdict
 
 from volley_dagster import faults
 from volley_dagster.checkpoint.epoch_log import EpochLog, LayoutChange
+from volley_dagster.checkpoint.manifest import ShardSnapshot
 from volley_dagster.errors import EpochOrderError, StateLayoutError
 from volley_dagster.operators import recorded_namespaces
 from volley_dagster.operators.base import StateNamespaces
@@ -128,17 +129,16 @@ def rescale(
     dbs: list[rocksdict.Rdict] = []
     try:
         for shard in range(old.num_shards):
-            path = log.root / sources[shard]["snapshot"]
-            verify_snapshot(path, sources[shard]["files"], full=verify_checksums)
+            path = log.root / sources[shard].path
+            verify_snapshot(path, sources[shard].files, full=verify_checksums)
             dbs.append(open_snapshot_read_only(path, options))
             _check_old_shard(dbs[-1], shard, old, namespaces)
         writer = _Rewriter(dbs, old, namespaces, options)
-        shards: dict[str, dict[str, Any]] = {}
+        shards: dict[int, ShardSnapshot] = {}
         totals = {"keys": 0, "keys_moved": 0, "pending_entries": 0, "pending_resident": 0, "bytes_written": 0}
         for shard in range(num_shards):
             info, counts = writer.build(shard, new, work_root / f"shard-{shard:04d}", snap_root / f"shard-{shard:04d}")
-            shards[str(shard)] = {"snapshot": str(info.path.relative_to(log.root)), "files": info.files,
-                                  "bytes_total": info.bytes_total}
+            shards[shard] = ShardSnapshot.of(info).relative_to(log.root)
             for k, v in counts.items():
                 totals[k] += v
             totals["bytes_written"] += info.bytes_total

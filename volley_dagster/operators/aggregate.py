@@ -15,7 +15,7 @@ from pyspark.sql import types as T
 from volley_dagster import columns
 from volley_dagster.errors import AggregateOverflowError, ConfigError, StateLayoutError
 from volley_dagster.operators.accumulators import Accumulator, StateOverflow, ValueKind, spark_ddl
-from volley_dagster.operators.base import ShardStep, StateNamespaces
+from volley_dagster.operators.base import OperatorStats, ShardStep, StateNamespaces
 from volley_dagster.state.keys import decode_keys, encode_keys, namespace_prefix
 from volley_dagster.state.resident import ResidentShard
 from volley_dagster.state.transaction import ShardTransaction
@@ -102,7 +102,7 @@ class ResolvedAggregate:
     def output_names(self) -> list[str]:
         return [name for name, _ in self.output_fields()]
 
-    def apply(self, txn: ShardTransaction, data: pa.Table, step: ShardStep) -> tuple[list[pa.Array], dict[str, Any]]:
+    def apply(self, txn: ShardTransaction, data: pa.Table, step: ShardStep) -> tuple[list[pa.Array], OperatorStats]:
         """Running aggregate: every touched key's new value is the output."""
         # in state-key order: lookups, the mirror and the WriteBatch all go faster sorted
         data = data.sort_by([(columns.KEY_GROUP, "ascending"), (columns.KEY, "ascending")])
@@ -129,7 +129,7 @@ class ResolvedAggregate:
         txn.set_many(keys, self.encode(state))
         if resident is not None and resident.complete:
             resident.update(ints, state)
-        return [key_values] + self.outputs(state), {"keys_touched": len(keys), "new_keys": int((~existed).sum())}
+        return [key_values] + self.outputs(state), OperatorStats(len(keys), int((~existed).sum()))
 
     def _mirror(self, resident: ResidentShard, scanned: dict[bytes, bytes] | None) -> None:
         """Build the shard's mirror from a scan that read all of it (else drop it)."""

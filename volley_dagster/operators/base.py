@@ -3,7 +3,7 @@ shard task that folds them into the shard's state through its transaction."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
@@ -40,6 +40,16 @@ class StateNamespaces:
 
 
 @dataclass(frozen=True)
+class OperatorStats:
+    """What an operator did in one shard: keys it read and wrote, keys it saw for the
+    first time, and its own figures (windows: fired, opened, pending entries)."""
+
+    keys_touched: int = 0
+    new_keys: int = 0
+    figures: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class ShardStep:
     """What a shard task knows about the epoch beyond its own rows."""
 
@@ -70,6 +80,6 @@ class StatefulOperator(Protocol):
     def output_names(self) -> list[str]:
         """Names of the output columns after the key."""
 
-    def apply(self, txn: ShardTransaction, data: pa.Table, step: ShardStep) -> tuple[list[pa.Array], dict[str, Any]]:
+    def apply(self, txn: ShardTransaction, data: pa.Table, step: ShardStep) -> tuple[list[pa.Array], OperatorStats]:
         """Fold one shard's partials (key, key group and partial columns) into state;
         returns the output columns (key first) and statistics for the manifest."""

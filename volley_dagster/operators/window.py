@@ -41,7 +41,7 @@ from volley_dagster import columns
 from volley_dagster.errors import AggregateOverflowError, ConfigError
 from volley_dagster.operators.accumulators import StateOverflow
 from volley_dagster.operators.aggregate import Aggregate, ResolvedAggregate
-from volley_dagster.operators.base import ShardStep, StateNamespaces
+from volley_dagster.operators.base import OperatorStats, ShardStep, StateNamespaces
 from volley_dagster.operators.window_state import WINDOW_NAMESPACES, apply_windows, decode_windows, window_dtype
 from volley_dagster.state.keys import decode_keys
 from volley_dagster.state.transaction import ShardTransaction
@@ -283,7 +283,7 @@ class ResolvedWindowAggregate:
     def output_names(self) -> list[str]:
         return [WINDOW_START, WINDOW_END] + [n for n, _ in self.aggregate.output_fields()]
 
-    def apply(self, txn: ShardTransaction, data: pa.Table, step: ShardStep) -> tuple[list[pa.Array], dict[str, Any]]:
+    def apply(self, txn: ShardTransaction, data: pa.Table, step: ShardStep) -> tuple[list[pa.Array], OperatorStats]:
         try:
             return apply_windows(self.aggregate, self.windows.kind == "session", self.windowing.max_pending_windows,
                                  txn, data, step)

@@ -15,7 +15,7 @@ Everything is columnar: a batch of windows is one array, grouped by sorting.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 import pandas as pd
@@ -25,7 +25,7 @@ import pyarrow.compute as pc
 from volley_dagster import columns
 from volley_dagster.errors import StateLayoutError
 from volley_dagster.operators.aggregate import STATE_FORMAT, ResolvedAggregate
-from volley_dagster.operators.base import ShardStep, StateNamespaces
+from volley_dagster.operators.base import OperatorStats, ShardStep, StateNamespaces
 from volley_dagster.state.keys import decode_keys, encode_keys, namespace_prefix
 from volley_dagster.state.pending_index import PersistentPendingIndex
 from volley_dagster.state.transaction import ShardTransaction
@@ -108,7 +108,7 @@ def group_windows(
 def apply_windows(
     aggregate: ResolvedAggregate, sessions: bool, max_pending: int | None,
     txn: ShardTransaction, data: pa.Table, step: ShardStep,
-) -> tuple[list[pa.Array], dict[str, Any]]:
+) -> tuple[list[pa.Array], OperatorStats]:
     """Merge one shard's (key, window) partials into its open windows, fire those ending
     at or before ``step.fire_limit``; ``sessions``: windows of a key that touch merge;
     ``max_pending``: the in-memory pending-index bound."""
@@ -165,9 +165,7 @@ def apply_windows(
         pa.array(fired["start"], pa.int64()).cast(_TIMESTAMP),
         pa.array(fired["end"], pa.int64()).cast(_TIMESTAMP),
     ] + aggregate.outputs(fired)
-    stats = {
-        "keys_touched": len(touched),
-        "new_keys": int((~existed[: len(touched)]).sum()),
+    figures = {
         "windows_fired": int(fire.sum()),
         "windows_opened": int(opened.sum()),
         "pending_loaded": pending.loaded,
@@ -176,4 +174,4 @@ def apply_windows(
         "pending_evicted_now": pending.evicted_now,
         "pending_evicted_fired": pending.evicted_fired,
     }
-    return outputs, stats
+    return outputs, OperatorStats(len(touched), int((~existed[: len(touched)]).sum()), figures)

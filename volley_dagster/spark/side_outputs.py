@@ -7,7 +7,6 @@ event time moves the watermark. One Spark job computes them all, before the stat
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -15,6 +14,7 @@ from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
 from volley_dagster import columns
+from volley_dagster.checkpoint.manifest import ShardEntry
 from volley_dagster.columns import POS_OFFSET_BITS
 from volley_dagster.operators.window import ResolvedWindowAggregate, describe_event_time
 from volley_dagster.pipeline import Pipeline
@@ -141,11 +141,11 @@ def _resolve_late(table: pa.Table, rng: EpochRange, pipeline: Pipeline, window: 
 
 
 def null_key_dead_letters(
-    plan: PlannedEpoch, pipeline: Pipeline, rng: EpochRange, shards: dict[int, dict[str, Any]]
+    plan: PlannedEpoch, pipeline: Pipeline, rng: EpochRange, shards: dict[int, ShardEntry]
 ) -> pa.Table:
     """Single-job epochs: the shard tasks counted records with a null key; only when
     there are some, a second job finds which (file, offset) they are."""
-    if not sum(s["null_key_records"] for s in shards.values()):
+    if not sum(s.null_key_records for s in shards.values()):
         return DEAD_LETTER_SCHEMA.empty_table()
     with engine_errors():
         bad = _dead_letter_frame(plan, pipeline).toArrow()

@@ -12,7 +12,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -20,6 +20,7 @@ from pyspark import StorageLevel
 from pyspark.sql import DataFrame, SparkSession
 
 from volley_dagster import columns
+from volley_dagster.checkpoint.manifest import ShardEntry, ShardSnapshot
 from volley_dagster.pipeline import Pipeline
 from volley_dagster.sources.offsets import EpochRange
 from volley_dagster.spark.partitioning import ROUTING_COLUMNS, to_shards
@@ -31,7 +32,7 @@ from volley_dagster.spark.side_outputs import (
     valid_rows,
 )
 from volley_dagster.spark.task_errors import engine_errors
-from volley_dagster.spark.tasks import ShardMerge, attempt_id, shard_stats, snapshot_name, upload_stats
+from volley_dagster.spark.tasks import ShardMerge, attempt_id, snapshot_name, snapshot_upload
 from volley_dagster.state.keys import ShardLayout
 from volley_dagster.state.store import SnapshotInfo, carry_forward
 
@@ -41,7 +42,7 @@ __all__ = ["PlannedEpoch", "StageResult", "plan_epoch", "run_stage"]
 class StageResult:
     output: pa.Table
     dead_letters: pa.Table
-    shards: dict[int, dict[str, Any]]
+    shards: dict[int, ShardEntry]
     read_transform_s: float
     state_stage_s: float
     late: pa.Table | None = None  # windows: (record, window) pairs that came too late
@@ -120,9 +121,8 @@ def run_stage(
             )
         t2 = time.perf_counter()
         is_stats = pc.is_valid(out.column(columns.STATS))
-        shards = {
-            s["shard"]: s for s in (json.loads(v) for v in out.filter(is_stats).column(columns.STATS).to_pylist())
-        }
+        entries = (ShardEntry.from_dict(json.loads(v)) for v in out.filter(is_stats).column(columns.STATS).to_pylist())
+        shards = {entry.shard: entry for entry in entries}
         if dead is None:
             dead = null_key_dead_letters(plan, pipeline, rng, shards)
     finally:
@@ -146,7 +146,7 @@ def _carry_forward_stage(spark: SparkSession, pipeline: Pipeline, plan: PlannedE
     output is empty, typed as a processed epoch's would be, so each sink still records
     the epoch."""
     t0 = time.perf_counter()
-    shards: dict[int, dict[str, Any]] = {}
+    shards: dict[int, ShardEntry] = {}
     for shard, prev in sorted(merge.previous.items()):
         t = time.perf_counter()
         attempt = attempt_id()
@@ -158,15 +158,17 @@ def _carry_forward_stage(spark: SparkSession, pipeline: Pipeline, plan: PlannedE
             snap = carry_forward(Path(prev.path), prev.files, target)
         else:
             snap = SnapshotInfo(target, dict(prev.files), sum(m["size"] for m in prev.files.values()), 0)
-        remote: dict[str, Any] = {}
+        upload = None
         if merge.remote is not None:
-            upload = (merge.remote.carry_forward(prev.remote_epoch, shard, merge.step.epoch,
-                                                 from_attempt=prev.remote_attempt, attempt=attempt)
-                      if prev.remote_epoch is not None
-                      else merge.remote.upload(merge.step.epoch, shard, snap.path, attempt=attempt))
-            remote = upload_stats(upload)
-        shards[shard] = shard_stats(shard, snap, attempt, read_mode="carried_forward",
-                                    snapshot_s=time.perf_counter() - t, **remote)
+            upload = snapshot_upload(
+                merge.remote.carry_forward(prev.remote_epoch, shard, merge.step.epoch,
+                                           from_attempt=prev.remote_attempt, attempt=attempt)
+                if prev.remote_epoch is not None
+                else merge.remote.upload(merge.step.epoch, shard, snap.path, attempt=attempt)
+            )
+        shards[shard] = ShardEntry(shard, ShardSnapshot.of(snap, attempt, stored_remotely=upload is not None),
+                                   read_mode="carried_forward", bytes_new=snap.bytes_new,
+                                   snapshot_s=time.perf_counter() - t, upload=upload)
     output = spark.createDataFrame([], ", ".join(_output_ddl(pipeline, plan))).toArrow()
     return StageResult(output, DEAD_LETTER_SCHEMA.empty_table(), shards, 0.0, time.perf_counter() - t0)
 

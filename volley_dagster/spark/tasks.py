@@ -15,13 +15,14 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from volley_dagster import columns, faults
 from volley_dagster.checkpoint.lease import Fence
+from volley_dagster.checkpoint.manifest import ShardEntry, ShardSnapshot, SnapshotDownload, SnapshotUpload
 from volley_dagster.checkpoint.s3_snapshots import S3SnapshotStore, UploadResult
 from volley_dagster.errors import SnapshotError, StorageFullError, is_disk_full
 from volley_dagster.operators.base import ShardStep, StatefulOperator
@@ -29,7 +30,7 @@ from volley_dagster.sources.file_log import FileLog
 from volley_dagster.sources.offsets import Segment
 from volley_dagster.state.options import RocksDBOptions
 from volley_dagster.state.resident import ResidentShard, ResidentStateCache
-from volley_dagster.state.store import FileDigests, ShardStore, SnapshotInfo
+from volley_dagster.state.store import FileDigests, ShardStore
 
 
 @dataclass(frozen=True)
@@ -121,7 +122,7 @@ class ShardMerge:
         self, shard: int, data: pa.Table, null_keys: int, prev: PreviousSnapshot | None,
         resident: ResidentShard | None, t0: float,
     ) -> pa.Table:
-        source, remote_stats = self._local_previous(shard, prev)
+        source, download = self._local_previous(shard, prev)
         attempt = attempt_id()
         try:
             store = ShardStore.restore(
@@ -154,27 +155,29 @@ class ShardMerge:
             faults.fault_pause("shard_after_snapshot", self.step.epoch, shard)  # tests: hold the attempt
         finally:
             store.close()
+        upload = None
         if self.remote is not None:
             self.check_fence(f"epoch {self.step.epoch} shard {shard} attempt {attempt}: uploading its snapshot")
-            upload = self.remote.upload(self.step.epoch, shard, snap.path, attempt=attempt)
-            remote_stats.update(upload_stats(upload))
+            upload = snapshot_upload(self.remote.upload(self.step.epoch, shard, snap.path, attempt=attempt))
         faults.fault_point("shard_after_snapshot", self.step.epoch, pid=self.driver_pid, shard=shard)
-        stats = shard_stats(
-            shard, snap, attempt,
-            **operator_stats,
+        entry = ShardEntry(
+            shard, ShardSnapshot.of(snap, attempt, stored_remotely=upload is not None),
+            read_mode="resident" if hit else "scan" if txn.scanned else "multi_get",
+            operator=operator_stats,
             records=int(pc.sum(data.column(columns.ROWS)).as_py() or 0),
             null_key_records=null_keys,
             keys_written=written,
-            read_mode="resident" if hit else "scan" if txn.scanned else "multi_get",
+            bytes_new=snap.bytes_new,
             restore_s=t1 - t0,
             merge_s=t2 - t1,
             flush_s=t3 - t2,
             snapshot_s=t4 - t3,
             peak_rss_mib=_peak_rss_mib(),
-            **remote_stats,
-            task_pid=os.getpid(),  # the executor-side process that ran the shard
+            task_pid=os.getpid(),
+            upload=upload,
+            download=download,
         )
-        return self._output(outputs, stats)
+        return self._output(outputs, entry)
 
     def check_fence(self, what: str) -> None:
         """Stop before this attempt's work becomes visible if the runner lost its lease."""
@@ -188,43 +191,31 @@ class ShardMerge:
         identity = {"state": self.state_identity, "shard": shard, "layout": self.operator.layout()}
         return self.resident.open(identity, prev.files if prev else None, records)
 
-    def _local_previous(self, shard: int, prev: PreviousSnapshot | None) -> tuple[Path | None, dict[str, Any]]:
+    def _local_previous(self, shard: int, prev: PreviousSnapshot | None) -> tuple[Path | None, SnapshotDownload | None]:
         """N-1's snapshot on this machine: the shared checkpoint root's copy, or when it
         is not here, one restored from the snapshot store into the local cache."""
         if prev is None or Path(prev.path).exists() or self.remote is None:
-            return (Path(prev.path) if prev else None), {}
+            return (Path(prev.path) if prev else None), None
         if prev.remote_epoch is None:
             raise SnapshotError(
                 f"snapshot {prev.path} is not on this machine and the snapshot store has no copy of it "
                 "(a rescale's rewrite is kept on the checkpoint root only)"
             )
         restored = self.remote.restore(prev.remote_epoch, shard, Path(self.cache_root), attempt=prev.remote_attempt)
-        return restored.path, {"s3_restore_bytes": restored.bytes_downloaded, "s3_restore_s": restored.seconds}
+        return restored.path, SnapshotDownload(restored.bytes_downloaded, restored.seconds)
 
-    def _output(self, values: list[pa.Array], stats: dict) -> pa.Table:
+    def _output(self, values: list[pa.Array], entry: ShardEntry) -> pa.Table:
         names = [self.key_column] + self.operator.output_names() + [columns.STATS]
         rows = pa.table(values + [pa.nulls(len(values[0]), pa.string())], names=names)
         stats_row = pa.table(
-            [pa.nulls(1, arr.type) for arr in values] + [pa.array([json.dumps(stats)], pa.string())], names=names
+            [pa.nulls(1, arr.type) for arr in values] + [pa.array([json.dumps(entry.to_dict())], pa.string())], names=names
         )
         return pa.concat_tables([rows, stats_row])
 
 
-def shard_stats(shard: int, snap: SnapshotInfo, attempt: str, **measured: Any) -> dict[str, Any]:
-    """One shard's row of the epoch manifest: the attempt whose snapshot it names, and
-    what the task measured (zero for what it did not do)."""
-    return {
-        "shard": shard, "attempt": attempt, "snapshot": str(snap.path), "files": snap.files, "bytes_total": snap.bytes_total,
-        "bytes_new": snap.bytes_new, "keys_touched": 0, "new_keys": 0, "records": 0, "null_key_records": 0,
-        "keys_written": 0, "restore_s": 0.0, "merge_s": 0.0, "flush_s": 0.0, "snapshot_s": 0.0,
-        "peak_rss_mib": 0.0, **measured,
-    }
-
-
-def upload_stats(upload: UploadResult) -> dict[str, Any]:
-    """A shard's S3 figures in the manifest, and that its snapshot is in the store."""
-    return {"stored_remotely": True, "s3_bytes_uploaded": upload.bytes_uploaded, "s3_files_uploaded": upload.files_uploaded,
-            "s3_files_reused": upload.files_reused, "s3_upload_s": upload.seconds}
+def snapshot_upload(upload: UploadResult) -> SnapshotUpload:
+    """A shard's S3 figures for its manifest entry."""
+    return SnapshotUpload(upload.bytes_uploaded, upload.files_uploaded, upload.files_reused, upload.seconds)
 
 
 def _reset_peak_rss() -> None:
