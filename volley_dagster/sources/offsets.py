@@ -96,7 +96,7 @@ class EpochRange:
         canonical = json.dumps(read, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(canonical).hexdigest()[:32]
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> dict[str, str]:
         """The range as people read it: per partition, file:record from and to."""
         def fmt(pos: Position) -> str:
             return f"{pos.file}:{pos.record}" if pos.file else "start"

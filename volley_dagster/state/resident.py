@@ -72,7 +72,7 @@ class ResidentStateCache:
         return cls(directory, min(mib * 2**20, _half_free(directory) or mib * 2**20))
 
     def open(
-        self, identity: dict[str, Any], previous_files: dict[str, Any] | None, records: np.dtype
+        self, identity: dict[str, Any], previous_files: FileDigests | None, records: np.dtype
     ) -> ResidentShard | None:
         """The shard's mirror of ``records``, locked for this attempt: complete when its
         lineage is ``previous_files`` (or the shard starts empty), else incomplete.
@@ -102,7 +102,7 @@ class ResidentStateCache:
             return None
 
 
-def lineage_of(snapshot_files: dict[str, Any]) -> str:
+def lineage_of(snapshot_files: FileDigests) -> str:
     """A snapshot's identity (the digests of its files), in this boot."""
     digest = hashlib.sha256(json.dumps(snapshot_files, sort_keys=True).encode()).hexdigest()
     return f"{digest}@{boot_id()}"
@@ -186,7 +186,7 @@ class ResidentShard:
         self._unstamp()
         self.keys = self.values = None
 
-    def commit(self, snapshot_files: dict[str, Any]) -> None:
+    def commit(self, snapshot_files: FileDigests) -> None:
         """Stamp the mirror with the snapshot it now equals (after that snapshot exists)."""
         if self.keys is None or self.values is None:
             return
