@@ -30,12 +30,15 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
 from volley_dagster.io.atomic import private_dir, write_json_atomic
 from volley_dagster.process import boot_id
+
+if TYPE_CHECKING:
+    from volley_dagster.state.store import FileDigests  # store imports this module
 
 _LINEAGE = "lineage.json"
 _KEYS = "keys.npy"
