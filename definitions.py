@@ -43,5 +43,7 @@ defs = build_definitions(
         iceberg_catalog_uri=EnvVar("VOLLEY_ICEBERG_CATALOG_URI") if os.environ.get("VOLLEY_ICEBERG_CATALOG_URI") else None,
         s3=_s3(),
     ),
-    spark=SparkResource(master=os.environ.get("VOLLEY_SPARK_MASTER"), remote=os.environ.get("VOLLEY_SPARK_REMOTE")),
+    # neither set: the warm Spark (a supervised local Spark Connect server), unless VOLLEY_SPARK_WARM=0
+    spark=SparkResource(master=os.environ.get("VOLLEY_SPARK_MASTER"), remote=os.environ.get("VOLLEY_SPARK_REMOTE"),
+                        warm=os.environ.get("VOLLEY_SPARK_WARM", "1") != "0"),
 )

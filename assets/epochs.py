@@ -1,12 +1,13 @@
 """A pipeline as Dagster assets: source -> state -> one asset per sink table, all
 partitioned by epoch. A thin layer: every decision is the engine's."""
 
+import time
+from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from dagster import (
-    AssetCheckExecutionContext,
     AssetCheckResult,
     AssetCheckSpec,
     AssetExecutionContext,
@@ -22,18 +23,25 @@ from dagster import (
     ObserveResult,
     RetryRequested,
     multi_asset,
-    multi_asset_check,
     observable_source_asset,
 )
 
-from assets.metadata import epoch_metadata, sink_key, sink_kind, sink_location, source_key, state_key
+from assets.metadata import (
+    epoch_metadata,
+    sink_key,
+    sink_kind,
+    sink_location,
+    source_key,
+    source_observation,
+    state_key,
+)
 from assets.runs import MAX_RECOVERY_REQUESTS, PIPELINE_TAG, pipeline_pool, pool_runs
 from resources import CheckpointResource, SparkResource, TablesResource
 from volley_dagster import ConfigError, EpochRunner
 from volley_dagster.checkpoint.epoch_log import epoch_key
 from volley_dagster.deploy import Deployment, TableSettings
 from volley_dagster.errors import is_retryable
-from volley_dagster.verify import CheckOutcome, check_latest_snapshot, check_sink
+from volley_dagster.verify import CheckOutcome, check_freshness, check_latest_snapshot, check_sink
 
 # A failed epoch retried inside its run (a lost executor, S3 unreachable, a lost commit
 # race or lease): this many times, this far apart. A killed run is retried as a new run
@@ -63,14 +71,15 @@ def make_runner(
     checkpoints: CheckpointResource,
     tables: TablesResource,
     spark: Optional[SparkResource] = None,
+    log: Optional[Callable[[str], None]] = None,
 ) -> EpochRunner:
     """The engine's runner for this deployment; Spark only starts if ``spark`` is given
-    and an epoch is actually processed."""
+    and an epoch is actually processed. ``log`` hears which Spark the run uses."""
     pipeline = deployment.build(tables.settings())
     return EpochRunner(
         pipeline,
         Path(checkpoints.root) / pipeline.name,
-        spark=spark.session() if spark is not None else None,
+        spark=spark.session(log) if spark is not None else None,
         keep_epochs=checkpoints.keep_epochs,
         max_records_per_epoch=checkpoints.max_records_per_epoch,
         lease_wait_s=checkpoints.lease_wait_s,
@@ -95,12 +104,12 @@ def epoch_assets(deployment: Deployment, spec_settings: TableSettings) -> list:
     @observable_source_asset(
         key=source_key(pipeline),
         description=f"The log {pipeline.source_log.uri} that {pipeline.name!r} reads.",
+        group_name=pipeline.name,
         metadata={"dagster/uri": pipeline.source_log.uri, "format": pipeline.source_log.format},
     )
     def source(checkpoints: CheckpointResource, tables: TablesResource) -> ObserveResult:
+        """Observed by hand here; the sensor reports the same numbers on every tick."""
         runner = make_runner(deployment, checkpoints, tables)
-        last = runner.log.last_cut()
-        waiting = runner.records_waiting()
         files = runner.pipeline.source_log.partitions()
         latest = {p or "(root)": infos[-1].path for p, infos in files.items() if infos}
         return ObserveResult(
@@ -108,8 +117,7 @@ def epoch_assets(deployment: Deployment, spec_settings: TableSettings) -> list:
             metadata={
                 "files": MetadataValue.int(sum(len(v) for v in files.values())),
                 "latest_files": MetadataValue.json(latest),
-                "records_waiting": MetadataValue.int(waiting),
-                "last_cut_epoch": MetadataValue.int(last),
+                **source_observation(runner, time.time()),
             },
         )
 
@@ -120,6 +128,7 @@ def epoch_assets(deployment: Deployment, spec_settings: TableSettings) -> list:
             kinds={"spark", "rocksdb"},
             description=f"Keyed state of {pipeline.name!r} after each epoch (RocksDB snapshots).",
             skippable=True,  # materialized per committed epoch, by events (see the op)
+            group_name=pipeline.name,
             metadata={"initial_shards": pipeline.layout.num_shards, "key_groups": pipeline.layout.num_key_groups,
                       "key": pipeline.key_column},
         )
@@ -131,13 +140,19 @@ def epoch_assets(deployment: Deployment, spec_settings: TableSettings) -> list:
             description=f"{sink_kind(sink).title()} table written by sink {sink.name!r}, one commit per epoch.",
             metadata=sink_location(sink),
             skippable=True,
+            group_name=pipeline.name,
         )
         for sink in pipeline.sinks
+    ]
+
+    check_specs = [AssetCheckSpec(name, asset=state) for name in STATE_CHECKS] + [
+        AssetCheckSpec(name, asset=sink_key(pipeline, sink)) for sink in pipeline.sinks for name in SINK_CHECKS
     ]
 
     @multi_asset(
         name=f"{pipeline.name}_epochs",
         specs=specs,
+        check_specs=check_specs,
         partitions_def=partitions,
         backfill_policy=BackfillPolicy.single_run(),
         can_subset=False,
@@ -150,8 +165,9 @@ def epoch_assets(deployment: Deployment, spec_settings: TableSettings) -> list:
         """Runs the partitions' epochs in ascending order on one SparkSession, holding
         the pipeline's lease; committed epochs come back as no-ops, and an epoch whose
         predecessor is not committed fails naming it. Each epoch is materialized as it
-        commits, so a run that fails at epoch K keeps the epochs before K."""
-        runner = make_runner(deployment, checkpoints, tables, spark)
+        commits, so a run that fails at epoch K keeps the epochs before K. Then the
+        checks run, still under the lease, on what the run left."""
+        runner = make_runner(deployment, checkpoints, tables, spark, log=context.log.info)
         attempt = {"run_retry": int(context.run.tags.get("dagster/retry_number", 0)), "step_retry": context.retry_number}
         if any(attempt.values()):
             context.log.info(f"retrying: run retry {attempt['run_retry']}, step retry {attempt['step_retry']}")
@@ -164,35 +180,38 @@ def epoch_assets(deployment: Deployment, spec_settings: TableSettings) -> list:
                     extra = {"fencing_token": MetadataValue.int(result.fencing_token),  # of the run that committed it
                              "lease_wait_s": MetadataValue.float(lease.waited_s),
                              **{k: MetadataValue.int(v) for k, v in attempt.items()}}
-                    for asset_key, metadata in epoch_metadata(runner.pipeline, result).items():
+                    row_counts = {sink.name: sink.row_count() for sink in runner.pipeline.sinks}
+                    for asset_key, metadata in epoch_metadata(runner.pipeline, result, row_counts).items():
                         yield AssetMaterialization(asset_key=asset_key, partition=key, metadata={**metadata, **extra})
                     verb = "was already committed" if result.already_committed else "committed"
                     context.log.info(f"epoch {result.epoch} {verb}: {result.records_in} records in, "
                                      f"{result.records_out} out")
+                checks = list(check_results(context.instance, runner, deployment))
         except Exception as exc:
             if not is_retryable(exc):
                 raise Failure(description=f"{type(exc).__name__}: {exc}", allow_retries=False) from exc
             raise RetryRequested(max_retries=STEP_RETRIES, seconds_to_wait=STEP_RETRY_WAIT_S) from exc
+        yield from checks
 
-    check_specs = [AssetCheckSpec("snapshot_checksums", asset=state), AssetCheckSpec("epochs_progress", asset=state)] + [
-        AssetCheckSpec(name, asset=sink_key(pipeline, sink))
-        for sink in pipeline.sinks
-        for name in ("recorded_epoch", "no_duplicate_epochs", "row_counts")
-    ]
+    return [source, epochs]
 
-    @multi_asset_check(specs=check_specs, name=f"{pipeline.name}_consistency")
-    def checks(context: AssetCheckExecutionContext, checkpoints: CheckpointResource, tables: TablesResource):
-        runner = make_runner(deployment, checkpoints, tables)
-        for outcome in (check_latest_snapshot(runner), check_progress(context.instance, runner)):
-            yield AssetCheckResult(asset_key=state, check_name=outcome.name, passed=outcome.passed,
-                                   description=outcome.description, metadata=outcome.metadata)
-        for sink in runner.pipeline.sinks:
-            for outcome in check_sink(runner, sink):
-                yield AssetCheckResult(asset_key=sink_key(runner.pipeline, sink), check_name=outcome.name,
-                                       passed=outcome.passed, description=outcome.description,
-                                       metadata=outcome.metadata)
 
-    return [source, epochs, checks]
+STATE_CHECKS = ("snapshot_checksums", "epochs_progress", "freshness")
+SINK_CHECKS = ("recorded_epoch", "no_duplicate_epochs", "row_counts")
+
+
+def check_results(instance: DagsterInstance, runner: EpochRunner, deployment: Deployment) -> Iterator[AssetCheckResult]:
+    """Every check of the pipeline, as of now: the state's, then each table's."""
+    state = state_key(runner.pipeline)
+    outcomes = [check_latest_snapshot(runner), check_progress(instance, runner),
+                check_freshness(runner, deployment.freshness_bound_s, time.time())]
+    for outcome in outcomes:
+        yield AssetCheckResult(asset_key=state, check_name=outcome.name, passed=outcome.passed,
+                               description=outcome.description, metadata=outcome.metadata)
+    for sink in runner.pipeline.sinks:
+        for outcome in check_sink(runner, sink):
+            yield AssetCheckResult(asset_key=sink_key(runner.pipeline, sink), check_name=outcome.name,
+                                   passed=outcome.passed, description=outcome.description, metadata=outcome.metadata)
 
 
 def check_progress(instance: DagsterInstance, runner: EpochRunner) -> CheckOutcome:

@@ -3,7 +3,6 @@
 from typing import TYPE_CHECKING
 
 from dagster import (
-    AssetChecksDefinition,
     AssetsDefinition,
     AssetSelection,
     Definitions,
@@ -28,22 +27,21 @@ if TYPE_CHECKING:  # what define_asset_job returns; Dagster does not export the 
 def build_definitions(
     deployments: list[Deployment], checkpoints: CheckpointResource, tables: TablesResource, spark: SparkResource
 ) -> Definitions:
-    assets: list[AssetsDefinition | AssetChecksDefinition | SourceAsset] = []
+    assets: list[AssetsDefinition | SourceAsset] = []
     jobs: list[JobDefinition | UnresolvedAssetJobDefinition] = []
     sensors: list[SensorDefinition] = []
     schedules: list[ScheduleDefinition] = []
     for deployment in deployments:
-        source, epochs, checks = epoch_assets(deployment, tables.settings())
-        assets.extend([source, epochs, checks])
+        source, epochs = epoch_assets(deployment, tables.settings())
+        assets.extend([source, epochs])
         job = define_asset_job(
             epochs_job_name(deployment.name),
-            selection=AssetSelection.assets(epochs).without_checks(),
+            selection=AssetSelection.assets(epochs),  # with its checks: they run after the epochs
             partitions_def=epochs_partitions(deployment),
             tags={PIPELINE_TAG: deployment.name, **RUN_RETRY_TAGS},
         )
-        checks_job = define_asset_job(f"{deployment.name}_checks_job", selection=AssetSelection.checks(checks))
-        jobs.extend([job, checks_job, rescale_job(deployment, tables.settings())])
-        sensors.append(epoch_sensor(deployment, job, checks_job))
+        jobs.extend([job, rescale_job(deployment, tables.settings())])
+        sensors.append(epoch_sensor(deployment, job))
         if deployment.cron:
             schedules.append(epoch_schedule(deployment, job))
     return Definitions(

@@ -1,12 +1,12 @@
 """What the Dagster UI shows per epoch: plottable numbers on the right asset."""
 
 from collections import Counter
-from typing import Any
+from typing import Any, Optional
 
 import pyarrow as pa
 from dagster import AssetKey, MetadataValue, TableColumn, TableSchema
 
-from volley_dagster import EpochResult, Pipeline
+from volley_dagster import EpochResult, EpochRunner, Pipeline
 from volley_dagster.operators.window import describe_event_time
 from volley_dagster.sinks import Sink
 
@@ -38,7 +38,41 @@ def column_schema(table: pa.Schema) -> TableSchema:
     return TableSchema(columns=[TableColumn(f.name, str(f.type)) for f in table])
 
 
-def epoch_metadata(pipeline: Pipeline, result: EpochResult) -> dict[AssetKey, dict[str, Any]]:
+PREVIEW_ROWS = 5
+
+
+def table_preview(output: pa.Table, rows: int = PREVIEW_ROWS) -> MetadataValue:
+    """The first rows an epoch wrote (its output is sorted by key), as a Markdown table."""
+    shown = output.slice(0, rows).to_pylist()
+    head = "| " + " | ".join(output.column_names) + " |\n|" + "---|" * output.num_columns + "\n"
+    body = "".join("| " + " | ".join(_cell(row[c]) for c in output.column_names) + " |\n" for row in shown)
+    more = f"\n{output.num_rows - len(shown):,} more rows in this epoch" if output.num_rows > len(shown) else ""
+    return MetadataValue.md(head + body + more if shown else "this epoch wrote no rows")
+
+
+def _cell(value: Any) -> str:
+    text = f"{value:.6g}" if isinstance(value, float) else str(value)
+    return text.replace("|", "\\|")
+
+
+def source_observation(runner: EpochRunner, now: float) -> dict[str, Any]:
+    """What waits to be committed, as numbers that plot: one observation per sensor tick."""
+    backlog = runner.backlog()
+    committed, cut = runner.committed_epoch(), runner.log.last_cut()
+    in_cut_epochs = sum(runner.log.offsets(e).records for e in range(committed + 1, cut + 1))
+    return {
+        "records_waiting": MetadataValue.int(backlog.records),  # not yet in an epoch
+        "records_uncommitted": MetadataValue.int(backlog.records + in_cut_epochs),
+        "files_waiting": MetadataValue.int(backlog.files),
+        "oldest_waiting_file_age_s": MetadataValue.float(round(backlog.oldest_age_s(now), 3)),
+        "epochs_waiting": MetadataValue.int(cut - committed),  # cut, not yet committed
+        "last_cut_epoch": MetadataValue.int(cut),
+    }
+
+
+def epoch_metadata(pipeline: Pipeline, result: EpochResult,
+                   row_counts: Optional[dict[str, Optional[int]]] = None) -> dict[AssetKey, dict[str, Any]]:
+    """``row_counts``: each sink's table size after the epoch (``dagster/row_count``)."""
     d = result.durations
     state: dict[str, Any] = {
         "epoch": MetadataValue.int(result.epoch),
@@ -80,5 +114,8 @@ def epoch_metadata(pipeline: Pipeline, result: EpochResult) -> dict[AssetKey, di
             md["iceberg_snapshot_id"] = MetadataValue.text(str(commit["snapshot_id"]))
         if result.output is not None:
             md["dagster/column_schema"] = column_schema(result.output.schema)
+            md["preview"] = table_preview(result.output)
+        if (row_counts or {}).get(sink.name) is not None:
+            md["dagster/row_count"] = MetadataValue.int(int((row_counts or {})[sink.name] or 0))
         out[sink_key(pipeline, sink)] = md
     return out

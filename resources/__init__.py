@@ -4,7 +4,8 @@ Secrets come in through ``EnvVar`` (``DeltaResource(secret_access_key=EnvVar("AW
 and never reach metadata or logs: only ``describe()`` output does, which omits them.
 """
 
-from typing import Optional
+from pathlib import Path
+from typing import Callable, Optional
 
 from dagster import ConfigurableResource
 from pyspark.sql import SparkSession
@@ -15,18 +16,43 @@ from volley_dagster.io.s3 import S3Endpoint
 from volley_dagster.sinks.iceberg import sqlite_catalog
 from volley_dagster.sinks.lineage import check_choice
 from volley_dagster.spark.session import get_or_create_spark
+from volley_dagster.spark.warm import WarmSparkUnavailable, warm_spark_url
 from volley_dagster.state.resident import ResidentStateCache
 
 
 class SparkResource(ConfigurableResource):
-    """``local[*]`` by default; a standalone master URL (``spark://host:7077``) or a
-    Spark Connect URL (``sc://host:15002``) when set."""
+    """A standalone master URL (``spark://host:7077``) or a Spark Connect URL
+    (``sc://host:15002``) when set. Otherwise, with ``warm`` (the default), the warm
+    Spark: a supervised local Spark Connect server that every run reaches in about a
+    second (``volley_dagster/spark/warm.py``), under ``warm_home`` (default
+    ``$DAGSTER_HOME/warm-spark``); a run that cannot reach it falls back to a local
+    Spark of its own, and says so. ``warm=False``: a local Spark per run."""
 
     master: Optional[str] = None
     remote: Optional[str] = None
+    warm: bool = True
+    warm_home: Optional[str] = None
 
-    def session(self) -> SparkSession:
-        return get_or_create_spark(master=self.master, remote=self.remote)
+    def session(self, log: Optional[Callable[[str], None]] = None) -> SparkSession:
+        say = log or (lambda _message: None)
+        if self.master or self.remote or not self.warm or _classic_session_active():
+            spark = get_or_create_spark(master=self.master, remote=self.remote)
+            say(f"Spark: {self.remote or spark.sparkContext.master}")
+            return spark
+        try:
+            url = warm_spark_url(Path(self.warm_home) if self.warm_home else None)
+        except WarmSparkUnavailable as exc:
+            say(f"Spark: falling back to a local Spark for this run: {exc}")
+            return get_or_create_spark()
+        say(f"Spark: the warm Spark Connect server at {url}")
+        return SparkSession.builder.remote(url).create()  # a new session: a retried step may find a restarted server
+
+
+def _classic_session_active() -> bool:
+    """A process that already runs a local Spark (tests, a notebook) keeps using it:
+    PySpark cannot switch a process between classic and Connect sessions."""
+    active = SparkSession.getActiveSession()
+    return active is not None and not type(active).__module__.startswith("pyspark.sql.connect")
 
 
 class S3Resource(ConfigurableResource):

@@ -8,9 +8,12 @@ while no run of the pipeline is queued, running or about to be retried: so a run
 never starts on an epoch whose predecessor is not committed, and an epoch whose run
 crashed or failed is requested again by the next tick (a new run key each time), up
 to ``MAX_RECOVERY_REQUESTS`` times; then the tick says that recovery is exhausted and
-runs the pipeline's checks, whose ``epochs_progress`` check fails. The cursor holds
-since when records have waited and how often the earliest uncommitted epoch was
-requested, so a restarted daemon neither skips nor repeats an epoch.
+reports the pipeline's ``epochs_progress`` check failed. Every tick also observes the
+source (records and files waiting, the oldest file's age) and reports the ``freshness``
+check when its verdict changes; runs report both after their epochs. The cursor holds
+since when records have waited, how often the earliest uncommitted epoch was
+requested and the last freshness verdict, so a restarted daemon neither skips nor
+repeats an epoch.
 """
 
 import json
@@ -18,6 +21,8 @@ import time
 from typing import Optional
 
 from dagster import (
+    AssetCheckEvaluation,
+    AssetObservation,
     DefaultScheduleStatus,
     DefaultSensorStatus,
     RunRequest,
@@ -29,12 +34,14 @@ from dagster import (
     sensor,
 )
 
-from assets.epochs import PIPELINE_TAG, epochs_job_name, epochs_partitions, make_runner, partitions_name
+from assets.epochs import PIPELINE_TAG, check_progress, epochs_job_name, epochs_partitions, make_runner, partitions_name
+from assets.metadata import source_key, source_observation, state_key
 from assets.runs import MAX_RECOVERY_REQUESTS, fail_orphaned_runs, pool_limits_ensured, run_in_flight
 from resources import CheckpointResource, TablesResource
 from volley_dagster import EpochRunner
 from volley_dagster.checkpoint.epoch_log import epoch_key
 from volley_dagster.deploy import Deployment
+from volley_dagster.verify import CheckOutcome, check_freshness
 
 MAX_CUTS_PER_TICK = 10
 
@@ -59,12 +66,18 @@ def _should_cut(runner: EpochRunner, deployment: Deployment, waiting_since: Opti
     return deployment.max_wait_s is not None and now - since >= deployment.max_wait_s, since
 
 
-def epoch_sensor(deployment: Deployment, job, checks_job=None):
+def check_evaluation(runner: EpochRunner, outcome: CheckOutcome) -> AssetCheckEvaluation:
+    """A state check's result reported by the sensor, between the runs that also report it."""
+    return AssetCheckEvaluation(asset_key=state_key(runner.pipeline), check_name=outcome.name, passed=outcome.passed,
+                                description=outcome.description, metadata=outcome.metadata)
+
+
+def epoch_sensor(deployment: Deployment, job):
     partitions = epochs_partitions(deployment)
 
     @sensor(
         name=f"{deployment.name}_new_data",
-        jobs=[job] + ([checks_job] if checks_job is not None else []),
+        jobs=[job],
         minimum_interval_seconds=deployment.sensor_interval_s,
         default_status=DefaultSensorStatus.RUNNING if deployment.sensor_running else DefaultSensorStatus.STOPPED,
         description=f"Cuts an epoch of {deployment.name!r} when {deployment.min_records}+ records wait"
@@ -72,7 +85,8 @@ def epoch_sensor(deployment: Deployment, job, checks_job=None):
         + "; runs uncommitted epochs in order, one run at a time, and requests a failed epoch again",
     )
     def new_data(context: SensorEvaluationContext, checkpoints: CheckpointResource, tables: TablesResource):
-        cursor = {"waiting_since": None, "recovering": 0, "requests": 0, **(json.loads(context.cursor or "{}"))}
+        cursor = {"waiting_since": None, "recovering": 0, "requests": 0, "fresh": None,
+                  **(json.loads(context.cursor or "{}"))}
         pool_limits_ensured(context.instance, [deployment.name])
         for run_id in fail_orphaned_runs(context.instance, deployment.name):
             context.log.warning(f"run {run_id} showed as started but its process is gone: marked failed, to be retried")
@@ -83,6 +97,8 @@ def epoch_sensor(deployment: Deployment, job, checks_job=None):
             if not cut:
                 break
             runner.cut_next()
+        now = time.time()
+        events: list = [AssetObservation(asset_key=source_key(runner.pipeline), metadata=source_observation(runner, now))]
         known = set(context.instance.get_dynamic_partitions(partitions_name(deployment)))
         new_keys = [epoch_key(e) for e in runner.log.epochs_cut() if epoch_key(e) not in known]
         add = [partitions.build_add_request(new_keys)] if new_keys else []
@@ -97,8 +113,8 @@ def epoch_sensor(deployment: Deployment, job, checks_job=None):
         elif count > MAX_RECOVERY_REQUESTS:
             skip = (f"recovery exhausted: epoch {first} failed in {count} runs; fix the cause named in the last "
                     f"failed run, then launch a backfill of epochs {first}..{last}")
-            if count == MAX_RECOVERY_REQUESTS + 1 and checks_job is not None:  # once: the checks say so too
-                requests.append(RunRequest(job_name=checks_job.name, run_key=f"{deployment.name}-stuck-{first}"))
+            if count == MAX_RECOVERY_REQUESTS + 1:  # once: the epochs_progress check says so too
+                events.append(check_evaluation(runner, check_progress(context.instance, runner)))
                 count += 1
         else:
             count += 1
@@ -106,10 +122,15 @@ def epoch_sensor(deployment: Deployment, job, checks_job=None):
             if count > 1:
                 context.log.info(f"epoch {first} is not committed after a failed run: requesting it again ({count - 1}"
                                  f" of {MAX_RECOVERY_REQUESTS})")
-        new_cursor = json.dumps({"waiting_since": waiting_since, "recovering": recovering, "requests": count})
+        freshness = check_freshness(runner, deployment.freshness_bound_s, now)
+        if freshness.passed != cursor["fresh"]:
+            events.append(check_evaluation(runner, freshness))
+        new_cursor = json.dumps({"waiting_since": waiting_since, "recovering": recovering, "requests": count,
+                                 "fresh": freshness.passed})
         if not requests and not add:
-            return SensorResult(skip_reason=SkipReason(skip), cursor=new_cursor)
-        return SensorResult(run_requests=requests, dynamic_partitions_requests=add, cursor=new_cursor)
+            return SensorResult(skip_reason=SkipReason(skip), cursor=new_cursor, asset_events=events)
+        return SensorResult(run_requests=requests, dynamic_partitions_requests=add, cursor=new_cursor,
+                            asset_events=events)
 
     return new_data
 

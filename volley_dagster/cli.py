@@ -144,6 +144,13 @@ def spark_connect(args: argparse.Namespace) -> int:
         return 0
 
 
+def warm_spark(args: argparse.Namespace) -> int:
+    from volley_dagster.spark.warm import warm_spark_url
+
+    print(warm_spark_url(owner_pid=args.owner))
+    return 0
+
+
 def inspect_root(args: argparse.Namespace) -> int:
     print(describe_checkpoints(Path(args.checkpoint_root).absolute()))
     return 0
@@ -189,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--port", type=int, default=15002)
     c.add_argument("--master", default="local[*]")
     c.set_defaults(func=spark_connect)
+    w = sub.add_parser("warm-spark", help="start (or find) the warm Spark Dagster runs use, and print its URL")
+    w.add_argument("--owner", type=int, default=None, help="stop it when this process exits (default: dagster dev)")
+    w.set_defaults(func=warm_spark)
     i = sub.add_parser("inspect", help="show a checkpoint root's epochs and snapshots")
     i.add_argument("checkpoint_root")
     i.set_defaults(func=inspect_root)

@@ -24,7 +24,8 @@ class TableSettings:
 class Deployment:
     """``build`` makes the pipeline for a table location. The sensor cuts an epoch
     once ``min_records`` are waiting, or any are and the oldest waited ``max_wait_s``;
-    ``cron`` adds a schedule (off unless ``schedule_running``)."""
+    ``cron`` adds a schedule (off unless ``schedule_running``). The freshness check
+    fails once a record has waited more than ``freshness_bound_s`` to be committed."""
 
     name: str
     build: Callable[[TableSettings], Pipeline]
@@ -34,3 +35,4 @@ class Deployment:
     sensor_running: bool = False
     schedule_running: bool = False
     sensor_interval_s: int = 30
+    freshness_bound_s: float = 300.0

@@ -53,7 +53,7 @@ from volley_dagster.pipeline import Pipeline
 from volley_dagster.result import EpochResult
 from volley_dagster.sinks.base import CommitContext, SinkCommitResult
 from volley_dagster.sinks.lineage import SinkBinding
-from volley_dagster.sources.offsets import EpochRange
+from volley_dagster.sources.offsets import Backlog, EpochRange
 from volley_dagster.spark.session import get_or_create_spark
 from volley_dagster.spark.stage import plan_epoch, run_stage
 from volley_dagster.spark.tasks import PreviousSnapshot, ShardMerge
@@ -188,8 +188,13 @@ class EpochRunner:
 
     def records_waiting(self) -> int:
         """Records in the source after the last cut epoch's range: what the next cut takes."""
+        return self.backlog().records
+
+    def backlog(self) -> Backlog:
+        """What waits in the source after the last cut epoch's range (records, files, the
+        oldest file's age): what a sensor cuts, and what the source asset reports."""
         last = self.log.last_cut()
-        return self.pipeline.source_log.available_records(self.log.offsets(last).end if last else {})
+        return self.pipeline.source_log.backlog(self.log.offsets(last).end if last else {})
 
     def flush(self) -> list[EpochResult]:
         """End the stream: run what is cut, then cut and run the remaining records as a

@@ -84,3 +84,26 @@ def check_latest_snapshot(runner: EpochRunner) -> CheckOutcome:
     except SnapshotError as exc:
         return CheckOutcome("snapshot_checksums", False, str(exc), {"epoch": epoch})
     return CheckOutcome("snapshot_checksums", True, f"epoch {epoch}: {files} files match", {"epoch": epoch, "files": files})
+
+
+def freshness_lag_s(runner: EpochRunner, now: float) -> float:
+    """How long the oldest record not yet committed has waited: in the source (its file's
+    age) or in a cut epoch that has not committed (since it was cut). 0 when all is committed."""
+    lag = runner.backlog().oldest_age_s(now)
+    committed, cut = runner.committed_epoch(), runner.log.last_cut()
+    if cut > committed:
+        lag = max(lag, now - runner.log.cut_at(committed + 1))
+    return lag
+
+
+def check_freshness(runner: EpochRunner, bound_s: float, now: float) -> CheckOutcome:
+    """Fails when records have waited longer than ``bound_s`` to be committed."""
+    lag = freshness_lag_s(runner, now)
+    fresh = lag <= bound_s
+    verdict = "within" if fresh else "over"
+    return CheckOutcome(
+        "freshness", fresh,
+        f"the oldest uncommitted record has waited {lag:.0f}s, {verdict} the {bound_s:.0f}s bound"
+        + ("" if fresh else "; see the epochs_progress check and the last runs of the pipeline"),
+        {"lag_s": round(lag, 3), "bound_s": bound_s},
+    )

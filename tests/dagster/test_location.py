@@ -13,12 +13,20 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
-from dagster import AssetKey, DagsterInstance, Definitions, build_sensor_context
+from dagster import (
+    AssetCheckEvaluation,
+    AssetKey,
+    AssetObservation,
+    DagsterInstance,
+    Definitions,
+    build_sensor_context,
+)
 from deltalake import DeltaTable
 
 from assets.runs import run_worker_pid
 from tests.dagster.conftest import build_location, payments_cutting_at_3000
 from tests.helpers import assert_state_equal, log_records, reference_state
+from volley_dagster.checkpoint.epoch_log import EpochLog
 from volley_dagster.demo.events import generate
 
 STATE = AssetKey(["payments", "state"])
@@ -59,10 +67,16 @@ def materializations(instance, asset: AssetKey) -> list[tuple[str, dict]]:
     return [(r.asset_materialization.partition, r.asset_materialization.metadata) for r in records]
 
 
-def check_results(defs, instance) -> dict[tuple[AssetKey, str], bool]:
-    checks = defs.resolve_job_def("payments_checks_job").execute_in_process(instance=instance, raise_on_error=False)
+def processed(instance, asset: AssetKey, epoch: int) -> dict:
+    """The metadata of the run that processed the epoch (not a later no-op over it)."""
+    return next(md for p, md in materializations(instance, asset) if p == key(epoch)
+                and not md["noop_already_committed"].value)
+
+
+def check_results(run) -> dict[tuple[AssetKey, str], bool]:
+    """The checks a run of the epochs job evaluated after its epochs."""
     return {(e.asset_check_evaluation_data.asset_key, e.asset_check_evaluation_data.check_name):
-            e.asset_check_evaluation_data.passed for e in checks.all_events if e.event_type_value == "ASSET_CHECK_EVALUATION"}
+            e.asset_check_evaluation_data.passed for e in run.all_events if e.event_type_value == "ASSET_CHECK_EVALUATION"}
 
 
 @dataclass
@@ -98,12 +112,13 @@ def scenario(tmp_path_factory, spark) -> Iterator[Scenario]:
         runs["5 before 4"] = run_range(defs, instance, 5)
         instance.add_dynamic_partitions("payments_epochs", [key(42)])  # by hand: no recorded offsets
         runs["42"] = run_range(defs, instance, 42)
-        clean = check_results(defs, instance)
         sst = next((base / "state" / "payments" / "snapshots" / key(3)).glob("shard-*/*.sst"))
         data = bytearray(sst.read_bytes())
         data[-1] ^= 1
         sst.write_bytes(bytes(data))
-        yield Scenario(defs, instance, base, ticks, runs, delta_after_3, clean, check_results(defs, instance))
+        corrupt = run_range(defs, instance, 3)  # a no-op over the committed epoch; its checks still run
+        yield Scenario(defs, instance, base, ticks, runs, delta_after_3, check_results(runs["backfill 1..3"]),
+                       check_results(corrupt))
 
 
 def test_the_sensor_cuts_once_enough_records_wait_and_requests_one_run(scenario):
@@ -113,6 +128,25 @@ def test_the_sensor_cuts_once_enough_records_wait_and_requests_one_run(scenario)
     assert all(r.tags["volley/pipeline"] == "payments" for r in second.run_requests)
     assert [range_of(r) for r in scenario.ticks["fourth"].run_requests] == [(key(4), key(5))]
     assert scenario.instance.get_dynamic_partitions("payments_epochs")[:5] == [key(e) for e in range(1, 6)]
+
+
+def test_every_tick_observes_the_source_and_reports_freshness_when_it_changes(scenario):
+    second = scenario.ticks["second"]
+    observed = [e for e in second.asset_events if isinstance(e, AssetObservation)]
+    assert [e.asset_key for e in observed] == [AssetKey(["payments", "source"])]
+    md = {k: v.value for k, v in observed[0].metadata.items()}
+    assert md["records_uncommitted"] == 6_000 and md["epochs_waiting"] == 2 and md["last_cut_epoch"] == 2
+    assert md["records_waiting"] == 6_000 - sum(
+        EpochLog(scenario.base / "state" / "payments").offsets(e).records for e in (1, 2))
+    assert md["files_waiting"] == (1 if md["records_waiting"] else 0) and md["oldest_waiting_file_age_s"] >= 0
+    first = [e for e in scenario.ticks["first"].asset_events if isinstance(e, AssetCheckEvaluation)]
+    assert [(e.check_name, e.passed) for e in first] == [("freshness", True)]  # the first verdict is reported
+    assert not [e for e in second.asset_events if isinstance(e, AssetCheckEvaluation)]  # unchanged: not again
+
+
+def test_each_pipeline_is_one_asset_group(scenario):
+    graph = scenario.defs.resolve_asset_graph()
+    assert {graph.get(k).group_name for k in (STATE, DELTA, ICEBERG, AssetKey(["payments", "source"]))} == {"payments"}
 
 
 def test_a_range_run_commits_its_epochs_and_a_restarted_sensor_repeats_nothing(scenario):
@@ -137,15 +171,20 @@ def test_a_backfill_over_committed_epochs_runs_them_in_order_as_noops(scenario):
 
 
 def test_each_epoch_carries_its_metadata_on_the_state_and_table_assets(scenario):
-    last = dict(materializations(scenario.instance, STATE))[key(3)]
+    last = processed(scenario.instance, STATE, 3)
     assert last["records_in"].value == 2_000 and last["epoch"].value == 3
     assert last["state_reads"].value == {"resident": last["shards"].value}  # epoch 2's mirror, from another run
     assert isinstance(last["seconds_total"].value, float)
-    delta_md = dict(materializations(scenario.instance, DELTA))[key(3)]
+    delta_md = processed(scenario.instance, DELTA, 3)
     assert delta_md["delta_table_version"].value == 2 and delta_md["dagster/uri"].value.endswith("merchant_balances")
-    iceberg_md = dict(materializations(scenario.instance, ICEBERG))[key(3)]
+    iceberg_md = processed(scenario.instance, ICEBERG, 3)
     assert iceberg_md["rows"].value > 0 and iceberg_md["dagster/table_name"].value == "payments.merchant_changes"
     assert [c.name for c in iceberg_md["dagster/column_schema"].schema.columns][:2] == ["merchant_id", "total"]
+    # the tables' sizes from their own metadata, and the first rows each epoch wrote
+    assert delta_md["dagster/row_count"].value == DeltaTable(str(scenario.base / "tables" / "delta" /
+                                                                 "merchant_balances")).to_pyarrow_table().num_rows
+    assert iceberg_md["dagster/row_count"].value >= iceberg_md["rows"].value > 0
+    assert iceberg_md["preview"].value.startswith("| merchant_id | total |")
 
 
 def test_an_epoch_before_its_predecessor_fails_naming_it_and_commits_nothing(scenario):
@@ -163,8 +202,9 @@ def test_a_partition_key_added_by_hand_is_refused_not_run_empty(scenario):
     assert "epoch 42 has no recorded offset range" in error
 
 
-def test_asset_checks_pass_and_catch_a_corrupted_snapshot(scenario):
-    assert len(scenario.checks_clean) == 8 and all(scenario.checks_clean.values()), scenario.checks_clean
+def test_asset_checks_run_after_the_epochs_pass_and_catch_a_corrupted_snapshot(scenario):
+    assert len(scenario.checks_clean) == 9 and all(scenario.checks_clean.values()), scenario.checks_clean
+    assert (STATE, "freshness") in scenario.checks_clean
     failed = [k for k, passed in scenario.checks_corrupt.items() if not passed]
     assert failed == [(STATE, "snapshot_checksums")]
 

@@ -1,41 +1,86 @@
 """The same engine over Spark Connect (a real server from the pyspark package's
-own jars), driven from its own process as a Dagster run would be: results equal
-the reference, and task-side engine errors surface as themselves."""
+own jars, started by the warm-Spark supervisor), driven from its own process as a
+Dagster run would be: results equal the reference, and task-side engine errors
+surface as themselves."""
 
 from __future__ import annotations
 
 import json
 import os
-import socket
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from tests.helpers import assert_state_equal, log_records, payments, reference_state
 from volley_dagster import EpochRunner
 from volley_dagster.demo.events import generate
-from volley_dagster.spark.connect import start_connect_server
+from volley_dagster.process import is_alive
+from volley_dagster.spark.warm import read_record, stop, warm_spark_url
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_epochs_over_spark_connect(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+def test_epochs_over_the_warm_spark_which_restarts_and_ends_with_its_owner(tmp_path):
+    """The warm Spark (``spark/warm.py``) as Dagster runs meet it: the first caller
+    starts it, epochs run over it, a kill -9 of its server is healed by the
+    supervisor, and it stops when its owner (``dagster dev``, here a stand-in) exits."""
+    home = tmp_path / "warm"
+    owner = subprocess.Popen(["sleep", "600"], start_new_session=True)
     generate(tmp_path / "events", 2, 1_500, 200)
-    server = start_connect_server(port, "local[2]", tmp_path / "server.log")
     try:
+        url = warm_spark_url(home, owner_pid=owner.pid)
+        first = read_record(home)
+        assert first is not None and first.url == url and first.owner_pid == owner.pid
+        assert warm_spark_url(home) == url  # the next run reuses it
         out = subprocess.run(
-            [sys.executable, "-m", "tests.engine.connect_worker", server.url, str(tmp_path)],
+            [sys.executable, "-m", "tests.engine.connect_worker", url, str(tmp_path)],
             cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300,
         )
+        assert out.returncode == 0, out.stderr[-3000:]
+
+        os.kill(first.server_pid, signal.SIGKILL)  # the server dies; the supervisor starts another
+        deadline = time.monotonic() + 30
+        while getattr(read_record(home), "server_pid", None) == first.server_pid and time.monotonic() < deadline:
+            time.sleep(0.2)
+        healed = warm_spark_url(home)
+        second = read_record(home)
+        assert second is not None and second.url == healed and second.restarts == 1
+        assert second.server_pid != first.server_pid and second.supervisor_pid == first.supervisor_pid
     finally:
-        server.stop()
-    assert out.returncode == 0, out.stderr[-3000:]
+        owner.kill()
+        owner.wait()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and (is_alive(second.supervisor_pid, None) or is_alive(second.server_pid, None)):
+        time.sleep(0.5)
+    assert not is_alive(second.server_pid, None) and not is_alive(second.supervisor_pid, None)
+    assert read_record(home) is None
+    log = (home / "supervisor.log").read_text()
+    assert "restarting" in log and f"owner {owner.pid} exited" in log and "server stopped" in log
+
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["records"] == [2_000, 1_000]
     assert result["error"].startswith("SourceChangedError:") and "changed after the epoch was cut" in result["error"]
     runner = EpochRunner(payments(tmp_path / "events", tmp_path / "out"), tmp_path / "state")
     assert runner.committed_epoch() == 2
     assert_state_equal(runner.read_state(), reference_state(log_records(2, 1_500, 200)))
+
+
+def test_a_run_falls_back_to_a_local_spark_when_the_warm_one_will_not_start(tmp_path):
+    home = tmp_path / "warm"
+    out = subprocess.run(
+        [sys.executable, "-m", "tests.engine.warm_fallback_worker", str(home)],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "VOLLEY_WARM_SPARK_MASTER": "no-such-master"},
+        capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    run = json.loads(out.stdout.strip().splitlines()[-1])
+    assert run["master"].startswith("local") and run["rows"] == 3  # the run went on, on its own Spark
+    assert len(run["log"]) == 1 and run["log"][0].startswith("Spark: falling back to a local Spark for this run: ")
+    assert str(home / "supervisor.log") in run["log"][0]
+    assert "could not start a server (1 in a row)" in (home / "supervisor.log").read_text()
+    record = read_record(home)
+    assert record is not None and record.url is None and record.start_failures == 1
+    stop(home)  # as dagster dev's exit would
+    assert read_record(home) is None and not is_alive(record.supervisor_pid, None)

@@ -62,7 +62,7 @@ def test_graphql_backfill_then_ui_backfill(server):
     assert delta["delta_table_version"] == 1 and delta["rows"] > 0
 
     with dagster_ui(srv.url, artifacts_prefix="dagster_dev-") as ui:
-        ui.open_lineage(group="default", expect=["source", "state", "delta_balances", "iceberg_changes"])
+        ui.open_lineage(group="payments", expect=["source", "state", "delta_balances", "iceberg_changes"])
         ui.screenshot("lineage")
         assert {"source", "state", "delta_balances", "iceberg_changes"} <= set(ui.lineage_labels())
 

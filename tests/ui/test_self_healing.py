@@ -1,7 +1,8 @@
 """Operating a pipeline unattended, as a user meets it: a real ``dagster dev`` with the
-shipped ``dagster.yaml`` and the sensor running, files landing every few seconds, run
-workers killed with ``kill -9`` mid-epoch, and two backfills racing the sensor over
-the same epochs. Nobody intervenes; the tables must equal the reference."""
+shipped ``dagster.yaml``, the sensor running and runs on the warm Spark (as
+``./dev dagster``), files landing every few seconds, a run worker and the warm Spark's
+server killed with ``kill -9`` mid-epoch, and two backfills racing the sensor over the
+same epochs. Nobody intervenes; the tables must equal the reference."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from dagster import DagsterRunStatus, RunsFilter
+from dagster import AssetKey, DagsterRunStatus, RunsFilter
 
 from assets.runs import pool_limits_ensured, pool_runs, run_in_flight
 from harness.dagster_dev import dagster_dev
@@ -21,6 +22,7 @@ from tests.helpers import assert_state_equal, log_records, reference_state
 from volley_dagster import EpochRunner
 from volley_dagster.demo.events import generate
 from volley_dagster.demo.payments import local_tables, payments_pipeline
+from volley_dagster.spark.warm import WarmSpark, read_record
 from volley_dagster.verify import check_sink
 
 HERE = Path(__file__).resolve().parent
@@ -37,7 +39,7 @@ def serve(base: Path):
         dagster_yaml=ROOT / "dagster.yaml",  # as shipped: pools, run monitoring, run retries
         overrides={"run_coordinator": {"config": {"dequeue_interval_seconds": 1}}},
         home=base / "dagster_home",
-        env={"VOLLEY_TEST_BASE": str(base), "VOLLEY_TEST_SENSOR": "1"},
+        env={"VOLLEY_TEST_BASE": str(base), "VOLLEY_TEST_SENSOR": "1", "VOLLEY_TEST_WARM": "1"},  # as ./dev dagster
     )
 
 
@@ -70,14 +72,14 @@ def run_workers(base: Path) -> list[int]:
     return found
 
 
-def has_jvm(pid: int) -> bool:
-    for child in proc_descendants(pid):
-        try:
-            if b"java" in Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")[0]:
-                return True
-        except OSError:
-            continue
-    return False
+def warm_spark(base: Path) -> WarmSpark | None:
+    """The warm Spark the runs share (``$DAGSTER_HOME/warm-spark``), once it serves."""
+    record = read_record(base / "dagster_home" / "warm-spark")
+    return record if record is not None and record.url is not None and record.accepting() else None
+
+
+def run_logs(instance, run_id: str) -> str:
+    return "\n".join(e.user_message for e in instance.all_logs(run_id))
 
 
 def kill_9(pid: int) -> None:
@@ -137,10 +139,11 @@ def test_kill_9_mid_epoch_heals_without_anyone(healing):
                                        if (state / "work").is_dir() and any((state / "work").glob("*/shard-*"))), None),
                          150, "a run in its shard stage", srv)
         kill_9(first)
-        # moment 2: a later run, its Spark starting
-        second = wait_for(lambda: next((p for p in run_workers(base) if p != first and has_jvm(p)), None),
-                          150, "a later run starting Spark", srv)
-        kill_9(second)
+        # moment 2: the warm Spark itself (its server JVM) dies while a later run works; its supervisor starts another
+        server = wait_for(lambda: warm_spark(base), 150, "the warm Spark", srv)
+        wait_for(lambda: next((p for p in run_workers(base) if p != first), None), 150, "a later run", srv)
+        time.sleep(2)  # into its epoch
+        os.kill(server.server_pid, signal.SIGKILL)
     finally:
         lander.join()
     last_landed = landed_at[-1]
@@ -166,6 +169,20 @@ def test_kill_9_mid_epoch_heals_without_anyone(healing):
         retried = [r for r in runs if r.dagster_run.tags.get("dagster/retry_number")]
         assert retried, "Dagster retried a killed run"
         assert all(r.dagster_run.status in (DagsterRunStatus.SUCCESS, DagsterRunStatus.FAILURE) for r in runs)
+        # the runs used the warm Spark, restarted once by its supervisor; each successful run checked everything
+        healed = warm_spark(base)
+        assert healed is not None and healed.restarts >= 1 and healed.server_pid != server.server_pid
+        succeeded = [r.dagster_run.run_id for r in runs if r.dagster_run.status == DagsterRunStatus.SUCCESS]
+        assert all("Spark: the warm Spark Connect server at sc://127.0.0.1:" in run_logs(instance, run_id)
+                   for run_id in succeeded)
+        for run_id in succeeded:
+            checks = [e.dagster_event.event_specific_data for e in instance.all_logs(run_id)
+                      if e.is_dagster_event and e.dagster_event.event_type_value == "ASSET_CHECK_EVALUATION"]
+            assert len(checks) == 9 and all(c.passed for c in checks), [(c.check_name, c.description) for c in checks]
+        observed = instance.fetch_observations(AssetKey(["payments", "source"]), limit=1000).records
+        assert len(observed) >= LANDED  # the sensor observes the source on every tick
+        assert {"records_waiting", "files_waiting", "oldest_waiting_file_age_s"} <= set(
+            observed[0].asset_observation.metadata)
 
 
 def test_two_backfills_and_the_sensor_never_overlap(healing):
@@ -212,8 +229,8 @@ def test_a_killed_dagster_dev_heals_after_a_restart(healing):
     committed = runner.committed_epoch()
     generate(base / "events", 1, PER_FILE, KEYS, first_file=files)
     wait_for(lambda: runner.log.last_cut() > committed, 120, "the sensor to cut the new epoch", srv)
-    victim = wait_for(lambda: next((p for p in run_workers(base) if has_jvm(p)), None),
-                      120, "the run of the new epoch to start Spark", srv)
+    victim = wait_for(lambda: next(iter(run_workers(base)), None), 120, "the run of the new epoch", srv)
+    time.sleep(2)  # into its epoch
     os.killpg(srv.proc.pid, signal.SIGKILL)
     srv.stop()  # stragglers outside the group, if any
     assert not Path(f"/proc/{victim}").exists() and runner.committed_epoch() < runner.log.last_cut()

@@ -261,6 +261,14 @@ class EpochLog:
         create_json_exclusive(self.epoch_dir(rng.epoch) / "offsets.json", rng.to_dict())
         return self.offsets(rng.epoch)
 
+    def cut_at(self, epoch: int) -> float:
+        """When the epoch's range was recorded (Unix time): how long it has waited to commit."""
+        try:
+            return (self.epoch_dir(epoch) / "offsets.json").stat().st_mtime
+        except FileNotFoundError:
+            self.offsets(epoch)  # EpochNotCutError, naming the last cut epoch
+            raise
+
     def offsets(self, epoch: int) -> EpochRange:
         path = self.epoch_dir(epoch) / "offsets.json"
         if not path.exists():

@@ -119,6 +119,10 @@ class Sink(ABC):
         no longer has it)."""
         return next((c.mark for c in reversed(self.commits(pipeline)) if c.mark.epoch == sink_epoch), None)
 
+    def row_count(self) -> int | None:
+        """The rows the table holds now, from its own metadata (None: unknown or no table)."""
+        return None
+
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "type": type(self).__name__, "on_foreign_lineage": self.on_foreign_lineage}
 

@@ -84,6 +84,10 @@ class DeltaSink(TableSink[DeltaTable]):
     def _forget(self) -> None:
         self._table = None
 
+    def _rows(self, table: DeltaTable) -> int | None:
+        counts = table.get_add_actions(flatten=True).column("num_records").to_pylist()
+        return None if any(c is None for c in counts) else int(sum(counts))  # files written without stats
+
     def _held(self, table: DeltaTable, pipeline: str) -> SinkMark | None:
         return _mark(table, self.app_id(pipeline), pipeline)
 

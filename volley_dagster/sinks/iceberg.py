@@ -135,6 +135,13 @@ class IcebergSink(TableSink[Table]):
     def _forget(self) -> None:
         self._table = None
 
+    def _rows(self, table: Table) -> int | None:
+        snapshot = table.current_snapshot()
+        if snapshot is None:
+            return 0
+        total = snapshot.summary.get("total-records") if snapshot.summary is not None else None
+        return int(total) if total is not None else None
+
     def _held(self, table: Table, pipeline: str) -> SinkMark | None:
         prefix = mark_prefix(pipeline, self.name)
         props = {"volley." + k[len(prefix):]: v for k, v in table.properties.items() if k.startswith(prefix)}

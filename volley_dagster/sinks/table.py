@@ -73,11 +73,19 @@ class TableSink(Sink, Generic[Table]):
     def _position(self, table: Table | None) -> dict[str, Any]:
         """Where the table stands (its version or snapshot id), for the manifest."""
 
+    @abstractmethod
+    def _rows(self, table: Table) -> int | None:
+        """The rows ``table`` holds, from its metadata (no data file is read)."""
+
     # -- the lifecycle ------------------------------------------------------------------
 
     def committed_mark(self, pipeline: str) -> SinkMark | None:
         table = self._load()
         return None if table is None else self._held(table, pipeline)
+
+    def row_count(self) -> int | None:
+        table = self._load()
+        return None if table is None else self._rows(table)
 
     def commit(self, output: pa.Table, ctx: CommitContext) -> SinkCommitResult:
         keys = upsert_keys(self, self.mode, self.key_columns, ctx)

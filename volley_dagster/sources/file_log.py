@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 
 from volley_dagster.errors import ConfigError, SourceChangedError, SourceError
 from volley_dagster.sources import formats
-from volley_dagster.sources.offsets import EpochRange, Position, Segment
+from volley_dagster.sources.offsets import Backlog, EpochRange, Position, Segment
 from volley_dagster.sources.storage import FileInfo, LocalStorage, Storage, storage_for
 
 DEFAULT_PARTITION = ""
@@ -132,10 +132,18 @@ class FileLog:
 
     def available_records(self, after: dict[str, Position]) -> int:
         """How many records lie beyond ``after`` (what a sensor checks)."""
-        total = 0
-        for name, files in self.partitions().items():
-            total += sum(c for *_, c in self._pending(name, files, after.get(name, Position())))
-        return total
+        return self.backlog(after).records
+
+    def backlog(self, after: dict[str, Position]) -> Backlog:
+        """The records beyond ``after``, the files that hold them, and the oldest one's age."""
+        records, files, oldest = 0, 0, None
+        for name, listed in self.partitions().items():
+            for info, _, _, count in self._pending(name, listed, after.get(name, Position())):
+                if count > 0:
+                    records, files = records + count, files + 1
+                    if info.modified and (oldest is None or info.modified < oldest):
+                        oldest = info.modified
+        return Backlog(records, files, oldest)
 
     def _pending(self, partition: str, files: list[FileInfo], pos: Position,
                  final: bool = False) -> list[tuple[FileInfo, int, int, int]]:

@@ -102,3 +102,17 @@ class EpochRange:
             return f"{pos.file}:{pos.record}" if pos.file else "start"
 
         return {p: f"{fmt(self.start[p])} -> {fmt(self.end[p])}" for p in sorted(self.end)}
+
+
+@dataclass(frozen=True)
+class Backlog:
+    """What waits in a source beyond a position: records, the files holding them, and
+    when the oldest of those files was written (None: nothing waits, or unknown)."""
+
+    records: int = 0
+    files: int = 0
+    oldest_written_at: float | None = None
+
+    def oldest_age_s(self, now: float) -> float:
+        """How long the oldest waiting record has waited (0 when nothing waits)."""
+        return max(0.0, now - self.oldest_written_at) if self.oldest_written_at else 0.0

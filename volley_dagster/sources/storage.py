@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,12 @@ class FileInfo:
     # Which write of the file this is: local, its mtime (ns) and inode; S3, its ETag. A
     # file rewritten at the same size has another version ("" where none is known).
     version: str = ""
+    modified: float = field(default=0.0, compare=False)  # Unix time it was written (0: unknown)
+
+
+def _timestamp(when: Any) -> float:
+    """S3's LastModified (a datetime from boto3) as Unix time; 0 when absent."""
+    return when.timestamp() if when is not None else 0.0
 
 
 def _local_version(st: os.stat_result) -> str:
@@ -66,7 +72,7 @@ class LocalStorage(Storage):
                     st = full.stat()
                 except FileNotFoundError:  # renamed or removed while listing: the next listing sees it as it is
                     continue
-                out.append(FileInfo(full.relative_to(self.root).as_posix(), st.st_size, _local_version(st)))
+                out.append(FileInfo(full.relative_to(self.root).as_posix(), st.st_size, _local_version(st), st.st_mtime))
         return sorted(out, key=lambda f: f.path)
 
     def read(self, path: str, version: str = "") -> bytes:
@@ -86,7 +92,7 @@ class LocalStorage(Storage):
             st = (self.root / path).stat()
         except FileNotFoundError:
             return None
-        return FileInfo(path, st.st_size, _local_version(st))
+        return FileInfo(path, st.st_size, _local_version(st), st.st_mtime)
 
     def write(self, path: str, data: bytes) -> None:
         from volley_dagster.io.atomic import write_bytes_atomic
@@ -124,7 +130,8 @@ class S3Storage(Storage):
         try:
             for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=base):
                 for obj in page.get("Contents", []):
-                    out.append(FileInfo(obj["Key"][len(base):], int(obj["Size"]), obj.get("ETag", "").strip('"')))
+                    out.append(FileInfo(obj["Key"][len(base):], int(obj["Size"]), obj.get("ETag", "").strip('"'),
+                                        _timestamp(obj.get("LastModified"))))
         except Exception as exc:
             raise SourceError(f"cannot list {self.uri}: {exc}") from exc
         return sorted(out, key=lambda f: f.path)
@@ -150,7 +157,8 @@ class S3Storage(Storage):
             if getattr(exc, "response", {}).get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
                 return None
             raise SourceError(f"cannot stat {self.uri}/{path}: {exc}") from exc
-        return FileInfo(path, int(head["ContentLength"]), head.get("ETag", "").strip('"'))
+        return FileInfo(path, int(head["ContentLength"]), head.get("ETag", "").strip('"'),
+                        _timestamp(head.get("LastModified")))
 
     def write(self, path: str, data: bytes) -> None:
         self.client.put_object(Bucket=self.bucket, Key=self._key(path), Body=data)

@@ -1,0 +1,260 @@
+"""A warm Spark for Dagster runs: one supervised Spark Connect server per home
+directory, which every run reaches in about a second instead of starting a JVM.
+
+The first run that needs it (or ``./dev dagster``, before the UI starts) spawns a
+supervisor process (``python -m volley_dagster.spark.warm``). The supervisor starts
+the server on a free loopback port and records it in ``<home>/warm-spark.json``.
+It checks the server every ``CHECK_EVERY_S`` seconds and starts a new one if it
+died. It stops the server and exits when its owner exits: the ``dagster dev``
+process the run descends from, so the server ends with the deployment.
+
+A run whose server dies mid-epoch fails that attempt like a lost executor, and is
+retried: nothing was committed (the manifest is written last). Runs that cannot
+reach a server fall back to a local Spark (``resources.SparkResource``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from volley_dagster.errors import ConfigError, VolleyError
+from volley_dagster.io.atomic import read_json, write_json_atomic
+from volley_dagster.process import boot_id, is_alive, start_ticks
+from volley_dagster.spark.connect import ConnectServer, start_connect_server
+
+__all__ = ["WarmSpark", "WarmSparkUnavailable", "dagster_dev_ancestor", "default_home", "read_record", "stop", "warm_spark_url"]
+
+RECORD = "warm-spark.json"
+CHECK_EVERY_S = 2.0
+START_TIMEOUT_S = 180.0
+SUPERVISOR_START_S = 30.0  # a supervisor records itself as it starts; none by then means it failed
+
+
+class WarmSparkUnavailable(VolleyError):
+    """No warm Spark could be reached or started; the caller decides what to fall back to."""
+
+
+@dataclass(frozen=True)
+class WarmSpark:
+    """The record a supervisor keeps of itself and its server (``<home>/warm-spark.json``):
+    written as it starts (no server yet: ``url`` None), then for each server it starts."""
+
+    supervisor_pid: int
+    supervisor_ticks: int | None
+    owner_pid: int
+    boot: str
+    url: str | None = None
+    port: int | None = None
+    server_pid: int | None = None
+    restarts: int = 0
+    start_failures: int = 0  # servers that would not start, in a row
+
+    def supervisor_alive(self) -> bool:
+        return self.boot == boot_id() and is_alive(self.supervisor_pid, self.supervisor_ticks)
+
+    def accepting(self) -> bool:
+        return self.port is not None and self.supervisor_alive() and _listening(self.port)
+
+
+def default_home() -> Path:
+    """The Dagster instance's directory when there is one: one warm Spark per deployment."""
+    base = os.environ.get("VOLLEY_WARM_SPARK_HOME") or os.environ.get("DAGSTER_HOME")
+    return Path(base) / "warm-spark" if base else Path.home() / ".cache" / "volley" / "warm-spark"
+
+
+def dagster_dev_ancestor(pid: int | None = None) -> int:
+    """The ``dagster dev`` process this one descends from, else this process's parent:
+    what the server should live as long as."""
+    current = os.getppid() if pid is None else pid
+    while current > 1:
+        try:
+            cmdline = Path(f"/proc/{current}/cmdline").read_bytes().split(b"\0")
+            parent = int(Path(f"/proc/{current}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+        words = [Path(w.decode(errors="replace")).name for w in cmdline if w]
+        if "dev" in words and any(w == "dagster" or w.endswith("/dagster") for w in words):
+            return current
+        current = parent
+    return os.getppid()
+
+
+def read_record(home: Path) -> WarmSpark | None:
+    path = home / RECORD
+    try:
+        return WarmSpark(**read_json(path))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def warm_spark_url(home: Path | None = None, owner_pid: int | None = None,
+                   timeout: float = START_TIMEOUT_S) -> str:
+    """The URL of the warm Spark under ``home``: the running one, else one a new
+    supervisor starts (owned by ``owner_pid``, default the ``dagster dev`` ancestor)."""
+    home = (home or default_home()).absolute()
+    home.mkdir(parents=True, exist_ok=True)
+    record = read_record(home)
+    if record is not None and record.url is not None and record.accepting():
+        return record.url
+    with _locked(home):  # one supervisor per home, however many runs start at once
+        record = read_record(home)
+        if record is None or not record.supervisor_alive():
+            with contextlib.suppress(FileNotFoundError):
+                (home / RECORD).unlink()  # a dead supervisor's
+            _spawn_supervisor(home, owner_pid or dagster_dev_ancestor())
+        started = time.monotonic()
+        while time.monotonic() - started < timeout:  # a new server, or one the supervisor is restarting
+            record = read_record(home)
+            if record is not None and record.url is not None and record.accepting():
+                return record.url
+            if record is not None and (not record.supervisor_alive() or record.start_failures):
+                break  # it died, or its server will not start: its logs say why
+            if record is None and time.monotonic() - started > SUPERVISOR_START_S:
+                break  # it never started
+            time.sleep(0.5)
+    raise WarmSparkUnavailable(
+        f"no warm Spark under {home} within {timeout:.0f}s; see {home / 'supervisor.log'} and "
+        f"{home / 'spark-connect.log'}"
+    )
+
+
+def stop(home: Path | None = None, timeout: float = 30.0) -> bool:
+    """Stop the supervisor under ``home`` (and so its server); False if none ran."""
+    record = read_record((home or default_home()).absolute())
+    if record is None or not record.supervisor_alive():
+        return False
+    os.kill(record.supervisor_pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and record.supervisor_alive():
+        time.sleep(0.2)
+    return True
+
+
+def _spawn_supervisor(home: Path, owner_pid: int) -> None:
+    """Detached: its own session, and not a child of this process (a run that is killed
+    with its children, as run launchers and tests do, leaves the warm Spark running)."""
+    command = [sys.executable, "-m", "volley_dagster.spark.warm", "--home", str(home), "--owner", str(owner_pid)]
+    env = {**os.environ, "PYSPARK_PYTHON": os.environ.get("PYSPARK_PYTHON", sys.executable)}
+    with open(home / "supervisor.log", "ab") as log:
+        launcher = subprocess.Popen(
+            [sys.executable, "-c", "import subprocess, sys; subprocess.Popen(sys.argv[1:], start_new_session=True)",
+             *command],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True,
+        )
+    launcher.wait(30)
+
+
+@contextlib.contextmanager
+def _locked(home: Path) -> Iterator[None]:
+    with open(home / "warm-spark.lock", "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _listening(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class _Supervisor:
+    """Keeps one server alive while its owner lives; removes its record when it stops."""
+
+    def __init__(self, home: Path, owner_pid: int, master: str) -> None:
+        self.home, self.owner_pid, self.master = home, owner_pid, master
+        self.owner_ticks = start_ticks(owner_pid)
+        self.server: ConnectServer | None = None
+        self.restarts = 0
+        self.start_failures = 0
+        self.next_start = 0.0
+        self.stopping = False
+
+    def run(self) -> int:
+        signal.signal(signal.SIGTERM, self._on_term)
+        signal.signal(signal.SIGINT, self._on_term)
+        self._record()
+        try:
+            while not self.stopping and is_alive(self.owner_pid, self.owner_ticks):
+                dead = self.server is None or self.server.process.poll() is not None
+                if dead and time.monotonic() >= self.next_start:
+                    self._start()
+                time.sleep(CHECK_EVERY_S)
+            _log(f"owner {self.owner_pid} exited" if not self.stopping else "asked to stop")
+        finally:
+            self._shutdown()
+        return 0
+
+    def _start(self) -> None:
+        if self.server is not None:
+            self.restarts += 1
+            _log(f"server (pid {self.server.process.pid}) exited with {self.server.process.returncode}: restarting")
+        port = _free_port()
+        try:
+            self.server = start_connect_server(port, self.master, self.home / "spark-connect.log")
+        except ConfigError as exc:
+            self.server, self.start_failures = None, self.start_failures + 1
+            self.next_start = time.monotonic() + min(300.0, 15.0 * 2 ** self.start_failures)  # back off
+            _log(f"could not start a server ({self.start_failures} in a row): {exc}")
+            self._record()
+            return
+        self.start_failures = 0
+        self._record(self.server, port)
+        _log(f"Spark Connect at {self.server.url} (pid {self.server.process.pid}, restarts {self.restarts})")
+
+    def _record(self, server: ConnectServer | None = None, port: int | None = None) -> None:
+        write_json_atomic(self.home / RECORD, asdict(WarmSpark(
+            os.getpid(), start_ticks(os.getpid()), self.owner_pid, boot_id(),
+            server.url if server else None, port, server.process.pid if server else None, self.restarts,
+            self.start_failures,
+        )))
+
+    def _on_term(self, *_: object) -> None:
+        self.stopping = True
+
+    def _shutdown(self) -> None:
+        record = read_record(self.home)
+        if record is not None and record.supervisor_pid == os.getpid():
+            with contextlib.suppress(OSError):
+                (self.home / RECORD).unlink()
+        if self.server is not None:
+            self.server.stop()
+            _log("server stopped")
+
+
+def _log(message: str) -> None:
+    print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} warm Spark: {message}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Supervise a warm Spark Connect server for Dagster runs")
+    parser.add_argument("--home", required=True)
+    parser.add_argument("--owner", type=int, required=True, help="stop when this process exits")
+    parser.add_argument("--master", default=os.environ.get("VOLLEY_WARM_SPARK_MASTER", "local[*]"))
+    args = parser.parse_args(argv)
+    return _Supervisor(Path(args.home), args.owner, args.master).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
