@@ -71,14 +71,15 @@ def fail_orphaned_runs(instance: DagsterInstance, pipeline: str) -> list[str]:
     if not isinstance(instance.run_launcher, DefaultRunLauncher):
         return []
     failed = []
-    for record in pool_runs(instance, pipeline, [DagsterRunStatus.STARTED]):
+    for record in pool_runs(instance, pipeline, [DagsterRunStatus.STARTING, DagsterRunStatus.STARTED]):
         run = record.dagster_run
         pid = run_worker_pid(instance, run.run_id)
-        if pid is None or record.start_time is None:
+        if pid is None:  # not launched yet, or killed before it said: run monitoring's start timeout
             continue
         began = started_at(pid)
-        if began is not None and began <= record.start_time + 1:  # alive, and not a reused pid
-            continue
+        latest = (record.start_time or time.time()) + 1
+        if began is not None and record.create_timestamp.timestamp() - 1 <= began <= latest:
+            continue  # alive, and not a reused pid
         instance.report_run_failed(run, f"the run's process {pid} is gone (killed, or the machine restarted): "
                                         "marked failed so that it is retried")
         failed.append(run.run_id)

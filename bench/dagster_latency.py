@@ -1,23 +1,25 @@
-"""Latency through Dagster: a file lands in the source -> the sensor cuts an epoch ->
-a run commits it, on a real ``dagster dev`` (sensor every 5 s, in-process executor).
+"""Freshness through Dagster, with ``./dev dagster``'s defaults: a file lands in the
+source -> the sensor cuts an epoch -> a run commits it, on a real ``dagster dev``
+with the shipped ``dagster.yaml`` and the demo deployments.
 
-    ./dev bench dagster_latency [--files 5] [--records 1000] [--connect]
+    ./dev bench dagster_latency                                   # 1,000-record files, payments
+    ./dev bench dagster_latency --records 300000 --every 20 --pipelines payments,merchant_minutes
+    ./dev bench dagster_latency --spark local                     # a local Spark per run (the old default)
 
-With ``--connect`` runs use a Spark Connect server started here instead of a new
-local Spark JVM per run.
-
-Prints, per file, the seconds from landing to the epoch's manifest, and per run
-the run's wall time against the epoch's own processing time (the difference is
-the per-epoch overhead of a Dagster run: process start, Spark start, events).
+Prints, per file and pipeline, the seconds from landing to the epoch's manifest; per
+run, the fixed overhead (run created -> its first epoch starting) and the epoch's
+own processing time; then medians and p95s, and the machine's core count.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import time
+from datetime import datetime
 from pathlib import Path
 
 from harness.dagster_dev import dagster_dev
@@ -29,63 +31,91 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--files", type=int, default=5)
+    parser.add_argument("--files", type=int, default=8)
     parser.add_argument("--records", type=int, default=1_000)
-    parser.add_argument("--connect", action="store_true", help="runs use a Spark Connect server")
+    parser.add_argument("--every", type=float, default=0.0, help="seconds between files (0: after each commit)")
+    parser.add_argument("--pipelines", default="payments")
+    parser.add_argument("--spark", choices=["warm", "local"], default="warm")
     args = parser.parse_args()
+    pipelines = args.pipelines.split(",")
     base = Path(tempfile.mkdtemp(prefix="volley-dagster-bench-"))
     (base / "events").mkdir()
-    log = EpochLog(base / "state" / "payments")
-    rows = []
-    env = {"VOLLEY_BENCH_BASE": str(base)}
-    server = None
-    if args.connect:
-        from volley_dagster.spark.connect import start_connect_server
-
-        server = start_connect_server(15_077, "local[2]", base / "connect.log")
-        env["VOLLEY_SPARK_REMOTE"] = server.url
+    logs = {name: EpochLog(base / "state" / name) for name in pipelines}
+    env = {"VOLLEY_BENCH_BASE": str(base), "VOLLEY_BENCH_PIPELINES": args.pipelines, "VOLLEY_BENCH_SPARK": args.spark}
+    rows: list[dict] = []
     with dagster_dev(ROOT / "bench" / "dagster_workspace.yaml", dagster_yaml=ROOT / "dagster.yaml",
-                     overrides={"run_coordinator": {"config": {"dequeue_interval_seconds": 1}}},
                      home=base / "dagster_home", env=env) as srv:
-        for i in range(args.files):
-            landed = time.time()
-            generate(base / "events", 1, args.records, 100, first_file=i)
-            epoch = i + 1
-            while not log.is_committed(epoch):
-                if time.time() - landed > 300:
-                    raise SystemExit(f"epoch {epoch} not committed after 300 s:\n{srv.log_tail()}")
-                time.sleep(0.2)
-            latency = time.time() - landed
-            manifest = log.committed_manifest(epoch)
-            run = _run_for(srv, epoch)
-            rows.append({"epoch": epoch, "landing_to_commit_s": latency, "run_wall_s": run,
-                         "epoch_processing_s": manifest.durations["total"]})
-            print(f"epoch {epoch}: landed -> committed {latency:6.1f} s; run {run:5.1f} s, "
-                  f"of which epoch processing {manifest.durations['total']:4.1f} s")
-    if server is not None:
-        server.stop()
-    med = {k: statistics.median(r[k] for r in rows) for k in rows[0] if k != "epoch"}
-    print(f"\n{'Spark Connect' if args.connect else 'a local Spark per run'}: median over {len(rows)} files of {args.records:,} records: landing -> committed "
-          f"{med['landing_to_commit_s']:.1f} s; run wall {med['run_wall_s']:.1f} s, epoch processing "
-          f"{med['epoch_processing_s']:.1f} s -> run overhead {med['run_wall_s'] - med['epoch_processing_s']:.1f} s")
+        if args.spark == "warm":  # as ./dev dagster: the warm Spark starts beside the UI
+            from volley_dagster.spark.warm import warm_spark_url
+
+            warm_spark_url(base / "dagster_home" / "warm-spark", owner_pid=srv.proc.pid)
+        landed: dict[int, float] = {}
+        pending = {(name, i) for name in pipelines for i in range(args.files)}
+        next_landing = time.time()
+        while pending:
+            i = len(landed)
+            ready = i < args.files and (time.time() >= next_landing if args.every else
+                                        all((n, j) not in pending for n in pipelines for j in range(i)))
+            if ready:
+                generate(base / "events", 1, args.records, 1_000, first_file=i)
+                landed[i] = time.time()
+                next_landing = landed[i] + args.every
+            for name, file in sorted(pending):
+                if file in landed and _committed(logs[name], file, args.records):
+                    pending.discard((name, file))
+                    rows.append(_row(srv, logs[name], name, file, landed[file]))
+                    print(f"{name} file {file}: landed -> committed {rows[-1]['landing_to_commit_s']:6.1f} s "
+                          f"(run overhead {rows[-1]['run_overhead_s']:4.1f} s, epoch {rows[-1]['epoch_s']:4.2f} s)",
+                          flush=True)
+            if time.time() - max(landed.values(), default=time.time()) > 300:
+                raise SystemExit(f"not committed 300 s after landing: {sorted(pending)}\n{srv.logtail()}")
+            time.sleep(0.1)
+    summary = {"cores": os.cpu_count(), "spark": args.spark, "records_per_file": args.records, "every_s": args.every,
+               "pipelines": pipelines, "files": args.files}
+    for key in ("landing_to_commit_s", "run_overhead_s", "epoch_s"):
+        values = sorted(r[key] for r in rows if r[key] == r[key])
+        summary[key] = {"median": statistics.median(values), "p95": _p95(values)} if values else {}
+    print(f"\n{args.spark} Spark, {os.cpu_count()} cores, {args.files} files of {args.records:,} records "
+          f"{f'every {args.every:.0f} s' if args.every else 'one after another'}, pipelines {args.pipelines}:")
+    for key, label in (("landing_to_commit_s", "landing -> committed"), ("run_overhead_s", "run created -> epoch start"),
+                       ("epoch_s", "epoch, sinks included")):
+        print(f"  {label:28s} median {summary[key]['median']:6.2f} s   p95 {summary[key]['p95']:6.2f} s")
     out = ROOT / "bench" / "results"
     out.mkdir(exist_ok=True)
-    (out / "dagster_latency.json").write_text(json.dumps({"median": med, "epochs": rows}, indent=1))
+    (out / "dagster_latency.json").write_text(json.dumps({"summary": summary, "files": rows}, indent=1))
 
 
-def _run_for(srv, epoch: int) -> float:
-    """Wall seconds of the run that committed ``epoch`` (start to end, from the run record)."""
+def _committed(log: EpochLog, file: int, records: int) -> bool:
+    """Whether every record of file ``file`` (records ``file * records`` on) is committed."""
+    committed = log.last_committed()
+    return committed > 0 and sum(log.committed_manifest(e).records_in for e in range(1, committed + 1)) >= (
+        (file + 1) * records)
+
+
+def _row(srv, log: EpochLog, pipeline: str, file: int, landed: float) -> dict:
+    committed = log.last_committed()
+    manifest = log.committed_manifest(committed)
+    commit_time = datetime.fromisoformat(manifest.committed_at).timestamp()
+    epoch_start = commit_time - manifest.durations["total"]
+    return {"pipeline": pipeline, "file": file, "epoch": committed, "landing_to_commit_s": commit_time - landed,
+            "epoch_s": manifest.durations["total"], "run_overhead_s": _run_overhead(srv, pipeline, committed, epoch_start)}
+
+
+def _run_overhead(srv, pipeline: str, epoch: int, epoch_start: float) -> float:
+    """From the run's creation (the sensor's request) to its epoch starting: queue,
+    process start, imports, Spark session, lease."""
     from dagster import RunsFilter
 
-    instance = srv.instance()
-    deadline = time.time() + 60
-    while time.time() < deadline:
-        records = instance.get_run_records(RunsFilter(tags={"dagster/partition": f"{epoch:010d}"}))
-        done = [r for r in records if r.end_time]
-        if done:
-            return done[0].end_time - done[0].start_time
-        time.sleep(0.5)
+    with srv.instance() as instance:
+        for tags in ({"dagster/partition": f"{epoch:010d}"}, {"dagster/asset_partition_range_end": f"{epoch:010d}"}):
+            records = instance.get_run_records(RunsFilter(tags={**tags, "volley/pipeline": pipeline}))
+            if records:
+                return epoch_start - records[0].create_timestamp.timestamp()
     return float("nan")
+
+
+def _p95(values: list[float]) -> float:
+    return values[min(len(values) - 1, int(round(0.95 * (len(values) - 1))))]
 
 
 if __name__ == "__main__":

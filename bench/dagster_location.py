@@ -1,20 +1,22 @@
-"""The demo location for bench/dagster_latency.py: the sensor running every 5 s and
-cutting as soon as one record waits, over ``VOLLEY_BENCH_BASE``."""
+"""The demo location for bench/dagster_latency.py, over ``VOLLEY_BENCH_BASE``: the demo
+deployments as ``./dev dagster`` ships them (``VOLLEY_BENCH_PIPELINES``: which ones,
+default payments), on the warm Spark unless ``VOLLEY_BENCH_SPARK=local`` (a local
+Spark per run, the old default)."""
 
 import os
-from dataclasses import replace
 from pathlib import Path
 
 from assets.location import build_definitions
 from resources import CheckpointResource, SparkResource, TablesResource
-from volley_dagster.demo.payments import payments_deployment
+from volley_dagster.demo.payments import merchant_minutes_deployment, payments_deployment
 
 BASE = Path(os.environ["VOLLEY_BENCH_BASE"])
+DEPLOYMENTS = {"payments": payments_deployment, "merchant_minutes": merchant_minutes_deployment}
+chosen = os.environ.get("VOLLEY_BENCH_PIPELINES", "payments").split(",")
 
 defs = build_definitions(
-    [replace(payments_deployment(BASE / "events"), sensor_running=True, min_records=1, max_wait_s=None,
-             sensor_interval_s=5)],
+    [DEPLOYMENTS[name](BASE / "events") for name in chosen],
     checkpoints=CheckpointResource(root=str(BASE / "state")),
     tables=TablesResource(warehouse=str(BASE / "tables")),
-    spark=SparkResource(master="local[2]", remote=os.environ.get("VOLLEY_SPARK_REMOTE") or None),
+    spark=SparkResource(warm=os.environ.get("VOLLEY_BENCH_SPARK", "warm") == "warm"),
 )

@@ -16,7 +16,7 @@ from volley_dagster.io.s3 import S3Endpoint
 from volley_dagster.sinks.iceberg import sqlite_catalog
 from volley_dagster.sinks.lineage import check_choice
 from volley_dagster.spark.session import get_or_create_spark
-from volley_dagster.spark.warm import WarmSparkUnavailable, warm_spark_url
+from volley_dagster.spark.warm import WarmSparkUnavailable, warm_session, warm_spark_url
 from volley_dagster.state.resident import ResidentStateCache
 
 
@@ -45,7 +45,7 @@ class SparkResource(ConfigurableResource):
             say(f"Spark: falling back to a local Spark for this run: {exc}")
             return get_or_create_spark()
         say(f"Spark: the warm Spark Connect server at {url}")
-        return SparkSession.builder.remote(url).create()  # a new session: a retried step may find a restarted server
+        return warm_session(url)  # a new session each time: a retried step may find a restarted server
 
 
 def _classic_session_active() -> bool:

@@ -109,7 +109,10 @@ def test_kill_and_resume_equals_clean_run(spark, tmp_path, point, epoch, shard, 
 
 
 @pytest.mark.parametrize(
-    ("point", "shard"), [("shard_after_snapshot", 1), ("after_sink_delta", None), ("after_sinks", None)]
+    # after_sinks (every sink holds the epoch, no manifest) is the payments cases' job: for
+    # windows it adds only what after_sink_delta already covers (a resumed epoch 3 whose
+    # state is restored from epoch 2 while some sinks hold it)
+    ("point", "shard"), [("shard_after_snapshot", 1), ("after_sink_delta", None)]
 )
 def test_kill_window_pipeline_and_resume_equals_reference(spark, tmp_path, point, shard):
     """Sessions merge across epochs, so a resumed epoch must restore window state and

@@ -27,18 +27,20 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from volley_dagster.errors import ConfigError, VolleyError
 from volley_dagster.io.atomic import read_json, write_json_atomic
 from volley_dagster.process import boot_id, is_alive, start_ticks
 from volley_dagster.spark.connect import ConnectServer, start_connect_server
 
-__all__ = ["WarmSpark", "WarmSparkUnavailable", "dagster_dev_ancestor", "default_home", "read_record", "stop", "warm_spark_url"]
+__all__ = ["WarmSpark", "WarmSparkUnavailable", "dagster_dev_ancestor", "default_home", "read_record", "stop", "warm_session", "warm_spark_url"]
 
 RECORD = "warm-spark.json"
 CHECK_EVERY_S = 2.0
 START_TIMEOUT_S = 180.0
-SUPERVISOR_START_S = 30.0  # a supervisor records itself as it starts; none by then means it failed
+SUPERVISOR_START_S = 30.0
+SESSION_RETRIES = 5  # about 4 s of retries against an unreachable server  # a supervisor records itself as it starts; none by then means it failed
 
 
 class WarmSparkUnavailable(VolleyError):
@@ -127,6 +129,18 @@ def warm_spark_url(home: Path | None = None, owner_pid: int | None = None,
         f"no warm Spark under {home} within {timeout:.0f}s; see {home / 'supervisor.log'} and "
         f"{home / 'spark-connect.log'}"
     )
+
+
+def warm_session(url: str) -> Any:
+    """A new Spark Connect session on the warm Spark that gives up on a dead server in
+    seconds (PySpark's default retries for 10 minutes): the failed attempt is retried,
+    and the retry finds the server the supervisor started in its place."""
+    from pyspark.sql import SparkSession
+    from pyspark.sql.connect.client.retries import DefaultPolicy
+
+    spark = SparkSession.builder.remote(url).create()
+    spark.client.set_retry_policies([DefaultPolicy(max_retries=SESSION_RETRIES, max_backoff=2_000)])
+    return spark
 
 
 def stop(home: Path | None = None, timeout: float = 30.0) -> bool:
