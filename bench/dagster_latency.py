@@ -46,9 +46,9 @@ def main() -> None:
     with dagster_dev(ROOT / "bench" / "dagster_workspace.yaml", dagster_yaml=ROOT / "dagster.yaml",
                      home=base / "dagster_home", env=env) as srv:
         if args.spark == "warm":  # as ./dev dagster: the warm Spark starts beside the UI
-            from volley_dagster.spark.warm import warm_spark_url
+            from volley_dagster.spark.warm import find_or_start
 
-            warm_spark_url(base / "dagster_home" / "warm-spark", owner_pid=srv.proc.pid)
+            find_or_start(base / "dagster_home" / "warm-spark", owner_pid=srv.proc.pid)
         landed: dict[int, float] = {}
         pending = {(name, i) for name in pipelines for i in range(args.files)}
         next_landing = time.time()

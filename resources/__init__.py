@@ -16,7 +16,7 @@ from volley_dagster.io.s3 import S3Endpoint
 from volley_dagster.sinks.iceberg import sqlite_catalog
 from volley_dagster.sinks.lineage import check_choice
 from volley_dagster.spark.session import get_or_create_spark
-from volley_dagster.spark.warm import WarmSparkUnavailable, warm_session, warm_spark_url
+from volley_dagster.spark.warm import WarmSparkUnavailable, find_or_start, warm_session
 from volley_dagster.state.resident import ResidentStateCache
 
 
@@ -40,12 +40,13 @@ class SparkResource(ConfigurableResource):
             say(f"Spark: {self.remote or spark.sparkContext.master}")
             return spark
         try:
-            url = warm_spark_url(Path(self.warm_home) if self.warm_home else None)
+            warm = find_or_start(Path(self.warm_home) if self.warm_home else None)
         except WarmSparkUnavailable as exc:
             say(f"Spark: falling back to a local Spark for this run: {exc}")
             return get_or_create_spark()
-        say(f"Spark: the warm Spark Connect server at {url}")
-        return warm_session(url)  # a new session each time: a retried step may find a restarted server
+        assert warm.url is not None
+        say(f"Spark: the warm Spark Connect server at {warm.url}")
+        return warm_session(warm.url, warm.session_id)  # a retried step may find a restarted server
 
 
 def _classic_session_active() -> bool:

@@ -145,9 +145,9 @@ def spark_connect(args: argparse.Namespace) -> int:
 
 
 def warm_spark(args: argparse.Namespace) -> int:
-    from volley_dagster.spark.warm import warm_spark_url
+    from volley_dagster.spark.warm import find_or_start
 
-    print(warm_spark_url(owner_pid=args.owner))
+    print(find_or_start(owner_pid=args.owner).url)
     return 0
 
 

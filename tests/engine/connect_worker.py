@@ -1,21 +1,21 @@
 """Runs epochs over Spark Connect in its own process (PySpark switches a whole
-process into Connect mode): ``python -m tests.engine.connect_worker URL BASE``.
+process into Connect mode): ``python -m tests.engine.connect_worker URL BASE [SESSION_ID]``
+(with a session id: attached to that server-side session, as Dagster runs on the warm Spark are).
 Prints one JSON line: records per epoch, and the error a task-side failure raised."""
 
 import json
 import sys
 from pathlib import Path
 
-from pyspark.sql import SparkSession
-
 from tests.helpers import payments
 from volley_dagster import EpochRunner, VolleyError
 from volley_dagster.demo.events import generate
 from volley_dagster.spark.stage import plan_epoch, run_stage
+from volley_dagster.spark.warm import warm_session
 
 if __name__ == "__main__":
     url, base = sys.argv[1], Path(sys.argv[2])
-    spark = SparkSession.builder.remote(url).create()
+    spark = warm_session(url, sys.argv[3] if len(sys.argv) > 3 else None)
     runner = EpochRunner(payments(base / "events", base / "out"), base / "state", spark=spark,
                          max_records_per_epoch=2_000)
     records = [r.records_in for r in runner.run_available()]

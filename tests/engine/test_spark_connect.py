@@ -17,7 +17,7 @@ from tests.helpers import assert_state_equal, log_records, payments, reference_s
 from volley_dagster import EpochRunner
 from volley_dagster.demo.events import generate
 from volley_dagster.process import is_alive
-from volley_dagster.spark.warm import read_record, stop, warm_spark_url
+from volley_dagster.spark.warm import find_or_start, read_record, stop
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -30,12 +30,12 @@ def test_epochs_over_the_warm_spark_which_restarts_and_ends_with_its_owner(tmp_p
     owner = subprocess.Popen(["sleep", "600"], start_new_session=True)
     generate(tmp_path / "events", 2, 1_500, 200)
     try:
-        url = warm_spark_url(home, owner_pid=owner.pid)
-        first = read_record(home)
-        assert first is not None and first.url == url and first.owner_pid == owner.pid
-        assert warm_spark_url(home) == url  # the next run reuses it
+        first = find_or_start(home, owner_pid=owner.pid)
+        url = first.url
+        assert url is not None and first == read_record(home) and first.owner_pid == owner.pid
+        assert find_or_start(home) == first  # the next run reuses it, and its session
         out = subprocess.run(
-            [sys.executable, "-m", "tests.engine.connect_worker", url, str(tmp_path)],
+            [sys.executable, "-m", "tests.engine.connect_worker", url, str(tmp_path), first.session_id],
             cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300,
         )
         assert out.returncode == 0, out.stderr[-3000:]
@@ -44,9 +44,8 @@ def test_epochs_over_the_warm_spark_which_restarts_and_ends_with_its_owner(tmp_p
         deadline = time.monotonic() + 30
         while getattr(read_record(home), "server_pid", None) == first.server_pid and time.monotonic() < deadline:
             time.sleep(0.2)
-        healed = warm_spark_url(home)
-        second = read_record(home)
-        assert second is not None and second.url == healed and second.restarts == 1
+        second = find_or_start(home)
+        assert second == read_record(home) and second.restarts == 1 and second.session_id != first.session_id
         assert second.server_pid != first.server_pid and second.supervisor_pid == first.supervisor_pid
     finally:
         owner.kill()

@@ -40,13 +40,14 @@ class ConnectServer:
                 self.process.wait()
 
 
-def connect_command(port: int, master: str) -> list[str]:
+def connect_command(port: int, master: str, extra_conf: dict[str, str] | None = None) -> list[str]:
     home = Path(pyspark.__file__).parent
     conf = {
         **default_conf(),
         "spark.master": master,
         "spark.connect.grpc.binding.address": "127.0.0.1",
         "spark.connect.grpc.binding.port": str(port),
+        **(extra_conf or {}),
     }
     args = ["bash", str(home / "bin" / "spark-submit"), "--class", SERVER_CLASS, "--name", "volley Spark Connect"]
     for key, value in conf.items():
@@ -55,7 +56,7 @@ def connect_command(port: int, master: str) -> list[str]:
 
 
 def start_connect_server(port: int, master: str = "local[*]", log: Path | None = None,
-                         timeout: float = 120.0) -> ConnectServer:
+                         timeout: float = 120.0, extra_conf: dict[str, str] | None = None) -> ConnectServer:
     """Start a server bound to 127.0.0.1:``port`` and wait until it accepts connections."""
     log = log or Path(f"spark-connect-{port}.log")
     env = {
@@ -65,7 +66,7 @@ def start_connect_server(port: int, master: str = "local[*]", log: Path | None =
         "SPARK_LOCAL_IP": "127.0.0.1",
     }
     with open(log, "wb") as out:
-        proc = subprocess.Popen(connect_command(port, master), env=env, stdout=out, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(connect_command(port, master, extra_conf), env=env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     server = ConnectServer(f"sc://127.0.0.1:{port}", proc, log)
     deadline = time.monotonic() + timeout
