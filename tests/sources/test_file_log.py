@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import io
+import os
 import threading
+import time
 import uuid
 
 import numpy as np
@@ -16,7 +18,7 @@ from volley_dagster.demo.events import generate
 from volley_dagster.errors import SourceChangedError, SourceError
 from volley_dagster.sources import formats
 from volley_dagster.sources.file_log import FileLog, _fair_shares
-from volley_dagster.sources.offsets import EpochRange, Position
+from volley_dagster.sources.offsets import Backlog, EpochRange, Position
 
 
 def test_cuts_follow_on_and_respect_the_budget(tmp_path):
@@ -32,6 +34,22 @@ def test_cuts_follow_on_and_respect_the_budget(tmp_path):
     assert log.cut(3, second.end, 1000).records == 0
     assert log.available_records(second.end) == 0
     assert EpochRange.from_dict(second.to_dict()) == second
+
+
+def test_the_backlog_counts_waiting_records_and_files_and_the_oldest_files_age(tmp_path):
+    generate(tmp_path, 3, 100, 10)
+    for i, age in enumerate((300, 200, 100)):  # written 5, 3 1/3 and 1 2/3 minutes ago
+        path = tmp_path / f"events-{i:06d}.parquet"
+        os.utime(path, (path.stat().st_atime, time.time() - age))
+    log = FileLog(tmp_path)
+    everything = log.backlog({})
+    assert (everything.records, everything.files) == (300, 3)
+    assert 299 <= everything.oldest_age_s(time.time()) <= 310
+    first = log.cut(1, {}, 150)  # the first file and half the second
+    rest = log.backlog(first.end)
+    assert (rest.records, rest.files) == (150, 2) and 199 <= rest.oldest_age_s(time.time()) <= 210
+    assert log.backlog(log.cut(2, first.end, None).end) == Backlog(0, 0, None)
+    assert Backlog().oldest_age_s(time.time()) == 0.0
 
 
 def test_partitions_share_the_budget_fairly():
