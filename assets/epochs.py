@@ -5,7 +5,7 @@ import time
 from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from dagster import (
     AssetCheckResult,
@@ -117,7 +117,7 @@ def epoch_assets(deployment: Deployment, spec_settings: TableSettings) -> list:
             metadata={
                 "files": MetadataValue.int(sum(len(v) for v in files.values())),
                 "latest_files": MetadataValue.json(latest),
-                **source_observation(runner, time.time()),
+                **source_observation(runner, runner.backlog(), time.time()),
             },
         )
 
@@ -206,12 +206,16 @@ def check_results(instance: DagsterInstance, runner: EpochRunner, deployment: De
     outcomes = [check_latest_snapshot(runner), check_progress(instance, runner),
                 check_freshness(runner, deployment.freshness_bound_s, time.time())]
     for outcome in outcomes:
-        yield AssetCheckResult(asset_key=state, check_name=outcome.name, passed=outcome.passed,
-                               description=outcome.description, metadata=outcome.metadata)
+        yield AssetCheckResult(asset_key=state, **check_fields(outcome))
     for sink in runner.pipeline.sinks:
         for outcome in check_sink(runner, sink):
-            yield AssetCheckResult(asset_key=sink_key(runner.pipeline, sink), check_name=outcome.name,
-                                   passed=outcome.passed, description=outcome.description, metadata=outcome.metadata)
+            yield AssetCheckResult(asset_key=sink_key(runner.pipeline, sink), **check_fields(outcome))
+
+
+def check_fields(outcome: CheckOutcome) -> dict[str, Any]:
+    """An engine check's outcome as Dagster's check results and evaluations take it."""
+    return {"check_name": outcome.name, "passed": outcome.passed, "description": outcome.description,
+            "metadata": outcome.metadata}
 
 
 def check_progress(instance: DagsterInstance, runner: EpochRunner) -> CheckOutcome:

@@ -9,6 +9,7 @@ from dagster import AssetKey, MetadataValue, TableColumn, TableSchema
 from volley_dagster import EpochResult, EpochRunner, Pipeline
 from volley_dagster.operators.window import describe_event_time
 from volley_dagster.sinks import Sink
+from volley_dagster.sources.offsets import Backlog
 
 
 def sink_kind(sink: Sink) -> str:
@@ -55,9 +56,9 @@ def _cell(value: Any) -> str:
     return text.replace("|", "\\|")
 
 
-def source_observation(runner: EpochRunner, now: float) -> dict[str, Any]:
-    """What waits to be committed, as numbers that plot: one observation per sensor tick."""
-    backlog = runner.backlog()
+def source_observation(runner: EpochRunner, backlog: Backlog, now: float) -> dict[str, Any]:
+    """What waits to be committed (``backlog``: the source's, as ``runner.backlog()``
+    gives it), as numbers that plot: one observation per sensor tick."""
     committed, cut = runner.committed_epoch(), runner.log.last_cut()
     in_cut_epochs = sum(runner.log.offsets(e).records for e in range(committed + 1, cut + 1))
     return {
@@ -73,6 +74,7 @@ def source_observation(runner: EpochRunner, now: float) -> dict[str, Any]:
 def epoch_metadata(pipeline: Pipeline, result: EpochResult,
                    row_counts: Optional[dict[str, Optional[int]]] = None) -> dict[AssetKey, dict[str, Any]]:
     """``row_counts``: each sink's table size after the epoch (``dagster/row_count``)."""
+    row_counts = row_counts or {}
     d = result.durations
     state: dict[str, Any] = {
         "epoch": MetadataValue.int(result.epoch),
@@ -115,7 +117,7 @@ def epoch_metadata(pipeline: Pipeline, result: EpochResult,
         if result.output is not None:
             md["dagster/column_schema"] = column_schema(result.output.schema)
             md["preview"] = table_preview(result.output)
-        if (row_counts or {}).get(sink.name) is not None:
-            md["dagster/row_count"] = MetadataValue.int(int((row_counts or {})[sink.name] or 0))
+        if (rows := row_counts.get(sink.name)) is not None:
+            md["dagster/row_count"] = MetadataValue.int(rows)
         out[sink_key(pipeline, sink)] = md
     return out

@@ -34,7 +34,15 @@ from dagster import (
     sensor,
 )
 
-from assets.epochs import PIPELINE_TAG, check_progress, epochs_job_name, epochs_partitions, make_runner, partitions_name
+from assets.epochs import (
+    PIPELINE_TAG,
+    check_fields,
+    check_progress,
+    epochs_job_name,
+    epochs_partitions,
+    make_runner,
+    partitions_name,
+)
 from assets.metadata import source_key, source_observation, state_key
 from assets.runs import MAX_RECOVERY_REQUESTS, fail_orphaned_runs, pool_limits_ensured, run_in_flight
 from resources import CheckpointResource, TablesResource
@@ -68,8 +76,7 @@ def _should_cut(runner: EpochRunner, deployment: Deployment, waiting_since: Opti
 
 def check_evaluation(runner: EpochRunner, outcome: CheckOutcome) -> AssetCheckEvaluation:
     """A state check's result reported by the sensor, between the runs that also report it."""
-    return AssetCheckEvaluation(asset_key=state_key(runner.pipeline), check_name=outcome.name, passed=outcome.passed,
-                                description=outcome.description, metadata=outcome.metadata)
+    return AssetCheckEvaluation(asset_key=state_key(runner.pipeline), **check_fields(outcome))
 
 
 def epoch_sensor(deployment: Deployment, job):
@@ -97,8 +104,9 @@ def epoch_sensor(deployment: Deployment, job):
             if not cut:
                 break
             runner.cut_next()
-        now = time.time()
-        events: list = [AssetObservation(asset_key=source_key(runner.pipeline), metadata=source_observation(runner, now))]
+        now, backlog = time.time(), runner.backlog()  # listed once for the observation and the freshness check
+        events: list = [AssetObservation(asset_key=source_key(runner.pipeline),
+                                         metadata=source_observation(runner, backlog, now))]
         known = set(context.instance.get_dynamic_partitions(partitions_name(deployment)))
         new_keys = [epoch_key(e) for e in runner.log.epochs_cut() if epoch_key(e) not in known]
         add = [partitions.build_add_request(new_keys)] if new_keys else []
@@ -122,7 +130,7 @@ def epoch_sensor(deployment: Deployment, job):
             if count > 1:
                 context.log.info(f"epoch {first} is not committed after a failed run: requesting it again ({count - 1}"
                                  f" of {MAX_RECOVERY_REQUESTS})")
-        freshness = check_freshness(runner, deployment.freshness_bound_s, now)
+        freshness = check_freshness(runner, deployment.freshness_bound_s, now, backlog)
         if freshness.passed != cursor["fresh"]:
             events.append(check_evaluation(runner, freshness))
         new_cursor = json.dumps({"waiting_since": waiting_since, "recovering": recovering, "requests": count,

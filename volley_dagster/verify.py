@@ -9,6 +9,7 @@ from typing import Any
 from volley_dagster.errors import SnapshotError
 from volley_dagster.runner import EpochRunner
 from volley_dagster.sinks.base import Sink
+from volley_dagster.sources.offsets import Backlog
 from volley_dagster.state.store import verify_snapshot
 
 
@@ -86,19 +87,20 @@ def check_latest_snapshot(runner: EpochRunner) -> CheckOutcome:
     return CheckOutcome("snapshot_checksums", True, f"epoch {epoch}: {files} files match", {"epoch": epoch, "files": files})
 
 
-def freshness_lag_s(runner: EpochRunner, now: float) -> float:
+def freshness_lag_s(runner: EpochRunner, now: float, backlog: Backlog | None = None) -> float:
     """How long the oldest record not yet committed has waited: in the source (its file's
-    age) or in a cut epoch that has not committed (since it was cut). 0 when all is committed."""
-    lag = runner.backlog().oldest_age_s(now)
+    age) or in a cut epoch that has not committed (since it was cut). 0 when all is committed.
+    ``backlog``: the source's, when the caller has just listed it."""
+    lag = (backlog or runner.backlog()).oldest_age_s(now)
     committed, cut = runner.committed_epoch(), runner.log.last_cut()
     if cut > committed:
         lag = max(lag, now - runner.log.cut_at(committed + 1))
     return lag
 
 
-def check_freshness(runner: EpochRunner, bound_s: float, now: float) -> CheckOutcome:
+def check_freshness(runner: EpochRunner, bound_s: float, now: float, backlog: Backlog | None = None) -> CheckOutcome:
     """Fails when records have waited longer than ``bound_s`` to be committed."""
-    lag = freshness_lag_s(runner, now)
+    lag = freshness_lag_s(runner, now, backlog)
     fresh = lag <= bound_s
     verdict = "within" if fresh else "over"
     return CheckOutcome(

@@ -55,6 +55,15 @@ def connect_command(port: int, master: str, extra_conf: dict[str, str] | None = 
     return args
 
 
+def listening(port: int) -> bool:
+    """Whether something accepts connections on 127.0.0.1:``port``."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
 def start_connect_server(port: int, master: str = "local[*]", log: Path | None = None,
                          timeout: float = 120.0, extra_conf: dict[str, str] | None = None) -> ConnectServer:
     """Start a server bound to 127.0.0.1:``port`` and wait until it accepts connections."""
@@ -73,10 +82,8 @@ def start_connect_server(port: int, master: str = "local[*]", log: Path | None =
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise ConfigError(f"Spark Connect server exited with {proc.returncode}: {log.read_text()[-3000:]}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1):
-                return server
-        except OSError:
-            time.sleep(0.5)
+        if listening(port):
+            return server
+        time.sleep(0.5)
     server.stop()
     raise ConfigError(f"Spark Connect server not listening on {port} after {timeout:.0f}s: {log.read_text()[-3000:]}")

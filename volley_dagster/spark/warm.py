@@ -33,7 +33,7 @@ from typing import Any
 from volley_dagster.errors import ConfigError, VolleyError
 from volley_dagster.io.atomic import read_json, write_json_atomic
 from volley_dagster.process import boot_id, is_alive, start_ticks
-from volley_dagster.spark.connect import ConnectServer, start_connect_server
+from volley_dagster.spark.connect import ConnectServer, listening, start_connect_server
 
 __all__ = ["WarmSpark", "WarmSparkUnavailable", "dagster_dev_ancestor", "default_home", "find_or_start", "read_record", "stop", "warm_session"]
 
@@ -70,7 +70,7 @@ class WarmSpark:
         return self.boot == boot_id() and is_alive(self.supervisor_pid, self.supervisor_ticks)
 
     def accepting(self) -> bool:
-        return self.port is not None and self.supervisor_alive() and _listening(self.port)
+        return self.port is not None and self.supervisor_alive() and listening(self.port)
 
 
 def default_home() -> Path:
@@ -195,14 +195,6 @@ def _locked(home: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(fh, fcntl.LOCK_UN)
-
-
-def _listening(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=1):
-            return True
-    except OSError:
-        return False
 
 
 def _free_port() -> int:
