@@ -5,9 +5,9 @@ import time
 from datetime import datetime, timezone
 from typing import Optional
 
-from dagster import DagsterEventType, DagsterInstance, DagsterRunStatus, DefaultRunLauncher, RunRecord, RunsFilter
+from dagster import DagsterInstance, DagsterRunStatus, DefaultRunLauncher, RunRecord, RunsFilter
 
-from volley_dagster.process import started_at
+from launcher.workers import worker_gone
 
 PIPELINE_TAG = "volley/pipeline"  # the run tag of a pipeline's jobs
 MAX_RECOVERY_REQUESTS = 3  # the sensor's requests of one epoch after its first, each after a failed run
@@ -64,36 +64,17 @@ def pool_limits_ensured(instance: DagsterInstance, pipelines: list[str]) -> None
 
 def fail_orphaned_runs(instance: DagsterInstance, pipeline: str) -> list[str]:
     """Mark failed the pipeline's runs that show as started but whose process is gone, so
-    that run retries re-run them and the pool admits the next run. The code server does
-    this for a run worker killed while it lives; when the whole of ``dagster dev`` was
-    killed, or the machine rebooted, nothing else does. Only for the default run
-    launcher, whose runs are processes on this machine."""
+    that run retries re-run them and the pool admits the next run. The launcher does this
+    for a run worker killed while it lives; when the whole of ``dagster dev`` was killed,
+    or the machine rebooted, nothing else does. Only for the default run launcher (and
+    the warm one built on it), whose runs are processes on this machine."""
     if not isinstance(instance.run_launcher, DefaultRunLauncher):
         return []
     failed = []
     for record in pool_runs(instance, pipeline, [DagsterRunStatus.STARTING, DagsterRunStatus.STARTED]):
-        run = record.dagster_run
-        pid = run_worker_pid(instance, run.run_id)
-        if pid is None:  # not launched yet, or killed before it said: run monitoring's start timeout
+        why = worker_gone(instance, record)  # None too before it said its pid: run monitoring's start timeout
+        if why is None:
             continue
-        began = started_at(pid)
-        latest = (record.start_time or time.time()) + 1
-        if began is not None and record.create_timestamp.timestamp() - 1 <= began <= latest:
-            continue  # alive, and not a reused pid
-        instance.report_run_failed(run, f"the run's process {pid} is gone (killed, or the machine restarted): "
-                                        "marked failed so that it is retried")
-        failed.append(run.run_id)
+        instance.report_run_failed(record.dagster_run, f"{why}: marked failed so that it is retried")
+        failed.append(record.dagster_run.run_id)
     return failed
-
-
-def run_worker_pid(instance: DagsterInstance, run_id: str) -> Optional[int]:
-    """The pid the run worker reports in its first engine events ("Started process for
-    run", "Executing steps in process")."""
-    records = instance.get_records_for_run(run_id, of_type=DagsterEventType.ENGINE_EVENT, limit=50).records
-    for record in records:
-        event = record.event_log_entry.dagster_event
-        metadata = (event.engine_event_data.metadata or {}) if event is not None and event.engine_event_data else {}
-        pid = metadata["pid"].value if "pid" in metadata else None  # Dagster reports it as text
-        if isinstance(pid, (str, int)) and str(pid).isdigit():
-            return int(pid)
-    return None

@@ -25,7 +25,8 @@ class Deployment:
     """``build`` makes the pipeline for a table location. The sensor cuts an epoch
     once ``min_records`` are waiting, or any are and the oldest waited ``max_wait_s``;
     ``cron`` adds a schedule (off unless ``schedule_running``). The freshness check
-    fails once a record has waited more than ``freshness_bound_s`` to be committed."""
+    fails once a record has waited more than ``freshness_bound_s`` to be committed.
+    The sensor's daemon loops every 5 s: an interval under 5 s means every loop."""
 
     name: str
     build: Callable[[TableSettings], Pipeline]

@@ -23,7 +23,7 @@ from dagster import (
 )
 from deltalake import DeltaTable
 
-from assets.runs import run_worker_pid
+from launcher.workers import run_worker_pid
 from tests.dagster.conftest import build_location, payments_cutting_at_3000
 from tests.helpers import assert_state_equal, log_records, reference_state
 from volley_dagster.checkpoint.epoch_log import EpochLog

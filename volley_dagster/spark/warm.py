@@ -161,6 +161,30 @@ def warm_session(url: str, session_id: str | None = None) -> Any:
     return spark
 
 
+def prime(url: str, session_id: str) -> float:
+    """Start the shared session's Python workers, one per core, and have them import
+    what epoch tasks import, so that the first run's epoch is as quick as the next
+    ones (about 1 s rather than 7 s for 1,000 records on two cores). Returns seconds."""
+    began = time.monotonic()
+    spark = warm_session(url, session_id)
+    cores = os.cpu_count() or 1
+    ids = spark.range(0, 4 * cores, 1, cores)
+    ids.mapInArrow(_import_task_modules, "id long").collect()
+    ids.groupBy((ids.id % cores).alias("group")).applyInArrow(_first_row, "group long, id long").collect()  # an epoch's shape
+    return time.monotonic() - began
+
+
+def _import_task_modules(batches: Iterator[Any]) -> Iterator[Any]:
+    import volley_dagster.operators  # noqa: F401
+    import volley_dagster.spark.tasks  # noqa: F401
+
+    yield from batches
+
+
+def _first_row(table: Any) -> Any:
+    return table.slice(0, 1)
+
+
 def stop(home: Path | None = None, timeout: float = 30.0) -> bool:
     """Stop the supervisor under ``home`` (and so its server); False if none ran."""
     record = read_record((home or default_home()).absolute())
@@ -247,6 +271,10 @@ class _Supervisor:
         self.start_failures = 0
         self._record(self.server, port)
         _log(f"Spark Connect at {self.server.url} (pid {self.server.process.pid}, restarts {self.restarts})")
+        record = read_record(self.home)
+        if record is not None and record.url is not None and record.session_id is not None:
+            subprocess.Popen([sys.executable, "-m", "volley_dagster.spark.warm", "--prime", record.url,
+                              "--session-id", record.session_id], stdin=subprocess.DEVNULL)
 
     def _record(self, server: ConnectServer | None = None, port: int | None = None) -> None:
         write_json_atomic(self.home / RECORD, asdict(WarmSpark(
@@ -274,10 +302,17 @@ def _log(message: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Supervise a warm Spark Connect server for Dagster runs")
-    parser.add_argument("--home", required=True)
-    parser.add_argument("--owner", type=int, required=True, help="stop when this process exits")
+    parser.add_argument("--home")
+    parser.add_argument("--owner", type=int, help="stop when this process exits")
     parser.add_argument("--master", default=os.environ.get("VOLLEY_WARM_SPARK_MASTER", "local[*]"))
+    parser.add_argument("--prime", metavar="URL", help="only warm up this server's shared session, then exit")
+    parser.add_argument("--session-id")
     args = parser.parse_args(argv)
+    if args.prime:
+        _log(f"shared session primed in {prime(args.prime, args.session_id):.1f} s")
+        return 0
+    if args.home is None or args.owner is None:
+        parser.error("--home and --owner are required")
     return _Supervisor(Path(args.home), args.owner, args.master).run()
 
 
