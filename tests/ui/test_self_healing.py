@@ -56,22 +56,16 @@ def runner_for(base: Path) -> EpochRunner:
     return EpochRunner(payments_pipeline(base / "events", local_tables(base / "tables")), base / "state" / "payments")
 
 
-def run_workers(base: Path) -> list[int]:
-    """The run worker processes of this server: the code server starts each run in a
-    process of its own (multiprocessing, spawned)."""
-    needle = f"VOLLEY_TEST_BASE={base}".encode()
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            if b"spawn_main" not in Path(f"/proc/{entry}/cmdline").read_bytes():
-                continue
-            if needle in Path(f"/proc/{entry}/environ").read_bytes().split(b"\0"):
-                found.append(int(entry))
-        except OSError:
-            continue
-    return found
+def lease_holder(state: Path) -> int | None:
+    """The pid of the run worker holding the pipeline's lease now, if one does. Runs
+    are workers forked from the fork server (launcher/), or spawned by the code server."""
+    holder = current_holder(state)
+    return holder.pid if holder is not None and holder.released_at is None else None
+
+
+def run_worker_in_shard_stage(state: Path) -> int | None:
+    """The lease holder while its attempt's shard RocksDBs are open (under ``work/``)."""
+    return lease_holder(state) if any((state / "work").glob("*/shard-*")) else None
 
 
 def warm_spark(base: Path) -> WarmSpark | None:
@@ -137,9 +131,7 @@ def test_kill_9_mid_epoch_heals_without_anyone(healing):
     lander.start()
     try:
         # moment 1: a run in its shard stage (attempts' RocksDBs open under work/)
-        first = wait_for(lambda: next((p for p in run_workers(base)
-                                       if (state / "work").is_dir() and any((state / "work").glob("*/shard-*"))), None),
-                         150, "a run in its shard stage", srv)
+        first = wait_for(lambda: run_worker_in_shard_stage(state), 150, "a run in its shard stage", srv)
         kill_9(first)
         # moment 2: the warm Spark itself (its server JVM) dies while a later run works; its supervisor starts another
         server = wait_for(lambda: warm_spark(base), 150, "the warm Spark", srv)
@@ -185,6 +177,7 @@ def test_kill_9_mid_epoch_heals_without_anyone(healing):
         succeeded = [r.dagster_run.run_id for r in runs if r.dagster_run.status == DagsterRunStatus.SUCCESS]
         assert all("Spark: the warm Spark Connect server at sc://127.0.0.1:" in run_logs(instance, run_id)
                    for run_id in succeeded)
+        assert all("Forked run worker" in run_logs(instance, run_id) for run_id in succeeded)  # launcher/
         for run_id in succeeded:
             checks = [e.dagster_event.event_specific_data for e in instance.all_logs(run_id)
                       if e.is_dagster_event and e.dagster_event.event_type_value == "ASSET_CHECK_EVALUATION"]
@@ -233,16 +226,14 @@ def test_a_killed_dagster_dev_heals_after_a_restart(healing):
     srv, base = healing
     runner = runner_for(base)
     files = LANDED + LATER
+    state = base / "state" / "payments"
     with srv.instance() as instance:  # the last test's runs finish first: the crash must catch only the new one
-        wait_for(lambda: run_in_flight(instance, "payments") is None and not run_workers(base), 120,
+        wait_for(lambda: run_in_flight(instance, "payments") is None and lease_holder(state) is None, 120,
                  "the last test's runs to finish", srv)
     committed = runner.committed_epoch()
     generate(base / "events", 1, PER_FILE, KEYS, first_file=files)
     wait_for(lambda: runner.log.last_cut() > committed, 120, "the sensor to cut the new epoch", srv)
-    state = base / "state" / "payments"
-    victim = wait_for(lambda: next((p for p in run_workers(base) if (h := current_holder(state)) is not None
-                                    and h.pid == p and h.released_at is None), None),
-                      120, "the run of the new epoch to hold the lease", srv)
+    victim = wait_for(lambda: lease_holder(state), 120, "the run of the new epoch to hold the lease", srv)
     os.killpg(srv.proc.pid, signal.SIGKILL)
     srv.stop()  # stragglers outside the group, if any
     assert not Path(f"/proc/{victim}").exists() and runner.committed_epoch() < runner.log.last_cut()
