@@ -105,21 +105,14 @@ def epoch_assets(deployment: Deployment, spec_settings: TableSettings) -> list:
         key=source_key(pipeline),
         description=f"The log {pipeline.source_log.uri} that {pipeline.name!r} reads.",
         group_name=pipeline.name,
-        metadata={"dagster/uri": pipeline.source_log.uri, "format": pipeline.source_log.format},
+        metadata={"dagster/uri": pipeline.source_log.uri, **pipeline.source_log.describe()},
     )
     def source(checkpoints: CheckpointResource, tables: TablesResource) -> ObserveResult:
         """Observed by hand here; the sensor reports the same numbers on every tick."""
         runner = make_runner(deployment, checkpoints, tables)
-        files = runner.pipeline.source_log.partitions()
-        latest = {p or "(root)": infos[-1].path for p, infos in files.items() if infos}
-        return ObserveResult(
-            data_version=DataVersion(str(sorted(latest.items()))),
-            metadata={
-                "files": MetadataValue.int(sum(len(v) for v in files.values())),
-                "latest_files": MetadataValue.json(latest),
-                **source_observation(runner, runner.backlog(), time.time()),
-            },
-        )
+        now = runner.pipeline.source_log.snapshot()
+        return ObserveResult(data_version=DataVersion(now.version),
+                             metadata={**now.metadata, **source_observation(runner, runner.backlog(), time.time())})
 
     specs = [
         AssetSpec(

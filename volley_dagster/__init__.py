@@ -29,6 +29,7 @@ from volley_dagster.pipeline import Pipeline
 from volley_dagster.result import EpochResult
 from volley_dagster.runner import EpochRunner
 from volley_dagster.sinks import DeltaSink, IcebergSink, MemorySink, ParquetSink, S3Endpoint, Sink
+from volley_dagster.sources.base import Source
 from volley_dagster.sources.file_log import FileLog
 from volley_dagster.spark.session import get_or_create_spark
 
@@ -45,6 +46,7 @@ __all__ = [
     "EpochRunner",
     "FencedError",
     "FileLog",
+    "Source",
     "MalformedRecordError",
     "MemorySink",
     "ParquetSink",

@@ -18,7 +18,7 @@ from volley_dagster.operators.accumulators import Accumulator
 from volley_dagster.operators.aggregate import Aggregate
 from volley_dagster.operators.window import Duration, WindowedAggregate, Windowing, Windows, duration_us
 from volley_dagster.sinks.base import Sink
-from volley_dagster.sources.file_log import FileLog
+from volley_dagster.sources.base import Source
 from volley_dagster.state.keys import DEFAULT_KEY_GROUPS, ShardLayout
 
 Transform = Callable[[DataFrame], DataFrame]
@@ -30,7 +30,7 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
 @dataclass(frozen=True)
 class Pipeline:
     name: str
-    source_given: FileLog | None = None
+    source_given: Source | None = None
     transforms: tuple[Transform, ...] = ()
     key_given: str | None = None
     operator_given: Aggregate | None = None
@@ -46,7 +46,7 @@ class Pipeline:
 
     # The builder fills these in any order; a pipeline that runs has all of them (``validate``).
     @property
-    def source_log(self) -> FileLog:
+    def source_log(self) -> Source:
         return self._required(self.source_given, "source(...)")
 
     @property
@@ -62,7 +62,8 @@ class Pipeline:
             raise ConfigError(f"pipeline {self.name!r} is incomplete: add {step}")
         return value
 
-    def source(self, log: FileLog) -> Pipeline:
+    def source(self, log: Source) -> Pipeline:
+        """The log the pipeline reads: ``FileLog(...)``, or any ``sources.base.Source``."""
         return replace(self, source_given=log)
 
     def transform(self, fn: Transform) -> Pipeline:

@@ -17,6 +17,7 @@ from tests.conftest import BUCKET
 from volley_dagster.demo.events import generate
 from volley_dagster.errors import SourceChangedError, SourceError
 from volley_dagster.sources import formats
+from volley_dagster.sources.base import Source
 from volley_dagster.sources.file_log import FileLog, _fair_shares
 from volley_dagster.sources.offsets import Backlog, EpochRange, Position
 
@@ -50,6 +51,18 @@ def test_the_backlog_counts_waiting_records_and_files_and_the_oldest_files_age(t
     assert (rest.records, rest.files) == (150, 2) and 199 <= rest.oldest_age_s(time.time()) <= 210
     assert log.backlog(log.cut(2, first.end, None).end) == Backlog(0, 0, None)
     assert Backlog().oldest_age_s(time.time()) == 0.0
+
+
+def test_a_file_log_is_a_source_whose_snapshot_changes_when_a_file_lands(tmp_path):
+    generate(tmp_path, 2, 10, 5)
+    log = FileLog(tmp_path)
+    assert isinstance(log, Source)
+    before = log.snapshot()
+    assert before.metadata == {"format": "parquet", "files": 2, "latest_files": {"(root)": "events-000001.parquet"}}
+    assert log.snapshot().version == before.version  # nothing landed: the same data version
+    generate(tmp_path, 1, 10, 5, first_file=2)
+    after = log.snapshot()
+    assert after.version != before.version and after.metadata["files"] == 3
 
 
 def test_partitions_share_the_budget_fairly():

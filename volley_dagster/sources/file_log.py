@@ -11,6 +11,7 @@ format's extension.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import pyarrow as pa
@@ -18,14 +19,16 @@ import pyarrow.parquet as pq
 
 from volley_dagster.errors import ConfigError, SourceChangedError, SourceError
 from volley_dagster.sources import formats
+from volley_dagster.sources.base import Source, SourceSnapshot
 from volley_dagster.sources.offsets import Backlog, EpochRange, Position, Segment
 from volley_dagster.sources.storage import FileInfo, LocalStorage, Storage, storage_for
 
 DEFAULT_PARTITION = ""
 
 
-class FileLog:
-    """``FileLog("data/events", format="parquet")`` or ``FileLog("s3://bucket/events", format="json", schema=...)``."""
+class FileLog(Source):
+    """``FileLog("data/events", format="parquet")`` or ``FileLog("s3://bucket/events", format="json", schema=...)``:
+    files in a folder (or an S3 prefix), each subfolder a partition, read in name order."""
 
     def __init__(
         self,
@@ -50,6 +53,13 @@ class FileLog:
 
     def describe(self) -> dict[str, Any]:
         return {"type": "file_log", "uri": self.uri, "format": self.format}
+
+    def snapshot(self) -> SourceSnapshot:
+        """Its files, and the newest per partition (which changes when a file lands)."""
+        files = self.partitions()
+        latest = {p or "(root)": infos[-1].path for p, infos in files.items() if infos}
+        return SourceSnapshot(str(sorted(latest.items())), {
+            "format": self.format, "files": sum(len(v) for v in files.values()), "latest_files": latest})
 
     # -- listing -------------------------------------------------------------------
 
@@ -100,7 +110,7 @@ class FileLog:
 
     # -- cutting -------------------------------------------------------------------
 
-    def cut(self, epoch: int, after: dict[str, Position], max_records: int | None, final: bool = False) -> EpochRange:
+    def cut(self, epoch: int, after: Mapping[str, Position], max_records: int | None, final: bool = False) -> EpochRange:
         """The range from ``after`` to what is available now, at most ``max_records`` long,
         shared fairly between partitions. ``final``: the stream ends here, so a last line
         without its newline is a record too."""
@@ -130,11 +140,7 @@ class FileLog:
         start = {name: after.get(name, Position()) for name in available}
         return EpochRange(epoch, start, end, tuple(segments))
 
-    def available_records(self, after: dict[str, Position]) -> int:
-        """How many records lie beyond ``after`` (what a sensor checks)."""
-        return self.backlog(after).records
-
-    def backlog(self, after: dict[str, Position]) -> Backlog:
+    def backlog(self, after: Mapping[str, Position]) -> Backlog:
         """The records beyond ``after``, the files that hold them, and the oldest one's age."""
         records, files, oldest = 0, 0, None
         for name, listed in self.partitions().items():

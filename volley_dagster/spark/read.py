@@ -20,7 +20,7 @@ from pyspark.sql import functions as F
 from pyspark.sql.pandas.types import from_arrow_schema
 
 from volley_dagster import columns
-from volley_dagster.sources.file_log import FileLog
+from volley_dagster.sources.base import Source
 from volley_dagster.sources.offsets import EpochRange
 from volley_dagster.spark.tasks import SegmentReader
 
@@ -37,7 +37,7 @@ class EpochRead:
     may_have_bad_records: bool  # False: every row parsed (error is always null)
 
 
-def read_range(spark: SparkSession, source: FileLog, rng: EpochRange, schema: pa.Schema) -> EpochRead:
+def read_range(spark: SparkSession, source: Source, rng: EpochRange, schema: pa.Schema) -> EpochRead:
     paths = source.native_parquet_paths(rng, schema) if rng.segments else None
     if paths is not None:
         return EpochRead(_native_parquet(spark, rng, paths, schema), may_have_bad_records=False)

@@ -26,7 +26,7 @@ from volley_dagster.checkpoint.manifest import ShardEntry, ShardSnapshot, Snapsh
 from volley_dagster.checkpoint.s3_snapshots import S3SnapshotStore, UploadResult
 from volley_dagster.errors import SnapshotError, StorageFullError, is_disk_full
 from volley_dagster.operators.base import ShardStep, StatefulOperator
-from volley_dagster.sources.file_log import FileLog
+from volley_dagster.sources.base import Source
 from volley_dagster.sources.offsets import Segment
 from volley_dagster.state.options import RocksDBOptions
 from volley_dagster.state.resident import ResidentShard, ResidentStateCache
@@ -37,7 +37,7 @@ from volley_dagster.state.store import FileDigests, ShardStore
 class SegmentReader:
     """``mapInArrow`` over ``spark.range(len(segments))``: each id reads one segment."""
 
-    source: FileLog
+    source: Source
     segments: tuple[Segment, ...]
     schema: pa.Schema
     epoch: int

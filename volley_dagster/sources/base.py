@@ -1,0 +1,80 @@
+"""What the engine needs of a source: a partitioned, replayable log whose epochs are
+recorded ranges. The runner cuts a range once, before the first attempt, and every
+attempt reads exactly it; Spark tasks read its segments; the Dagster location
+observes what waits. Nothing outside a source looks inside its positions: a range's
+start and end are per partition, written to the epoch log as the source gives them
+and handed back to it to cut the next range from.
+
+``FileLog`` (files in a folder or an S3 prefix) is the one implementation today; a
+Kafka source is the next (issue 19): its positions are offsets, its segments offset
+ranges of a topic partition.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+
+from volley_dagster.sources.offsets import Backlog, EpochRange, Position, Segment
+
+__all__ = ["Source", "SourceSnapshot"]
+
+
+@dataclass(frozen=True)
+class SourceSnapshot:
+    """What a source looks like now, for its Dagster asset: a version that changes
+    when new data lands (Dagster's data version), and metadata to show."""
+
+    version: str
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+class Source(ABC):
+    """A partitioned log. Implementations are pickled into Spark tasks (``read_segment``
+    runs there), so they hold settings and caches, never open connections."""
+
+    uri: str  # where it is, as people and lineage name it
+
+    @abstractmethod
+    def describe(self) -> dict[str, Any]:
+        """The source's identity as recorded in the pipeline's layout (type, location, format)."""
+
+    @abstractmethod
+    def schema(self) -> pa.Schema:
+        """The records' columns; the same for every epoch."""
+
+    @abstractmethod
+    def cut(self, epoch: int, after: Mapping[str, Position], max_records: int | None, final: bool = False) -> EpochRange:
+        """The range from ``after`` (the previous range's end; empty at the start) to
+        what is available now, at most ``max_records`` long, fair across partitions.
+        ``final``: the stream ends here."""
+
+    @abstractmethod
+    def backlog(self, after: Mapping[str, Position]) -> Backlog:
+        """What waits beyond ``after``: records, and how long the oldest has waited."""
+
+    def available_records(self, after: Mapping[str, Position]) -> int:
+        return self.backlog(after).records
+
+    @abstractmethod
+    def verify(self, rng: EpochRange) -> None:
+        """Raise ``SourceChangedError`` (or ``SourceError``) naming what changed when the
+        recorded range can no longer be read exactly as it was cut."""
+
+    @abstractmethod
+    def read_segment(self, seg: Segment, schema: pa.Schema, epoch: int) -> pa.Table:
+        """One segment's records (in a Spark task), with their positions, errors and raw
+        text (``formats.decode_segment``'s columns)."""
+
+    def native_parquet_paths(self, rng: EpochRange, schema: pa.Schema) -> list[str] | None:
+        """Local Parquet paths Spark's own scan may read the range from exactly, or None
+        (the default: the range is read by ``read_segment`` in Python workers)."""
+        return None
+
+    @abstractmethod
+    def snapshot(self) -> SourceSnapshot:
+        """The source as its Dagster asset shows it."""
