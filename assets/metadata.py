@@ -68,6 +68,7 @@ def source_observation(runner: EpochRunner, backlog: Backlog, now: float) -> dic
         "oldest_waiting_file_age_s": MetadataValue.float(round(backlog.oldest_age_s(now), 3)),
         "epochs_waiting": MetadataValue.int(cut - committed),  # cut, not yet committed
         "last_cut_epoch": MetadataValue.int(cut),
+        **{f"records_waiting_partition_{name}": MetadataValue.int(n) for name, n in sorted(backlog.per_partition.items())},
     }
 
 

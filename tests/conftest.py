@@ -13,6 +13,7 @@ from typing import Iterator
 
 import pytest
 
+from harness.kafka import KafkaCluster, start_kafka
 from harness.postgres import Postgres, start_postgres
 from harness.seaweedfs import SeaweedFS, start_seaweedfs
 from harness.spark_cluster import SparkCluster, start_spark_cluster
@@ -44,6 +45,15 @@ def seaweedfs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedFS]:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def kafka() -> Iterator[KafkaCluster]:
+    cluster = start_kafka()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from volley_dagster import FileLog, ParquetSink, Pipeline, count, first, last, max_, mean, min_, sum_
+from volley_dagster import FileLog, ParquetSink, Pipeline, Source, count, first, last, max_, mean, min_, sum_
 from volley_dagster.demo.events import EVENT_SCHEMA, events_for_file
 
 
@@ -24,14 +24,15 @@ def log_records(files: int, records_per_file: int, keys: int, seed: int = 7, fir
 
 def payments(
     events: Path, output: Path, shards: int = 3, name: str = "payments", tables: Path | None = None, fmt: str = "parquet",
-    on_foreign_lineage: str = "fail",
+    on_foreign_lineage: str = "fail", source: Source | None = None,
 ) -> Pipeline:
     """Every accumulator kind over the payment events; with ``tables``, also a Delta
     table (upsert: the current state) and an Iceberg table (append: every epoch's output).
-    ``fmt="json"`` reads a JSON-lines log (through the Python segment reader)."""
+    ``fmt="json"`` reads a JSON-lines log (through the Python segment reader); ``source``
+    replaces the log at ``events`` (a Kafka topic)."""
     pipeline = (
         Pipeline(name)
-        .source(FileLog(events, format=fmt, schema=EVENT_SCHEMA if fmt == "json" else None))
+        .source(source or FileLog(events, format=fmt, schema=EVENT_SCHEMA if fmt == "json" else None))
         .where("status = 'active'")
         .key_by("merchant_id")
         .aggregate(
@@ -124,3 +125,14 @@ def assert_epoch_outputs(outputs: pd.DataFrame, records: pa.Table, records_in: d
         got = outputs[outputs["epoch"] == epoch].drop(columns="epoch").reset_index(drop=True)
         pd.testing.assert_frame_equal(got, expected, check_dtype=False, rtol=1e-9)
         consumed += n
+
+
+def payments_on_kafka(events: Path, output: Path, tables: Path | None = None, *, bootstrap_servers: str,
+                      topic: str) -> Pipeline:
+    """``payments`` reading the topic ``topic`` and also writing its output to the topic
+    ``<topic>-totals`` (``KafkaSink``), beside the Parquet, Delta and Iceberg sinks."""
+    from volley_dagster.sinks.kafka import KafkaSink
+    from volley_dagster.sources.kafka import KafkaSource
+
+    source = KafkaSource(topic, bootstrap_servers, EVENT_SCHEMA)
+    return payments(events, output, tables=tables, source=source).sink(KafkaSink(f"{topic}-totals", bootstrap_servers))

@@ -7,6 +7,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from volley_dagster.checkpoint.epoch_log import EpochLog
 from volley_dagster.checkpoint.lease import current_holder
@@ -71,6 +72,65 @@ def demo(args: argparse.Namespace) -> int:
     pipeline = payments_pipeline(work / "events", tables, shards=args.shards)
     runner = EpochRunner(pipeline, work / "state" / pipeline.name, max_records_per_epoch=args.max_records,
                          keep_epochs=args.keep)
+    if not run_and_print(runner):
+        return 1
+    print_tables(runner)
+    print("\ncheckpoint layout:")
+    print(describe_checkpoints(runner.log.root))
+    demo_windows(merchant_minutes_pipeline(work / "events", tables, shards=args.shards), work, args, runner.spark)
+    print(f"\nnext: './dev dagster' serves the Dagster UI at http://127.0.0.1:3000 over {work}; "
+          f"'.venv/bin/volley generate --workdir {args.workdir}' appends events for its sensor to cut")
+    return 0
+
+
+def demo_kafka(args: argparse.Namespace) -> int:
+    """The payments pipeline on a Kafka topic, writing its output to another topic too:
+    on librdkafka's mock cluster (harness/kafka.py), or ``--bootstrap-servers``."""
+    import shutil
+
+    from volley_dagster import EpochRunner
+    from volley_dagster.demo.events import EVENT_SCHEMA
+    from volley_dagster.demo.kafka import produce_events
+    from volley_dagster.demo.payments import local_tables, payments_pipeline
+    from volley_dagster.sinks.kafka import KafkaSink
+    from volley_dagster.sources.kafka import KafkaSource
+
+    work = Path(args.workdir).absolute() / "kafka"
+    cluster = None
+    bootstrap = args.bootstrap_servers
+    if bootstrap is None:
+        from harness.kafka import start_kafka
+
+        cluster = start_kafka()
+        bootstrap = cluster.bootstrap_servers
+        shutil.rmtree(work, ignore_errors=True)  # a new mock cluster holds none of the topics a last run read
+        print(f"Kafka: librdkafka's mock cluster at {bootstrap} (a real cluster: --bootstrap-servers)")
+    try:
+        produced = produce_events(bootstrap, "payments", args.files, args.records_per_file, args.keys,
+                                  seed=args.seed)
+        print(f"produced {produced:,} payment events to the topic 'payments'")
+        pipeline = payments_pipeline(KafkaSource("payments", bootstrap, EVENT_SCHEMA), local_tables(work / "tables"),
+                                     shards=args.shards).sink(KafkaSink("merchant-totals", bootstrap, name="totals"))
+        runner = EpochRunner(pipeline, work / "state" / pipeline.name, max_records_per_epoch=args.max_records,
+                             keep_epochs=args.keep)
+        if not run_and_print(runner):
+            return 1
+        print_tables(runner)
+        totals = pipeline.sinks[-1]
+        assert isinstance(totals, KafkaSink)
+        counts: dict[int, int] = {}
+        for row in totals.read(pipeline.name):
+            counts[row["_epoch"]] = counts.get(row["_epoch"], 0) + 1
+        print("\nKafka topic 'merchant-totals' (one transaction per epoch, read_committed): "
+              + ", ".join(f"epoch {e}: {n:,} records" for e, n in sorted(counts.items())))
+    finally:
+        if cluster is not None:
+            cluster.stop()
+    return 0
+
+
+def run_and_print(runner: Any) -> bool:
+    """Run every waiting epoch, a line each; False when none is committed."""
     print(f"starting Spark ({os.environ.get('VOLLEY_SPARK_MASTER', 'local[*]')}) ...")
     print(f"{'epoch':>5} {'records':>9} {'dead':>5} {'keys':>7} {'new':>7} {'rec/s':>9} {'seconds':>8}  range")
     for r in runner.run_available():
@@ -79,11 +139,16 @@ def demo(args: argparse.Namespace) -> int:
             f"{r.epoch:>5} {r.records_in:>9,} {r.dead_letters:>5} {r.keys_touched:>7,} {r.new_keys:>7,} "
             f"{r.records_per_second:>9,.0f} {r.durations['total']:>8.2f}  {rng}"
         )
-    committed = runner.committed_epoch()
-    if not committed:
+    if not runner.committed_epoch():
         print("no epochs committed")
-        return 1
-    balances, changes = pipeline.sinks
+        return False
+    return True
+
+
+def print_tables(runner: Any) -> None:
+    """The demo payments pipeline's Delta and Iceberg tables."""
+    pipeline = runner.pipeline
+    balances, changes = pipeline.sinks[:2]
     assert isinstance(balances, DeltaSink) and isinstance(changes, IcebergSink)  # the demo pipeline's
     delta = balances.read().sort_by([("total", "descending")])
     print(f"\nDelta table {balances.uri} (upsert, epoch {balances.committed_epoch(pipeline.name)}): "
@@ -92,12 +157,6 @@ def demo(args: argparse.Namespace) -> int:
     history = changes.epoch_history(pipeline.name, runner.log.lineage())
     print(f"\nIceberg table {changes.identifier} (append, epoch {changes.committed_epoch(pipeline.name)}): "
           + ", ".join(f"epoch {e}: {rows[0]:,} rows" for e, rows in sorted(history.items())))
-    print("\ncheckpoint layout:")
-    print(describe_checkpoints(runner.log.root))
-    demo_windows(merchant_minutes_pipeline(work / "events", tables, shards=args.shards), work, args, runner.spark)
-    print(f"\nnext: './dev dagster' serves the Dagster UI at http://127.0.0.1:3000 over {work}; "
-          f"'.venv/bin/volley generate --workdir {args.workdir}' appends events for its sensor to cut")
-    return 0
 
 
 def demo_windows(pipeline, work: Path, args: argparse.Namespace, spark) -> None:
@@ -184,7 +243,10 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--shards", type=int, default=4)
     d.add_argument("--keep", type=int, default=3, help="snapshots of the last K epochs are kept")
     d.add_argument("--seed", type=int, default=7)
-    d.set_defaults(func=demo)
+    d.add_argument("--kafka", action="store_true", help="read the events from a Kafka topic (a mock cluster "
+                   "unless --bootstrap-servers) and write the totals to another")
+    d.add_argument("--bootstrap-servers", help="with --kafka: a real Kafka cluster")
+    d.set_defaults(func=lambda args: demo_kafka(args) if args.kafka else demo(args))
     g = sub.add_parser("generate", help="append payment events to the demo's source log")
     g.add_argument("--workdir", default="demo")
     g.add_argument("--files", type=int, default=1)

@@ -29,6 +29,17 @@ class SourceError(VolleyError):
     """The source log cannot provide exactly the recorded range."""
 
 
+class SourceUnavailableError(VolleyError):
+    """The source cannot be reached now (brokers down, a timeout): retried, unlike a
+    ``SourceError``, which re-running cannot fix."""
+
+
+class SourceDataLostError(SourceError):
+    """Records of a recorded (or about to be cut) range are gone from the source before
+    they were read, as retention deletes a Kafka topic's old offsets: the error names
+    the lost range; nothing is skipped."""
+
+
 class SourceChangedError(SourceError):
     """A log file was rewritten after an epoch's range was cut from it (another size, or
     the same size under another version): the recorded range no longer names its records."""

@@ -24,9 +24,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_until_killed(
-    base: Path, point: str, epoch: int, shard: int | None = None, kind: str = "payments", max_records: int = MAX
+    base: Path, point: str, epoch: int, shard: int | None = None, kind: str = "payments", max_records: int = MAX,
+    env_extra: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess:
-    env = {**os.environ, "VOLLEY_KILL_AT": point, "VOLLEY_KILL_EPOCH": str(epoch), "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "VOLLEY_KILL_AT": point, "VOLLEY_KILL_EPOCH": str(epoch), "PYTHONPATH": str(ROOT),
+           **(env_extra or {})}
     if shard is not None:
         env["VOLLEY_KILL_SHARD"] = str(shard)
     proc = subprocess.Popen(

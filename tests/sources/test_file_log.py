@@ -18,8 +18,8 @@ from volley_dagster.demo.events import generate
 from volley_dagster.errors import SourceChangedError, SourceError
 from volley_dagster.sources import formats
 from volley_dagster.sources.base import Source
-from volley_dagster.sources.file_log import FileLog, _fair_shares
-from volley_dagster.sources.offsets import Backlog, EpochRange, Position
+from volley_dagster.sources.file_log import FileLog
+from volley_dagster.sources.offsets import Backlog, EpochRange, Position, fair_shares
 
 
 def test_cuts_follow_on_and_respect_the_budget(tmp_path):
@@ -66,10 +66,10 @@ def test_a_file_log_is_a_source_whose_snapshot_changes_when_a_file_lands(tmp_pat
 
 
 def test_partitions_share_the_budget_fairly():
-    assert _fair_shares({"a": 10, "b": 1000, "c": 1000}, 210) == {"a": 10, "b": 100, "c": 100}
-    assert _fair_shares({"a": 0, "b": 5}, 100) == {"a": 0, "b": 5}
-    assert _fair_shares({"a": 7, "b": 9}, None) == {"a": 7, "b": 9}
-    assert sum(_fair_shares({"a": 50, "b": 50, "c": 50}, 100).values()) <= 100
+    assert fair_shares({"a": 10, "b": 1000, "c": 1000}, 210) == {"a": 10, "b": 100, "c": 100}
+    assert fair_shares({"a": 0, "b": 5}, 100) == {"a": 0, "b": 5}
+    assert fair_shares({"a": 7, "b": 9}, None) == {"a": 7, "b": 9}
+    assert sum(fair_shares({"a": 50, "b": 50, "c": 50}, 100).values()) <= 100
 
 
 def test_ignores_temp_and_foreign_files_but_refuses_deep_nesting(tmp_path):

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from volley_dagster import FileLog, Pipeline, count, last, max_, mean, sum_, tumbling
+from volley_dagster import FileLog, Pipeline, Source, count, last, max_, mean, sum_, tumbling
 from volley_dagster.deploy import Deployment, TableSettings
 from volley_dagster.sinks import DeltaSink, IcebergSink, sqlite_catalog
 from volley_dagster.sinks.lineage import ForeignLineage
@@ -20,10 +20,12 @@ def local_tables(warehouse: str | Path, on_foreign_lineage: ForeignLineage = "fa
                          on_foreign_lineage=on_foreign_lineage)
 
 
-def payments_pipeline(events: str | Path, tables: TableSettings, shards: int = 4) -> Pipeline:
+def payments_pipeline(events: str | Path | Source, tables: TableSettings, shards: int = 4) -> Pipeline:
+    """``events``: the folder of the Parquet event log, or another source of the same
+    events (a ``KafkaSource``)."""
     return (
         Pipeline("payments")
-        .source(FileLog(events, format="parquet"))
+        .source(events if isinstance(events, Source) else FileLog(events, format="parquet"))
         .where("status = 'active'")
         .key_by("merchant_id")
         .aggregate(
@@ -41,7 +43,7 @@ def payments_pipeline(events: str | Path, tables: TableSettings, shards: int = 4
     )
 
 
-def payments_deployment(events: str | Path) -> Deployment:
+def payments_deployment(events: str | Path | Source) -> Deployment:
     return _demo_deployment("payments", lambda tables: payments_pipeline(events, tables))
 
 

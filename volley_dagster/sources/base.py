@@ -19,7 +19,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from volley_dagster.sources.offsets import Backlog, EpochRange, Position, Segment
+from volley_dagster.sources.offsets import Backlog, EpochRange, Segment, SourcePosition
 
 __all__ = ["Source", "SourceSnapshot"]
 
@@ -48,16 +48,16 @@ class Source(ABC):
         """The records' columns; the same for every epoch."""
 
     @abstractmethod
-    def cut(self, epoch: int, after: Mapping[str, Position], max_records: int | None, final: bool = False) -> EpochRange:
+    def cut(self, epoch: int, after: Mapping[str, SourcePosition], max_records: int | None, final: bool = False) -> EpochRange:
         """The range from ``after`` (the previous range's end; empty at the start) to
         what is available now, at most ``max_records`` long, fair across partitions.
         ``final``: the stream ends here."""
 
     @abstractmethod
-    def backlog(self, after: Mapping[str, Position]) -> Backlog:
+    def backlog(self, after: Mapping[str, SourcePosition]) -> Backlog:
         """What waits beyond ``after``: records, and how long the oldest has waited."""
 
-    def available_records(self, after: Mapping[str, Position]) -> int:
+    def available_records(self, after: Mapping[str, SourcePosition]) -> int:
         return self.backlog(after).records
 
     @abstractmethod

@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 from volley_dagster.errors import ConfigError, SourceChangedError, SourceError
 from volley_dagster.sources import formats
 from volley_dagster.sources.base import Source, SourceSnapshot
-from volley_dagster.sources.offsets import Backlog, EpochRange, Position, Segment
+from volley_dagster.sources.offsets import Backlog, EpochRange, Position, Segment, SourcePosition, fair_shares
 from volley_dagster.sources.storage import FileInfo, LocalStorage, Storage, storage_for
 
 DEFAULT_PARTITION = ""
@@ -110,23 +110,23 @@ class FileLog(Source):
 
     # -- cutting -------------------------------------------------------------------
 
-    def cut(self, epoch: int, after: Mapping[str, Position], max_records: int | None, final: bool = False) -> EpochRange:
+    def cut(self, epoch: int, after: Mapping[str, SourcePosition], max_records: int | None, final: bool = False) -> EpochRange:
         """The range from ``after`` to what is available now, at most ``max_records`` long,
         shared fairly between partitions. ``final``: the stream ends here, so a last line
         without its newline is a record too."""
         available: dict[str, list[tuple[FileInfo, int, int, int]]] = {}
         listed = self.partitions()
         for name, files in sorted(listed.items()):
-            available[name] = self._pending(name, files, after.get(name, Position()), final)
+            available[name] = self._pending(name, files, self._position(after, name), final)
         for name in after:
             if name not in available:
                 raise SourceError(f"{self.uri}: partition {name!r} was read before and has disappeared")
-        quota = _fair_shares({p: sum(c for *_, c in segs) for p, segs in available.items()}, max_records)
+        quota = fair_shares({p: sum(c for *_, c in segs) for p, segs in available.items()}, max_records)
 
         segments: list[Segment] = []
-        end: dict[str, Position] = {}
+        end: dict[str, SourcePosition] = {}
         for name, pending in available.items():
-            pos = after.get(name, Position())
+            pos = self._position(after, name)
             left = quota[name]
             for info, index, first, count in pending:
                 take = min(left, count)
@@ -137,19 +137,26 @@ class FileLog(Source):
                 pos = Position(_base(info.path), index, first + take)
                 left -= take
             end[name] = pos
-        start = {name: after.get(name, Position()) for name in available}
+        start: dict[str, SourcePosition] = {name: self._position(after, name) for name in available}
         return EpochRange(epoch, start, end, tuple(segments))
 
-    def backlog(self, after: Mapping[str, Position]) -> Backlog:
+    def backlog(self, after: Mapping[str, SourcePosition]) -> Backlog:
         """The records beyond ``after``, the files that hold them, and the oldest one's age."""
         records, files, oldest = 0, 0, None
         for name, listed in self.partitions().items():
-            for info, _, _, count in self._pending(name, listed, after.get(name, Position())):
+            for info, _, _, count in self._pending(name, listed, self._position(after, name)):
                 if count > 0:
                     records, files = records + count, files + 1
                     if info.modified and (oldest is None or info.modified < oldest):
                         oldest = info.modified
         return Backlog(records, files, oldest)
+
+    def _position(self, after: Mapping[str, SourcePosition], partition: str) -> Position:
+        pos = after.get(partition, Position())
+        if not isinstance(pos, Position):
+            raise SourceError(f"{self.uri}: partition {partition!r} was read up to {pos}, a position of another kind of "
+                              "source; a checkpoint root reads one source: start a new one for this log")
+        return pos
 
     def _pending(self, partition: str, files: list[FileInfo], pos: Position,
                  final: bool = False) -> list[tuple[FileInfo, int, int, int]]:
@@ -242,30 +249,6 @@ class FileLog(Source):
 
 def _base(path: str) -> str:
     return path.rsplit("/", 1)[-1]
-
-
-def _fair_shares(available: dict[str, int], budget: int | None) -> dict[str, int]:
-    """Split ``budget`` between partitions: each gets an equal share, and what a small
-    partition leaves over goes to the others (water-filling)."""
-    if budget is None:
-        return dict(available)
-    shares = {p: 0 for p in available}
-    left = budget
-    hungry = sorted((n, p) for p, n in available.items() if n > 0)
-    while hungry and left > 0:
-        each = max(1, left // len(hungry))
-        n, p = hungry[0]
-        if n <= each:
-            shares[p] = n
-            left -= n
-            hungry.pop(0)
-            continue
-        for _, p in hungry:
-            give = min(each, left)
-            shares[p] = give
-            left -= give
-        break
-    return shares
 
 
 __all__ = ["FileLog", "DEFAULT_PARTITION"]

@@ -174,3 +174,18 @@ def _decode_json(data: bytes, start: int, end: int, schema: pa.Schema, base: int
     if not good:
         return _good_rows(schema.empty_table(), np.array([], dtype=np.int64))
     return pa.concat_tables(good)
+
+
+def decode_json_values(values: Sequence[bytes | None], offsets: np.ndarray, schema: pa.Schema,
+                       position_base: int) -> pa.Table:
+    """Message values (a Kafka partition's), each one JSON object, decoded in bulk as
+    JSON lines; a record's position is ``position_base`` plus its offset. A value
+    with a line break is one line still (JSON allows any whitespace there); a null
+    value (a tombstone) is a bad record, as an empty line is."""
+    if not values:
+        return _good_rows(schema.empty_table(), np.array([], dtype=np.int64))
+    data = b"\n".join(b"" if v is None else v.replace(b"\n", b" ").replace(b"\r", b" ") for v in values) + b"\n"
+    table = _decode_json(data, 0, len(values), schema, 0)
+    lines = table.column(columns.POS).to_numpy()
+    index = table.schema.get_field_index(columns.POS)
+    return table.set_column(index, columns.POS, pa.array(position_base + offsets[lines], pa.int64()))

@@ -1,9 +1,10 @@
-"""Positions in an append-only file log and the ranges epochs are cut into.
+"""Positions in a source and the ranges epochs are cut into.
 
-A position is per partition: the file it points into (by name and by index in
-the partition's name-sorted listing) and how many of that file's records are
-consumed. The index lets a cut notice a file that appeared *before* the
-position, which would otherwise be skipped silently.
+A position is per partition, and only its source reads it. In a file log it is the
+file it points into (by name and by index in the partition's name-sorted listing)
+and how many of that file's records are consumed; the index lets a cut notice a
+file that appeared *before* the position, which would otherwise be skipped
+silently. In a Kafka topic it is the next offset to read.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Union
 
 from volley_dagster.columns import POS_OFFSET_BITS
 
@@ -28,15 +29,58 @@ class Position:
 
 
 @dataclass(frozen=True)
+class Offset:
+    """The next offset to read in a Kafka topic partition."""
+
+    offset: int
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Offset:
+        return cls(int(d["offset"]))
+
+
+SourcePosition = Union[Position, Offset]
+
+
+def position_from_dict(d: dict[str, Any]) -> SourcePosition:
+    return Offset.from_dict(d) if "offset" in d else Position.from_dict(d)
+
+
+def fair_shares(available: dict[str, int], budget: int | None) -> dict[str, int]:
+    """Split ``budget`` between partitions: each gets an equal share, and what a small
+    partition leaves over goes to the others (water-filling)."""
+    if budget is None:
+        return dict(available)
+    shares = {p: 0 for p in available}
+    left = budget
+    hungry = sorted((n, p) for p, n in available.items() if n > 0)
+    while hungry and left > 0:
+        each = max(1, left // len(hungry))
+        n, p = hungry[0]
+        if n <= each:
+            shares[p] = n
+            left -= n
+            hungry.pop(0)
+            continue
+        for _, p in hungry:
+            give = min(each, left)
+            shares[p] = give
+            left -= give
+        break
+    return shares
+
+
+@dataclass(frozen=True)
 class Segment:
-    """Records ``[start, end)`` of one file: the unit a Spark read task handles."""
+    """Records ``[start, end)`` of one file, or offsets ``[start, end)`` of one topic
+    partition: the unit a Spark read task handles."""
 
     id: int
     partition: str
-    file: str  # path relative to the log root
+    file: str  # path relative to the log root; a Kafka segment's topic
     start: int
     end: int
-    size: int  # bytes when cut; a different size on read means the file was rewritten
+    size: int  # bytes when cut; a different size on read means the file was rewritten (0: a topic)
     version: str = ""  # the file's version when cut (storage.FileInfo); "" in ranges cut before versions
 
     @property
@@ -52,8 +96,8 @@ class EpochRange:
     """Exactly what epoch N reads. Recorded before the first attempt; never recomputed."""
 
     epoch: int
-    start: dict[str, Position]
-    end: dict[str, Position]
+    start: dict[str, SourcePosition]
+    end: dict[str, SourcePosition]
     segments: tuple[Segment, ...] = field(default_factory=tuple)
     end_of_stream: bool = False  # the final epoch: windows all fire, nothing is cut after it
     cut_at_us: int | None = None  # wall clock when cut (microseconds); None in ranges cut before it was kept
@@ -82,8 +126,8 @@ class EpochRange:
     def from_dict(cls, d: dict[str, Any]) -> EpochRange:
         return cls(
             epoch=int(d["epoch"]),
-            start={p: Position.from_dict(v) for p, v in d["start"].items()},
-            end={p: Position.from_dict(v) for p, v in d["end"].items()},
+            start={p: position_from_dict(v) for p, v in d["start"].items()},
+            end={p: position_from_dict(v) for p, v in d["end"].items()},
             segments=tuple(Segment(**s) for s in d["segments"]),
             end_of_stream=bool(d.get("end_of_stream", False)),
             cut_at_us=d.get("cut_at_us"),
@@ -98,7 +142,9 @@ class EpochRange:
 
     def summary(self) -> dict[str, str]:
         """The range as people read it: per partition, file:record from and to."""
-        def fmt(pos: Position) -> str:
+        def fmt(pos: SourcePosition) -> str:
+            if isinstance(pos, Offset):
+                return f"offset {pos.offset}"
             return f"{pos.file}:{pos.record}" if pos.file else "start"
 
         return {p: f"{fmt(self.start[p])} -> {fmt(self.end[p])}" for p in sorted(self.end)}
@@ -110,8 +156,9 @@ class Backlog:
     when the oldest of those files was written (None: nothing waits, or unknown)."""
 
     records: int = 0
-    files: int = 0
+    files: int = 0  # the files holding them (a Kafka topic: the partitions)
     oldest_written_at: float | None = None
+    per_partition: dict[str, int] = field(default_factory=dict)  # records waiting, where a source tells (Kafka lag)
 
     def oldest_age_s(self, now: float) -> float:
         """How long the oldest waiting record has waited (0 when nothing waits)."""
