@@ -16,6 +16,7 @@ Values are the output rows as JSON objects; keys are the key columns as JSON.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -31,6 +32,7 @@ MARKER = "volley.marker"
 MARKER_PARTITION = 0
 SCAN_BACK = 1_000  # offsets of partition 0 looked at per step, newest first, for the last marker
 TIMEOUT_S = 30.0
+POLL_S = 0.05
 
 
 class KafkaSink(Sink):
@@ -150,11 +152,15 @@ class KafkaSink(Sink):
                 return
             consumer.assign([TopicPartition(self.topic, p, start if partition is not None else 0) for p in parts])
             done: set[int] = set()
+            deadline = time.monotonic() + TIMEOUT_S
             while len(done) < len(parts):
-                batch = consumer.consume(10_000, timeout=TIMEOUT_S)
+                batch = consumer.consume(10_000, timeout=POLL_S)  # returns early only with 10,000 records
                 if not batch:
-                    raise SinkCommitError(f"sink {self.name!r}: kafka topic {self.topic!r} did not answer in "
-                                          f"{TIMEOUT_S:.0f}s")
+                    if time.monotonic() > deadline:
+                        raise SinkCommitError(f"sink {self.name!r}: kafka topic {self.topic!r} did not answer in "
+                                              f"{TIMEOUT_S:.0f}s")
+                    continue
+                deadline = time.monotonic() + TIMEOUT_S
                 for msg in batch:
                     if msg.error() is not None:
                         if msg.error().code() == KafkaError._PARTITION_EOF:

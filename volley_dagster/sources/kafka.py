@@ -34,6 +34,7 @@ __all__ = ["KafkaSource", "Watermarks", "plan_cut"]
 
 READ_TIMEOUT_S = 60.0  # a read task that gets no record for this long names the range it could not finish
 METADATA_TIMEOUT_S = 15.0
+POLL_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -183,7 +184,7 @@ class KafkaSource(Source):
             deadline = time.monotonic() + READ_TIMEOUT_S
             next_offset = seg.start
             while next_offset < seg.end:
-                batch = consumer.consume(10_000, timeout=1.0)
+                batch = consumer.consume(10_000, timeout=POLL_S)  # returns early only with 10,000 records
                 for msg in batch:
                     err = msg.error()
                     if err is not None:
