@@ -344,6 +344,7 @@ class EpochRunner:
         self._check_fence(f"epoch {epoch}: writing its manifest")
         if not log.write_manifest(result):
             return log.committed_manifest(epoch)
+        pipeline.source_log.committed(rng)
         self._prune(epoch)
         return result
 

@@ -13,7 +13,7 @@ from collections import Counter
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
-from confluent_kafka import Producer
+from confluent_kafka import Consumer, Producer, TopicPartition
 
 from tests.engine.test_crash_recovery import run_until_killed
 from tests.helpers import assert_state_equal, log_records, payments, payments_on_kafka, read_sink, reference_state
@@ -104,6 +104,43 @@ def test_bad_values_and_tombstones_are_bad_records_that_name_their_offsets(kafka
     assert "unparseable JSON" in errors[1] and errors[2] == "empty line"
 
 
+def decode_pairs(values: pa.BinaryArray) -> pa.Table:
+    """A user's decoder for values like ``b"7,12.5"``, in bulk with Arrow compute."""
+    text = values.cast(pa.string())
+    ok = pc.fill_null(pc.match_substring_regex(text, r"^\d+,[\d.]+$"), False)
+    parts = pc.split_pattern(pc.if_else(ok, text, "0,0"), ",")
+    return pa.table({"id": pc.cast(pc.list_element(parts, 0), pa.int64()),
+                     "amount": pc.cast(pc.list_element(parts, 1), pa.float64()),
+                     ERROR: pc.if_else(ok, pa.scalar(None, pa.string()), "not 'id,amount'")})
+
+
+def test_a_decoder_reads_values_of_any_format_in_bulk_and_what_it_cannot_read_is_a_bad_record(kafka):
+    topic = topic_name()
+    producer = Producer({"bootstrap.servers": kafka.bootstrap_servers})
+    for value in (b"1,5", b"2,7.5", b"oops", None):
+        producer.produce(topic, key=b"k", value=value)
+    producer.flush(10)
+    schema = pa.schema([("id", pa.int64()), ("amount", pa.float64())])
+    source = KafkaSource(topic, kafka.bootstrap_servers, schema, decode=decode_pairs)
+    rng = source.cut(1, {}, None)
+    table = read_all_with(source, rng, schema).sort_by(POS)
+    assert table.select(["id", "amount"]).slice(0, 2).to_pylist() == [{"id": 1, "amount": 5.0}, {"id": 2, "amount": 7.5}]
+    assert table.column(ERROR).to_pylist() == [None, None, "not 'id,amount'", "not 'id,amount'"]
+    assert table.column("_volley_raw").to_pylist() == [None, None, "oops", None]
+    assert source.describe()["format"] == "decoded by decode_pairs"
+
+    def broken(values: pa.BinaryArray) -> pa.Table:
+        raise ValueError("schema registry unreachable")
+
+    failing = KafkaSource(topic, kafka.bootstrap_servers, schema, decode=broken)
+    errors = read_all_with(failing, rng, schema).column(ERROR).to_pylist()
+    assert errors == ["the decoder failed: ValueError: schema registry unreachable"] * 4  # nothing dropped
+
+
+def read_all_with(source: KafkaSource, rng: EpochRange, schema: pa.Schema) -> pa.Table:
+    return pa.concat_tables([source.read_segment(seg, schema, rng.epoch) for seg in rng.segments])
+
+
 def test_transactions_are_read_once_committed_with_the_gaps_their_markers_leave(kafka):
     topic = topic_name()
     produced = produce_events(kafka.bootstrap_servers, topic, 2, 300, 30, transactional_id=f"tx-{topic}")
@@ -119,7 +156,7 @@ def test_transactions_are_read_once_committed_with_the_gaps_their_markers_leave(
 def test_a_pipeline_on_a_topic_equals_the_reference_and_re_runs_as_no_ops(spark, kafka, tmp_path):
     topic = topic_name()
     produce_events(kafka.bootstrap_servers, topic, BATCHES, PER_BATCH, KEYS)
-    source = KafkaSource(topic, kafka.bootstrap_servers, EVENT_SCHEMA)
+    source = KafkaSource(topic, kafka.bootstrap_servers, EVENT_SCHEMA, commit_group=f"volley-{topic}")
     pipeline = payments(tmp_path / "unused", tmp_path / "out", tables=tmp_path / "tables", source=source)
     runner = EpochRunner(pipeline, tmp_path / "state", spark=spark, max_records_per_epoch=PER_BATCH)
     results = runner.run_available()
@@ -134,6 +171,14 @@ def test_a_pipeline_on_a_topic_equals_the_reference_and_re_runs_as_no_ops(spark,
     assert runner.records_waiting() == PER_BATCH
     runner.run_available()
     assert_state_equal(runner.read_state(), reference_state(log_records(BATCHES + 1, PER_BATCH, KEYS)))
+    # the consumer group holds the committed end offsets, for Kafka's own lag tools
+    group = Consumer({"bootstrap.servers": kafka.bootstrap_servers, "group.id": f"volley-{topic}"})
+    try:
+        ends = runner.log.offsets(runner.committed_epoch()).end
+        committed = group.committed([TopicPartition(topic, int(p)) for p in ends], timeout=10)
+        assert {str(tp.partition): tp.offset for tp in committed} == {p: pos.offset for p, pos in ends.items()}
+    finally:
+        group.close()
 
 
 @pytest.mark.parametrize("point", ["segment_read", "after_sinks"])

@@ -75,6 +75,12 @@ class Source(ABC):
         (the default: the range is read by ``read_segment`` in Python workers)."""
         return None
 
+    def committed(self, rng: EpochRange) -> None:
+        """Called once epoch ``rng.epoch`` is committed (its manifest written), for a
+        source to tell its own system how far the pipeline is (a Kafka consumer group).
+        Best effort: the epoch log, not this, is where the pipeline resumes."""
+        return None  # a file log has nothing to tell
+
     @abstractmethod
     def snapshot(self) -> SourceSnapshot:
         """The source as its Dagster asset shows it."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import io
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -189,3 +189,33 @@ def decode_json_values(values: Sequence[bytes | None], offsets: np.ndarray, sche
     lines = table.column(columns.POS).to_numpy()
     index = table.schema.get_field_index(columns.POS)
     return table.set_column(index, columns.POS, pa.array(position_base + offsets[lines], pa.int64()))
+
+
+def decode_values_with(decode: Callable[[pa.BinaryArray], pa.Table], values: Sequence[bytes | None],
+                       offsets: np.ndarray, schema: pa.Schema, position_base: int) -> pa.Table:
+    """Message values decoded in bulk by the user's function: it gets them as one binary
+    array (null: a tombstone) and returns the schema's columns, row for row, with an
+    optional string column ``_volley_error`` naming why a row could not be decoded. A
+    function that raises, or returns another number of rows, makes every value of the
+    segment a bad record carrying its message: nothing is dropped."""
+    positions = position_base + offsets
+    n = len(values)
+    try:
+        table = decode(pa.array(values, pa.binary()))
+        if table.num_rows != n:
+            raise ValueError(f"it returned {table.num_rows} rows for {n} values")
+        errors = table.column(columns.ERROR).cast(pa.string()) if columns.ERROR in table.column_names \
+            else pa.nulls(n, pa.string())
+        table = table.select(schema.names).cast(schema)
+    except Exception as exc:  # the user's code: whatever it raises is the records' reason
+        reason = f"the decoder failed: {type(exc).__name__}: {exc}"
+        return _bad_rows(schema, positions, [reason] * n, [_text(v) for v in values])
+    bad = np.flatnonzero(errors.is_valid().to_numpy(zero_copy_only=False))
+    raws: list[str | None] = [None] * n
+    for i in bad:  # error path only
+        raws[int(i)] = _text(values[int(i)])
+    return _with_meta(table, positions, errors, pa.array(raws, pa.string()))
+
+
+def _text(value: bytes | None) -> str | None:
+    return None if value is None else value[:4096].decode("utf-8", errors="replace")

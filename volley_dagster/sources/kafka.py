@@ -18,7 +18,7 @@ that disappear (a topic deleted and re-created) are a ``SourceError``.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,13 +90,20 @@ def start_offset(topic: str, partition: str, after: Mapping[str, SourcePosition]
 
 class KafkaSource(Source):
     """``KafkaSource("payments", bootstrap_servers="broker:9092", schema=pa.schema([...]))``:
-    JSON values decoded with an explicit schema (as a JSON file log), keys and
-    headers ignored. ``config``: further librdkafka consumer settings (security)."""
+    JSON values decoded with an explicit schema (as a JSON file log), keys and headers
+    ignored; or values of any format decoded by ``decode`` (``formats.decode_values_with``:
+    a binary array in, the schema's columns out, in bulk). ``commit_group``: a consumer
+    group the committed end offsets are written to after each epoch, so Kafka's own
+    lag tools see the pipeline's progress (the epoch log, not the group, is where the
+    pipeline resumes). ``config``: further librdkafka consumer settings (security)."""
 
     def __init__(self, topic: str, bootstrap_servers: str, schema: pa.Schema, *,
+                 decode: Callable[[pa.BinaryArray], pa.Table] | None = None, commit_group: str | None = None,
                  isolation_level: str = "read_committed", config: Mapping[str, Any] | None = None) -> None:
         if isolation_level not in ("read_committed", "read_uncommitted"):
             raise ConfigError(f"isolation_level {isolation_level!r}: use 'read_committed' or 'read_uncommitted'")
+        self.decode = decode
+        self.commit_group = commit_group
         self.topic = topic
         self.bootstrap_servers = bootstrap_servers
         self.isolation_level = isolation_level
@@ -106,7 +113,8 @@ class KafkaSource(Source):
 
     def describe(self) -> dict[str, Any]:
         # the brokers' addresses are not the source's identity: a cluster may move
-        return {"type": "kafka", "topic": self.topic, "format": "json", "isolation_level": self.isolation_level}
+        value_format = "json" if self.decode is None else f"decoded by {getattr(self.decode, '__qualname__', 'a function')}"
+        return {"type": "kafka", "topic": self.topic, "format": value_format, "isolation_level": self.isolation_level}
 
     def schema(self) -> pa.Schema:
         return self._schema
@@ -169,7 +177,26 @@ class KafkaSource(Source):
 
     def read_segment(self, seg: Segment, schema: pa.Schema, epoch: int) -> pa.Table:
         values, offsets = self._fetch(seg, epoch)
-        return formats.decode_json_values(values, np.asarray(offsets, dtype=np.int64), schema, seg.position_base())
+        at = np.asarray(offsets, dtype=np.int64)
+        if self.decode is not None:
+            return formats.decode_values_with(self.decode, values, at, schema, seg.position_base())
+        return formats.decode_json_values(values, at, schema, seg.position_base())
+
+    def committed(self, rng: EpochRange) -> None:
+        if self.commit_group is None:
+            return
+        from confluent_kafka import Consumer, KafkaException, TopicPartition
+
+        ends = [TopicPartition(self.topic, int(name), pos.offset) for name, pos in rng.end.items()
+                if isinstance(pos, Offset)]
+        consumer = Consumer({"bootstrap.servers": self.bootstrap_servers, "group.id": self.commit_group,
+                             "enable.auto.commit": False, **self.config})
+        try:
+            consumer.commit(offsets=ends, asynchronous=False)
+        except KafkaException:
+            pass  # best effort: the next epoch's commit writes the group's offsets again
+        finally:
+            consumer.close()
 
     def _fetch(self, seg: Segment, epoch: int) -> tuple[list[bytes | None], list[int]]:
         """The records at offsets ``[start, end)`` of the segment's partition (gaps allowed)."""
