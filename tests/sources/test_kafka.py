@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import signal
+import time
 import uuid
 from collections import Counter
 
@@ -67,7 +68,9 @@ def test_each_recorded_range_reads_exactly_its_offsets(kafka):
     topic = topic_name()
     produce_events(kafka.bootstrap_servers, topic, 2, 500, 50)
     source = KafkaSource(topic, kafka.bootstrap_servers, EVENT_SCHEMA)
-    assert source.backlog({}).records == 1_000
+    waiting = source.backlog({})
+    assert waiting.records == 1_000 and sum(waiting.per_partition.values()) == 1_000
+    assert 0 <= waiting.oldest_age_s(time.time()) < 60  # the first waiting record's timestamp
     first = source.cut(1, {}, 600)
     second = source.cut(2, first.end, None)
     assert first.records == 600 and second.records == 400 and source.backlog(second.end).records == 0

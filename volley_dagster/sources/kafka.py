@@ -155,7 +155,30 @@ class KafkaSource(Source):
     def backlog(self, after: Mapping[str, SourcePosition]) -> Backlog:
         marks = self.watermarks()
         waiting = {name: mark.high - start_offset(self.topic, name, after, marks) for name, mark in marks.items()}
-        return Backlog(sum(waiting.values()), sum(1 for n in waiting.values() if n > 0), None, waiting)
+        starts = {name: marks[name].high - n for name, n in waiting.items() if n > 0}
+        return Backlog(sum(waiting.values()), len(starts), self._oldest_timestamp(starts), waiting)
+
+    def _oldest_timestamp(self, starts: Mapping[str, int]) -> float | None:
+        """When the oldest waiting record was written (its timestamp), from the first
+        waiting record of each partition: what the freshness check ages."""
+        if not starts:
+            return None
+        from confluent_kafka import TopicPartition
+
+        consumer = self._consumer()
+        try:
+            consumer.assign([TopicPartition(self.topic, int(name), offset) for name, offset in starts.items()])
+            found: dict[int, float] = {}
+            deadline = time.monotonic() + METADATA_TIMEOUT_S
+            while len(found) < len(starts) and time.monotonic() < deadline:
+                for msg in consumer.consume(len(starts), timeout=POLL_S):
+                    kind, stamp = msg.timestamp() if msg.error() is None else (0, 0)
+                    if kind and msg.partition() not in found:
+                        found[msg.partition()] = stamp / 1000.0
+                        consumer.pause([TopicPartition(self.topic, msg.partition())])
+            return min(found.values()) if found else None
+        finally:
+            consumer.close()
 
     def verify(self, rng: EpochRange) -> None:
         marks = self.watermarks()
