@@ -24,6 +24,7 @@ import json
 import os
 import signal
 import socket
+import struct
 import sys
 import time
 import traceback
@@ -64,7 +65,7 @@ def start_fork_server(address: str, job_origin_json: str, executable: str) -> No
                      stdin=subprocess.DEVNULL, close_fds=True)
 
 
-def fork_run_worker(address: str, run_id: str, instance_ref_json: str) -> tuple[int, int]:
+def fork_run_worker(address: str, run_id: str, instance_ref_json: str, repository_origin_json: str) -> tuple[int, int]:
     """Ask the fork server to start a worker for the run: (worker pid, server pid)."""
     client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     client.settimeout(REPLY_TIMEOUT_S)
@@ -73,7 +74,8 @@ def fork_run_worker(address: str, run_id: str, instance_ref_json: str) -> tuple[
             client.connect(address)
         except (FileNotFoundError, ConnectionRefusedError) as exc:
             raise ForkServerUnavailable("no fork server is listening") from exc
-        client.sendall(json.dumps({"run_id": run_id, "instance_ref": instance_ref_json}).encode() + b"\n")
+        client.sendall(json.dumps({"run_id": run_id, "instance_ref": instance_ref_json,
+                                   "repository_origin": repository_origin_json}).encode() + b"\n")
         reply = _read_line(client)
     except OSError as exc:
         raise ForkServerUnavailable(f"the fork server did not answer: {exc}") from exc
@@ -84,6 +86,8 @@ def fork_run_worker(address: str, run_id: str, instance_ref_json: str) -> tuple[
     answer = json.loads(reply)
     if "stale" in answer:
         raise ForkServerStale(answer["stale"])
+    if "error" in answer:
+        raise ForkServerUnavailable(answer["error"])
     return int(answer["pid"]), int(answer["server_pid"])
 
 
@@ -103,6 +107,7 @@ class _ForkServer:
         self.job_origin_json = job_origin_json
         self.parent = parent
         self.sources: dict[str, float] = {}
+        self.repository_origin_json = ""
 
     def serve(self) -> int:
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -122,12 +127,17 @@ class _ForkServer:
                 continue
             with conn:
                 conn.settimeout(REPLY_TIMEOUT_S)
+                if _peer_uid(conn) != os.getuid():  # an abstract socket has no file permissions to guard it
+                    continue
                 changed = self._changed_source()
                 if changed:
                     _reply(conn, {"stale": f"{changed} changed since the fork server loaded it; starting a new one"})
                     _log(f"{changed} changed: exiting, so that a new fork server loads the new code")
                     return 0
                 request = json.loads(_read_line(conn))
+                if request.get("repository_origin") != self.repository_origin_json:
+                    _reply(conn, {"error": "the run is of another code location than this fork server's"})
+                    continue
                 if os.fork() == 0:
                     listener.close()
                     _monitor(conn, request["run_id"], request["instance_ref"])  # never returns
@@ -138,10 +148,11 @@ class _ForkServer:
         import importlib
 
         from dagster._core.origin import JobPythonOrigin
-        from dagster._serdes import deserialize_value
+        from dagster._serdes import deserialize_value, serialize_value
         from dagster._utils.hosted_user_process import recon_job_from_origin
 
         origin = deserialize_value(self.job_origin_json, JobPythonOrigin)
+        self.repository_origin_json = serialize_value(origin.repository_origin)
         recon_job_from_origin(origin).get_definition()
         for module in PRELOAD:
             importlib.import_module(module)
@@ -156,6 +167,11 @@ class _ForkServer:
             except OSError:
                 return path
         return None
+
+
+def _peer_uid(conn: socket.socket) -> int:
+    pid_uid_gid = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return int(struct.unpack("3i", pid_uid_gid)[1])
 
 
 def _module_files(root: Path) -> dict[str, float]:

@@ -66,10 +66,11 @@ class WarmRunLauncher(DefaultRunLauncher):
         origin = run.job_code_origin
         if origin is None:
             raise ForkServerUnavailable("the run has no code origin")
-        address = server_address(serialize_value(origin.repository_origin), str(self._instance.root_directory))
+        repository = serialize_value(origin.repository_origin)
+        address = server_address(repository, str(self._instance.root_directory))
         instance_ref = serialize_value(self._instance.get_ref())
         try:
-            return fork_run_worker(address, run.run_id, instance_ref)
+            return fork_run_worker(address, run.run_id, instance_ref, repository)
         except ForkServerStale:
             pass
         except ForkServerUnavailable:
@@ -83,7 +84,7 @@ class WarmRunLauncher(DefaultRunLauncher):
         deadline = time.monotonic() + FIRST_START_WAIT_S
         while True:
             try:
-                return fork_run_worker(address, run.run_id, instance_ref)
+                return fork_run_worker(address, run.run_id, instance_ref, repository)
             except ForkServerUnavailable:
                 if time.monotonic() > deadline:
                     raise
