@@ -15,8 +15,10 @@ import pytest
 from dagster import DagsterEventType, DagsterInstance, DagsterRunStatus
 from dagster._core.definitions.reconstruct import ReconstructableRepository
 from dagster._core.launcher import LaunchRunContext, WorkerStatus
+from dagster._serdes import serialize_value
 
 from launcher import WarmRunLauncher
+from launcher.fork_server import ForkServerUnavailable, fork_run_worker, server_address
 from launcher.run_launcher import FORK_SERVER_TAG
 from launcher.workers import run_worker_pid
 
@@ -132,3 +134,14 @@ def test_a_changed_source_file_retires_the_fork_server(instance, tmp_path):
     assert first.tags[FORK_SERVER_TAG] != second.tags[FORK_SERVER_TAG]  # a new server, with the new code
     logs = [e.message or "" for e in instance.all_logs(second.run_id)]
     assert any("worker process" in m for m in logs), logs
+
+
+def test_the_fork_server_runs_only_its_own_code_location(instance, tmp_path):
+    run_id = launch(instance, tmp_path, "quick")
+    run = wait_for(lambda: finished(instance, run_id), what="a first run")
+    origin = run.job_code_origin
+    repository = serialize_value(origin.repository_origin)
+    address = server_address(repository, str(instance.root_directory))
+    other = serialize_value(origin.repository_origin._replace(executable_path="/usr/bin/python3"))
+    with pytest.raises(ForkServerUnavailable, match="another code location"):
+        fork_run_worker(address, run.run_id, serialize_value(instance.get_ref()), other)
