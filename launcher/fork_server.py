@@ -19,6 +19,7 @@ it exits, and refuses to fork once a source file of the code location changed
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import os
@@ -29,7 +30,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, NoReturn
 
 __all__ = ["ForkServerStale", "ForkServerUnavailable", "fork_run_worker", "server_address", "start_fork_server"]
 
@@ -140,7 +141,7 @@ class _ForkServer:
                     continue
                 if os.fork() == 0:
                     listener.close()
-                    _monitor(conn, request["run_id"], request["instance_ref"])  # never returns
+                    _exit_with(functools.partial(_monitor, conn, request["run_id"], request["instance_ref"]))
         _log("the process that started the fork server exited: stopping")
         return 0
 
@@ -185,53 +186,51 @@ def _module_files(root: Path) -> dict[str, float]:
     return files
 
 
-def _monitor(conn: socket.socket, run_id: str, instance_ref_json: str) -> None:
+def _exit_with(body: Callable[[], int]) -> NoReturn:
+    """In a forked child: run ``body``, then exit with its code (1 if it raised), never
+    returning into the fork server's loop."""
+    code = 1
+    try:
+        code = body()
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _monitor(conn: socket.socket, run_id: str, instance_ref_json: str) -> int:
     """In the forked monitor: fork the worker, report its pid, wait for it, and mark
     its run failed if it died before the run ended."""
-    code = 1
-    try:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C of dagster dev is the worker's to handle
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        worker = os.fork()
-        if worker == 0:
-            conn.close()
-            _work(run_id, instance_ref_json)  # never returns
-        _reply(conn, {"pid": worker, "server_pid": os.getppid()})
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C of dagster dev is the worker's to handle
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    worker = os.fork()
+    if worker == 0:
         conn.close()
-        _, status = os.waitpid(worker, 0)
-        exit_code = os.waitstatus_to_exitcode(status)
-        if exit_code != 0:
-            _fail_if_unfinished(run_id, instance_ref_json, exit_code)
-        code = 0
-    except BaseException:
-        traceback.print_exc()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        _exit_with(lambda: _work(run_id, instance_ref_json))
+    _reply(conn, {"pid": worker, "server_pid": os.getppid()})
+    conn.close()
+    _, status = os.waitpid(worker, 0)
+    exit_code = os.waitstatus_to_exitcode(status)
+    if exit_code != 0:
+        _fail_if_unfinished(run_id, instance_ref_json, exit_code)
+    return 0
 
 
-def _work(run_id: str, instance_ref_json: str) -> None:
+def _work(run_id: str, instance_ref_json: str) -> int:
     """In the forked worker: run the run, as ``dagster api execute_run`` does."""
-    code = 1
-    try:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        from dagster import DagsterInstance
-        from dagster._cli.api import _execute_run_command_body
-        from dagster._core.instance.ref import InstanceRef
-        from dagster._serdes import deserialize_value
-        from dagster._utils.interrupts import capture_interrupts
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    from dagster import DagsterInstance
+    from dagster._cli.api import _execute_run_command_body
+    from dagster._core.instance.ref import InstanceRef
+    from dagster._serdes import deserialize_value
+    from dagster._utils.interrupts import capture_interrupts
 
-        with capture_interrupts(), DagsterInstance.from_ref(deserialize_value(instance_ref_json, InstanceRef)) as instance:
-            code = _execute_run_command_body(run_id, instance, write_stream_fn=lambda _event: None,
-                                             set_exit_code_on_failure=False)
-    except BaseException:
-        traceback.print_exc()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+    with capture_interrupts(), DagsterInstance.from_ref(deserialize_value(instance_ref_json, InstanceRef)) as instance:
+        return _execute_run_command_body(run_id, instance, write_stream_fn=lambda _event: None,
+                                         set_exit_code_on_failure=False)
 
 
 def _fail_if_unfinished(run_id: str, instance_ref_json: str, exit_code: int) -> None:
