@@ -18,10 +18,11 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 
 from tests.engine.test_crash_recovery import run_until_killed
 from tests.helpers import assert_state_equal, log_records, payments, payments_on_kafka, read_sink, reference_state
-from volley_dagster import EpochRunner, SourceDataLostError, SourceError
+from volley_dagster import ConfigError, EpochRunner, SourceDataLostError, SourceError
 from volley_dagster.columns import ERROR, POS, POS_OFFSET_BITS
 from volley_dagster.demo.events import EVENT_SCHEMA
 from volley_dagster.demo.kafka import produce_events
+from volley_dagster.sinks.kafka import KafkaSink
 from volley_dagster.sources.kafka import KafkaSource, Watermarks, plan_cut
 from volley_dagster.sources.offsets import EpochRange, Offset
 
@@ -60,6 +61,11 @@ def test_a_deleted_or_re_created_topic_is_a_named_error():
         plan_cut("t", 3, {"0": Offset(50)}, {"0": Watermarks(0, 20)}, None)
     with pytest.raises(SourceError, match="partition 1 was read before and is gone"):
         plan_cut("t", 3, {"0": Offset(5), "1": Offset(5)}, {"0": Watermarks(0, 20)}, None)
+
+
+def test_a_kafka_sink_refuses_to_replace_another_lineages_records():
+    with pytest.raises(ConfigError, match="cannot remove the records another lineage wrote"):
+        KafkaSink("totals", "127.0.0.1:9", on_foreign_lineage="replace")
 
 
 # -- reading from a broker -------------------------------------------------------------

@@ -22,7 +22,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from volley_dagster.errors import SinkCommitError
+from volley_dagster.errors import ConfigError, SinkCommitError
 from volley_dagster.sinks.base import CommitContext, Sink, SinkCommitResult, SinkLocation, commit_tags
 from volley_dagster.sinks.lineage import ForeignLineage, SinkCommit, SinkMark, check_choice
 
@@ -46,6 +46,10 @@ class KafkaSink(Sink):
         self.name = name
         self.key_columns = key_columns
         self.on_foreign_lineage = check_choice(name, on_foreign_lineage)
+        if self.on_foreign_lineage == "replace":
+            raise ConfigError(f"sink {name!r}: a Kafka topic cannot remove the records another lineage wrote, so "
+                              "on_foreign_lineage='replace' is not possible; use 'fail' (the default), 'continue', "
+                              "or write to a new topic")
         self.config = dict(config or {})
 
     def location(self) -> SinkLocation:
