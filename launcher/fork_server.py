@@ -135,13 +135,18 @@ class _ForkServer:
                     _reply(conn, {"stale": f"{changed} changed since the fork server loaded it; starting a new one"})
                     _log(f"{changed} changed: exiting, so that a new fork server loads the new code")
                     return 0
-                request = json.loads(_read_line(conn))
+                try:
+                    request = json.loads(_read_line(conn))
+                    run_id, instance_ref = str(request["run_id"]), str(request["instance_ref"])
+                except (OSError, ValueError, KeyError, TypeError) as exc:  # a half-sent or foreign request
+                    _log(f"ignored a malformed request: {exc!r}")
+                    continue
                 if request.get("repository_origin") != self.repository_origin_json:
                     _reply(conn, {"error": "the run is of another code location than this fork server's"})
                     continue
                 if os.fork() == 0:
                     listener.close()
-                    _exit_with(functools.partial(_monitor, conn, request["run_id"], request["instance_ref"]))
+                    _exit_with(functools.partial(_monitor, conn, run_id, instance_ref))
         _log("the process that started the fork server exited: stopping")
         return 0
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import textwrap
 import time
 from pathlib import Path
@@ -145,3 +146,10 @@ def test_the_fork_server_runs_only_its_own_code_location(instance, tmp_path):
     other = serialize_value(origin.repository_origin._replace(executable_path="/usr/bin/python3"))
     with pytest.raises(ForkServerUnavailable, match="another code location"):
         fork_run_worker(address, run.run_id, serialize_value(instance.get_ref()), other)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as garbage:  # a malformed request is ignored
+        garbage.connect(address)
+        garbage.sendall(b"not json\n")
+        assert garbage.recv(100) == b""
+    again = launch(instance, tmp_path, "quick")  # the same fork server still serves
+    assert wait_for(lambda: finished(instance, again), what="a run after it").tags[FORK_SERVER_TAG] == \
+        run.tags[FORK_SERVER_TAG]
