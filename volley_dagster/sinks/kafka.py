@@ -16,13 +16,13 @@ Values are the output rows as JSON objects; keys are the key columns as JSON.
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import pyarrow as pa
 
 from volley_dagster.errors import ConfigError, SinkCommitError
+from volley_dagster.io import kafka
 from volley_dagster.sinks.base import CommitContext, Sink, SinkCommitResult, SinkLocation, commit_tags
 from volley_dagster.sinks.lineage import ForeignLineage, SinkCommit, SinkMark, check_choice
 
@@ -32,7 +32,6 @@ MARKER = "volley.marker"
 MARKER_PARTITION = 0
 SCAN_BACK = 1_000  # offsets of partition 0 looked at per step, newest first, for the last marker
 TIMEOUT_S = 30.0
-POLL_S = 0.05
 
 
 class KafkaSink(Sink):
@@ -120,51 +119,35 @@ class KafkaSink(Sink):
                 yield SinkCommit(SinkMark.from_tags(headers), int(headers.get("volley.rows", -1)))
 
     def _consumer(self) -> Any:
-        from confluent_kafka import Consumer
+        return kafka.consumer(self.bootstrap_servers, f"volley-sink-{self.topic}", "read_committed", self.config)
 
-        return Consumer({"bootstrap.servers": self.bootstrap_servers, "group.id": f"volley-sink-{self.topic}",
-                         "enable.auto.commit": False, "enable.partition.eof": True,
-                         "isolation.level": "read_committed", **self.config})
+    def _watermarks(self) -> tuple[int, int]:
+        """Of the marker partition; (0, 0) while the topic does not exist: it holds nothing."""
+        from confluent_kafka import KafkaException
 
-    def _watermarks(self, partition: int = MARKER_PARTITION) -> tuple[int, int]:
-        from confluent_kafka import KafkaException, TopicPartition
-
-        consumer = self._consumer()
+        client = self._consumer()
         try:
-            meta = consumer.list_topics(self.topic, timeout=TIMEOUT_S).topics.get(self.topic)
-            if meta is None or meta.error is not None or partition not in meta.partitions:
-                return 0, 0  # no topic yet: it holds nothing
-            low, high = consumer.get_watermark_offsets(TopicPartition(self.topic, partition), timeout=TIMEOUT_S,
-                                                       cached=False)
-            return int(low), int(high)
+            if MARKER_PARTITION not in (kafka.partitions(client, self.topic) or []):
+                return 0, 0
+            return kafka.watermarks(client, self.topic, MARKER_PARTITION)
         except KafkaException as exc:
             raise SinkCommitError(f"sink {self.name!r}: kafka topic {self.topic!r}: {exc}") from exc
         finally:
-            consumer.close()
+            client.close()
 
     def _scan(self, partition: int | None, start: int, end: int | None) -> Iterator[Any]:
         """Committed records of one partition from ``start`` to ``end`` (or of every
         partition to its end), skipping the gaps transactions leave."""
         from confluent_kafka import KafkaError, TopicPartition
 
-        consumer = self._consumer()
+        client = self._consumer()
         try:
-            meta = consumer.list_topics(self.topic, timeout=TIMEOUT_S).topics.get(self.topic)
-            numbers = sorted(meta.partitions) if meta is not None and meta.error is None else []
-            parts = [p for p in numbers if partition is None or p == partition]
+            parts = [p for p in kafka.partitions(client, self.topic) or [] if partition is None or p == partition]
             if not parts:
                 return
-            consumer.assign([TopicPartition(self.topic, p, start if partition is not None else 0) for p in parts])
+            client.assign([TopicPartition(self.topic, p, start if partition is not None else 0) for p in parts])
             done: set[int] = set()
-            deadline = time.monotonic() + TIMEOUT_S
-            while len(done) < len(parts):
-                batch = consumer.consume(10_000, timeout=POLL_S)  # returns early only with 10,000 records
-                if not batch:
-                    if time.monotonic() > deadline:
-                        raise SinkCommitError(f"sink {self.name!r}: kafka topic {self.topic!r} did not answer in "
-                                              f"{TIMEOUT_S:.0f}s")
-                    continue
-                deadline = time.monotonic() + TIMEOUT_S
+            for batch in kafka.batches(client, TIMEOUT_S):
                 for msg in batch:
                     if msg.error() is not None:
                         if msg.error().code() == KafkaError._PARTITION_EOF:
@@ -173,11 +156,14 @@ class KafkaSink(Sink):
                         raise SinkCommitError(f"sink {self.name!r}: kafka topic {self.topic!r}: {msg.error()}")
                     if end is not None and msg.offset() >= end:
                         done.add(msg.partition())
-                        continue
-                    if msg.partition() not in done:
+                    elif msg.partition() not in done:
                         yield msg
+                if len(done) == len(parts):
+                    return
+        except kafka.KafkaQuiet as exc:
+            raise SinkCommitError(f"sink {self.name!r}: kafka topic {self.topic!r}: {exc}") from exc
         finally:
-            consumer.close()
+            client.close()
 
 
 def _records(output: pa.Table, keys: tuple[str, ...]) -> Iterator[tuple[bytes | None, bytes]]:

@@ -17,7 +17,6 @@ that disappear (a topic deleted and re-created) are a ``SourceError``.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +25,7 @@ import numpy as np
 import pyarrow as pa
 
 from volley_dagster.errors import ConfigError, SourceDataLostError, SourceError, SourceUnavailableError
+from volley_dagster.io import kafka
 from volley_dagster.sources import formats
 from volley_dagster.sources.base import Source, SourceSnapshot
 from volley_dagster.sources.offsets import Backlog, EpochRange, Offset, Segment, SourcePosition, fair_shares
@@ -33,8 +33,6 @@ from volley_dagster.sources.offsets import Backlog, EpochRange, Offset, Segment,
 __all__ = ["KafkaSource", "Watermarks", "plan_cut"]
 
 READ_TIMEOUT_S = 60.0  # a read task that gets no record for this long names the range it could not finish
-METADATA_TIMEOUT_S = 15.0
-POLL_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -119,34 +117,24 @@ class KafkaSource(Source):
     def schema(self) -> pa.Schema:
         return self._schema
 
-    def _consumer(self) -> Any:
-        from confluent_kafka import Consumer
-
-        return Consumer({"bootstrap.servers": self.bootstrap_servers, "group.id": f"volley-reader-{self.topic}",
-                         "enable.auto.commit": False, "enable.partition.eof": True,
-                         "isolation.level": self.isolation_level, "auto.offset.reset": "error", **self.config})
+    def _consumer(self, group_id: str | None = None) -> Any:
+        return kafka.consumer(self.bootstrap_servers, group_id or f"volley-reader-{self.topic}", self.isolation_level,
+                              {"auto.offset.reset": "error", **self.config})
 
     def watermarks(self) -> dict[str, Watermarks]:
         """Each partition's watermarks, from the brokers."""
-        from confluent_kafka import KafkaException, TopicPartition
+        from confluent_kafka import KafkaException
 
-        consumer = self._consumer()
+        client = self._consumer()
         try:
-            topics = consumer.list_topics(self.topic, timeout=METADATA_TIMEOUT_S).topics
-            meta = topics.get(self.topic)
-            if meta is None or meta.error is not None or not meta.partitions:
-                raise SourceError(f"kafka topic {self.topic!r} at {self.bootstrap_servers}: not found "
-                                  f"({meta.error if meta is not None else 'no metadata'})")
-            marks = {}
-            for number in sorted(meta.partitions):
-                low, high = consumer.get_watermark_offsets(TopicPartition(self.topic, number),
-                                                           timeout=METADATA_TIMEOUT_S, cached=False)
-                marks[str(number)] = Watermarks(low, high)
-            return marks
+            numbers = kafka.partitions(client, self.topic)
+            if numbers is None:
+                raise SourceError(f"kafka topic {self.topic!r} at {self.bootstrap_servers}: not found")
+            return {str(n): Watermarks(*kafka.watermarks(client, self.topic, n)) for n in numbers}
         except KafkaException as exc:
             raise SourceUnavailableError(f"kafka topic {self.topic!r} at {self.bootstrap_servers}: {exc}") from exc
         finally:
-            consumer.close()
+            client.close()
 
     def cut(self, epoch: int, after: Mapping[str, SourcePosition], max_records: int | None,
             final: bool = False) -> EpochRange:
@@ -154,9 +142,10 @@ class KafkaSource(Source):
 
     def backlog(self, after: Mapping[str, SourcePosition]) -> Backlog:
         marks = self.watermarks()
-        waiting = {name: mark.high - start_offset(self.topic, name, after, marks) for name, mark in marks.items()}
-        starts = {name: marks[name].high - n for name, n in waiting.items() if n > 0}
-        return Backlog(sum(waiting.values()), len(starts), self._oldest_timestamp(starts), waiting)
+        starts = {name: start_offset(self.topic, name, after, marks) for name in marks}
+        waiting = {name: marks[name].high - start for name, start in starts.items()}
+        unread = {name: start for name, start in starts.items() if waiting[name] > 0}
+        return Backlog(sum(waiting.values()), len(unread), self._oldest_timestamp(unread), waiting)
 
     def _oldest_timestamp(self, starts: Mapping[str, int]) -> float | None:
         """When the oldest waiting record was written (its timestamp), from the first
@@ -165,20 +154,23 @@ class KafkaSource(Source):
             return None
         from confluent_kafka import TopicPartition
 
-        consumer = self._consumer()
+        client = self._consumer()
+        found: dict[int, float] = {}
         try:
-            consumer.assign([TopicPartition(self.topic, int(name), offset) for name, offset in starts.items()])
-            found: dict[int, float] = {}
-            deadline = time.monotonic() + METADATA_TIMEOUT_S
-            while len(found) < len(starts) and time.monotonic() < deadline:
-                for msg in consumer.consume(len(starts), timeout=POLL_S):
+            client.assign([TopicPartition(self.topic, int(name), offset) for name, offset in starts.items()])
+            for batch in kafka.batches(client, kafka.METADATA_TIMEOUT_S):
+                for msg in batch:
                     kind, stamp = msg.timestamp() if msg.error() is None else (0, 0)
                     if kind and msg.partition() not in found:
                         found[msg.partition()] = stamp / 1000.0
-                        consumer.pause([TopicPartition(self.topic, msg.partition())])
-            return min(found.values()) if found else None
+                        client.pause([TopicPartition(self.topic, msg.partition())])
+                if len(found) == len(starts):
+                    break
+        except kafka.KafkaQuiet:
+            pass  # what was found is the best estimate
         finally:
-            consumer.close()
+            client.close()
+        return min(found.values()) if found else None
 
     def verify(self, rng: EpochRange) -> None:
         marks = self.watermarks()
@@ -208,33 +200,30 @@ class KafkaSource(Source):
     def committed(self, rng: EpochRange) -> None:
         if self.commit_group is None:
             return
-        from confluent_kafka import Consumer, KafkaException, TopicPartition
+        from confluent_kafka import KafkaException, TopicPartition
 
         ends = [TopicPartition(self.topic, int(name), pos.offset) for name, pos in rng.end.items()
                 if isinstance(pos, Offset)]
-        consumer = Consumer({"bootstrap.servers": self.bootstrap_servers, "group.id": self.commit_group,
-                             "enable.auto.commit": False, **self.config})
+        client = self._consumer(self.commit_group)
         try:
-            consumer.commit(offsets=ends, asynchronous=False)
+            client.commit(offsets=ends, asynchronous=False)
         except KafkaException:
             pass  # best effort: the next epoch's commit writes the group's offsets again
         finally:
-            consumer.close()
+            client.close()
 
     def _fetch(self, seg: Segment, epoch: int) -> tuple[list[bytes | None], list[int]]:
         """The records at offsets ``[start, end)`` of the segment's partition (gaps allowed)."""
         from confluent_kafka import KafkaError, TopicPartition
 
-        consumer = self._consumer()
+        client = self._consumer()
         values: list[bytes | None] = []
         offsets: list[int] = []
         where = f"epoch {epoch}: kafka topic {self.topic!r} partition {seg.partition} offsets {seg.start}..{seg.end - 1}"
+        next_offset = seg.start
         try:
-            consumer.assign([TopicPartition(self.topic, int(seg.partition), seg.start)])
-            deadline = time.monotonic() + READ_TIMEOUT_S
-            next_offset = seg.start
-            while next_offset < seg.end:
-                batch = consumer.consume(10_000, timeout=POLL_S)  # returns early only with 10,000 records
+            client.assign([TopicPartition(self.topic, int(seg.partition), seg.start)])
+            for batch in kafka.batches(client, READ_TIMEOUT_S):
                 for msg in batch:
                     err = msg.error()
                     if err is not None:
@@ -248,29 +237,22 @@ class KafkaSource(Source):
                     if msg.offset() >= seg.end:
                         next_offset = seg.end
                         break
-                    if not offsets and msg.offset() > seg.start and self._low(consumer, seg) > seg.start:
+                    if not offsets and msg.offset() > seg.start and \
+                            kafka.watermarks(client, self.topic, int(seg.partition))[0] > seg.start:
                         raise SourceDataLostError(f"{where}: offsets {seg.start}..{msg.offset() - 1} were deleted "
                                                   "(retention) before the epoch committed")
                     values.append(msg.value())
                     offsets.append(msg.offset())
                     next_offset = msg.offset() + 1
-                if batch:
-                    deadline = time.monotonic() + READ_TIMEOUT_S
-                    position = consumer.position([TopicPartition(self.topic, int(seg.partition))])[0].offset
-                    next_offset = max(next_offset, position)  # past control records and aborted transactions
-                elif time.monotonic() > deadline:
-                    raise SourceUnavailableError(f"{where}: no record for {READ_TIMEOUT_S:.0f}s, stopped at offset "
-                                                 f"{next_offset}")
+                position = client.position([TopicPartition(self.topic, int(seg.partition))])[0].offset
+                next_offset = max(next_offset, position)  # past control records and aborted transactions
+                if next_offset >= seg.end:
+                    break
+        except kafka.KafkaQuiet as exc:
+            raise SourceUnavailableError(f"{where}: {exc}, stopped at offset {next_offset}") from exc
         finally:
-            consumer.close()
+            client.close()
         return values, offsets
-
-    def _low(self, consumer: Any, seg: Segment) -> int:
-        from confluent_kafka import TopicPartition
-
-        low, _ = consumer.get_watermark_offsets(TopicPartition(self.topic, int(seg.partition)),
-                                                timeout=METADATA_TIMEOUT_S, cached=False)
-        return int(low)
 
     def snapshot(self) -> SourceSnapshot:
         marks = self.watermarks()
