@@ -34,6 +34,7 @@ from assets.metadata import (
     source_key,
     source_observation,
     state_key,
+    state_preview,
 )
 from assets.runs import MAX_RECOVERY_REQUESTS, PIPELINE_TAG, pipeline_pool, pool_runs
 from resources import CheckpointResource, SparkResource, TablesResource
@@ -174,8 +175,11 @@ def epoch_assets(deployment: Deployment, spec_settings: TableSettings) -> list:
                              "lease_wait_s": MetadataValue.float(lease.waited_s),
                              **{k: MetadataValue.int(v) for k, v in attempt.items()}}
                     row_counts = {sink.name: sink.row_count() for sink in runner.pipeline.sinks}
+                    by = deployment.state_preview_by
+                    preview = {"top_keys": state_preview(runner, result.epoch, by)} if by and not result.already_committed else {}
                     for asset_key, metadata in epoch_metadata(runner.pipeline, result, row_counts).items():
-                        yield AssetMaterialization(asset_key=asset_key, partition=key, metadata={**metadata, **extra})
+                        shown = {**metadata, **extra, **(preview if asset_key == state else {})}
+                        yield AssetMaterialization(asset_key=asset_key, partition=key, metadata=shown)
                     verb = "was already committed" if result.already_committed else "committed"
                     context.log.info(f"epoch {result.epoch} {verb}: {result.records_in} records in, "
                                      f"{result.records_out} out")

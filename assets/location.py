@@ -16,6 +16,7 @@ from dagster import (
 
 from assets.epochs import PIPELINE_TAG, RUN_RETRY_TAGS, epoch_assets, epochs_job_name, epochs_partitions
 from assets.rescale import rescale_job
+from assets.state_export import state_export_asset
 from resources import CheckpointResource, SparkResource, TablesResource
 from sensors import epoch_schedule, epoch_sensor
 from volley_dagster.deploy import Deployment
@@ -40,7 +41,9 @@ def build_definitions(
             partitions_def=epochs_partitions(deployment),
             tags={PIPELINE_TAG: deployment.name, **RUN_RETRY_TAGS},
         )
-        jobs.extend([job, rescale_job(deployment, tables.settings())])
+        export, export_job = state_export_asset(deployment, tables.settings())
+        assets.append(export)
+        jobs.extend([job, rescale_job(deployment, tables.settings()), export_job])
         sensors.append(epoch_sensor(deployment, job))
         if deployment.cron:
             schedules.append(epoch_schedule(deployment, job))

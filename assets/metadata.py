@@ -6,7 +6,7 @@ from typing import Any, Optional
 import pyarrow as pa
 from dagster import AssetKey, MetadataValue, TableColumn, TableSchema
 
-from volley_dagster import EpochResult, EpochRunner, Pipeline
+from volley_dagster import ConfigError, EpochResult, EpochRunner, Pipeline
 from volley_dagster.operators.window import describe_event_time
 from volley_dagster.sinks import Sink
 from volley_dagster.sources.offsets import Backlog
@@ -42,13 +42,26 @@ def column_schema(table: pa.Schema) -> TableSchema:
 PREVIEW_ROWS = 5
 
 
-def table_preview(output: pa.Table, rows: int = PREVIEW_ROWS) -> MetadataValue:
-    """The first rows an epoch wrote (its output is sorted by key), as a Markdown table."""
+def table_preview(output: pa.Table, rows: int = PREVIEW_ROWS, what: str = "in this epoch") -> MetadataValue:
+    """The first rows of ``output`` (an epoch's is sorted by key), as a Markdown table."""
     shown = output.slice(0, rows).to_pylist()
+    total = output.num_rows
     head = "| " + " | ".join(output.column_names) + " |\n|" + "---|" * output.num_columns + "\n"
     body = "".join("| " + " | ".join(_cell(row[c]) for c in output.column_names) + " |\n" for row in shown)
-    more = f"\n{output.num_rows - len(shown):,} more rows in this epoch" if output.num_rows > len(shown) else ""
-    return MetadataValue.md(head + body + more if shown else "this epoch wrote no rows")
+    more = f"\n{total - len(shown):,} more rows {what}" if total > len(shown) else ""
+    return MetadataValue.md(head + body + more if shown else f"no rows {what}")
+
+
+def state_preview(runner: EpochRunner, epoch: int, by: str, rows: int = PREVIEW_ROWS) -> MetadataValue:
+    """The state's top keys at ``epoch`` by the output column ``by``, read by Spark tasks."""
+    from pyspark.sql import functions as F
+
+    state = runner.state_tables().at(epoch)
+    if by not in state.columns:
+        raise ConfigError(f"state_preview_by={by!r} is not a column of {runner.pipeline.name!r}'s state; "
+                          f"its columns are {state.columns}")
+    top = state.orderBy(F.desc_nulls_last(by)).limit(rows).toArrow()
+    return table_preview(top, rows, what=f"in the state at epoch {epoch}")
 
 
 def _cell(value: Any) -> str:

@@ -231,6 +231,48 @@ def rescale_root(args: argparse.Namespace) -> int:
     return 0
 
 
+def state_command(args: argparse.Namespace) -> int:
+    """``volley state show|diff|export``: the state at a retained epoch, read by Spark tasks."""
+    from pyspark.sql import functions as F
+
+    from volley_dagster.errors import VolleyError
+    from volley_dagster.spark.delta_export import export_to_delta
+    from volley_dagster.spark.session import get_or_create_spark
+    from volley_dagster.spark.state_table import CHANGE, StateTables
+
+    try:
+        spark = get_or_create_spark(remote=os.environ.get("VOLLEY_SPARK_REMOTE") or None)
+        tables = StateTables.of_root(spark, Path(args.checkpoint_root))
+        if args.action == "diff":
+            df, what = tables.changes(args.from_epoch, args.to_epoch), f"changes from epoch {args.from_epoch} to {args.to_epoch}"
+        else:
+            epoch = args.epoch or tables.log.last_committed()
+            pending = getattr(args, "pending", False)
+            df = tables.at(epoch, "pending" if pending else "state")
+            what = f"{'pending windows' if pending else 'state'} at epoch {epoch}"
+        if getattr(args, "key", None) is not None:
+            df = df.where(F.col(tables.reader.key_name) == args.key)
+        if args.action == "export":
+            scheme, _, uri = args.to.partition(":")
+            if scheme != "delta" or not uri:
+                print(f"volley state export: --to must be delta:<uri>, got {args.to!r}", file=sys.stderr)
+                return 2
+            done = export_to_delta(df, uri, f"volley state export of {tables.log.root}, {what}")
+            print(f"exported the {what} of {tables.log.root}: {done.rows:,} rows in {done.files} files, "
+                  f"Delta table {done.uri} version {done.version}")
+            return 0
+        rows = df.orderBy(*tables.keys).limit(args.limit).toArrow()
+        counts = {r[0]: r[1] for r in df.groupBy(CHANGE).count().collect()} if args.action == "diff" else None
+        total = sum(counts.values()) if counts is not None else df.count()
+        summary = ", ".join(f"{n:,} {c}" for c, n in sorted(counts.items())) if counts else f"{total:,} rows"
+        print(f"{tables.log.root}: {what} ({summary}); the first {min(args.limit, total):,} by {', '.join(tables.keys)}:")
+        print(rows.to_pandas().to_string(index=False) if rows.num_rows else "(none)")
+    except VolleyError as exc:
+        print(f"volley state {args.action}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="volley", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -269,6 +311,23 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("checkpoint_root")
     r.add_argument("--shards", type=int, required=True, help="the new number of shards (1..key groups)")
     r.set_defaults(func=rescale_root)
+    s = sub.add_parser("state", help="the state at a retained epoch as a table, the changes between two, or an "
+                                     "export to Delta").add_subparsers(dest="action", required=True)
+    show = s.add_parser("show", help="print the state at an epoch (default: the last committed)")
+    diff = s.add_parser("diff", help="print the keys added, changed or removed from epoch N to epoch M")
+    export = s.add_parser("export", help="write the state at an epoch to a new Delta table")
+    for p in (show, diff, export):
+        p.add_argument("checkpoint_root")
+        p.add_argument("--key", help="only this key")
+        p.set_defaults(func=state_command)
+    show.add_argument("--pending", action="store_true", help="a window operator's pending entries instead")
+    diff.add_argument("from_epoch", type=int, metavar="N")
+    diff.add_argument("to_epoch", type=int, metavar="M")
+    export.add_argument("--to", required=True, help="delta:<folder or s3:// uri>")
+    for p in (show, export):
+        p.add_argument("--epoch", type=int, default=None)
+    for p in (show, diff):
+        p.add_argument("--limit", type=int, default=20)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -26,7 +26,9 @@ class Deployment:
     once ``min_records`` are waiting, or any are and the oldest waited ``max_wait_s``;
     ``cron`` adds a schedule (off unless ``schedule_running``). The freshness check
     fails once a record has waited more than ``freshness_bound_s`` to be committed.
-    The sensor's daemon loops every 5 s: an interval under 5 s means every loop."""
+    The sensor's daemon loops every 5 s: an interval under 5 s means every loop.
+    ``state_preview_by`` names an output column: each epoch's state materialization
+    then previews the top keys by it (one Spark job over the state: off by default)."""
 
     name: str
     build: Callable[[TableSettings], Pipeline]
@@ -37,3 +39,4 @@ class Deployment:
     schedule_running: bool = False
     sensor_interval_s: int = 30
     freshness_bound_s: float = 300.0
+    state_preview_by: str | None = None  # the state asset shows its top keys by this output column

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import shutil
 import tempfile
 import time
 from dataclasses import replace
@@ -37,11 +36,11 @@ from volley_dagster.checkpoint.manifest import ShardSnapshot
 from volley_dagster.checkpoint.rescale import RescaleResult
 from volley_dagster.checkpoint.rescale import rescale as rescale_state
 from volley_dagster.checkpoint.s3_snapshots import S3SnapshotStore
+from volley_dagster.checkpoint.state_reader import KEY_GROUP, SHARD, StateReader, recorded_reader, shards_to_read
 from volley_dagster.errors import (
     ConfigError,
     EpochOrderError,
     MalformedRecordError,
-    SnapshotError,
     StateLayoutError,
     StorageFullError,
     VolleyError,
@@ -56,12 +55,13 @@ from volley_dagster.sinks.lineage import SinkBinding
 from volley_dagster.sources.offsets import Backlog, EpochRange
 from volley_dagster.spark.session import get_or_create_spark
 from volley_dagster.spark.stage import plan_epoch, run_stage
+from volley_dagster.spark.state_table import StateTables
 from volley_dagster.spark.tasks import PreviousSnapshot, ShardMerge
-from volley_dagster.state.keys import ShardLayout, namespace_prefix
+from volley_dagster.state.keys import ShardLayout
 from volley_dagster.state.options import RocksDBOptions
 from volley_dagster.state.resident import ResidentStateCache
-from volley_dagster.state.store import open_snapshot_read_only, verify_snapshot
-from volley_dagster.state.transaction import DEFAULT_SCAN_FRACTION, scan_prefix
+from volley_dagster.state.store import verify_snapshot
+from volley_dagster.state.transaction import DEFAULT_SCAN_FRACTION
 
 
 class EpochRunner:
@@ -447,46 +447,27 @@ class EpochRunner:
 
     # -- reading state ---------------------------------------------------------------
 
-    def read_state(self, epoch: int | None = None) -> pa.Table:
-        """The full keyed state as of a committed, retained epoch, read from its snapshots
-        (without modifying them): each key's aggregate, or for windows every open
-        window (key, window_start, window_end, aggregates)."""
-        epoch = self.log.last_committed() if epoch is None else epoch
-        identity = self.log.identity()
-        operator = self.pipeline.stateful_operator().recorded(identity["aggregate"])
-        keys, values = self._scan_snapshots(epoch, operator.namespaces.state)
-        table = operator.decode_state(keys, values, identity["key_kind"], self.pipeline.key_column)
-        return table.sort_by([(c, "ascending") for c in self.pipeline.output_keys()])
+    def state_reader(self) -> StateReader:
+        """Decodes this root's snapshots as the operator it recorded wrote them."""
+        return recorded_reader(self.log, store=self.snapshot_store, cache_root=self.snapshot_cache,
+                               rocksdb=self.rocksdb, verify_checksums=self.verify_checksums)
 
-    def _scan_snapshots(self, epoch: int, namespace: int) -> tuple[list[bytes], list[bytes]]:
-        shards = self.log.state_shards(epoch)  # after a rescale of the epoch: the rewritten snapshots
-        prefix = namespace_prefix(namespace)
-        keys: list[bytes] = []
-        values: list[bytes] = []
-        for shard, snap in sorted(shards.items()):
-            path, restored = self.log.root / snap.path, None
-            store = self.snapshot_store
-            if not path.exists() and store is not None and self._stored_remotely(snap):
-                with contextlib.suppress(SnapshotError):  # not on this machine: S3 has it unless pruned there too
-                    restored = path = store.restore(epoch, shard, Path(self.snapshot_cache), attempt=snap.attempt).path
-            if not path.exists():
-                raise SnapshotError(
-                    f"epoch {epoch}'s snapshot of shard {shard} was removed by retention "
-                    f"(keep_epochs={self.keep_epochs}); retained epochs: {self.log.retained_snapshots()}"
-                )
-            try:
-                verify_snapshot(path, snap.files, full=self.verify_checksums)
-                db = open_snapshot_read_only(path, self.rocksdb)
-                try:
-                    entries = list(scan_prefix(db, prefix))
-                finally:
-                    db.close()
-            finally:
-                if restored is not None:
-                    shutil.rmtree(restored, ignore_errors=True)
-            keys.extend(k for k, _ in entries)
-            values.extend(v for _, v in entries)
-        return keys, values
+    def state_tables(self) -> StateTables:
+        """The state at any retained epoch, and the change feed between two, as Spark
+        DataFrames read by Spark tasks (``spark/state_table.py``)."""
+        return StateTables(self.spark, self.log, self.state_reader(), self.snapshot_store)
+
+    def read_state(self, epoch: int | None = None) -> pa.Table:
+        """The full keyed state as of a committed, retained epoch, read on the driver
+        from its snapshots (without modifying them): each key's aggregate, or for windows
+        every open window (key, window_start, window_end, aggregates). For state too big
+        for the driver, ``state_tables().at(epoch)`` reads it in Spark tasks."""
+        epoch = self.log.last_committed() if epoch is None else epoch
+        reader = self.state_reader()
+        tables = [t for shard in shards_to_read(self.log, epoch, self.snapshot_store) for t in reader.read(shard, "state")]
+        table = pa.concat_tables(tables) if tables else reader.schema("state").empty_table()
+        table = table.drop_columns([KEY_GROUP, SHARD])
+        return table.sort_by([(c, "ascending") for c in self.pipeline.output_keys()])
 
     def _stored_remotely(self, snap: ShardSnapshot) -> bool:
         """Whether this runner's snapshot store holds the snapshot (an epoch's own

@@ -190,11 +190,13 @@ def test_a_pipeline_on_a_topic_equals_the_reference_and_re_runs_as_no_ops(spark,
         group.close()
 
 
-@pytest.mark.parametrize("point", ["segment_read", "after_sinks"])
+@pytest.mark.parametrize("point", ["segment_read", "after_sink_iceberg", "after_sinks"])
 def test_kill_9_and_resume_reads_the_same_offsets_and_writes_each_epoch_once(spark, kafka, tmp_path, point):
-    """Killed while reading epoch 2's offsets, or after every sink (the Kafka
-    transaction included) committed it but before its manifest: resumed, the state
-    equals the reference and the output topic holds each epoch once."""
+    """Killed while reading epoch 2's offsets, after every sink but the Kafka one
+    committed it, or after every sink (the Kafka transaction included) committed it
+    but before its manifest: resumed, the state equals the reference and the output
+    topic holds each epoch once. (The points between the snapshot and the sinks do not
+    depend on the source; tests/engine/test_crash_recovery.py kills at each of them.)"""
     topic = topic_name()
     produce_events(kafka.bootstrap_servers, topic, BATCHES, PER_BATCH, KEYS)
     crashed = run_until_killed(tmp_path, point, 2, kind="payments_kafka", max_records=PER_BATCH,

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from volley_dagster.operators.base import StateNamespaces
+from volley_dagster.errors import StateLayoutError
+from volley_dagster.operators.base import StatefulOperator, StateNamespaces
 from volley_dagster.operators.window_state import WINDOW_NAMESPACES
 
 
@@ -12,3 +13,27 @@ def recorded_namespaces(layout: dict[str, Any]) -> StateNamespaces:
     """The namespaces of the operator that wrote a checkpoint root, from the layout it
     recorded (``pipeline.json``): for tools that have no pipeline (``volley rescale``)."""
     return WINDOW_NAMESPACES if "windowing" in layout else StateNamespaces((layout["namespace"],))
+
+
+def recorded_operator(layout: dict[str, Any]) -> StatefulOperator:
+    """The operator that wrote a checkpoint root, rebuilt from the layout it recorded
+    (``pipeline.json``), so that tools with no pipeline (``volley state``) decode its
+    state exactly as the engine wrote it."""
+    from volley_dagster.operators import accumulators as acc
+    from volley_dagster.operators.aggregate import Aggregate
+    from volley_dagster.operators.window import WindowedAggregate, Windowing, Windows
+
+    kinds: dict[str, type[acc.Accumulator]] = {
+        c.__name__: c for c in (acc.Count, acc.Sum, acc.Min, acc.Max, acc.Mean, acc.First, acc.Last)
+    }
+    try:
+        accumulators = tuple((a["name"], kinds[a["type"]](a["column"])) for a in layout["accumulators"])
+    except KeyError as exc:
+        raise StateLayoutError(f"the recorded aggregate names an accumulator this engine does not know ({exc}); "
+                               f"recorded: {layout.get('accumulators')}") from None
+    aggregate = Aggregate(accumulators, layout["namespace"])
+    if "windowing" not in layout:
+        return aggregate.recorded(layout)
+    w = layout["windowing"]
+    windowing = Windowing(Windows(**w["windows"]), w["time_column"], w["out_of_orderness_us"], w["lateness_us"])
+    return WindowedAggregate(windowing, aggregate).recorded(layout)

@@ -16,7 +16,7 @@ from volley_dagster import columns
 from volley_dagster.errors import AggregateOverflowError, ConfigError, StateLayoutError
 from volley_dagster.operators.accumulators import Accumulator, StateOverflow, ValueKind, spark_ddl
 from volley_dagster.operators.base import OperatorStats, ShardStep, StateNamespaces
-from volley_dagster.state.keys import decode_keys, encode_keys, namespace_prefix
+from volley_dagster.state.keys import decode_keys, encode_keys, key_columns, namespace_prefix
 from volley_dagster.state.resident import ResidentShard
 from volley_dagster.state.transaction import ShardTransaction
 
@@ -71,10 +71,12 @@ class ResolvedAggregate:
     def namespaces(self) -> StateNamespaces:
         return StateNamespaces((self.namespace,))
 
-    def decode_state(self, keys: list[bytes], values: list[bytes], key_kind: str, key_name: str) -> pa.Table:
-        _, key_values = decode_keys(key_kind, keys)
+    def decode_state(self, keys: list[bytes], values: list[bytes], key_kind: str, key_name: str,
+                     key_group: str | None = None) -> pa.Table:
+        groups, key_values = decode_keys(key_kind, keys)
         state, _ = self.decode(values)
-        return pa.table([key_values] + self.outputs(state), names=[key_name] + self.output_names())
+        front, names = key_columns(key_values, key_name, groups, key_group)
+        return pa.table(front + self.outputs(state), names=names + self.output_names())
 
     def layout(self) -> dict[str, Any]:
         """What must not change between epochs of one checkpoint root."""

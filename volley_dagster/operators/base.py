@@ -71,8 +71,10 @@ class StatefulOperator(Protocol):
     def namespaces(self) -> StateNamespaces:
         """Where its state lives."""
 
-    def decode_state(self, keys: list[bytes], values: list[bytes], key_kind: str, key_name: str) -> pa.Table:
-        """The rows users read (key first) of records scanned from ``namespaces.state``."""
+    def decode_state(self, keys: list[bytes], values: list[bytes], key_kind: str, key_name: str,
+                     key_group: str | None = None) -> pa.Table:
+        """The rows users read (key first) of records scanned from ``namespaces.state``;
+        with ``key_group``, each row's key group follows the key under that name."""
 
     def output_ddl(self) -> list[str]:
         """Spark DDL of the output columns after the key."""

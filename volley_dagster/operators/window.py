@@ -43,7 +43,7 @@ from volley_dagster.operators.accumulators import StateOverflow
 from volley_dagster.operators.aggregate import Aggregate, ResolvedAggregate
 from volley_dagster.operators.base import OperatorStats, ShardStep, StateNamespaces
 from volley_dagster.operators.window_state import WINDOW_NAMESPACES, apply_windows, decode_windows, window_dtype
-from volley_dagster.state.keys import decode_keys
+from volley_dagster.state.keys import decode_keys, key_columns
 from volley_dagster.state.transaction import ShardTransaction
 
 WindowKind = Literal["tumbling", "sliding", "session"]
@@ -221,14 +221,16 @@ class ResolvedWindowAggregate:
     def namespaces(self) -> StateNamespaces:
         return WINDOW_NAMESPACES
 
-    def decode_state(self, keys: list[bytes], values: list[bytes], key_kind: str, key_name: str) -> pa.Table:
+    def decode_state(self, keys: list[bytes], values: list[bytes], key_kind: str, key_name: str,
+                     key_group: str | None = None) -> pa.Table:
         """Every open window: key, window_start, window_end, the aggregates."""
         rows, key_index = decode_windows(values, window_dtype(self.aggregate))
-        _, key_values = decode_keys(key_kind, [keys[i] for i in key_index])
+        groups, key_values = decode_keys(key_kind, [keys[i] for i in key_index])
+        front, names = key_columns(key_values, key_name, groups, key_group)
         ts = pa.timestamp("us", tz="UTC")
         bounds = [pa.array(rows["start"]).cast(ts), pa.array(rows["end"]).cast(ts)]
-        return pa.table([key_values] + bounds + self.aggregate.outputs(rows),
-                        names=[key_name, WINDOW_START, WINDOW_END] + self.aggregate.output_names())
+        return pa.table(front + bounds + self.aggregate.outputs(rows),
+                        names=names + [WINDOW_START, WINDOW_END] + self.aggregate.output_names())
 
     def event_us(self) -> Column:
         return F.unix_micros(F.col(self.windowing.time_column).cast("timestamp"))

@@ -103,3 +103,12 @@ def decode_keys(kind: str, state_keys: list[bytes]) -> tuple[np.ndarray, pa.Arra
 
 def namespace_prefix(namespace: int) -> bytes:
     return int(namespace).to_bytes(2, "big")
+
+
+def key_columns(key_values: pa.Array, key_name: str, key_groups: np.ndarray,
+                key_group: str | None) -> tuple[list[pa.Array], list[str]]:
+    """The key column of decoded state rows, followed by each row's key group (as
+    Spark's ``int``) under the name ``key_group`` when one is given."""
+    if key_group is None:
+        return [key_values], [key_name]
+    return [key_values, pa.array(key_groups.astype(np.int32), pa.int32())], [key_name, key_group]

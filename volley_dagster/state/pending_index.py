@@ -185,3 +185,18 @@ class PersistentPendingIndex:
         self.meta.resident = len(index)
         self.meta.min_end = int(index.ends[0]) if len(index) else None
         self._txn.set_many([self._meta_key, self._index_key], [self.meta.to_bytes(), index.to_bytes()])
+
+
+def stored_entries(index_record: bytes | None, evicted_keys: list[bytes],
+                   evicted_ns: bytes) -> tuple[list[bytes], np.ndarray, np.ndarray]:
+    """A shard's pending entries as its snapshot holds them, for reading state: the
+    resident part (the index record) and the evicted one (``(end, state key)`` keys of
+    the evicted namespace); returns their state keys, window ends and evicted flags."""
+    resident = PendingIndex.from_bytes(index_record)
+    skip = len(evicted_ns) + 8
+    ordered = np.frombuffer(b"".join(k[len(evicted_ns):skip] for k in evicted_keys), dtype=">u8")
+    evicted_ends = (ordered.astype(np.uint64) ^ _SIGN_BIT).view(np.int64)
+    keys = list(resident.keys) + [k[skip:] for k in evicted_keys]
+    ends = np.concatenate([resident.ends, evicted_ends]).astype(np.int64)
+    evicted = np.concatenate([np.zeros(len(resident), bool), np.ones(len(evicted_keys), bool)])
+    return keys, ends, evicted
