@@ -15,6 +15,7 @@ from dagster import (
 )
 
 from assets.epochs import PIPELINE_TAG, RUN_RETRY_TAGS, epoch_assets, epochs_job_name, epochs_partitions
+from assets.migrate import migrate_job
 from assets.rescale import rescale_job
 from assets.state_export import state_export_asset
 from resources import CheckpointResource, SparkResource, TablesResource
@@ -43,7 +44,8 @@ def build_definitions(
         )
         export, export_job = state_export_asset(deployment, tables.settings())
         assets.append(export)
-        jobs.extend([job, rescale_job(deployment, tables.settings()), export_job])
+        jobs.extend([job, rescale_job(deployment, tables.settings()), migrate_job(deployment, tables.settings()),
+                     export_job])
         sensors.append(epoch_sensor(deployment, job))
         if deployment.cron:
             schedules.append(epoch_schedule(deployment, job))

@@ -242,16 +242,18 @@ def state_command(args: argparse.Namespace) -> int:
 
     try:
         spark = get_or_create_spark(remote=os.environ.get("VOLLEY_SPARK_REMOTE") or None)
-        tables = StateTables.of_root(spark, Path(args.checkpoint_root))
+        tables = StateTables(spark, Path(args.checkpoint_root))
+        pending = getattr(args, "pending", False)
+        epoch = args.to_epoch if args.action == "diff" else args.epoch or tables.log.last_committed()
+        keys = tables.keys(epoch)
         if args.action == "diff":
-            df, what = tables.changes(args.from_epoch, args.to_epoch), f"changes from epoch {args.from_epoch} to {args.to_epoch}"
+            df, what = tables.changes(args.from_epoch, epoch), f"changes from epoch {args.from_epoch} to {epoch}"
         else:
-            epoch = args.epoch or tables.log.last_committed()
-            pending = getattr(args, "pending", False)
             df = tables.at(epoch, "pending" if pending else "state")
             what = f"{'pending windows' if pending else 'state'} at epoch {epoch}"
+            keys = [keys[0], "window_end"] if pending else keys
         if getattr(args, "key", None) is not None:
-            df = df.where(F.col(tables.reader.key_name) == args.key)
+            df = df.where(F.col(keys[0]) == args.key)
         if args.action == "export":
             scheme, _, uri = args.to.partition(":")
             if scheme != "delta" or not uri:
@@ -261,16 +263,53 @@ def state_command(args: argparse.Namespace) -> int:
             print(f"exported the {what} of {tables.log.root}: {done.rows:,} rows in {done.files} files, "
                   f"Delta table {done.uri} version {done.version}")
             return 0
-        rows = df.orderBy(*tables.keys).limit(args.limit).toArrow()
+        rows = df.orderBy(*keys).limit(args.limit).toArrow()
         counts = {r[0]: r[1] for r in df.groupBy(CHANGE).count().collect()} if args.action == "diff" else None
         total = sum(counts.values()) if counts is not None else df.count()
         summary = ", ".join(f"{n:,} {c}" for c, n in sorted(counts.items())) if counts else f"{total:,} rows"
-        print(f"{tables.log.root}: {what} ({summary}); the first {min(args.limit, total):,} by {', '.join(tables.keys)}:")
+        print(f"{tables.log.root}: {what} ({summary}); the first {min(args.limit, total):,} by {', '.join(keys)}:")
         print(rows.to_pandas().to_string(index=False) if rows.num_rows else "(none)")
     except VolleyError as exc:
         print(f"volley state {args.action}: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def migrate_root(args: argparse.Namespace) -> int:
+    """``volley migrate <root> --to module:pipeline``: the state rewritten for the new pipeline."""
+    import importlib
+
+    from volley_dagster import EpochRunner, Pipeline
+    from volley_dagster.errors import VolleyError
+
+    module, _, attr = args.to.partition(":")
+    try:
+        target = getattr(importlib.import_module(module), attr) if attr else None
+    except (ImportError, AttributeError) as exc:
+        print(f"volley migrate: cannot load {args.to!r}: {exc}", file=sys.stderr)
+        return 2
+    pipeline = target() if callable(target) and not isinstance(target, Pipeline) else target
+    if not isinstance(pipeline, Pipeline):
+        print(f"volley migrate: --to must name a Pipeline, or a function returning one, as module:name; "
+              f"{args.to!r} is {type(pipeline).__name__}", file=sys.stderr)
+        return 2
+    try:
+        renames = dict(_pair(r, "--rename", "OLD=NEW") for r in args.rename)
+        initial = {k: float(v) for k, v in (_pair(i, "--initial", "NAME=0") for i in args.initial)}
+        runner = EpochRunner(pipeline, Path(args.checkpoint_root))
+        result = runner.migrate(pipeline, renames=renames, initial=initial, num_shards=args.shards)
+    except (VolleyError, ValueError) as exc:
+        print(f"volley migrate: {exc}", file=sys.stderr)
+        return 1
+    print(result.describe())
+    return 0
+
+
+def _pair(text: str, flag: str, form: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    if not sep or not name or not value:
+        raise ValueError(f"{flag} takes {form}, got {text!r}")
+    return name, value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -311,6 +350,15 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("checkpoint_root")
     r.add_argument("--shards", type=int, required=True, help="the new number of shards (1..key groups)")
     r.set_defaults(func=rescale_root)
+    m = sub.add_parser("migrate", help="rewrite a checkpoint root's last committed state for a changed pipeline; "
+                                       "the next epoch runs it")
+    m.add_argument("checkpoint_root")
+    m.add_argument("--to", required=True, help="the new pipeline: module:name of a Pipeline or a function returning one")
+    m.add_argument("--rename", action="append", default=[], metavar="OLD=NEW", help="an accumulator renamed")
+    m.add_argument("--initial", action="append", default=[], metavar="NAME=0",
+                   help="an added sum_ starts from 0 for existing keys (default: null)")
+    m.add_argument("--shards", type=int, default=None, help="also rescale to this many shards")
+    m.set_defaults(func=migrate_root)
     s = sub.add_parser("state", help="the state at a retained epoch as a table, the changes between two, or an "
                                      "export to Delta").add_subparsers(dest="action", required=True)
     show = s.add_parser("show", help="print the state at an epoch (default: the last committed)")

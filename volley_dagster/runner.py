@@ -23,7 +23,7 @@ import time
 from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -33,10 +33,12 @@ from volley_dagster import faults
 from volley_dagster.checkpoint.epoch_log import EpochLog
 from volley_dagster.checkpoint.lease import DEFAULT_TTL_S, DEFAULT_WAIT_S, Fence, PipelineLease
 from volley_dagster.checkpoint.manifest import ShardSnapshot
+from volley_dagster.checkpoint.migrate import MigrationResult
+from volley_dagster.checkpoint.migrate import migrate as migrate_state
 from volley_dagster.checkpoint.rescale import RescaleResult
 from volley_dagster.checkpoint.rescale import rescale as rescale_state
 from volley_dagster.checkpoint.s3_snapshots import S3SnapshotStore
-from volley_dagster.checkpoint.state_reader import KEY_GROUP, SHARD, StateReader, recorded_reader, shards_to_read
+from volley_dagster.checkpoint.state_reader import KEY_GROUP, SHARD, ReadSettings, recorded_reader, shards_to_read
 from volley_dagster.errors import (
     ConfigError,
     EpochOrderError,
@@ -269,7 +271,7 @@ class EpochRunner:
         _refuse_speculation(self.spark)
         pipeline.source_log.verify(rng)
         plan = plan_epoch(self.spark, pipeline, rng)
-        log.check_identity(self._identity(plan.operator, plan.key_kind))
+        log.check_identity(identity_of(pipeline, plan.operator, plan.key_kind))
         pipeline = self._in_layout(epoch)
         previous = self._previous_snapshots(epoch, pipeline.layout)
         merge = ShardMerge(
@@ -397,15 +399,6 @@ class EpochRunner:
             faults.fault_point(f"after_sink_{sink.name}", epoch)
         return results
 
-    def _identity(self, operator: StatefulOperator, key_kind: str) -> dict[str, Any]:
-        return {
-            "pipeline": self.pipeline.name,
-            "key_column": self.pipeline.key_column,
-            "key_kind": key_kind,
-            "layout": self.pipeline.layout.to_dict(),
-            "aggregate": operator.layout(),
-        }
-
     # -- layout (rescaling) ------------------------------------------------------------
 
     def rescale(self, num_shards: int) -> RescaleResult:
@@ -415,6 +408,50 @@ class EpochRunner:
         with self.lease():
             return rescale_state(self.log, num_shards, self.rocksdb, self.verify_checksums,
                                  before_commit=lambda: self._check_fence(f"rescaling to {num_shards} shards"))
+
+    def migrate(self, pipeline: Pipeline, *, renames: Mapping[str, str] | None = None,
+                initial: Mapping[str, float | None] | None = None, num_shards: int | None = None) -> MigrationResult:
+        """Rewrite the last committed epoch's state into ``pipeline``'s layout (added,
+        removed or renamed accumulators, a window's allowed lateness, and the shard
+        count with it; ``checkpoint/migrate.py``) and run ``pipeline`` from the next
+        epoch on. ``renames`` maps old accumulator names to new ones; ``initial`` gives
+        an added ``sum_`` 0 instead of null. Refused, naming the options, for changes
+        state cannot follow. Epochs cut but not committed (a sensor cut them, and their
+        runs failed on the changed pipeline) run with the new pipeline, unless a sink
+        already holds one (an attempt crashed after committing it): then it is refused
+        until that epoch is run with the recorded pipeline."""
+        pipeline.validate()
+        if pipeline.name != self.pipeline.name:
+            raise ConfigError(f"migrate: pipeline {pipeline.name!r} is not {self.pipeline.name!r}, whose state "
+                              f"{self.log.root} holds")
+        with self.lease():
+            committed = self.log.last_committed()
+            if committed == 0:
+                raise EpochOrderError(f"nothing to migrate in {self.log.root}: no epoch is committed; run the new pipeline")
+            self._refuse_held_uncommitted(committed)
+            # planned, not run: resolves the new operator against the source's columns
+            plan = plan_epoch(self.spark, pipeline, self.log.offsets(committed))
+            result = migrate_state(self.log, identity_of(pipeline, plan.operator, plan.key_kind), renames, initial,
+                                   num_shards, self.rocksdb, self.verify_checksums,
+                                   before_commit=lambda: self._check_fence("migrating the state"), uncommitted_ok=True)
+        self.pipeline = pipeline
+        return result
+
+    def _refuse_held_uncommitted(self, committed: int) -> None:
+        """An epoch after ``committed`` that a sink already holds was half committed in
+        the recorded layout: it must finish in it."""
+        if self.log.last_cut() == committed:
+            return
+        lineage = self.log.lineage()
+        held = {sink.name: mark.epoch for sink in self.pipeline.sinks
+                if (mark := sink.committed_mark(self.pipeline.name)) is not None and lineage.owns(mark)
+                and mark.epoch > committed}
+        if held:
+            raise EpochOrderError(
+                f"cannot change the state layout of {self.log.root}: epoch {committed + 1} is cut but not committed, "
+                f"and sinks {held} already hold it (an attempt crashed after committing them). Run it with the "
+                "recorded pipeline first, then change the layout"
+            )
 
     def layout(self) -> ShardLayout:
         """The layout the next epoch runs with: ``with_shards`` until a rescale."""
@@ -447,15 +484,13 @@ class EpochRunner:
 
     # -- reading state ---------------------------------------------------------------
 
-    def state_reader(self) -> StateReader:
-        """Decodes this root's snapshots as the operator it recorded wrote them."""
-        return recorded_reader(self.log, store=self.snapshot_store, cache_root=self.snapshot_cache,
-                               rocksdb=self.rocksdb, verify_checksums=self.verify_checksums)
-
     def state_tables(self) -> StateTables:
         """The state at any retained epoch, and the change feed between two, as Spark
         DataFrames read by Spark tasks (``spark/state_table.py``)."""
-        return StateTables(self.spark, self.log, self.state_reader(), self.snapshot_store)
+        return StateTables(self.spark, self.log.root, self._read_settings())
+
+    def _read_settings(self) -> ReadSettings:
+        return ReadSettings(self.snapshot_store, self.snapshot_cache, self.rocksdb, self.verify_checksums)
 
     def read_state(self, epoch: int | None = None) -> pa.Table:
         """The full keyed state as of a committed, retained epoch, read on the driver
@@ -463,7 +498,7 @@ class EpochRunner:
         every open window (key, window_start, window_end, aggregates). For state too big
         for the driver, ``state_tables().at(epoch)`` reads it in Spark tasks."""
         epoch = self.log.last_committed() if epoch is None else epoch
-        reader = self.state_reader()
+        reader = recorded_reader(self.log, epoch, self._read_settings())
         tables = [t for shard in shards_to_read(self.log, epoch, self.snapshot_store) for t in reader.read(shard, "state")]
         table = pa.concat_tables(tables) if tables else reader.schema("state").empty_table()
         table = table.drop_columns([KEY_GROUP, SHARD])
@@ -506,3 +541,14 @@ def _refuse_speculation(spark: SparkSession) -> None:
 
 def _bounded(text: str) -> str:
     return text if len(text) <= MAX_REASON_CHARS else f"{text[:MAX_REASON_CHARS]}... ({len(text)} characters)"
+
+
+def identity_of(pipeline: Pipeline, operator: StatefulOperator, key_kind: str) -> dict[str, Any]:
+    """What a checkpoint root records of the pipeline that writes it (``pipeline.json``)."""
+    return {
+        "pipeline": pipeline.name,
+        "key_column": pipeline.key_column,
+        "key_kind": key_kind,
+        "layout": pipeline.layout.to_dict(),
+        "aggregate": operator.layout(),
+    }

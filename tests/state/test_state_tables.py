@@ -126,7 +126,7 @@ def test_windows_read_their_open_windows_and_pending_entries(spark, tmp_path):
     state = tables.at().toArrow()
     driver = runner.read_state()
     assert state.drop_columns(["key_group", "shard"]).sort_by(
-        [(c, "ascending") for c in tables.keys]).equals(driver) and driver.num_rows > 0
+        [(c, "ascending") for c in tables.keys()]).equals(driver) and driver.num_rows > 0
     pending = tables.at(view="pending").toArrow()
     assert pending.column_names == ["merchant_id", "key_group", "window_end", "evicted", "shard"]
     # every open window has a pending entry with its exact end

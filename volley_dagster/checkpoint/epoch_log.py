@@ -55,9 +55,10 @@ def epoch_key(epoch: int) -> str:
 
 @dataclass(frozen=True)
 class LayoutChange:
-    """One committed rescale (``layouts/<sequence>.json``): epochs from ``from_epoch``
-    on run with ``num_shards``; ``shards`` are epoch ``from_epoch - 1``'s state in
-    that layout, as manifest entries (relative snapshot path, file digests, bytes)."""
+    """One committed rescale or migration (``layouts/<sequence>.json``): epochs from
+    ``from_epoch`` on run with ``num_shards`` (and, after a migration, the operator
+    ``aggregate`` describes); ``shards`` are epoch ``from_epoch - 1``'s state in that
+    layout, as manifest entries (relative snapshot path, file digests, bytes)."""
 
     sequence: int
     from_epoch: int
@@ -66,6 +67,7 @@ class LayoutChange:
     previous_shards: int
     shards: dict[int, ShardSnapshot]
     stats: dict[str, Any] = field(default_factory=dict)  # keys, keys_moved, seconds, bytes_written, created_at
+    aggregate: dict[str, Any] | None = None  # a migration's operator layout (None: a rescale keeps the operator)
 
     @property
     def layout(self) -> ShardLayout:
@@ -86,6 +88,7 @@ class LayoutChange:
             "previous_shards": self.previous_shards,
             "shards": {str(shard): snap.to_dict() for shard, snap in sorted(self.shards.items())},
             "stats": self.stats,
+            **({"aggregate": self.aggregate} if self.aggregate is not None else {}),
         }
 
     @classmethod
@@ -93,7 +96,8 @@ class LayoutChange:
         if d.get("version") != LAYOUT_VERSION:
             raise StateLayoutError(f"layout record version {d.get('version')} is unknown; this engine reads {LAYOUT_VERSION}")
         return cls(d["sequence"], d["from_epoch"], d["num_shards"], d["num_key_groups"], d["previous_shards"],
-                   {int(s): ShardSnapshot.from_dict(snap) for s, snap in d["shards"].items()}, d.get("stats", {}))
+                   {int(s): ShardSnapshot.from_dict(snap) for s, snap in d["shards"].items()}, d.get("stats", {}),
+                   d.get("aggregate"))
 
 
 class EpochLog:
@@ -128,8 +132,18 @@ class EpochLog:
 
     # -- identity ------------------------------------------------------------------
 
-    def identity(self) -> dict[str, Any]:
-        """The state layout recorded by the first epoch (see ``check_identity``)."""
+    def identity(self, epoch: int | None = None) -> dict[str, Any]:
+        """The state layout recorded by the first epoch (see ``check_identity``), with the
+        operator of the last migration: the one the next epoch runs; with ``epoch``, the
+        one ``state_shards(epoch)`` was written by (a migration of epoch E rewrote E's
+        state: E reads as the new operator, the epochs before it as the old)."""
+        recorded = self._recorded()
+        for change in self.layout_changes():
+            if change.aggregate is not None and (epoch is None or change.snapshot_epoch <= epoch):
+                recorded = {**recorded, "aggregate": change.aggregate}
+        return recorded
+
+    def _recorded(self) -> dict[str, Any]:
         return read_json(self.root / "pipeline.json")
 
     def has_identity(self) -> bool:
@@ -157,14 +171,16 @@ class EpochLog:
         raise StateLayoutError(
             f"checkpoint root {self.root} was written by a different pipeline layout; "
             f"differences (recorded, now): {diff}.{rescaled} Use a new checkpoint root, or rescale "
-            "(`volley rescale <root> --shards N`) or migrate the state"
+            "(`volley rescale <root> --shards N`), or migrate the state to the new pipeline (`volley migrate <root> "
+            f"--to module:pipeline`, `runner.migrate(pipeline)`, or the job {identity.get('pipeline')}_migrate_job "
+            "under Dagster)"
         )
 
     def lineage(self) -> Lineage:
         """This root's lineage. A root from before lineages gets one now, in ``lineage.json``
         (created exclusively: a concurrent reader adopts the same one), and the sinks'
         unlabelled marks up to its last committed epoch are its own."""
-        recorded = self.identity()
+        recorded = self._recorded()
         if "lineage" not in recorded:
             adopted = self.root / "lineage.json"
             if not adopted.exists():
@@ -189,7 +205,7 @@ class EpochLog:
         """The layout of epoch 1 (None before the first epoch ran)."""
         if not self.has_identity():
             return None
-        return ShardLayout(**self.identity()["layout"])
+        return ShardLayout(**self._recorded()["layout"])
 
     def layout_changes(self) -> list[LayoutChange]:
         """Committed rescales, in the order they were committed."""

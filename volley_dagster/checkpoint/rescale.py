@@ -39,8 +39,9 @@ import time
 import uuid
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from itertools import islice
 from pathlib import Path
-from typing import Callable, Iterable, cast
+from typing import Any, Callable, Iterable, Iterator, Protocol, cast
 
 import numpy as np
 import pyarrow as pa
@@ -60,6 +61,7 @@ from volley_dagster.state.store import ShardStore, SnapshotInfo, open_snapshot_r
 from volley_dagster.state.transaction import ShardTransaction, scan_prefix, scan_range
 
 SST_ROLL_BYTES = 256 << 20  # start another SST beyond this size
+CONVERT_BATCH = 65_536  # values a migration converts at once
 _STATE_KEY_GROUP_AT = 2  # state key: ns (2 B) | key group (2 B) | key
 _PENDING_KEY_GROUP_AT = 2 + 8 + _STATE_KEY_GROUP_AT  # pending_index/ key: ns (2 B) | end (8 B) | state key
 
@@ -89,13 +91,29 @@ class RescaleResult:
         )
 
 
+class ValueConversion(Protocol):
+    """A migration's rewrite of stored values (``checkpoint/migrate.py``): the same keys,
+    values in the new operator's record layout, a batch at a time in key order."""
+
+    @property
+    def aggregate(self) -> dict[str, Any]:
+        """The operator layout the converted state is in."""
+
+    def convert(self, namespace: int, values: list[bytes]) -> list[bytes]: ...
+
+
 def rescale(
     log: EpochLog, num_shards: int, rocksdb: RocksDBOptions | None = None, verify_checksums: bool = False,
-    before_commit: Callable[[], None] | None = None,
+    before_commit: Callable[[], None] | None = None, conversion: ValueConversion | None = None,
+    uncommitted_ok: bool = False,
 ) -> RescaleResult:
-    """Rewrite the last committed epoch's state into ``num_shards`` shards and record
-    the layout for the epochs after it. ``before_commit`` runs just before the layout
-    record is written (the runner checks its lease there)."""
+    """Rewrite the last committed epoch's state into ``num_shards`` shards (and with a
+    ``conversion``, into another operator's layout) and record the layout for the
+    epochs after it. ``before_commit`` runs just before the layout record is written
+    (the runner checks its lease there). ``uncommitted_ok``: the caller holds the
+    pipeline's lease and checked that no sink holds an epoch cut after the last
+    committed one, so no attempt of those epochs runs or has written anything that
+    stays: they run in the new layout."""
     t0 = time.perf_counter()
     options = rocksdb or RocksDBOptions()
     epoch = log.last_committed()
@@ -106,12 +124,12 @@ def rescale(
     old = log.current_layout()
     assert old is not None
     new = ShardLayout(num_shards, old.num_key_groups)  # validates the count
-    if log.last_cut() > epoch:
+    if log.last_cut() > epoch and not uncommitted_ok:
         raise EpochOrderError(
             f"cannot rescale {log.root}: epoch {log.last_cut()} is cut but not committed (the last committed "
             f"epoch is {epoch}); an attempt of it may be running in the current layout. Run it, then rescale"
         )
-    if new == old:
+    if new == old and conversion is None:
         return RescaleResult(epoch, epoch + 1, old.num_shards, num_shards, 0, 0, 0, time.perf_counter() - t0, 0, None, True)
 
     namespaces = recorded_namespaces(log.identity()["aggregate"])
@@ -133,7 +151,7 @@ def rescale(
             verify_snapshot(path, sources[shard].files, full=verify_checksums)
             dbs.append(open_snapshot_read_only(path, options))
             _check_old_shard(dbs[-1], shard, old, namespaces)
-        writer = _Rewriter(dbs, old, namespaces, options)
+        writer = _Rewriter(dbs, old, namespaces, options, conversion)
         shards: dict[int, ShardSnapshot] = {}
         totals = {"keys": 0, "keys_moved": 0, "pending_entries": 0, "pending_resident": 0, "bytes_written": 0}
         for shard in range(num_shards):
@@ -154,6 +172,7 @@ def rescale(
         sequence=sequence, from_epoch=epoch + 1, num_shards=num_shards, num_key_groups=new.num_key_groups,
         previous_shards=old.num_shards, shards=shards,
         stats={**totals, "seconds": seconds, "created_at": datetime.now(timezone.utc).isoformat()},
+        aggregate=conversion.aggregate if conversion is not None else None,
     )
     faults.fault_point("rescale_before_commit", epoch)
     if before_commit is not None:
@@ -171,8 +190,8 @@ class _Rewriter:
     """Builds the new shards from the old shards' read-only snapshots."""
 
     def __init__(self, dbs: list[rocksdict.Rdict], old: ShardLayout, namespaces: StateNamespaces,
-                 options: RocksDBOptions) -> None:
-        self.dbs, self.old, self.ns, self.options = dbs, old, namespaces, options
+                 options: RocksDBOptions, conversion: ValueConversion | None = None) -> None:
+        self.dbs, self.old, self.ns, self.options, self.conversion = dbs, old, namespaces, options, conversion
         self._indexes: dict[int, PendingIndex] = {}
         self._evicted: dict[int, tuple[list[tuple[bytes, bytes]], np.ndarray]] = {}
 
@@ -186,7 +205,8 @@ class _Rewriter:
             if ns in self.ns.keyed:
                 for s in overlapping:
                     o_lo, o_hi = self.old.key_group_range(s)
-                    n = sst.add(scan_range(self.dbs[s], _group_prefix(ns, max(lo, o_lo)), _group_prefix(ns, min(hi, o_hi))))
+                    keyed = scan_range(self.dbs[s], _group_prefix(ns, max(lo, o_lo)), _group_prefix(ns, min(hi, o_hi)))
+                    n = sst.add(self._converted(ns, keyed))
                     counts["keys"] += n
                     counts["keys_moved"] += n if s != shard else 0
             elif ns == self.ns.pending:
@@ -205,6 +225,16 @@ class _Rewriter:
         finally:
             store.close()
         return info, counts
+
+    def _converted(self, ns: int, entries: Iterable[tuple[bytes, bytes]]) -> Iterator[tuple[bytes, bytes]]:
+        """The entries with their values converted by the migration, a batch at a time."""
+        if self.conversion is None:
+            yield from entries
+            return
+        it = iter(entries)
+        while batch := list(islice(it, CONVERT_BATCH)):
+            keys = [k for k, _ in batch]
+            yield from zip(keys, self.conversion.convert(ns, [v for _, v in batch]), strict=True)
 
     def _pending_entries(self, shard: int, lo: int, hi: int) -> list[tuple[bytes, bytes]]:
         """The old shard's evicted index entries whose state key is in key groups [lo, hi)

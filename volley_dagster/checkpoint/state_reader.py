@@ -65,15 +65,26 @@ def shards_to_read(log: EpochLog, epoch: int, store: S3SnapshotStore | None) -> 
     return shards
 
 
-def recorded_reader(log: EpochLog, *, store: S3SnapshotStore | None = None, cache_root: str = "",
-                    rocksdb: RocksDBOptions | None = None, verify_checksums: bool = False) -> StateReader:
-    """The reader of a checkpoint root's snapshots, from the root alone: the operator
-    and key it recorded in ``pipeline.json`` (so a tool needs no pipeline)."""
+@dataclass(frozen=True)
+class ReadSettings:
+    """Where snapshots that are not on this machine come from, and how they are opened."""
+
+    store: S3SnapshotStore | None = None
+    cache_root: str = ""
+    rocksdb: RocksDBOptions | None = None
+    verify_checksums: bool = False
+
+
+def recorded_reader(log: EpochLog, epoch: int, settings: ReadSettings | None = None) -> StateReader:
+    """The reader of a checkpoint root's snapshots of ``epoch``, from the root alone: the
+    operator and key it recorded (``pipeline.json``, and a migration's layout record
+    from the epoch it rewrote on), so a tool needs no pipeline."""
     if not log.has_identity():
         raise ConfigError(f"{log.root} is not a checkpoint root (it has no pipeline.json): no epoch ran there")
-    identity = log.identity()
+    identity = log.identity(epoch)
+    s = settings or ReadSettings()
     return StateReader(recorded_operator(identity["aggregate"]), identity["key_kind"], identity["key_column"],
-                       rocksdb, verify_checksums, store, cache_root)
+                       s.rocksdb, s.verify_checksums, s.store, s.cache_root)
 
 
 @dataclass(frozen=True)

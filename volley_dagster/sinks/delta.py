@@ -21,6 +21,7 @@ from typing import Any
 
 import pyarrow as pa
 from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
+from deltalake import Field as DeltaField
 from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundError
 
 from volley_dagster.io.s3 import S3Endpoint
@@ -87,6 +88,12 @@ class DeltaSink(TableSink[DeltaTable]):
     def _rows(self, table: DeltaTable) -> int | None:
         counts = table.get_add_actions(flatten=True).column("num_records").to_pylist()
         return None if any(c is None for c in counts) else int(sum(counts))  # files written without stats
+
+    def _columns(self, table: DeltaTable) -> set[str]:
+        return {f.name for f in table.schema().fields}
+
+    def _add_columns(self, table: DeltaTable, fields: list[pa.Field]) -> None:
+        table.alter.add_columns([DeltaField.from_arrow(f.with_nullable(True)) for f in fields])
 
     def _held(self, table: DeltaTable, pipeline: str) -> SinkMark | None:
         return _mark(table, self.app_id(pipeline), pipeline)

@@ -153,6 +153,13 @@ class IcebergSink(TableSink[Table]):
     def _position(self, table: Table | None) -> dict[str, Any]:
         return {"snapshot_id": None if table is None else _snapshot_id(table)}
 
+    def _columns(self, table: Table) -> set[str]:
+        return {f.name for f in table.schema().fields}
+
+    def _add_columns(self, table: Table, fields: list[pa.Field]) -> None:
+        with table.update_schema() as update:
+            update.union_by_name(pa.schema([f.with_nullable(True) for f in fields]))
+
     def _write(self, table: Table | None, output: pa.Table, ctx: CommitContext,
                keys: tuple[str, ...]) -> tuple[dict[str, int], dict[str, Any]]:
         assert table is not None  # ``_load(create_with=...)`` created it

@@ -7,6 +7,11 @@ one commit built on the very table state that was checked. A write that loses a 
 to another writer (``conflicts``) is decided again from the new state, so two writers
 of one epoch leave exactly one copy; any other failure of the table library comes
 out as ``SinkCommitError`` with the library's error as its cause.
+
+An epoch whose output has columns the table lacks (the first epoch after a
+migration added an accumulator) first adds them in a schema change of their own:
+idempotent, so a crash between it and the rows leaves a column the retry finds.
+A column no longer written (removed or renamed away) stays in the table.
 """
 
 from __future__ import annotations
@@ -77,6 +82,14 @@ class TableSink(Sink, Generic[Table]):
     def _rows(self, table: Table) -> int | None:
         """The rows ``table`` holds, from its metadata (no data file is read)."""
 
+    @abstractmethod
+    def _columns(self, table: Table) -> set[str]:
+        """The table's column names."""
+
+    @abstractmethod
+    def _add_columns(self, table: Table, fields: list[pa.Field]) -> None:
+        """Add nullable columns in a commit of their own (a schema change, no rows)."""
+
     # -- the lifecycle ------------------------------------------------------------------
 
     def committed_mark(self, pipeline: str) -> SinkMark | None:
@@ -97,6 +110,9 @@ class TableSink(Sink, Generic[Table]):
                 if not ctx.should_commit(self.name, held):
                     return SinkCommitResult(skipped=True, held_epoch=held.epoch if held else None,
                                             conflicts=conflicts, mode=self.mode, position=self._position(table))
+                if table is not None and (added := [f for f in output.schema if f.name not in self._columns(table)]):
+                    self._add_columns(table, added)  # a migration's new columns, before its first epoch's rows
+                    table = self._load()
                 counts, position = self._write(table, output, ctx, keys)
             except self.conflicts as exc:
                 conflicts, lost_to = conflicts + 1, exc  # someone committed since we looked (possibly this very epoch): decide again

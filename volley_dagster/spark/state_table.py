@@ -22,10 +22,10 @@ from pyspark.sql import functions as F
 from pyspark.sql.pandas.types import from_arrow_schema
 
 from volley_dagster.checkpoint.epoch_log import EpochLog
-from volley_dagster.checkpoint.s3_snapshots import S3SnapshotStore
 from volley_dagster.checkpoint.state_reader import (
     KEY_GROUP,
     SHARD,
+    ReadSettings,
     ShardToRead,
     StateReader,
     StateView,
@@ -34,7 +34,6 @@ from volley_dagster.checkpoint.state_reader import (
 )
 from volley_dagster.errors import ConfigError
 from volley_dagster.operators.window import WINDOW_START
-from volley_dagster.state.options import RocksDBOptions
 
 CHANGE = "change"  # "added" | "changed" | "removed"
 OLD, NEW = "old_", "new_"
@@ -57,46 +56,39 @@ class ShardStateScan:
 
 class StateTables:
     """The state a checkpoint root's retained epochs hold, for debugging, audits and
-    reconciliations: ``at(epoch)`` and ``changes(a, b)`` are lazy DataFrames."""
+    reconciliations: ``at(epoch)`` and ``changes(a, b)`` are lazy DataFrames. Each
+    epoch is decoded by the operator that wrote it (a migration changes it)."""
 
-    def __init__(self, spark: SparkSession, log: EpochLog, reader: StateReader,
-                 store: S3SnapshotStore | None = None) -> None:
+    def __init__(self, spark: SparkSession, root: str | Path, settings: ReadSettings | None = None) -> None:
         self.spark = spark
-        self.log = log
-        self.reader = reader
-        self.store = store
+        self.log = EpochLog(root)
+        self.settings = settings or ReadSettings()
 
-    @classmethod
-    def of_root(cls, spark: SparkSession, root: str | Path, *, store: S3SnapshotStore | None = None,
-                cache_root: str = "", rocksdb: RocksDBOptions | None = None,
-                verify_checksums: bool = False) -> StateTables:
-        """From the checkpoint root alone: the operator and key are the ones it recorded."""
-        log = EpochLog(root)
-        reader = recorded_reader(log, store=store, cache_root=cache_root, rocksdb=rocksdb,
-                                 verify_checksums=verify_checksums)
-        return cls(spark, log, reader, store)
+    def reader(self, epoch: int | None = None) -> StateReader:
+        return recorded_reader(self.log, self._committed(epoch), self.settings)
 
-    @property
-    def keys(self) -> list[str]:
+    def keys(self, epoch: int | None = None) -> list[str]:
         """The columns that identify one state row: the key, and for windows the window."""
-        windowed = WINDOW_START in self.reader.schema("state").names
-        return [self.reader.key_name] + ([WINDOW_START] if windowed else [])
+        reader = self.reader(epoch)
+        windowed = WINDOW_START in reader.schema("state").names
+        return [reader.key_name] + ([WINDOW_START] if windowed else [])
 
     def at(self, epoch: int | None = None, view: StateView = "state") -> DataFrame:
         """The state as of committed epoch ``epoch`` (default: the last committed): one
         row per key (per open window for windows) with ``key_group`` and ``shard``; or
         with ``view="pending"`` a window operator's pending entries (key, window end)."""
         epoch = self._committed(epoch)
-        shards = tuple(shards_to_read(self.log, epoch, self.store))
-        schema = from_arrow_schema(self.reader.schema(view), prefer_timestamp_ntz=False)
+        reader = self.reader(epoch)
+        schema = from_arrow_schema(reader.schema(view), prefer_timestamp_ntz=False)
+        shards = tuple(shards_to_read(self.log, epoch, self.settings.store))
         ids = self.spark.range(0, len(shards), 1, numPartitions=max(1, len(shards)))
-        return ids.mapInArrow(ShardStateScan(self.reader, shards, view), schema)
+        return ids.mapInArrow(ShardStateScan(reader, shards, view), schema)
 
     def changes(self, from_epoch: int, to_epoch: int) -> DataFrame:
         """What changed in the state from ``from_epoch`` to ``to_epoch``: one row per key
         added, changed or removed (``change``), with ``old_`` and ``new_`` values."""
         old, new = self.at(from_epoch), self.at(to_epoch)
-        return state_changes(old, new, self.keys)
+        return state_changes(old, new, self.keys(to_epoch))
 
     def _committed(self, epoch: int | None) -> int:
         last = self.log.last_committed()
@@ -110,13 +102,17 @@ class StateTables:
 
 def state_changes(old: DataFrame, new: DataFrame, keys: list[str]) -> DataFrame:
     """The change feed between two state tables of one root, in one Spark join: values
-    compare null-safely; a key's shard may differ (a rescale between them)."""
+    compare null-safely; a key's shard may differ (a rescale between them), and so may
+    the columns (a migration)."""
     ids = keys + [KEY_GROUP]
-    values = [c for c in new.columns if c not in ids and c != SHARD]
+    types = {f.name: f.dataType for df in (old, new) for f in df.schema.fields}
+    values = list(dict.fromkeys(c for df in (old, new) for c in df.columns if c not in ids and c != SHARD))
     present = "_volley_present"
 
     def side(df: DataFrame, prefix: str) -> DataFrame:
-        return df.select(*ids, *[F.col(c).alias(prefix + c) for c in values + [SHARD]], F.lit(True).alias(prefix + present))
+        """A column only the other side has (a migration between them) is null here."""
+        cols = [(F.col(c) if c in df.columns else F.lit(None).cast(types[c])).alias(prefix + c) for c in values + [SHARD]]
+        return df.select(*ids, *cols, F.lit(True).alias(prefix + present))
 
     joined = side(old, OLD).join(side(new, NEW), on=ids, how="full_outer")
     differs = reduce(operator.or_, [~F.col(OLD + c).eqNullSafe(F.col(NEW + c)) for c in values], F.lit(False))

@@ -1,0 +1,231 @@
+"""Evolving a pipeline at an epoch boundary without starting over: the last committed
+epoch's state is rewritten into the new pipeline's record layout and recorded in
+the epoch log, as a rescale is (``checkpoint/rescale.py`` does the rewrite, with a
+value conversion, and commits it with one exclusive layout record), so a crash
+leaves the old layout in force or the new one, never a mix. The next epoch runs
+the new pipeline.
+
+Supported, each key's state carried over:
+
+- an accumulator added: existing keys start from its declared initial value
+  (``count()`` from 0; ``sum_`` from null, or 0 if declared; the others from null),
+  so its value means "since the migration epoch" for keys that existed before;
+- an accumulator removed;
+- an accumulator (an output column) renamed;
+- a window's allowed lateness changed (the pending-window bound may change anyway);
+- the shard count, in the same rewrite.
+
+Refused, naming the way out (a new lineage, or re-running the log): a changed key,
+pipeline name, operator kind, window definition, event-time column or
+out-of-orderness, or an accumulator whose type, column or input type changed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Callable, Literal, NoReturn
+
+import numpy as np
+
+from volley_dagster.checkpoint.epoch_log import EpochLog
+from volley_dagster.checkpoint.rescale import RescaleResult, rescale
+from volley_dagster.errors import ConfigError, EpochOrderError, StateLayoutError
+from volley_dagster.operators import recorded_operator
+from volley_dagster.operators.aggregate import ResolvedAggregate
+from volley_dagster.operators.base import StatefulOperator
+from volley_dagster.operators.window import ResolvedWindowAggregate
+from volley_dagster.operators.window_state import decode_windows, encode_windows, window_dtype
+from volley_dagster.state.options import RocksDBOptions
+
+WAY_OUT = ("start a new lineage (a new checkpoint root, whose epochs re-read the log from its start; each sink's "
+           "on_foreign_lineage decides what its table does with this lineage's rows), or keep the recorded pipeline")
+FIXED_WINDOWING = ("windows", "time_column", "out_of_orderness_us")
+
+
+@dataclass(frozen=True)
+class AccumulatorChange:
+    name: str  # in the new pipeline (the old name for a removed one)
+    change: Literal["kept", "renamed", "added", "removed"]
+    source: str | None = None  # the old name it carries the state of
+    initial: float | None = None  # added: what existing keys start from (None: the accumulator's blank)
+
+    def describe(self) -> str:
+        if self.change == "renamed":
+            return f"{self.source!r} renamed to {self.name!r}"
+        if self.change == "added":
+            start = "null" if self.initial is None else f"{self.initial:g}"
+            return f"{self.name!r} added (existing keys start from {start})"
+        return f"{self.name!r} {self.change}"
+
+
+@dataclass(frozen=True)
+class StateMigration:
+    """The recorded operator, the new one, and how each new accumulator gets its state;
+    converts stored values in bulk (one NumPy copy per field)."""
+
+    old: StatefulOperator
+    new: StatefulOperator
+    accumulators: tuple[AccumulatorChange, ...]
+    windowing: tuple[str, ...] = ()  # what changed in the windowing, described
+
+    @property
+    def aggregate(self) -> dict[str, Any]:
+        return self.new.layout()
+
+    @property
+    def changes(self) -> list[str]:
+        return [c.describe() for c in self.accumulators if c.change != "kept"] + list(self.windowing)
+
+    def convert(self, namespace: int, values: list[bytes]) -> list[bytes]:
+        old, new = _aggregate(self.old), _aggregate(self.new)
+        if isinstance(self.new, ResolvedWindowAggregate):
+            rows, key_index = decode_windows(values, window_dtype(old))
+            out = np.zeros(len(rows), dtype=window_dtype(new))
+            out["start"], out["end"] = rows["start"], rows["end"]
+            self._fill(out, rows, new)
+            return encode_windows(out, key_index, len(values))[0]
+        state, _ = old.decode(values)
+        out = new.blank_rows(len(state))
+        self._fill(out, state, new)
+        return new.encode(out)
+
+    def _fill(self, out: np.ndarray, rows: np.ndarray, new: ResolvedAggregate) -> None:
+        out["_format"] = rows["_format"]
+        for (name, acc), kind in zip(new.accumulators, new.kinds, strict=True):
+            change = next(c for c in self.accumulators if c.name == name and c.change != "removed")
+            for field, _ in acc.fields(name, kind):
+                if change.source is not None:
+                    out[field] = rows[change.source + field[len(name):]]
+            if change.change == "added" and change.initial is not None:  # sum_ from 0
+                out[f"{name}:v"], out[f"{name}:ok"] = change.initial, True
+
+
+@dataclass(frozen=True)
+class MigrationResult:
+    changes: list[str]
+    rewrite: RescaleResult
+
+    @property
+    def noop(self) -> bool:
+        return self.rewrite.noop
+
+    def describe(self) -> str:
+        if self.noop:
+            return "the pipeline's state layout is unchanged: nothing to migrate"
+        r = self.rewrite
+        shards = f"; {r.old_shards} -> {r.new_shards} shards" if r.old_shards != r.new_shards else ""
+        return (f"migrated epoch {r.epoch}'s state ({', '.join(self.changes) or 'no operator change'}{shards}) in "
+                f"{r.seconds:.2f} s: {r.keys:,} keys rewritten; epochs from {r.from_epoch} on run the new pipeline "
+                f"(layouts/{r.sequence:010d}.json)")
+
+
+def plan_migration(recorded: dict[str, Any], proposed: dict[str, Any], renames: Mapping[str, str],
+                   initial: Mapping[str, float | None]) -> StateMigration:
+    """How the recorded state becomes the proposed pipeline's (identities as the epoch
+    log records them); ``StateLayoutError`` for a change state cannot follow."""
+    for field, what in (("pipeline", "pipeline name"), ("key_column", "key column"), ("key_kind", "key type")):
+        if recorded.get(field) != proposed.get(field):
+            _refuse(f"the {what} changed ({recorded.get(field)!r} -> {proposed.get(field)!r}): every key's state "
+                    "would belong to another key")
+    old_layout, new_layout = recorded["aggregate"], proposed["aggregate"]
+    if ("windowing" in old_layout) != ("windowing" in new_layout):
+        _refuse("the operator changed between a running aggregate and windows")
+    for field in ("namespace", "format"):
+        if old_layout.get(field) != new_layout.get(field):
+            _refuse(f"the state {field} changed ({old_layout.get(field)} -> {new_layout.get(field)})")
+    windowing = _windowing_changes(old_layout.get("windowing"), new_layout.get("windowing"))
+    old_specs = {a["name"]: a for a in old_layout["accumulators"]}
+    new_specs = {a["name"]: a for a in new_layout["accumulators"]}
+    unknown = {k: v for k, v in renames.items() if k not in old_specs or v not in new_specs}
+    if unknown:
+        raise ConfigError(f"renames {unknown} must map a recorded accumulator ({sorted(old_specs)}) to one of the "
+                          f"new pipeline ({sorted(new_specs)})")
+    sources = {new: old for old, new in renames.items()}
+    changes = []
+    for name, spec in new_specs.items():
+        source = sources.get(name, name if name in old_specs and name not in renames else None)
+        if source is None:
+            changes.append(AccumulatorChange(name, "added", initial=_initial(spec, initial.get(name))))
+            continue
+        was = old_specs[source]
+        if (was["type"], was["column"], was["kind"]) != (spec["type"], spec["column"], spec["kind"]):
+            _refuse(f"accumulator {name!r} changed from {_show(was)} to {_show(spec)}: its state cannot be carried "
+                    "over (add it under another name instead, which starts from its initial value)")
+        changes.append(AccumulatorChange(name, "renamed" if source != name else "kept", source))
+    used = {c.source for c in changes}
+    changes += [AccumulatorChange(name, "removed", name) for name in old_specs if name not in used]
+    stray = set(initial) - {c.name for c in changes if c.change == "added"}
+    if stray:
+        raise ConfigError(f"initial values {sorted(stray)} name no added accumulator; added: "
+                          f"{[c.name for c in changes if c.change == 'added']}")
+    return StateMigration(recorded_operator(old_layout), recorded_operator(new_layout), tuple(changes), windowing)
+
+
+def migrate(
+    log: EpochLog, proposed: dict[str, Any], renames: Mapping[str, str] | None = None,
+    initial: Mapping[str, float | None] | None = None, num_shards: int | None = None,
+    rocksdb: RocksDBOptions | None = None, verify_checksums: bool = False,
+    before_commit: Callable[[], None] | None = None, uncommitted_ok: bool = False,
+) -> MigrationResult:
+    """Rewrite the last committed epoch's state for the ``proposed`` pipeline identity
+    (and ``num_shards``); refused before the first epoch, and while an epoch is cut but
+    not committed unless ``uncommitted_ok`` (``rescale``'s rules)."""
+    if not log.has_identity() or log.last_committed() == 0:
+        raise EpochOrderError(f"nothing to migrate in {log.root}: no epoch is committed; run the new pipeline")
+    recorded = log.identity()
+    current = log.current_layout()
+    assert current is not None
+    shards = num_shards or current.num_shards
+    if _without_layout(recorded) == _without_layout(proposed):  # already migrated (a re-run): renames are history
+        return MigrationResult([], rescale(log, shards, rocksdb, verify_checksums, before_commit,
+                                           uncommitted_ok=uncommitted_ok))
+    migration = plan_migration(recorded, proposed, renames or {}, initial or {})
+    conversion = migration if migration.changes else None
+    return MigrationResult(migration.changes, rescale(log, shards, rocksdb, verify_checksums, before_commit, conversion,
+                                                      uncommitted_ok))
+
+
+def _without_layout(identity: dict[str, Any]) -> dict[str, Any]:
+    """What a migration changes: everything but the shard layout and the lineage."""
+    return {k: v for k, v in identity.items() if k not in ("layout", "lineage")}
+
+
+def _windowing_changes(old: dict[str, Any] | None, new: dict[str, Any] | None) -> tuple[str, ...]:
+    if old is None or new is None:
+        return ()
+    for field in FIXED_WINDOWING:
+        if old[field] != new[field]:
+            _refuse(f"the window's {field.replace('_', ' ')} changed ({old[field]} -> {new[field]}): open windows "
+                    "and their pending entries were cut by the old one")
+    if old["lateness_us"] != new["lateness_us"]:
+        return (f"allowed lateness {old['lateness_us'] / 1e6:g} s -> {new['lateness_us'] / 1e6:g} s",)
+    return ()
+
+
+def _initial(spec: dict[str, Any], value: float | None) -> float | None:
+    """What an added accumulator's existing keys start from: its blank (count 0, the
+    others null), or for ``sum_`` a declared 0."""
+    if value is None or (spec["type"] == "Count" and value == 0):
+        return None
+    if spec["type"] == "Sum" and value == 0:
+        return 0.0
+    allowed = {"Count": "0", "Sum": "null or 0"}.get(spec["type"], "null")
+    raise ConfigError(f"accumulator {spec['name']!r} ({_show(spec)}) can start from {allowed} for existing keys, "
+                      f"not {value!r}")
+
+
+def _show(spec: dict[str, Any]) -> str:
+    column = repr(spec["column"]) if spec["column"] is not None else ""
+    return f"{spec['type'].lower()}({column}) over {spec['kind'] or 'rows'}"
+
+
+def _aggregate(operator: StatefulOperator) -> ResolvedAggregate:
+    if isinstance(operator, ResolvedWindowAggregate):
+        return operator.aggregate
+    assert isinstance(operator, ResolvedAggregate)
+    return operator
+
+
+def _refuse(why: str) -> NoReturn:
+    raise StateLayoutError(f"cannot migrate: {why}. Options: {WAY_OUT}")
