@@ -70,7 +70,7 @@ class ReadSettings:
     """Where snapshots that are not on this machine come from, and how they are opened."""
 
     store: S3SnapshotStore | None = None
-    cache_root: str = ""
+    cache_root: str = ""  # this user's snapshot cache: a snapshot only the store holds is restored there
     rocksdb: RocksDBOptions | None = None
     verify_checksums: bool = False
 
@@ -82,9 +82,8 @@ def recorded_reader(log: EpochLog, epoch: int, settings: ReadSettings | None = N
     if not log.has_identity():
         raise ConfigError(f"{log.root} is not a checkpoint root (it has no pipeline.json): no epoch ran there")
     identity = log.identity(epoch)
-    s = settings or ReadSettings()
     return StateReader(recorded_operator(identity["aggregate"]), identity["key_kind"], identity["key_column"],
-                       s.rocksdb, s.verify_checksums, s.store, s.cache_root)
+                       settings or ReadSettings())
 
 
 @dataclass(frozen=True)
@@ -94,10 +93,7 @@ class StateReader:
     operator: StatefulOperator
     key_kind: str  # "int" | "str", as the checkpoint root recorded it
     key_name: str
-    rocksdb: RocksDBOptions | None = None
-    verify_checksums: bool = False
-    store: S3SnapshotStore | None = None
-    cache_root: str = ""  # this user's snapshot cache: a snapshot only the store holds is restored there
+    settings: ReadSettings = ReadSettings()
     batch_keys: int = 65_536
 
     def schema(self, view: StateView) -> pa.Schema:
@@ -110,8 +106,8 @@ class StateReader:
         """The shard's rows of ``view``, a batch at a time."""
         self._check(view)
         with self._local(shard) as path:
-            verify_snapshot(path, shard.files, full=self.verify_checksums)
-            db = open_snapshot_read_only(path, self.rocksdb)
+            verify_snapshot(path, shard.files, full=self.settings.verify_checksums)
+            db = open_snapshot_read_only(path, self.settings.rocksdb)
             try:
                 if view == "state":
                     entries = scan_prefix(db, namespace_prefix(self.operator.namespaces.state))
@@ -149,14 +145,15 @@ class StateReader:
         """The snapshot on this machine: the checkpoint root's copy, or one restored from
         the store into this user's snapshot cache and removed after the read."""
         path = Path(shard.path)
-        if path.exists() or self.store is None or shard.remote_epoch is None:
+        store = self.settings.store
+        if path.exists() or store is None or shard.remote_epoch is None:
             if not path.exists():
                 raise SnapshotError(f"snapshot {path} of shard {shard.shard} is not on this machine and the snapshot "
                                     "store has no copy of it")
             yield path
             return
-        restored = self.store.restore(shard.remote_epoch, shard.shard, Path(self.cache_root),
-                                      attempt=shard.remote_attempt).path
+        restored = store.restore(shard.remote_epoch, shard.shard, Path(self.settings.cache_root),
+                                 attempt=shard.remote_attempt).path
         try:
             yield restored
         finally:
