@@ -50,8 +50,10 @@ def describe_checkpoints(root: Path) -> str:
         held = "released" if holder.released_at else "held" if holder.is_live(time.time()) else "holder gone"
         lines.append(f"  lease/  {held}: {holder.describe()}")
     for change in log.layout_changes():
+        migrated = (f"; migrated to {[a['name'] for a in change.aggregate['accumulators']]}"
+                    if change.aggregate is not None else "")
         lines.append(f"  layouts/{change.sequence:010d}.json  from epoch {change.from_epoch}: {change.num_shards} shards "
-                     f"(was {change.previous_shards}; epoch {change.snapshot_epoch}'s state rewritten)")
+                     f"(was {change.previous_shards}; epoch {change.snapshot_epoch}'s state rewritten{migrated})")
     for epoch in log.epochs_cut():
         state = "committed" if log.is_committed(epoch) else "cut, not committed"
         lines.append(f"  epochs/{epoch:010d}/  offsets.json{', manifest.json' if log.is_committed(epoch) else ''}  [{state}]")

@@ -207,6 +207,8 @@ def test_kill_9_during_volley_migrate_leaves_the_old_layout_or_the_new(spark, tm
     assert_frame(after.read_state(), expected_after(2, 0))  # the new layout, whole
     again = volley(*args)
     assert again.returncode == 0 and "nothing to migrate" in again.stdout, again.stderr[-2000:]
+    inspect = volley("inspect", str(state))
+    assert "from epoch 3: 3 shards (was 3; epoch 2's state rewritten; migrated to ['total', 'n_events'" in inspect.stdout
     generate(tmp_path / "events", 1, PER_FILE, KEYS, first_file=2)
     assert [r.epoch for r in after.run_available()] == [3]
     assert_frame(after.read_state(), expected_after(2, 1))
