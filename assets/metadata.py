@@ -45,10 +45,9 @@ PREVIEW_ROWS = 5
 def table_preview(output: pa.Table, rows: int = PREVIEW_ROWS, what: str = "in this epoch") -> MetadataValue:
     """The first rows of ``output`` (an epoch's is sorted by key), as a Markdown table."""
     shown = output.slice(0, rows).to_pylist()
-    total = output.num_rows
     head = "| " + " | ".join(output.column_names) + " |\n|" + "---|" * output.num_columns + "\n"
     body = "".join("| " + " | ".join(_cell(row[c]) for c in output.column_names) + " |\n" for row in shown)
-    more = f"\n{total - len(shown):,} more rows {what}" if total > len(shown) else ""
+    more = f"\n{output.num_rows - len(shown):,} more rows {what}" if output.num_rows > len(shown) else ""
     return MetadataValue.md(head + body + more if shown else f"no rows {what}")
 
 

@@ -58,17 +58,17 @@ def state_export_asset(deployment: Deployment, spec_settings: TableSettings) -> 
         runner = make_runner(deployment, checkpoints, tables, spark, log=context.log.info)
         uri = export_uri(tables.warehouse, pipeline.name, epoch)
         description = f"state of {pipeline.name!r} at epoch {epoch} (lineage {runner.log.lineage().id})"
-        if DeltaTable.is_deltatable(uri):
-            table = DeltaTable(uri)
-            if table.metadata().description != description:
-                raise ConfigError(f"{uri} holds a Delta table that is not this pipeline's export of epoch {epoch} "
-                                  f"({table.metadata().description!r}); move it away and materialize again")
+        exported = not DeltaTable.is_deltatable(uri)
+        if exported:
+            export_to_delta(runner.state_tables().at(epoch), uri, description)
+        table = DeltaTable(uri)  # opened once: what was just written, or what an earlier run wrote
+        if table.metadata().description != description:
+            raise ConfigError(f"{uri} holds a Delta table that is not this pipeline's export of epoch {epoch} "
+                              f"({table.metadata().description!r}); move it away and materialize again")
+        if not exported:
             context.log.info(f"epoch {epoch}'s state was already exported to {uri}")
-            rows, version, again = table.to_pyarrow_dataset().count_rows(), table.version(), True
-        else:
-            done = export_to_delta(runner.state_tables().at(epoch), uri, description)
-            rows, version, again = done.rows, done.version, False
-        schema = pa.schema(DeltaTable(uri).schema().to_arrow())
+        rows, version, again = table.to_pyarrow_dataset().count_rows(), table.version(), not exported
+        schema = pa.schema(table.schema().to_arrow())
         return MaterializeResult(metadata={
             "epoch": MetadataValue.int(epoch),
             "dagster/uri": MetadataValue.path(uri),

@@ -18,6 +18,7 @@ from itertools import islice
 from pathlib import Path
 from typing import Literal
 
+import numpy as np
 import pyarrow as pa
 
 from volley_dagster.checkpoint.epoch_log import EpochLog
@@ -161,4 +162,4 @@ class StateReader:
 
 
 def _with_shard(table: pa.Table, shard: int) -> pa.Table:
-    return table.append_column(SHARD, pa.array([shard] * table.num_rows, pa.int32()))
+    return table.append_column(SHARD, pa.array(np.full(table.num_rows, shard, np.int32)))
