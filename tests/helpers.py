@@ -52,16 +52,16 @@ def payments(
 
 
 def with_tables(pipeline: Pipeline, tables: Path | None, delta_mode: str, iceberg_table: str,
-                on_foreign_lineage: str = "fail") -> Pipeline:
-    """``pipeline`` plus a Delta table (``delta_mode``) and an Iceberg table (append)
-    under ``tables``; unchanged when ``tables`` is None."""
+                on_foreign_lineage: str = "fail", iceberg_mode: str = "append") -> Pipeline:
+    """``pipeline`` plus a Delta table (``delta_mode``) and an Iceberg table
+    (``iceberg_mode``) under ``tables``; unchanged when ``tables`` is None."""
     if tables is None:
         return pipeline
     from volley_dagster.sinks.delta import DeltaSink
     from volley_dagster.sinks.iceberg import IcebergSink
 
     return pipeline.sink(DeltaSink(tables / "delta", mode=delta_mode, on_foreign_lineage=on_foreign_lineage)).sink(
-        IcebergSink(iceberg_table, path=tables / "iceberg", mode="append", on_foreign_lineage=on_foreign_lineage)
+        IcebergSink(iceberg_table, path=tables / "iceberg", mode=iceberg_mode, on_foreign_lineage=on_foreign_lineage)
     )
 
 

@@ -378,6 +378,7 @@ class EpochRunner:
         """Each sink in turn: skip what it holds of this lineage, refuse (or, by the
         sink's choice, replace or follow) another lineage's epochs, commit the rest."""
         epoch, lineage, digest = rng.epoch, self.log.lineage(), rng.digest()
+        retired = self.log.retired_columns()
         results: dict[str, dict[str, Any]] = {}
         for sink in self.pipeline.sinks:
             t = time.perf_counter()
@@ -386,7 +387,8 @@ class EpochRunner:
             if binding is None and held is not None and not lineage.owns(held) and sink.on_foreign_lineage != "fail":
                 self._check_fence(f"epoch {epoch}: recording sink {sink.name!r}'s choice {sink.on_foreign_lineage!r}")
                 binding = self.log.record_sink_binding(SinkBinding(sink.name, sink.on_foreign_lineage, held, epoch))
-            ctx = CommitContext(self.pipeline.name, epoch, self.pipeline.output_keys(), lineage, digest, binding)
+            ctx = CommitContext(self.pipeline.name, epoch, self.pipeline.output_keys(), lineage, digest, binding,
+                                retired_columns=retired)
             if held is not None and lineage.owns(held) and held.epoch > ctx.sink_epoch:
                 held = sink.commit_of(self.pipeline.name, ctx.sink_epoch) or ctx.mark  # the range it holds for this epoch
             if not ctx.should_commit(sink.name, held):

@@ -37,7 +37,8 @@ from volley_dagster.state.keys import ShardLayout
 PER_FILE, KEYS = 1_500, 300
 
 
-def evolved(base: Path, shards: int = 3, tables: Path | None = None) -> Pipeline:
+def evolved(base: Path, shards: int = 3, tables: Path | None = None, delta_mode: str = "upsert",
+            iceberg_mode: str = "append") -> Pipeline:
     """``payments`` after the change: ``events`` renamed ``n_events``; ``smallest`` and
     ``first_event`` removed; ``spent_since`` (sum, from 0), ``seen_since`` (count) and
     ``latest_event`` (last, from null) added. Loaded by ``volley migrate --to``."""
@@ -52,7 +53,8 @@ def evolved(base: Path, shards: int = 3, tables: Path | None = None) -> Pipeline
         .sink(ParquetSink(base / "out"))
         .with_shards(shards)
     )
-    return with_tables(pipeline, tables, delta_mode="upsert", iceberg_table="volley.payments")
+    return with_tables(pipeline, tables, delta_mode=delta_mode, iceberg_table="volley.payments",
+                       iceberg_mode=iceberg_mode)
 
 
 def evolved_from_env() -> Pipeline:
@@ -107,11 +109,12 @@ def test_added_removed_and_renamed_accumulators_and_a_new_shard_count_equal_the_
     assert third.epoch == 3 and len(third.shards) == 5
     expected = expected_after(2, 1)
     assert_frame(runner.read_state(), expected)
-    # the tables gained the added columns in a schema change before epoch 3's rows
+    # the tables gained the added columns in a schema change before epoch 3's rows; the
+    # upsert table lost the retired ones (the append table keeps them: see the next test)
     delta, iceberg = runner.pipeline.sinks[1:]
     upserted = delta.read().to_pandas()
-    assert {"n_events", "spent_since", "seen_since", "latest_event"} <= set(upserted.columns)
-    assert "events" in upserted.columns  # a column no longer written stays
+    assert set(upserted.columns) == set(expected.columns)
+    assert delta.epoch_history("payments") == {e: [runner.result(e).records_out] for e in (1, 2, 3)}
     touched = upserted[upserted["seen_since"].notna()].set_index("merchant_id")
     assert len(touched) == third.records_out
     want = expected.set_index("merchant_id").loc[touched.index]
@@ -129,6 +132,38 @@ def test_added_removed_and_renamed_accumulators_and_a_new_shard_count_equal_the_
     assert_frame(again.read_state(), expected_after(2, 2))
     changes = again.state_tables().changes(2, 3).toPandas()  # across nothing: both after the migration
     assert set(changes["change"]) <= {"added", "changed"} and len(changes) > 0
+
+
+def test_an_upsert_table_drops_the_retired_columns_and_an_append_table_keeps_them(spark, tmp_path):
+    """Delta appends and Iceberg upserts here (the modes the test above swaps): the
+    Iceberg table loses ``events``, ``smallest`` and ``first_event`` in a schema change
+    and holds the state; the Delta table keeps them, null in the rows after."""
+    generate(tmp_path / "events", 2, PER_FILE, KEYS)
+    tables = tmp_path / "tables"
+    old = with_tables(payments(tmp_path / "events", tmp_path / "out", shards=3), tables, delta_mode="append",
+                      iceberg_table="volley.payments", iceberg_mode="upsert")
+    runner = EpochRunner(old, tmp_path / "state", spark=spark, max_records_per_epoch=PER_FILE)
+    first_two = sum(r.records_out for r in runner.run_available())
+    runner.migrate(evolved(tmp_path, tables=tables, delta_mode="append", iceberg_mode="upsert"),
+                   renames={"events": "n_events"}, initial={"spent_since": 0})
+    generate(tmp_path / "events", 1, PER_FILE, KEYS, first_file=2)
+    (third,) = runner.run_available()
+    delta, iceberg = runner.pipeline.sinks[1:]
+
+    upserted = iceberg.read().to_pandas().set_index("merchant_id").sort_index()
+    expected = expected_after(2, 1).set_index("merchant_id").sort_index()
+    assert set(upserted.columns) == set(expected.columns)
+    assert list(upserted.index) == list(expected.index)  # every key's row kept through the schema change
+    carried = ["total", "avg_amount", "largest", "last_seen"]
+    pd.testing.assert_frame_equal(upserted[carried], expected[carried], check_dtype=False, rtol=1e-9)
+    touched = upserted["seen_since"].notna()
+    assert touched.sum() == third.records_out  # the new columns fill in as keys are written
+    assert iceberg.epoch_history("payments") == {e: [runner.result(e).records_out] for e in (1, 2, 3)}
+
+    appended = delta.read().to_pandas()
+    assert {"events", "smallest", "first_event", "n_events"} <= set(appended.columns)
+    assert appended["events"].notna().sum() == first_two and appended["events"].isna().sum() == third.records_out
+    assert appended["n_events"].notna().sum() == third.records_out
 
 
 def test_a_windows_lateness_and_a_renamed_window_accumulator(spark, tmp_path):

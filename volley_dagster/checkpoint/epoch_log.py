@@ -143,6 +143,13 @@ class EpochLog:
                 recorded = {**recorded, "aggregate": change.aggregate}
         return recorded
 
+    def retired_columns(self) -> frozenset[str]:
+        """Accumulators an earlier operator layout had and the current one lacks: the
+        output columns migrations removed or renamed away."""
+        layouts = [self._recorded().get("aggregate")] + [c.aggregate for c in self.layout_changes()]
+        names = [{a["name"] for a in layout.get("accumulators", [])} for layout in layouts if layout]
+        return frozenset(set().union(*names[:-1]) - names[-1]) if names else frozenset()
+
     def _recorded(self) -> dict[str, Any]:
         return read_json(self.root / "pipeline.json")
 

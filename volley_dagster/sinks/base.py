@@ -18,7 +18,9 @@ from volley_dagster.sinks.lineage import ForeignLineage, Lineage, SinkBinding, S
 class CommitContext:
     """One epoch's commit to one sink. ``sink_epoch`` is the number the sink stores
     (the epoch itself unless the sink held another lineage's epochs first, see
-    ``SinkBinding``); ``replace``: this commit also removes every row the table held."""
+    ``SinkBinding``); ``replace``: this commit also removes every row the table held;
+    ``retired_columns``: output columns a migration removed or renamed away, which an
+    upsert table drops (``EpochLog.retired_columns``)."""
 
     pipeline: str
     epoch: int
@@ -26,6 +28,7 @@ class CommitContext:
     lineage: Lineage = field(default_factory=lambda: Lineage("unrecorded"))
     range_digest: str | None = None
     binding: SinkBinding | None = None
+    retired_columns: frozenset[str] = frozenset()
 
     @property
     def sink_epoch(self) -> int:

@@ -29,6 +29,8 @@ from volley_dagster.sinks.base import CommitContext, SinkLocation, commit_tags
 from volley_dagster.sinks.lineage import ForeignLineage, SinkCommit, SinkMark
 from volley_dagster.sinks.table import Mode, TableSink
 
+SCHEMA_CHANGE = "volley.schema_change"  # commit info of a rewrite that only changed the schema
+
 
 def _quote(column: str) -> str:
     return "`" + column.replace("`", "``") + "`"
@@ -89,11 +91,23 @@ class DeltaSink(TableSink[DeltaTable]):
         counts = table.get_add_actions(flatten=True).column("num_records").to_pylist()
         return None if any(c is None for c in counts) else int(sum(counts))  # files written without stats
 
-    def _columns(self, table: DeltaTable) -> set[str]:
-        return {f.name for f in table.schema().fields}
+    def _schema(self, table: DeltaTable) -> pa.Schema:
+        return pa.schema(table.schema().to_arrow())
 
-    def _add_columns(self, table: DeltaTable, fields: list[pa.Field]) -> None:
-        table.alter.add_columns([DeltaField.from_arrow(f.with_nullable(True)) for f in fields])
+    def _change_columns(self, table: DeltaTable, added: list[pa.Field], dropped: list[str]) -> None:
+        if added:
+            table.alter.add_columns([DeltaField.from_arrow(f.with_nullable(True)) for f in added])
+        if dropped:
+            # delta-rs has no DROP COLUMN (it needs column mapping), so the table is rewritten
+            # without the columns in one overwrite, streamed in batches: the same rows, a
+            # commit ``commits`` reads through (it is no other lineage's replace).
+            table.update_incremental()
+            kept = [n for n in self._schema(table).names if n not in dropped]
+            rows = table.to_pyarrow_dataset().scanner(columns=kept).to_reader()
+            write_deltalake(table, rows, mode="overwrite", schema_mode="overwrite", partition_by=self.partition_by,
+                            commit_properties=CommitProperties(
+                                custom_metadata={SCHEMA_CHANGE: "dropped " + ",".join(dropped)},
+                                max_commit_retries=0))
 
     def _held(self, table: DeltaTable, pipeline: str) -> SinkMark | None:
         return _mark(table, self.app_id(pipeline), pipeline)
@@ -173,7 +187,9 @@ def _same_app(info: dict[str, Any], app_id: str) -> bool:
 
 
 def _overwrote(info: dict[str, Any]) -> bool:
-    return str((info.get("operationParameters") or {}).get("mode", "")).lower() == "overwrite"
+    """A replacing commit (another lineage's rows gone); a schema change's rewrite is not one."""
+    mode = str((info.get("operationParameters") or {}).get("mode", "")).lower()
+    return mode == "overwrite" and SCHEMA_CHANGE not in info
 
 
 def _mark(table: DeltaTable, app_id: str, pipeline: str) -> SinkMark | None:

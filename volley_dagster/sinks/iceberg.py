@@ -153,12 +153,15 @@ class IcebergSink(TableSink[Table]):
     def _position(self, table: Table | None) -> dict[str, Any]:
         return {"snapshot_id": None if table is None else _snapshot_id(table)}
 
-    def _columns(self, table: Table) -> set[str]:
-        return {f.name for f in table.schema().fields}
+    def _schema(self, table: Table) -> pa.Schema:
+        return table.schema().as_arrow()
 
-    def _add_columns(self, table: Table, fields: list[pa.Field]) -> None:
-        with table.update_schema() as update:
-            update.union_by_name(pa.schema([f.with_nullable(True) for f in fields]))
+    def _change_columns(self, table: Table, added: list[pa.Field], dropped: list[str]) -> None:
+        with table.update_schema() as update:  # field ids: a name added again later is a new column
+            if added:
+                update.union_by_name(pa.schema([f.with_nullable(True) for f in added]))
+            for name in dropped:
+                update.delete_column(name)
 
     def _write(self, table: Table | None, output: pa.Table, ctx: CommitContext,
                keys: tuple[str, ...]) -> tuple[dict[str, int], dict[str, Any]]:

@@ -8,10 +8,14 @@ to another writer (``conflicts``) is decided again from the new state, so two wr
 of one epoch leave exactly one copy; any other failure of the table library comes
 out as ``SinkCommitError`` with the library's error as its cause.
 
-An epoch whose output has columns the table lacks (the first epoch after a
-migration added an accumulator) first adds them in a schema change of their own:
-idempotent, so a crash between it and the rows leaves a column the retry finds.
-A column no longer written (removed or renamed away) stays in the table.
+A migration changes the columns an epoch writes. The first epoch after it first
+changes the table's schema in a commit of its own, before its rows: columns the
+output has and the table lacks are added (nullable); an upsert table loses the
+columns a migration retired (``CommitContext.retired_columns``: removed or renamed
+away), since its rows are the state and that state no longer exists. The change is
+idempotent, so a crash between it and the rows leaves a schema the retry finds. An
+append table keeps every column (its old rows hold them) and new rows get nulls; a
+column someone else added to a table is never dropped.
 """
 
 from __future__ import annotations
@@ -83,12 +87,12 @@ class TableSink(Sink, Generic[Table]):
         """The rows ``table`` holds, from its metadata (no data file is read)."""
 
     @abstractmethod
-    def _columns(self, table: Table) -> set[str]:
-        """The table's column names."""
+    def _schema(self, table: Table) -> pa.Schema:
+        """The table's columns, as Arrow types."""
 
     @abstractmethod
-    def _add_columns(self, table: Table, fields: list[pa.Field]) -> None:
-        """Add nullable columns in a commit of their own (a schema change, no rows)."""
+    def _change_columns(self, table: Table, added: list[pa.Field], dropped: list[str]) -> None:
+        """Add nullable columns and drop columns in one commit of its own, with no new rows."""
 
     # -- the lifecycle ------------------------------------------------------------------
 
@@ -110,9 +114,8 @@ class TableSink(Sink, Generic[Table]):
                 if not ctx.should_commit(self.name, held):
                     return SinkCommitResult(skipped=True, held_epoch=held.epoch if held else None,
                                             conflicts=conflicts, mode=self.mode, position=self._position(table))
-                if table is not None and (added := [f for f in output.schema if f.name not in self._columns(table)]):
-                    self._add_columns(table, added)  # a migration's new columns, before its first epoch's rows
-                    table = self._load()
+                if table is not None and not ctx.replace:
+                    table, output = self._follow_schema(table, output, ctx)
                 counts, position = self._write(table, output, ctx, keys)
             except self.conflicts as exc:
                 conflicts, lost_to = conflicts + 1, exc  # someone committed since we looked (possibly this very epoch): decide again
@@ -132,6 +135,24 @@ class TableSink(Sink, Generic[Table]):
             f"(max_attempts={self.max_attempts}); another writer keeps committing to the table. Nothing of this "
             "epoch was committed to it; retrying is safe"
         ) from lost_to
+
+    def _follow_schema(self, table: Table, output: pa.Table, ctx: CommitContext) -> tuple[Table, pa.Table]:
+        """Bring the table's schema to the output's after a migration (see the module's
+        docstring); rows appended carry nulls in the columns the output lacks."""
+        schema = self._schema(table)
+        added = [f for f in output.schema if f.name not in schema.names]
+        dropped = ([n for n in schema.names if n in ctx.retired_columns and n not in output.schema.names]
+                   if self.mode == "upsert" else [])
+        if added or dropped:
+            self._change_columns(table, added, dropped)
+            self._forget()
+            changed = self._load()
+            assert changed is not None
+            table, schema = changed, self._schema(changed)
+        if (self.mode == "append" or output.num_rows == 0) and schema.names != output.schema.names:
+            output = pa.table({f.name: output.column(f.name) if f.name in output.schema.names
+                               else pa.nulls(output.num_rows, f.type) for f in schema})
+        return table, output
 
     def describe_target(self) -> str:
         location = self.location()
