@@ -65,6 +65,48 @@ def with_tables(pipeline: Pipeline, tables: Path | None, delta_mode: str, iceber
     )
 
 
+def merchants_table(keys: int, version: int) -> pa.Table:
+    """A merchants dimension: every 7th merchant missing; version 1 doubles the fee
+    rates and moves merchants to other regions."""
+    ids = [m for m in range(keys) if m % 7 != 3]
+    return pa.table({
+        "merchant_id": pa.array(ids, pa.int64()),
+        "fee_rate": pa.array([(m % 5 + 1) / 100 * (1 + version) for m in ids], pa.float64()),
+        "region": pa.array([(m + version) % 4 for m in ids], pa.int64()),
+    })
+
+
+def enriched_payments(events: Path, output: Path, tables: Path | None = None, how: str = "inner",
+                      dimension: object | None = None, shards: int = 3) -> Pipeline:
+    """Payments enriched with the merchants Delta table at ``<events>/../merchants``: the
+    fees per merchant (amount * fee_rate) and its latest region."""
+    from volley_dagster import DeltaDimension
+
+    pipeline = (
+        Pipeline("payments_enriched")
+        .source(FileLog(events, format="parquet"))
+        .where("status = 'active'")
+        .enrich(dimension or DeltaDimension(events.parent / "merchants", name="merchants"), on="merchant_id",
+                columns=["fee_rate", "region"], how=how)
+        .with_column("fee", "amount * fee_rate")
+        .key_by("merchant_id")
+        .aggregate(fees=sum_("fee"), events=count(), region=last("region"))
+        .sink(ParquetSink(output))
+        .with_shards(shards)
+    )
+    return with_tables(pipeline, tables, delta_mode="upsert", iceberg_table="volley.payments_enriched")
+
+
+def reference_enriched(records: pa.Table, merchants: pa.Table, how: str = "inner") -> pd.DataFrame:
+    """``enriched_payments``'s state over ``records`` joined with one ``merchants`` version."""
+    df = records.to_pandas()
+    df = df[df["status"] == "active"].merge(merchants.to_pandas(), on="merchant_id", how=how)
+    df["fee"] = df["amount"] * df["fee_rate"]
+    g = df.groupby("merchant_id", sort=True)
+    return pd.DataFrame({"fees": g["fee"].sum(min_count=1), "events": g["amount"].size().astype("int64"),
+                         "region": g["region"].last()}).reset_index()
+
+
 def reference_state(records: pa.Table) -> pd.DataFrame:
     """The running aggregate of ``payments`` over ``records`` (in log order)."""
     df = records.to_pandas()

@@ -5,9 +5,13 @@ location (``assets/``, ``resources/``, ``sensors/``) is a thin layer over it.
 """
 
 from volley_dagster.checkpoint.s3_snapshots import S3SnapshotStore
+from volley_dagster.dimensions import DeltaDimension, IcebergDimension, ParquetDimension
 from volley_dagster.errors import (
     AggregateOverflowError,
     ConfigError,
+    DimensionTableError,
+    DimensionVersionLostError,
+    DuplicateDimensionKeyError,
     EpochNotCutError,
     EpochOrderError,
     FencedError,
@@ -38,7 +42,13 @@ from volley_dagster.spark.session import get_or_create_spark
 __all__ = [
     "AggregateOverflowError",
     "ConfigError",
+    "DeltaDimension",
     "DeltaSink",
+    "DimensionTableError",
+    "DimensionVersionLostError",
+    "DuplicateDimensionKeyError",
+    "IcebergDimension",
+    "ParquetDimension",
     "IcebergSink",
     "S3Endpoint",
     "S3SnapshotStore",

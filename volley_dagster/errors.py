@@ -97,7 +97,26 @@ class FencedError(VolleyError):
 # Errors that name bad input or a setting: the same run fails the same way, so a retry
 # only hides them. Everything else (a killed executor, S3 unreachable, a lost lease or
 # commit race, a full disk) may pass on its own, and a retry of an epoch is always safe.
-_PERMANENT = (ConfigError, EpochOrderError, SourceError, MalformedRecordError, StateLayoutError, SinkLineageError,
+class DimensionTableError(VolleyError):
+    """A dimension table an enrichment joins cannot be read now, or its pinned version
+    breaks the join's contract (a key on several rows): the pin is dropped, so a retry
+    pins the table as it is then."""
+
+
+class DuplicateDimensionKeyError(DimensionTableError):
+    """The pinned version holds a key on several rows, so a join would repeat records."""
+
+    def __init__(self, message: str, table: str) -> None:
+        super().__init__(message)
+        self.table = table
+
+
+class DimensionVersionLostError(DimensionTableError):
+    """The version an epoch pinned is gone (vacuumed, expired, a file rewritten): the
+    epoch cannot be reproduced from it."""
+
+
+_PERMANENT = (DimensionVersionLostError, ConfigError, EpochOrderError, SourceError, MalformedRecordError, StateLayoutError, SinkLineageError,
               AggregateOverflowError)
 
 

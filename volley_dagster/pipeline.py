@@ -13,6 +13,7 @@ from typing import Callable, Literal, TypeVar
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 
+from volley_dagster.dimensions.base import DimensionTable, Enrichment, How
 from volley_dagster.errors import ConfigError
 from volley_dagster.operators.accumulators import Accumulator
 from volley_dagster.operators.aggregate import Aggregate
@@ -31,7 +32,7 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
 class Pipeline:
     name: str
     source_given: Source | None = None
-    transforms: tuple[Transform, ...] = ()
+    transforms: tuple[Transform | Enrichment, ...] = ()  # in order; an Enrichment joins a pinned table
     key_given: str | None = None
     operator_given: Aggregate | None = None
     windowing: Windowing | None = None
@@ -77,6 +78,26 @@ class Pipeline:
 
     def with_column(self, name: str, expr: Column | str | Callable[[], Column]) -> Pipeline:
         return self.transform(lambda df: df.withColumn(name, _column(expr)))
+
+    def enrich(self, table: DimensionTable, *, on: str | list[str], columns: list[str], how: How = "left",
+               broadcast: bool | None = None) -> Pipeline:
+        """Join each record with ``table`` (``DeltaDimension``, ``IcebergDimension``,
+        ``ParquetDimension``) on ``on``, adding ``columns``. Each epoch reads the version
+        pinned when it was cut, on every attempt; the next epoch reads the newest. The
+        table must hold one row per key. ``how="inner"`` drops records whose key it
+        lacks, ``"left"`` keeps them with nulls; both are counted per epoch.
+        ``broadcast``: force (True) or forbid (False) a broadcast join; None lets Spark
+        choose by the table's size (a shuffle join past ``autoBroadcastJoinThreshold``)."""
+        keys = (on,) if isinstance(on, str) else tuple(on)
+        step = Enrichment(table, keys, tuple(columns), how, broadcast)
+        if any(e.name == step.name for e in self.enrichments):
+            raise ConfigError(f"pipeline {self.name!r} already enriches with a table named {step.name!r}; "
+                              "give the table another name=")
+        return replace(self, transforms=self.transforms + (step,))
+
+    @property
+    def enrichments(self) -> list[Enrichment]:
+        return [t for t in self.transforms if isinstance(t, Enrichment)]
 
     def key_by(self, column: str) -> Pipeline:
         return replace(self, key_given=column)
@@ -151,9 +172,10 @@ class Pipeline:
         if missing:
             raise ConfigError(f"pipeline {self.name!r} is incomplete: add {', '.join(missing)}")
 
-    def apply_transforms(self, df: DataFrame) -> DataFrame:
+    def apply_transforms(self, df: DataFrame, join: Callable[[DataFrame, Enrichment], DataFrame]) -> DataFrame:
+        """The transforms in order; ``join`` applies an enrichment (``spark/enrich.py``)."""
         for fn in self.transforms:
-            df = fn(df)
+            df = join(df, fn) if isinstance(fn, Enrichment) else fn(df)
             if not isinstance(df, DataFrame):
                 raise ConfigError(f"pipeline {self.name!r}: transform {fn!r} returned {type(df).__name__}, not a DataFrame")
         return df

@@ -33,6 +33,7 @@ class EpochResult:
     end_of_stream: bool = False
     committed_at: str = ""
     fencing_token: int = 0  # the lease token of the runner that committed it (0: run without one)
+    enrichments: dict[str, dict[str, Any]] = field(default_factory=dict)  # per dimension table: version read, unmatched
     already_committed: bool = False
     output: pa.Table | None = field(default=None, repr=False, compare=False)
 

@@ -39,8 +39,10 @@ from volley_dagster.checkpoint.rescale import RescaleResult
 from volley_dagster.checkpoint.rescale import rescale as rescale_state
 from volley_dagster.checkpoint.s3_snapshots import S3SnapshotStore
 from volley_dagster.checkpoint.state_reader import KEY_GROUP, SHARD, ReadSettings, recorded_reader, shards_to_read
+from volley_dagster.dimensions.base import TablePin
 from volley_dagster.errors import (
     ConfigError,
+    DuplicateDimensionKeyError,
     EpochOrderError,
     MalformedRecordError,
     StateLayoutError,
@@ -186,7 +188,25 @@ class EpochRunner:
         if rng.records == 0 and not (allow_empty or end_of_stream):
             return None
         cut_at_us = time.time_ns() // 1000
-        return self.log.record_offsets(replace(rng, end_of_stream=end_of_stream, cut_at_us=cut_at_us))
+        recorded = self.log.record_offsets(replace(rng, end_of_stream=end_of_stream, cut_at_us=cut_at_us))
+        self._dimension_pins(recorded.epoch)
+        return recorded
+
+    def _dimension_pins(self, epoch: int) -> dict[str, TablePin]:
+        """The version of each dimension table the epoch reads: recorded when it was
+        cut, else now, before its first attempt reads anything (the recorded one wins)."""
+        pins = {}
+        for step in self.pipeline.enrichments:
+            pinned = self.log.dimension_pin(epoch, step.name)
+            pins[step.name] = pinned or self.log.record_dimension_pin(epoch, step.table.pin())
+        return pins
+
+    def _checked_pins(self, epoch: int, pins: dict[str, TablePin]) -> frozenset[str]:
+        """Tables whose pinned version the previous committed epoch read: its keys were checked."""
+        before = self.log.manifest(epoch - 1) if epoch > 1 else None
+        read = before.enrichments if before is not None else {}
+        return frozenset(name for name, pin in pins.items()
+                         if read.get(name, {}).get("version") == pin.version and read[name].get("kind") == pin.kind)
 
     def records_waiting(self) -> int:
         """Records in the source after the last cut epoch's range: what the next cut takes."""
@@ -270,7 +290,12 @@ class EpochRunner:
         t0 = time.perf_counter()
         _refuse_speculation(self.spark)
         pipeline.source_log.verify(rng)
-        plan = plan_epoch(self.spark, pipeline, rng)
+        pins = self._dimension_pins(epoch)
+        try:
+            plan = plan_epoch(self.spark, pipeline, rng, pins, self._checked_pins(epoch, pins))
+        except DuplicateDimensionKeyError as exc:
+            log.drop_dimension_pin(epoch, exc.table)  # no attempt read it: the next one pins anew
+            raise
         log.check_identity(identity_of(pipeline, plan.operator, plan.key_kind))
         pipeline = self._in_layout(epoch)
         previous = self._previous_snapshots(epoch, pipeline.layout)
@@ -336,6 +361,7 @@ class EpochRunner:
             end_of_stream=rng.end_of_stream,
             committed_at=datetime.now(timezone.utc).isoformat(),
             fencing_token=self._fence().token,
+            enrichments=stage.enrichments,
             output=stage.output,
         )
         if log.layout_for(epoch) != pipeline.layout:  # a rescale committed while this epoch ran

@@ -38,6 +38,7 @@ from typing import Any
 
 from volley_dagster import faults
 from volley_dagster.checkpoint.manifest import ShardSnapshot
+from volley_dagster.dimensions.base import TablePin
 from volley_dagster.errors import EpochNotCutError, EpochOrderError, StateLayoutError
 from volley_dagster.io.atomic import create_json_exclusive, read_json
 from volley_dagster.result import EpochResult
@@ -283,6 +284,31 @@ class EpochLog:
         """Write the range unless the epoch was cut already; the recorded one wins."""
         create_json_exclusive(self.epoch_dir(rng.epoch) / "offsets.json", rng.to_dict())
         return self.offsets(rng.epoch)
+
+    def record_dimension_pin(self, epoch: int, pin: TablePin) -> TablePin:
+        """Record the version of a dimension table epoch ``epoch`` reads, unless one is
+        recorded already (the recorded one wins). Written when the epoch is cut, or by
+        its first attempt when the pipeline gained the enrichment after the cut."""
+        path = self._pin_path(epoch, pin.table)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        create_json_exclusive(path, pin.to_dict())
+        pinned = self.dimension_pin(epoch, pin.table)
+        assert pinned is not None
+        return pinned
+
+    def dimension_pin(self, epoch: int, table: str) -> TablePin | None:
+        path = self._pin_path(epoch, table)
+        return TablePin.from_dict(read_json(path)) if path.exists() else None
+
+    def drop_dimension_pin(self, epoch: int, table: str) -> None:
+        """Set aside a pin whose version failed the join's contract before any attempt
+        produced output from it (see ``spark/enrich.py``): the next attempt pins anew."""
+        path = self._pin_path(epoch, table)
+        if path.exists():
+            os.replace(path, path.with_name(f"{path.stem}.rejected-{uuid.uuid4().hex[:8]}"))
+
+    def _pin_path(self, epoch: int, table: str) -> Path:
+        return self.epoch_dir(epoch) / "dimensions" / f"{table}.json"
 
     def cut_at(self, epoch: int) -> float:
         """When the epoch's range was recorded (Unix time): how long it has waited to commit."""

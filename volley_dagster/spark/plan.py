@@ -4,18 +4,21 @@ Nothing runs until the stage (``spark/stage.py``) asks for results."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
 from volley_dagster import columns
+from volley_dagster.dimensions.base import TablePin
 from volley_dagster.errors import ConfigError
 from volley_dagster.operators.aggregate import ResolvedAggregate
 from volley_dagster.operators.window import ResolvedWindowAggregate
 from volley_dagster.pipeline import Pipeline
 from volley_dagster.sources.offsets import EpochRange
+from volley_dagster.spark.enrich import EnrichmentRun, EpochJoins
 from volley_dagster.spark.read import read_range
 
 
@@ -28,6 +31,12 @@ class PlannedEpoch:
     operator: ResolvedAggregate | ResolvedWindowAggregate
     key_kind: str
     may_have_bad_records: bool = True  # False: a native Parquet read, every record parsed
+    enrichments: list[EnrichmentRun] = field(default_factory=list)
+
+    def enrichment_figures(self, ran: bool) -> dict[str, dict[str, Any]]:
+        """Per enrichment: the version read and the records without a match (after the
+        epoch's job; ``ran=False``: no job ran, nothing was read)."""
+        return {run.enrichment.name: run.figures(ran) for run in self.enrichments}
 
     @property
     def single_job(self) -> bool:
@@ -47,7 +56,10 @@ class PlannedEpoch:
         return self.operator
 
 
-def plan_epoch(spark: SparkSession, pipeline: Pipeline, rng: EpochRange) -> PlannedEpoch:
+def plan_epoch(spark: SparkSession, pipeline: Pipeline, rng: EpochRange, pins: dict[str, TablePin] | None = None,
+               verified: frozenset[str] = frozenset()) -> PlannedEpoch:
+    """``pins``: the version of each dimension table the epoch reads (None: as they are
+    now, for a plan that never runs); ``verified``: tables whose pin was checked already."""
     source = pipeline.source_log
     schema = source.schema()
     reserved = [n for n in schema.names if n.startswith("_volley_")]
@@ -56,7 +68,10 @@ def plan_epoch(spark: SparkSession, pipeline: Pipeline, rng: EpochRange) -> Plan
     read = read_range(spark, source, rng, schema)
     raw = read.raw
     parsed = raw.where(F.col(columns.ERROR).isNull()).drop(columns.ERROR, columns.RAW)
-    transformed = pipeline.apply_transforms(parsed)
+    if pins is None:
+        pins = {e.name: e.table.pin() for e in pipeline.enrichments}
+    joins = EpochJoins(spark, pins, verified, rng.epoch)
+    transformed = pipeline.apply_transforms(parsed, joins)
     if pipeline.key_column not in transformed.columns:
         raise ConfigError(
             f"pipeline {pipeline.name!r}: key column {pipeline.key_column!r} is not among the columns "
@@ -76,4 +91,4 @@ def plan_epoch(spark: SparkSession, pipeline: Pipeline, rng: EpochRange) -> Plan
     operator = pipeline.stateful_operator().resolve(keyed.schema)
     if pipeline.key_column in operator.output_names():
         raise ConfigError(f"output column {pipeline.key_column!r} has the same name as the key column")
-    return PlannedEpoch(raw, keyed, operator, kind, read.may_have_bad_records)
+    return PlannedEpoch(raw, keyed, operator, kind, read.may_have_bad_records, joins.runs)

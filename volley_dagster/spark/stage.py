@@ -10,9 +10,9 @@ from __future__ import annotations
 import json
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -47,6 +47,7 @@ class StageResult:
     state_stage_s: float
     late: pa.Table | None = None  # windows: (record, window) pairs that came too late
     watermark: int | None = None  # windows: after this epoch, microseconds
+    enrichments: dict[str, dict[str, Any]] = field(default_factory=dict)  # per enrichment: version, unmatched records
 
 
 def _shard_partials(rows: DataFrame, partial_exprs: list, layout: ShardLayout) -> DataFrame:
@@ -130,7 +131,7 @@ def run_stage(
             plan.raw.unpersist()
     output = out.filter(pc.invert(is_stats)).drop_columns([columns.STATS])
     output = output.sort_by([(c, "ascending") for c in pipeline.output_keys()])
-    return StageResult(output, dead, shards, t1 - t0, t2 - t1, late, new_watermark)
+    return StageResult(output, dead, shards, t1 - t0, t2 - t1, late, new_watermark, plan.enrichment_figures(ran=True))
 
 
 def _output_ddl(pipeline: Pipeline, plan: PlannedEpoch) -> list[str]:
@@ -170,6 +171,7 @@ def _carry_forward_stage(spark: SparkSession, pipeline: Pipeline, plan: PlannedE
                                    read_mode="carried_forward", bytes_new=snap.bytes_new,
                                    snapshot_s=time.perf_counter() - t, upload=upload)
     output = spark.createDataFrame([], ", ".join(_output_ddl(pipeline, plan))).toArrow()
-    return StageResult(output, DEAD_LETTER_SCHEMA.empty_table(), shards, 0.0, time.perf_counter() - t0)
+    return StageResult(output, DEAD_LETTER_SCHEMA.empty_table(), shards, 0.0, time.perf_counter() - t0,
+                       enrichments=plan.enrichment_figures(ran=False))
 
 

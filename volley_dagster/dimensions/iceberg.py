@@ -1,0 +1,60 @@
+"""An Iceberg table as a dimension: pinned by its snapshot id, read at exactly that snapshot."""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+from pyiceberg.catalog import load_catalog
+from pyiceberg.exceptions import NoSuchTableError
+
+from volley_dagster.dimensions.base import DimensionTable, TablePin
+from volley_dagster.errors import ConfigError, DimensionTableError, DimensionVersionLostError
+from volley_dagster.io.s3 import S3Endpoint
+from volley_dagster.sinks.iceberg import sqlite_catalog
+
+if TYPE_CHECKING:
+    from pyiceberg.table import Table
+    from pyspark.sql import DataFrame, SparkSession
+
+
+class IcebergDimension(DimensionTable):
+    """``table`` is ``"namespace.table"`` in the catalog ``catalog`` (properties), or in
+    the local SQLite catalog under ``path``. Read through pyiceberg (delete files and
+    schema evolution included) and handed to Spark as Arrow."""
+
+    kind = "iceberg"
+
+    def __init__(self, table: str, catalog: dict[str, str] | None = None, path: str | os.PathLike[str] | None = None,
+                 name: str | None = None, s3: S3Endpoint | None = None, catalog_name: str = "volley") -> None:
+        if catalog is None and path is None:
+            raise ConfigError("IcebergDimension needs catalog properties or a local path for the SQLite catalog")
+        self.identifier = table
+        self.name = name or table.rsplit(".", 1)[-1]
+        self.catalog_properties = {**(catalog if catalog is not None else sqlite_catalog(path)),  # type: ignore[arg-type]
+                                   **(s3.iceberg_properties() if s3 else {})}
+        self.catalog_name = catalog_name
+        self.uri = f"iceberg:{table}"
+
+    def _load(self) -> Table:
+        try:
+            return load_catalog(self.catalog_name, **self.catalog_properties).load_table(self.identifier)
+        except NoSuchTableError as exc:
+            raise DimensionTableError(f"dimension table {self.name!r}: no Iceberg table {self.identifier}") from exc
+
+    def pin(self) -> TablePin:
+        snapshot = self._load().current_snapshot()
+        return TablePin(self.name, self.kind, str(snapshot.snapshot_id) if snapshot else "empty")
+
+    def read(self, spark: SparkSession, pin: TablePin, columns: list[str]) -> DataFrame:
+        table = self._load()
+        if pin.version == "empty":
+            rows = table.scan(selected_fields=tuple(columns), limit=0).to_arrow()
+        else:
+            if table.snapshot_by_id(int(pin.version)) is None:
+                raise DimensionVersionLostError(
+                    f"dimension table {self.name!r} ({self.identifier}): snapshot {pin.version}, which this epoch "
+                    "pinned, has expired; keep snapshots longer than epochs wait to run"
+                )
+            rows = table.scan(selected_fields=tuple(columns), snapshot_id=int(pin.version)).to_arrow()
+        return spark.createDataFrame(rows)
