@@ -27,6 +27,7 @@ from dagster import (
 )
 
 from assets.metadata import (
+    dimension_key,
     epoch_metadata,
     sink_key,
     sink_kind,
@@ -115,10 +116,21 @@ def epoch_assets(deployment: Deployment, spec_settings: TableSettings) -> list:
         return ObserveResult(data_version=DataVersion(now.version),
                              metadata={**now.metadata, **source_observation(runner, runner.backlog(), time.time())})
 
+    dimensions = [
+        AssetSpec(
+            dimension_key(pipeline, step.name),
+            kinds={step.table.kind},
+            description=f"Dimension table {step.table.uri} that {pipeline.name!r} joins on {list(step.on)} ({step.how}); "
+                        "each epoch reads the version pinned when it was cut.",
+            group_name=pipeline.name,
+            metadata={"dagster/uri": step.table.uri, **step.table.describe()},
+        )
+        for step in pipeline.enrichments
+    ]
     specs = [
         AssetSpec(
             state,
-            deps=[source_key(pipeline)],
+            deps=[source_key(pipeline)] + [d.key for d in dimensions],
             kinds={"spark", "rocksdb"},
             description=f"Keyed state of {pipeline.name!r} after each epoch (RocksDB snapshots).",
             skippable=True,  # materialized per committed epoch, by events (see the op)
@@ -190,7 +202,7 @@ def epoch_assets(deployment: Deployment, spec_settings: TableSettings) -> list:
             raise RetryRequested(max_retries=STEP_RETRIES, seconds_to_wait=STEP_RETRY_WAIT_S) from exc
         yield from checks
 
-    return [source, epochs]
+    return [source, epochs, *dimensions]
 
 
 STATE_CHECKS = ("snapshot_checksums", "epochs_progress", "freshness")

@@ -29,13 +29,13 @@ if TYPE_CHECKING:  # what define_asset_job returns; Dagster does not export the 
 def build_definitions(
     deployments: list[Deployment], checkpoints: CheckpointResource, tables: TablesResource, spark: SparkResource
 ) -> Definitions:
-    assets: list[AssetsDefinition | SourceAsset] = []
+    assets: list[AssetsDefinition | SourceAsset | AssetSpec] = []
     jobs: list[JobDefinition | UnresolvedAssetJobDefinition] = []
     sensors: list[SensorDefinition] = []
     schedules: list[ScheduleDefinition] = []
     for deployment in deployments:
-        source, epochs = epoch_assets(deployment, tables.settings())
-        assets.extend([source, epochs])
+        source, epochs, *dimensions = epoch_assets(deployment, tables.settings())
+        assets.extend([source, epochs, *dimensions])
         job = define_asset_job(
             epochs_job_name(deployment.name),
             selection=AssetSelection.assets(epochs),  # with its checks: they run after the epochs

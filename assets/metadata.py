@@ -28,6 +28,11 @@ def sink_key(pipeline: Pipeline, sink: Sink) -> AssetKey:
     return AssetKey([pipeline.name, f"{sink_kind(sink)}_{sink.name}"])
 
 
+def dimension_key(pipeline: Pipeline, table: str) -> AssetKey:
+    """A dimension table an enrichment joins: upstream of the state, written by others."""
+    return AssetKey([pipeline.name, f"dimension_{table}"])
+
+
 def sink_location(sink: Sink) -> dict[str, Any]:
     """Where the table lives, under Dagster's metadata conventions."""
     location = sink.location()
@@ -111,6 +116,10 @@ def epoch_metadata(pipeline: Pipeline, result: EpochResult,
     if result.watermark is not None:  # window pipelines
         state["watermark"] = MetadataValue.text(describe_event_time(result.watermark))
         state["late_records"] = MetadataValue.int(result.late_records)
+    for name, read in result.enrichments.items():  # the version each dimension table was read at
+        state[f"{name}_version"] = MetadataValue.text(str(read["version"]))
+        state[f"{name}_unmatched"] = MetadataValue.int(int(read["unmatched"]))
+        state[f"{name}_dropped"] = MetadataValue.int(int(read["dropped"]))
     out = {state_key(pipeline): state}
     for sink in pipeline.sinks:
         commit = result.sinks.get(sink.name, {})
