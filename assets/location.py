@@ -5,6 +5,7 @@ from typing import TYPE_CHECKING
 from dagster import (
     AssetsDefinition,
     AssetSelection,
+    AssetSpec,
     Definitions,
     JobDefinition,
     ScheduleDefinition,

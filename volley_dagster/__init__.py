@@ -9,6 +9,7 @@ from volley_dagster.dimensions import DeltaDimension, IcebergDimension, ParquetD
 from volley_dagster.errors import (
     AggregateOverflowError,
     ConfigError,
+    DimensionPinRejectedError,
     DimensionTableError,
     DimensionVersionLostError,
     DuplicateDimensionKeyError,
@@ -44,6 +45,7 @@ __all__ = [
     "ConfigError",
     "DeltaDimension",
     "DeltaSink",
+    "DimensionPinRejectedError",
     "DimensionTableError",
     "DimensionVersionLostError",
     "DuplicateDimensionKeyError",

@@ -94,21 +94,22 @@ class FencedError(VolleyError):
     it stopped before making anything visible. Retrying (with a new lease) is safe."""
 
 
-# Errors that name bad input or a setting: the same run fails the same way, so a retry
-# only hides them. Everything else (a killed executor, S3 unreachable, a lost lease or
-# commit race, a full disk) may pass on its own, and a retry of an epoch is always safe.
 class DimensionTableError(VolleyError):
-    """A dimension table an enrichment joins cannot be read now, or its pinned version
-    breaks the join's contract (a key on several rows): the pin is dropped, so a retry
-    pins the table as it is then."""
+    """A dimension table an enrichment joins cannot be read now: a retry may succeed."""
 
 
-class DuplicateDimensionKeyError(DimensionTableError):
-    """The pinned version holds a key on several rows, so a join would repeat records."""
+class DimensionPinRejectedError(DimensionTableError):
+    """The pinned version breaks the join's contract (a key on several rows, a column
+    missing). It fails every attempt the same way, so none produced output from it: the
+    pin is set aside and a retry pins the table as it is then (fixed, one hopes)."""
 
-    def __init__(self, message: str, table: str) -> None:
+    def __init__(self, message: str, table: str, version: str) -> None:
         super().__init__(message)
-        self.table = table
+        self.table, self.version = table, version
+
+
+class DuplicateDimensionKeyError(DimensionPinRejectedError):
+    """The pinned version holds a key on several rows, so a join would repeat records."""
 
 
 class DimensionVersionLostError(DimensionTableError):
@@ -116,8 +117,11 @@ class DimensionVersionLostError(DimensionTableError):
     epoch cannot be reproduced from it."""
 
 
-_PERMANENT = (DimensionVersionLostError, ConfigError, EpochOrderError, SourceError, MalformedRecordError, StateLayoutError, SinkLineageError,
-              AggregateOverflowError)
+# Errors that name bad input or a setting: the same run fails the same way, so a retry
+# only hides them. Everything else (a killed executor, S3 unreachable, a lost lease or
+# commit race, a full disk) may pass on its own, and a retry of an epoch is always safe.
+_PERMANENT = (ConfigError, EpochOrderError, SourceError, MalformedRecordError, StateLayoutError, SinkLineageError,
+              AggregateOverflowError, DimensionVersionLostError)
 
 
 def is_retryable(exc: BaseException) -> bool:

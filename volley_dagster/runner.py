@@ -42,7 +42,7 @@ from volley_dagster.checkpoint.state_reader import KEY_GROUP, SHARD, ReadSetting
 from volley_dagster.dimensions.base import TablePin
 from volley_dagster.errors import (
     ConfigError,
-    DuplicateDimensionKeyError,
+    DimensionPinRejectedError,
     EpochOrderError,
     MalformedRecordError,
     StateLayoutError,
@@ -205,8 +205,10 @@ class EpochRunner:
         """Tables whose pinned version the previous committed epoch read: its keys were checked."""
         before = self.log.manifest(epoch - 1) if epoch > 1 else None
         read = before.enrichments if before is not None else {}
+        on = {step.name: list(step.on) for step in self.pipeline.enrichments}
         return frozenset(name for name, pin in pins.items()
-                         if read.get(name, {}).get("version") == pin.version and read[name].get("kind") == pin.kind)
+                         if (read.get(name, {}).get("version"), read.get(name, {}).get("kind"),
+                             read.get(name, {}).get("on")) == (pin.version, pin.kind, on[name]))
 
     def records_waiting(self) -> int:
         """Records in the source after the last cut epoch's range: what the next cut takes."""
@@ -293,8 +295,9 @@ class EpochRunner:
         pins = self._dimension_pins(epoch)
         try:
             plan = plan_epoch(self.spark, pipeline, rng, pins, self._checked_pins(epoch, pins))
-        except DuplicateDimensionKeyError as exc:
-            log.drop_dimension_pin(epoch, exc.table)  # no attempt read it: the next one pins anew
+        except DimensionPinRejectedError as exc:  # every attempt fails on it alike: none produced output from it
+            self._check_fence(f"epoch {epoch}: setting aside the pin of dimension table {exc.table!r}")
+            log.drop_dimension_pin(epoch, exc.table, exc.version)
             raise
         log.check_identity(identity_of(pipeline, plan.operator, plan.key_kind))
         pipeline = self._in_layout(epoch)
@@ -318,6 +321,8 @@ class EpochRunner:
         )
         watermark = log.committed_manifest(epoch - 1).watermark if epoch > 1 else None
         stage = run_stage(self.spark, pipeline, rng, plan, merge, watermark, rng.end_of_stream)
+        for run in plan.enrichments:  # read lazily by the job: still the pinned version
+            run.enrichment.table.verify(run.pin)
         if stage.dead_letters.num_rows and pipeline.bad_records == "fail":
             raise MalformedRecordError(_describe_bad(epoch, stage.dead_letters, pipeline.quote_bad_records))
         if sorted(stage.shards) != list(range(pipeline.layout.num_shards)):

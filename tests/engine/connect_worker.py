@@ -1,13 +1,16 @@
 """Runs epochs over Spark Connect in its own process (PySpark switches a whole
 process into Connect mode): ``python -m tests.engine.connect_worker URL BASE [SESSION_ID]``
 (with a session id: attached to that server-side session, as Dagster runs on the warm Spark are).
-Prints one JSON line: records per epoch, and the error a task-side failure raised."""
+Prints one JSON line: records per epoch, the error a task-side failure raised, and an
+enriched epoch's join counts."""
 
 import json
 import sys
 from pathlib import Path
 
-from tests.helpers import payments
+from deltalake import write_deltalake
+
+from tests.helpers import enriched_payments, merchants_table, payments
 from volley_dagster import EpochRunner, VolleyError
 from volley_dagster.demo.events import generate
 from volley_dagster.spark.stage import plan_epoch, run_stage
@@ -19,6 +22,10 @@ if __name__ == "__main__":
     runner = EpochRunner(payments(base / "events", base / "out"), base / "state", spark=spark,
                          max_records_per_epoch=2_000)
     records = [r.records_in for r in runner.run_available()]
+    # an enrichment over Connect: its counts come back with the epoch's job (a Spark Observation)
+    write_deltalake(base / "merchants", merchants_table(200, 0))
+    enriched = EpochRunner(enriched_payments(base / "events", base / "out-enriched"), base / "state-enriched",
+                           spark=spark, max_records_per_epoch=2_000).run_available(max_epochs=1)
     generate(base / "events", 1, 500, 200, first_file=2)
     rng = runner.cut_next()
     plan = plan_epoch(spark, runner.pipeline, rng)
@@ -29,4 +36,4 @@ if __name__ == "__main__":
         error = None
     except VolleyError as exc:
         error = f"{type(exc).__name__}: {exc}"
-    print(json.dumps({"records": records, "error": error}))
+    print(json.dumps({"records": records, "error": error, "enriched": enriched[0].enrichments["merchants"]}))

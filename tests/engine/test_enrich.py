@@ -17,6 +17,7 @@ from tests.engine.test_crash_recovery import run_until_killed
 from tests.helpers import enriched_payments, log_records, merchants_table, reference_enriched
 from volley_dagster import (
     ConfigError,
+    DimensionPinRejectedError,
     DimensionVersionLostError,
     DuplicateDimensionKeyError,
     EpochRunner,
@@ -24,6 +25,7 @@ from volley_dagster import (
     ParquetDimension,
 )
 from volley_dagster.demo.events import generate
+from volley_dagster.errors import is_retryable
 from volley_dagster.sinks.iceberg import sqlite_catalog
 from volley_dagster.spark.stage import plan_epoch
 
@@ -129,6 +131,21 @@ def test_a_key_on_two_rows_fails_naming_it_and_the_fixed_table_is_read_next(spar
         runner.run_available()
     assert runner.log.last_committed() == 0 and runner.log.dimension_pin(1, "merchants") is None  # set aside
     write_deltalake(tmp_path / "merchants", merchants, mode="overwrite")
+    (result,) = runner.run_available()
+    assert result.enrichments["merchants"]["version"] == "1"
+    assert_state(runner, reference_enriched(log_records(1, PER_FILE, KEYS), merchants))
+
+
+def test_a_version_lacking_a_column_is_set_aside_and_the_table_that_gains_it_is_read(spark, tmp_path):
+    generate(tmp_path / "events", 1, PER_FILE, KEYS)
+    merchants = merchants_table(KEYS, 0)
+    write_deltalake(tmp_path / "merchants", merchants.drop_columns(["region"]))
+    runner = EpochRunner(enriched_payments(tmp_path / "events", tmp_path / "out"), tmp_path / "state",
+                         spark=spark, max_records_per_epoch=PER_FILE)
+    with pytest.raises(DimensionPinRejectedError, match=r"'merchants'.*version 0 has no column \['region'\]"):
+        runner.run_available()
+    assert is_retryable(DimensionPinRejectedError("x", "merchants", "0"))  # the sensor's recovery tries again
+    write_deltalake(tmp_path / "merchants", merchants, mode="overwrite", schema_mode="overwrite")
     (result,) = runner.run_available()
     assert result.enrichments["merchants"]["version"] == "1"
     assert_state(runner, reference_enriched(log_records(1, PER_FILE, KEYS), merchants))

@@ -115,6 +115,10 @@ def test_added_removed_and_renamed_accumulators_and_a_new_shard_count_equal_the_
     upserted = delta.read().to_pandas()
     assert set(upserted.columns) == set(expected.columns)
     assert delta.epoch_history("payments") == {e: [runner.result(e).records_out] for e in (1, 2, 3)}
+    by_key = upserted.set_index("merchant_id").sort_index()  # every row kept through the rewrite
+    carried = ["total", "avg_amount", "largest", "last_seen"]
+    pd.testing.assert_frame_equal(by_key[carried], expected.set_index("merchant_id").sort_index()[carried],
+                                  check_dtype=False, rtol=1e-9)
     touched = upserted[upserted["seen_since"].notna()].set_index("merchant_id")
     assert len(touched) == third.records_out
     want = expected.set_index("merchant_id").loc[touched.index]

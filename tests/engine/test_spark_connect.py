@@ -61,6 +61,9 @@ def test_epochs_over_the_warm_spark_which_restarts_and_ends_with_its_owner(tmp_p
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["records"] == [2_000, 1_000]
     assert result["error"].startswith("SourceChangedError:") and "changed after the epoch was cut" in result["error"]
+    active = log_records(2, 1_500, 200).slice(0, 2_000).to_pandas().query("status == 'active'")
+    assert result["enriched"]["records"] == len(active)  # observed over Connect, not zeros
+    assert result["enriched"]["dropped"] == int((active["merchant_id"] % 7 == 3).sum()) > 0
     runner = EpochRunner(payments(tmp_path / "events", tmp_path / "out"), tmp_path / "state")
     assert runner.committed_epoch() == 2
     assert_state_equal(runner.read_state(), reference_state(log_records(2, 1_500, 200)))

@@ -300,11 +300,13 @@ class EpochLog:
         path = self._pin_path(epoch, table)
         return TablePin.from_dict(read_json(path)) if path.exists() else None
 
-    def drop_dimension_pin(self, epoch: int, table: str) -> None:
-        """Set aside a pin whose version failed the join's contract before any attempt
-        produced output from it (see ``spark/enrich.py``): the next attempt pins anew."""
+    def drop_dimension_pin(self, epoch: int, table: str, version: str) -> None:
+        """Set aside the pin of ``version`` (not another one recorded meanwhile), which
+        failed the join's contract, so that no attempt produced output from it (see
+        ``spark/enrich.py``): the next attempt pins anew."""
         path = self._pin_path(epoch, table)
-        if path.exists():
+        pinned = self.dimension_pin(epoch, table)
+        if pinned is not None and pinned.version == version:
             os.replace(path, path.with_name(f"{path.stem}.rejected-{uuid.uuid4().hex[:8]}"))
 
     def _pin_path(self, epoch: int, table: str) -> Path:

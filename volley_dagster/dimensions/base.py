@@ -16,7 +16,7 @@ from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from volley_dagster.errors import ConfigError
+from volley_dagster.errors import ConfigError, DimensionPinRejectedError
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -64,7 +64,23 @@ class DimensionTable(ABC):
 
     @abstractmethod
     def read(self, spark: SparkSession, pin: TablePin, columns: list[str]) -> DataFrame:
-        """Exactly the pinned version's ``columns``; ``DimensionVersionLostError`` when it is gone."""
+        """Exactly the pinned version's ``columns``; ``DimensionVersionLostError`` when it
+        is gone, ``DimensionPinRejectedError`` when it lacks a column."""
+
+    def verify(self, pin: TablePin) -> None:
+        """After the epoch's job read it (lazily): still the pinned version. Delta and
+        Iceberg versions never change; a Parquet file can be rewritten in place."""
+        return None
+
+    def _lacks(self, pin: TablePin, columns: list[str], present: list[str]) -> None:
+        missing = [c for c in columns if c not in present]
+        if missing:
+            raise DimensionPinRejectedError(
+                f"dimension table {self.name!r} ({self.uri}) version {pin.version} has no column {missing} (it has "
+                f"{present}). Nothing was committed and the pin is set aside: add the column to the table (or fix "
+                "enrich(columns=...)), and the next attempt reads its version then",
+                self.name, pin.version,
+            )
 
     def describe(self) -> dict[str, Any]:
         return {"kind": self.kind, "uri": self.uri}

@@ -11,6 +11,7 @@ from deltalake.exceptions import DeltaError, TableNotFoundError
 
 from volley_dagster.dimensions.base import DimensionTable, TablePin
 from volley_dagster.errors import DimensionTableError, DimensionVersionLostError
+from volley_dagster.io.paths import table_uri
 from volley_dagster.io.s3 import S3Endpoint
 
 if TYPE_CHECKING:
@@ -25,8 +26,7 @@ class DeltaDimension(DimensionTable):
 
     def __init__(self, uri: str | os.PathLike[str], name: str | None = None, s3: S3Endpoint | None = None,
                  storage_options: dict[str, str] | None = None) -> None:
-        text = os.fspath(uri)
-        self.uri = text if "://" in text else str(Path(text).absolute())
+        self.uri = table_uri(uri)
         self.name = name or Path(self.uri.rstrip("/")).name
         self.storage_options = {**(s3.delta_storage_options() if s3 else {}), **(storage_options or {})}
 
@@ -45,18 +45,22 @@ class DeltaDimension(DimensionTable):
         except DeltaError as exc:  # the version's log entries were cleaned up
             raise DimensionVersionLostError(
                 f"dimension table {self.name!r} ({self.uri}): version {pin.version}, which this epoch pinned, "
-                f"can no longer be loaded ({exc}); keep the table's log and files longer than epochs wait to run"
+                f"can no longer be loaded ({exc}). The epoch cannot be reproduced: keep the table's log longer "
+                "than epochs wait to run (delta.logRetentionDuration)"
             ) from exc
-        features = set(table.protocol().reader_features or ())
+        self._lacks(pin, columns, [f.name for f in table.schema().fields])
         uris = table.file_uris()
         missing = [u for u in uris if u.startswith("/") and not Path(u).exists()]
         if missing:
             raise DimensionVersionLostError(
                 f"dimension table {self.name!r} ({self.uri}): version {pin.version}, which this epoch pinned, lost "
-                f"{len(missing)} data file(s) to VACUUM, e.g. {missing[0]}; keep files longer than epochs wait to run"
+                f"{len(missing)} data file(s) to VACUUM, e.g. {missing[0]}. The epoch cannot be reproduced: keep "
+                "files longer than epochs wait to run (VACUUM's retention)"
             )
+        features = set(table.protocol().reader_features or ())
         plain = (not features & _NOT_PLAIN_PARQUET and not table.metadata().partition_columns
                  and uris and all(u.startswith("/") for u in uris))
-        if plain:  # Spark reads the version's files itself, in parallel
-            return spark.read.parquet(*uris).select(*columns)
+        if plain:  # Spark reads the version's files itself, in parallel; files written before
+            # a column was added lack it (null), so their schemas are merged
+            return spark.read.option("mergeSchema", "true").parquet(*uris).select(*columns)
         return spark.createDataFrame(table.to_pyarrow_table(columns=columns))

@@ -5,13 +5,12 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from pyiceberg.catalog import load_catalog
 from pyiceberg.exceptions import NoSuchTableError
 
 from volley_dagster.dimensions.base import DimensionTable, TablePin
-from volley_dagster.errors import ConfigError, DimensionTableError, DimensionVersionLostError
+from volley_dagster.errors import DimensionTableError, DimensionVersionLostError
 from volley_dagster.io.s3 import S3Endpoint
-from volley_dagster.sinks.iceberg import sqlite_catalog
+from volley_dagster.sinks.iceberg import catalog_properties, open_catalog, split_identifier
 
 if TYPE_CHECKING:
     from pyiceberg.table import Table
@@ -27,18 +26,15 @@ class IcebergDimension(DimensionTable):
 
     def __init__(self, table: str, catalog: dict[str, str] | None = None, path: str | os.PathLike[str] | None = None,
                  name: str | None = None, s3: S3Endpoint | None = None, catalog_name: str = "volley") -> None:
-        if catalog is None and path is None:
-            raise ConfigError("IcebergDimension needs catalog properties or a local path for the SQLite catalog")
         self.identifier = table
-        self.name = name or table.rsplit(".", 1)[-1]
-        self.catalog_properties = {**(catalog if catalog is not None else sqlite_catalog(path)),  # type: ignore[arg-type]
-                                   **(s3.iceberg_properties() if s3 else {})}
+        self.name = name or split_identifier(table)[1]
+        self.catalog_properties = catalog_properties(catalog, path, s3, "IcebergDimension")
         self.catalog_name = catalog_name
         self.uri = f"iceberg:{table}"
 
     def _load(self) -> Table:
         try:
-            return load_catalog(self.catalog_name, **self.catalog_properties).load_table(self.identifier)
+            return open_catalog(self.catalog_name, self.catalog_properties).load_table(self.identifier)
         except NoSuchTableError as exc:
             raise DimensionTableError(f"dimension table {self.name!r}: no Iceberg table {self.identifier}") from exc
 
@@ -49,12 +45,14 @@ class IcebergDimension(DimensionTable):
     def read(self, spark: SparkSession, pin: TablePin, columns: list[str]) -> DataFrame:
         table = self._load()
         if pin.version == "empty":
-            rows = table.scan(selected_fields=tuple(columns), limit=0).to_arrow()
-        else:
-            if table.snapshot_by_id(int(pin.version)) is None:
-                raise DimensionVersionLostError(
-                    f"dimension table {self.name!r} ({self.identifier}): snapshot {pin.version}, which this epoch "
-                    "pinned, has expired; keep snapshots longer than epochs wait to run"
-                )
-            rows = table.scan(selected_fields=tuple(columns), snapshot_id=int(pin.version)).to_arrow()
-        return spark.createDataFrame(rows)
+            self._lacks(pin, columns, [f.name for f in table.schema().fields])
+            return spark.createDataFrame(table.scan(selected_fields=tuple(columns), limit=0).to_arrow())
+        snapshot = table.snapshot_by_id(int(pin.version))
+        if snapshot is None:
+            raise DimensionVersionLostError(
+                f"dimension table {self.name!r} ({self.identifier}): snapshot {pin.version}, which this epoch "
+                "pinned, has expired. The epoch cannot be reproduced: keep snapshots longer than epochs wait to run"
+            )
+        schema = table.schemas().get(snapshot.schema_id) if snapshot.schema_id is not None else table.schema()
+        self._lacks(pin, columns, [f.name for f in (schema or table.schema()).fields])
+        return spark.createDataFrame(table.scan(selected_fields=tuple(columns), snapshot_id=snapshot.snapshot_id).to_arrow())

@@ -15,10 +15,16 @@ import pyarrow.parquet as pq
 
 from volley_dagster.dimensions.base import DimensionTable, PinnedFile, TablePin
 from volley_dagster.errors import DimensionTableError, DimensionVersionLostError, SourceError
+from volley_dagster.io.paths import table_uri
 from volley_dagster.sources.storage import LocalStorage, storage_for
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
+
+
+def _data_file(path: str) -> bool:
+    """What Spark's reader reads too: no ``_``/``.`` names (``_SUCCESS``, ``_temporary/``, ``.crc``)."""
+    return path.endswith(".parquet") and not any(part.startswith(("_", ".")) for part in path.split("/"))
 
 
 class ParquetDimension(DimensionTable):
@@ -26,8 +32,7 @@ class ParquetDimension(DimensionTable):
 
     def __init__(self, uri: str | os.PathLike[str], name: str | None = None,
                  storage_options: dict[str, Any] | None = None) -> None:
-        text = os.fspath(uri)
-        self.uri = text if "://" in text else str(Path(text).absolute())
+        self.uri = table_uri(uri)
         self.name = name or Path(self.uri.rstrip("/")).name
         self.storage = storage_for(self.uri, storage_options)
 
@@ -36,22 +41,31 @@ class ParquetDimension(DimensionTable):
             listing = self.storage.list()
         except SourceError as exc:
             raise DimensionTableError(f"dimension table {self.name!r}: {exc}") from exc
-        files = tuple(PinnedFile(f.path, f.size, f.version) for f in listing if f.path.endswith(".parquet"))
+        files = tuple(PinnedFile(f.path, f.size, f.version) for f in listing if _data_file(f.path))
         if not files:
             raise DimensionTableError(f"dimension table {self.name!r}: no .parquet files under {self.uri}")
         digest = hashlib.sha256("\n".join(f"{f.path}|{f.size}|{f.version}" for f in files).encode()).hexdigest()[:16]
         return TablePin(self.name, self.kind, digest, files)
 
-    def read(self, spark: SparkSession, pin: TablePin, columns: list[str]) -> DataFrame:
+    def verify(self, pin: TablePin) -> None:
         for f in pin.files:
             now = self.storage.stat(f.path)
             if now is None or (now.size, now.version) != (f.size, f.version):
                 raise DimensionVersionLostError(
-                    f"dimension table {self.name!r}: {self.uri}/{f.path} was {'deleted' if now is None else 'rewritten'} "
-                    "after an epoch pinned it, so the epoch cannot read the rows it pinned; add new files to a "
-                    "Parquet dimension instead of changing them, or keep the table in Delta or Iceberg"
+                    f"dimension table {self.name!r}: {self.uri}/{f.path} was "
+                    f"{'deleted' if now is None else 'rewritten'} after an epoch pinned it, so the epoch cannot read "
+                    "the rows it pinned; add new files to a Parquet dimension instead of changing them, or keep the "
+                    "table in Delta or Iceberg"
                 )
-        if isinstance(self.storage, LocalStorage):  # Spark reads the pinned files itself, in parallel
-            return spark.read.parquet(*(str(Path(self.uri) / f.path) for f in pin.files)).select(*columns)
-        tables = [pq.read_table(io.BytesIO(self.storage.read(f.path, f.version)), columns=columns) for f in pin.files]
+
+    def read(self, spark: SparkSession, pin: TablePin, columns: list[str]) -> DataFrame:
+        self.verify(pin)
+        if isinstance(self.storage, LocalStorage):  # Spark reads the pinned files itself (checked again after)
+            paths = [str(Path(self.uri) / f.path) for f in pin.files]
+            return spark.read.option("mergeSchema", "true").parquet(*paths).select(*columns)
+        tables = []
+        for f in pin.files:
+            data = pq.read_table(io.BytesIO(self.storage.read(f.path, f.version)))
+            self._lacks(pin, columns, data.column_names)
+            tables.append(data.select(columns))
         return spark.createDataFrame(pa.concat_tables(tables, promote_options="default"))

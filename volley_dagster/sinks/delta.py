@@ -16,7 +16,6 @@ that set it (``volley.lineage``, ``volley.range``: ``sinks/lineage.py``) says wh
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -24,6 +23,7 @@ from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 from deltalake import Field as DeltaField
 from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundError
 
+from volley_dagster.io.paths import table_uri
 from volley_dagster.io.s3 import S3Endpoint
 from volley_dagster.sinks.base import CommitContext, SinkLocation, commit_tags
 from volley_dagster.sinks.lineage import ForeignLineage, SinkCommit, SinkMark
@@ -60,8 +60,7 @@ class DeltaSink(TableSink[DeltaTable]):
         on_foreign_lineage: ForeignLineage = "fail",
     ) -> None:
         super().__init__(name, mode, key_columns, max_attempts, on_foreign_lineage)
-        text = os.fspath(uri)
-        self.uri = text if "://" in text else str(Path(text).absolute())
+        self.uri = table_uri(uri)
         self.storage_options = {**(s3.delta_storage_options() if s3 else {}), **(storage_options or {})}
         self.partition_by = list(partition_by) if partition_by else None
         self._table: DeltaTable | None = None
@@ -100,8 +99,8 @@ class DeltaSink(TableSink[DeltaTable]):
         if dropped:
             # delta-rs has no DROP COLUMN (it needs column mapping), so the table is rewritten
             # without the columns in one overwrite, streamed in batches: the same rows, a
-            # commit ``commits`` reads through (it is no other lineage's replace).
-            table.update_incremental()
+            # commit ``commits`` reads through (it is no other lineage's replace). Built on
+            # the checked snapshot: a commit since makes it lose the race and decide again.
             kept = [n for n in self._schema(table).names if n not in dropped]
             rows = table.to_pyarrow_dataset().scanner(columns=kept).to_reader()
             write_deltalake(table, rows, mode="overwrite", schema_mode="overwrite", partition_by=self.partition_by,

@@ -50,6 +50,34 @@ def sqlite_catalog(path: str | os.PathLike[str]) -> dict[str, str]:
     return {"type": "sql", "uri": f"sqlite:///{root / 'catalog.db'}", "warehouse": (root / "warehouse").as_uri()}
 
 
+def catalog_properties(catalog: dict[str, str] | None, path: str | os.PathLike[str] | None,
+                       s3: S3Endpoint | None, what: str) -> dict[str, str]:
+    """A catalog's properties: the given ones, or the local SQLite catalog under ``path``."""
+    if catalog is None and path is None:
+        raise ConfigError(f"{what} needs catalog properties or a local path for the SQLite catalog")
+    return {**(catalog if catalog is not None else sqlite_catalog(path)),  # type: ignore[arg-type]
+            **(s3.iceberg_properties() if s3 else {})}
+
+
+def split_identifier(table: str) -> tuple[str, str]:
+    if "." not in table:
+        raise ConfigError(f"Iceberg table {table!r} must be 'namespace.table'")
+    namespace, name = table.rsplit(".", 1)
+    return namespace, name
+
+
+def open_catalog(name: str, properties: dict[str, str]) -> Catalog:
+    for attempt in range(3):
+        try:
+            return load_catalog(name, **properties)
+        except SQLAlchemyError:
+            # Processes opening a fresh SQL catalog together race to create
+            # its tables; the loser finds them on the next try.
+            if attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
 def epoch_property(pipeline: str) -> str:
     """Where tables written before lineage marks recorded a pipeline's epoch."""
     return f"volley.epoch.{pipeline}"
@@ -84,14 +112,9 @@ class IcebergSink(TableSink[Table]):
         on_foreign_lineage: ForeignLineage = "fail",
     ) -> None:
         super().__init__(name, mode, key_columns, max_attempts, on_foreign_lineage)
-        if "." not in table:
-            raise ConfigError(f"Iceberg table {table!r} must be 'namespace.table'")
-        if catalog is None and path is None:
-            raise ConfigError("IcebergSink needs catalog properties or a local path for the SQLite catalog")
         self.identifier = table
-        self.namespace, self.table_name = table.rsplit(".", 1)
-        self.catalog_properties = {**(catalog if catalog is not None else sqlite_catalog(path)),  # type: ignore[arg-type]
-                                   **(s3.iceberg_properties() if s3 else {})}
+        self.namespace, self.table_name = split_identifier(table)
+        self.catalog_properties = catalog_properties(catalog, path, s3, "IcebergSink")
         self.catalog_name = catalog_name
         self._catalog: Catalog | None = None
         self._table: Table | None = None
@@ -99,16 +122,7 @@ class IcebergSink(TableSink[Table]):
     @property
     def catalog(self) -> Catalog:
         if self._catalog is None:
-            for attempt in range(3):
-                try:
-                    self._catalog = load_catalog(self.catalog_name, **self.catalog_properties)
-                    break
-                except SQLAlchemyError:
-                    # Processes opening a fresh SQL catalog together race to create
-                    # its tables; the loser finds them on the next try.
-                    if attempt == 2:
-                        raise
-        assert self._catalog is not None
+            self._catalog = open_catalog(self.catalog_name, self.catalog_properties)
         return self._catalog
 
     def table(self) -> Table | None:

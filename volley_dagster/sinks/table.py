@@ -115,8 +115,13 @@ class TableSink(Sink, Generic[Table]):
                     return SinkCommitResult(skipped=True, held_epoch=held.epoch if held else None,
                                             conflicts=conflicts, mode=self.mode, position=self._position(table))
                 if table is not None and not ctx.replace:
-                    table, output = self._follow_schema(table, output, ctx)
-                counts, position = self._write(table, output, ctx, keys)
+                    if self._change_schema(table, output.schema, ctx):
+                        self._forget()
+                        continue  # decide again on the table as its schema change left it
+                    rows = self._conform(table, output)
+                else:
+                    rows = output
+                counts, position = self._write(table, rows, ctx, keys)
             except self.conflicts as exc:
                 conflicts, lost_to = conflicts + 1, exc  # someone committed since we looked (possibly this very epoch): decide again
                 self._forget()
@@ -136,23 +141,24 @@ class TableSink(Sink, Generic[Table]):
             "epoch was committed to it; retrying is safe"
         ) from lost_to
 
-    def _follow_schema(self, table: Table, output: pa.Table, ctx: CommitContext) -> tuple[Table, pa.Table]:
-        """Bring the table's schema to the output's after a migration (see the module's
-        docstring); rows appended carry nulls in the columns the output lacks."""
+    def _change_schema(self, table: Table, output: pa.Schema, ctx: CommitContext) -> bool:
+        """Bring the table's schema to the output's after a migration, in a commit of its
+        own (see the module's docstring); False when there is nothing to change."""
         schema = self._schema(table)
-        added = [f for f in output.schema if f.name not in schema.names]
-        dropped = ([n for n in schema.names if n in ctx.retired_columns and n not in output.schema.names]
+        added = [f for f in output if f.name not in schema.names]
+        dropped = ([n for n in schema.names if n in ctx.retired_columns and n not in output.names]
                    if self.mode == "upsert" else [])
         if added or dropped:
             self._change_columns(table, added, dropped)
-            self._forget()
-            changed = self._load()
-            assert changed is not None
-            table, schema = changed, self._schema(changed)
-        if (self.mode == "append" or output.num_rows == 0) and schema.names != output.schema.names:
-            output = pa.table({f.name: output.column(f.name) if f.name in output.schema.names
-                               else pa.nulls(output.num_rows, f.type) for f in schema})
-        return table, output
+        return bool(added or dropped)
+
+    def _conform(self, table: Table, output: pa.Table) -> pa.Table:
+        """Rows appended carry nulls in the table's columns the output lacks."""
+        schema = self._schema(table)
+        if (self.mode == "upsert" and output.num_rows) or schema.names == output.schema.names:
+            return output
+        return pa.table({f.name: output.column(f.name) if f.name in output.schema.names
+                         else pa.nulls(output.num_rows, f.type) for f in schema})
 
     def describe_target(self) -> str:
         location = self.location()

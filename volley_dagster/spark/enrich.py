@@ -17,7 +17,7 @@ from pyspark.sql import DataFrame, Observation, SparkSession
 from pyspark.sql import functions as F
 
 from volley_dagster.dimensions.base import Enrichment, TablePin
-from volley_dagster.errors import ConfigError, DuplicateDimensionKeyError
+from volley_dagster.errors import ConfigError, DimensionPinRejectedError, DuplicateDimensionKeyError
 
 MATCHED = "_volley_matched"
 
@@ -35,6 +35,7 @@ class EnrichmentRun:
         seen = self.observation.get if ran else {}
         records, unmatched = int(seen.get("records") or 0), int(seen.get("unmatched") or 0)
         return {"kind": self.pin.kind, "version": self.pin.version, "how": self.enrichment.how,
+                "on": list(self.enrichment.on),
                 "records": records, "unmatched": unmatched,
                 "dropped": unmatched if self.enrichment.how == "inner" else 0}
 
@@ -55,12 +56,17 @@ class EpochJoins:
         clash = [c for c in step.columns if c in df.columns]
         if clash:
             raise ConfigError(f"enrich({step.name!r}): the records already have columns {clash}; rename them first")
+        wanted = list(step.on) + list(step.columns)
         try:
-            dim = step.table.read(self.spark, pin, list(step.on) + list(step.columns))
+            dim = step.table.read(self.spark, pin, wanted)
             dim.schema  # noqa: B018 (resolves the columns now, to name a missing one)
         except AnalysisException as exc:
-            raise ConfigError(f"enrich({step.name!r}): dimension table {step.table.uri} at version {pin.version} "
-                              f"lacks a column of {list(step.on) + list(step.columns)}: {exc}") from exc
+            raise DimensionPinRejectedError(
+                f"epoch {self.epoch}: dimension table {step.name!r} ({step.table.uri}) version {pin.version} lacks a "
+                f"column of {wanted}: {exc}. Nothing was committed and the pin is set aside: add the column to the "
+                "table (or fix enrich(columns=...)), and the next attempt reads its version then",
+                step.name, pin.version,
+            ) from exc
         if step.name not in self.verified:
             self._check_unique(dim, step, pin)
         dim = dim.withColumn(MATCHED, F.lit(True))
@@ -80,7 +86,8 @@ class EpochJoins:
         return joined.drop(MATCHED)
 
     def _check_unique(self, dim: DataFrame, step: Enrichment, pin: TablePin) -> None:
-        repeated = dim.groupBy(*step.on).count().where(F.col("count") > 1).limit(5).collect()
+        keyed = dim.where(" AND ".join(f"`{c}` IS NOT NULL" for c in step.on))  # a null key never matches
+        repeated = keyed.groupBy(*step.on).count().where(F.col("count") > 1).limit(5).collect()
         if repeated:
             shown = [tuple(r[c] for c in step.on) for r in repeated]
             raise DuplicateDimensionKeyError(
@@ -88,5 +95,5 @@ class EpochJoins:
                 f"key(s) {list(step.on)} on several rows, e.g. {shown}, so a join would repeat records. Nothing was "
                 "committed and the pin is set aside: make the key unique in the table, and the next attempt reads "
                 "its version then",
-                step.name,
+                step.name, pin.version,
             )

@@ -68,8 +68,9 @@ def plan_epoch(spark: SparkSession, pipeline: Pipeline, rng: EpochRange, pins: d
     read = read_range(spark, source, rng, schema)
     raw = read.raw
     parsed = raw.where(F.col(columns.ERROR).isNull()).drop(columns.ERROR, columns.RAW)
-    if pins is None:
+    if pins is None:  # planned to resolve the operator, never run: no key check either
         pins = {e.name: e.table.pin() for e in pipeline.enrichments}
+        verified = frozenset(pins)
     joins = EpochJoins(spark, pins, verified, rng.epoch)
     transformed = pipeline.apply_transforms(parsed, joins)
     if pipeline.key_column not in transformed.columns:
