@@ -17,6 +17,12 @@ from tests.engine.test_crash_recovery import run_until_killed
 from tests.helpers import enriched_payments, log_records, merchants_table, reference_enriched
 from volley_dagster import (
     ConfigError,
+    DeltaDimension,
+    FileLog,
+    Pipeline,
+    count,
+    sum_,
+    tumbling,
     DimensionPinRejectedError,
     DimensionVersionLostError,
     DuplicateDimensionKeyError,
@@ -93,6 +99,33 @@ def test_a_left_join_keeps_records_without_a_match_and_counts_them(spark, tmp_pa
     assert sum(r.enrichments["merchants"]["unmatched"] for r in results) == unmatched > 0
     assert all(r.enrichments["merchants"]["dropped"] == 0 for r in results)
     assert sum(r.records_aggregated for r in results) == len(active)
+
+
+def test_an_enriched_window_pipeline_counts_through_its_side_output_job(spark, tmp_path):
+    """Windows run a side-output job before the state stage: the join is counted there."""
+    generate(tmp_path / "events", 2, 600, KEYS)
+    write_deltalake(tmp_path / "merchants", merchants_table(KEYS, 0))
+    pipeline = (
+        Pipeline("fees_per_minute")
+        .source(FileLog(tmp_path / "events", format="parquet"))
+        .where("status = 'active'")
+        .enrich(DeltaDimension(tmp_path / "merchants"), on="merchant_id", columns=["fee_rate"], how="inner")
+        .with_column("fee", "amount * fee_rate")
+        .key_by("merchant_id")
+        .window(tumbling("1 minute"), on="event_time", max_out_of_orderness="10 minutes")
+        .aggregate(fees=sum_("fee"), events=count())
+        .with_shards(2)
+    )
+    runner = EpochRunner(pipeline, tmp_path / "state", spark=spark, max_records_per_epoch=600)
+    results = runner.run_available() + runner.flush()
+    assert sum(r.late_records for r in results) == 0
+    fired = pa.concat_tables([r.output for r in results if r.output is not None]).to_pandas()
+    per_key = fired.groupby("merchant_id")[["fees", "events"]].sum().reset_index()
+    expected = reference_enriched(log_records(2, 600, KEYS), merchants_table(KEYS, 0))
+    pd.testing.assert_frame_equal(per_key.sort_values("merchant_id").reset_index(drop=True),
+                                  expected[["merchant_id", "fees", "events"]], check_dtype=False, rtol=1e-9)
+    active = log_records(2, 600, KEYS).to_pandas().query("status == 'active'")
+    assert sum(r.enrichments["merchants"]["dropped"] for r in results) == int((active["merchant_id"] % 7 == 3).sum())
 
 
 @pytest.mark.parametrize("threshold", ["10485760", "-1"], ids=["broadcast", "shuffle"])

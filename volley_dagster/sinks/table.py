@@ -12,7 +12,8 @@ A migration changes the columns an epoch writes. The first epoch after it first
 changes the table's schema in a commit of its own, before its rows: columns the
 output has and the table lacks are added (nullable); an upsert table loses the
 columns a migration retired (``CommitContext.retired_columns``: removed or renamed
-away), since its rows are the state and that state no longer exists. The change is
+away), since its rows are the state and that state no longer exists. The attempt
+then decides again on the changed table, as after a lost race. The change is
 idempotent, so a crash between it and the rows leaves a schema the retry finds. An
 append table keeps every column (its old rows hold them) and new rows get nulls; a
 column someone else added to a table is never dropped.
