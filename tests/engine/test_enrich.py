@@ -52,14 +52,17 @@ def combined(*parts: pd.DataFrame) -> pd.DataFrame:
                          "region": g["region"].last()}).reset_index()
 
 
-def test_a_retry_after_kill_9_reads_the_pinned_version_and_the_next_epoch_the_new_one(spark, tmp_path):
+@pytest.mark.parametrize(("point", "shard"), [("shard_after_snapshot", 1), ("after_sink_delta", None)])
+def test_a_retry_after_kill_9_reads_the_pinned_version_and_the_next_epoch_the_new_one(spark, tmp_path, point, shard):
+    """Killed with epoch 2's shard 1 snapshotted (nothing committed), or with its Delta
+    sink committed: either way the retry reads the version epoch 2 pinned."""
     generate(tmp_path / "events", 3, PER_FILE, KEYS)
     write_deltalake(tmp_path / "merchants", merchants_table(KEYS, 0))
-    died = run_until_killed(tmp_path, "after_sink_delta", 2, kind="payments_enriched", max_records=PER_FILE)
+    died = run_until_killed(tmp_path, point, 2, shard=shard, kind="payments_enriched", max_records=PER_FILE)
     assert died.returncode == -9, died.stderr[-3000:]
     assert EpochRunner(enriched_payments(tmp_path / "events", tmp_path / "out"), tmp_path / "state",
                        spark=spark).log.dimension_pin(2, "merchants").version == "0"
-    # the table changes while epoch 2 is half-committed (its Delta sink holds it)
+    # the table changes while epoch 2 is half done
     write_deltalake(tmp_path / "merchants", merchants_table(KEYS, 1), mode="overwrite")
 
     runner = EpochRunner(enriched_payments(tmp_path / "events", tmp_path / "out", tables=tmp_path / "tables"),
@@ -71,7 +74,7 @@ def test_a_retry_after_kill_9_reads_the_pinned_version_and_the_next_epoch_the_ne
                         reference_enriched(records.slice(2 * PER_FILE), v1))
     assert_state(runner, expected)
     assert {e: runner.result(e).enrichments["merchants"]["version"] for e in (1, 2, 3)} == {1: "0", 2: "0", 3: "1"}
-    # the Delta sink held epoch 2 from the killed attempt: the retry's rows are the same, once
+    # each epoch once in the Delta sink (after_sink_delta: it held epoch 2 from the killed attempt)
     delta = runner.pipeline.sinks[1]
     assert delta.epoch_history("payments_enriched") == {e: [runner.result(e).records_out] for e in (1, 2, 3)}
     upserted = delta.read().to_pandas().sort_values("merchant_id").reset_index(drop=True)
