@@ -234,6 +234,7 @@ def test_a_killed_dagster_dev_heals_after_a_restart(healing):
         wait_for(lambda: run_in_flight(instance, "payments") is None and lease_holder(state) is None, 120,
                  "the last test's runs to finish", srv)
     committed = runner.committed_epoch()
+    since = time.time()  # this test's runs (the first test's killed run may be marked gone alike)
     generate(base / "events", 1, PER_FILE, KEYS, first_file=files)
     wait_for(lambda: runner.log.last_cut() > committed, 120, "the sensor to cut the new epoch", srv)
     victim = wait_for(lambda: lease_holder(state), 120, "the run of the new epoch to hold the lease", srv)
@@ -246,7 +247,7 @@ def test_a_killed_dagster_dev_heals_after_a_restart(healing):
                  150, "the epoch to commit after the restart", again)
         with again.instance() as instance:
             wait_for(lambda: run_in_flight(instance, "payments") is None, 60, "the last run to finish", again)
-            failed = [r for r in pool_runs(instance, "payments", [DagsterRunStatus.FAILURE])
+            failed = [r for r in pool_runs(instance, "payments", [DagsterRunStatus.FAILURE], created_after=since)
                       if "is gone (killed, or the machine restarted)" in failure_messages(instance, r.dagster_run.run_id)]
             assert len(failed) == 1, "the watchdog marked the killed run failed"
             retries = instance.get_run_records(RunsFilter(tags={"dagster/parent_run_id": failed[0].dagster_run.run_id}))
