@@ -201,14 +201,13 @@ class EpochRunner:
             pins[step.name] = pinned or self.log.record_dimension_pin(epoch, step.table.pin())
         return pins
 
-    def _checked_pins(self, epoch: int, pins: dict[str, TablePin]) -> frozenset[str]:
-        """Tables whose pinned version the previous committed epoch read: its keys were checked."""
-        before = self.log.manifest(epoch - 1) if epoch > 1 else None
+    def _checked_pins(self, before: EpochResult | None, pins: dict[str, TablePin]) -> frozenset[str]:
+        """Tables whose pinned version the previous epoch (``before``) read on the same
+        key: the key's uniqueness was checked then."""
         read = before.enrichments if before is not None else {}
-        on = {step.name: list(step.on) for step in self.pipeline.enrichments}
-        return frozenset(name for name, pin in pins.items()
-                         if (read.get(name, {}).get("version"), read.get(name, {}).get("kind"),
-                             read.get(name, {}).get("on")) == (pin.version, pin.kind, on[name]))
+        return frozenset(step.name for step in self.pipeline.enrichments
+                         if {k: read.get(step.name, {}).get(k) for k in ("version", "kind", "on")}
+                         == {"version": pins[step.name].version, "kind": pins[step.name].kind, "on": list(step.on)})
 
     def records_waiting(self) -> int:
         """Records in the source after the last cut epoch's range: what the next cut takes."""
@@ -292,9 +291,10 @@ class EpochRunner:
         t0 = time.perf_counter()
         _refuse_speculation(self.spark)
         pipeline.source_log.verify(rng)
+        before = log.committed_manifest(epoch - 1) if epoch > 1 else None
         pins = self._dimension_pins(epoch)
         try:
-            plan = plan_epoch(self.spark, pipeline, rng, pins, self._checked_pins(epoch, pins))
+            plan = plan_epoch(self.spark, pipeline, rng, pins, self._checked_pins(before, pins))
         except DimensionPinRejectedError as exc:  # every attempt fails on it alike: none produced output from it
             self._check_fence(f"epoch {epoch}: setting aside the pin of dimension table {exc.table!r}")
             log.drop_dimension_pin(epoch, exc.table, exc.version)
@@ -319,10 +319,8 @@ class EpochRunner:
             state_identity=f"{log.root.resolve()}|{pipeline.name}",
             fence=self._fence(),
         )
-        watermark = log.committed_manifest(epoch - 1).watermark if epoch > 1 else None
+        watermark = before.watermark if before is not None else None
         stage = run_stage(self.spark, pipeline, rng, plan, merge, watermark, rng.end_of_stream)
-        for run in plan.enrichments:  # read lazily by the job: still the pinned version
-            run.enrichment.table.verify(run.pin)
         if stage.dead_letters.num_rows and pipeline.bad_records == "fail":
             raise MalformedRecordError(_describe_bad(epoch, stage.dead_letters, pipeline.quote_bad_records))
         if sorted(stage.shards) != list(range(pipeline.layout.num_shards)):

@@ -16,6 +16,9 @@ from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+import pyarrow as pa
+from pyspark.sql.pandas.types import from_arrow_schema
+
 from volley_dagster.errors import ConfigError, DimensionPinRejectedError
 
 if TYPE_CHECKING:
@@ -71,6 +74,14 @@ class DimensionTable(ABC):
         """After the epoch's job read it (lazily): still the pinned version. Delta and
         Iceberg versions never change; a Parquet file can be rewritten in place."""
         return None
+
+    def _read_files(self, spark: SparkSession, pin: TablePin, paths: list[str], schema: pa.Schema,
+                    columns: list[str]) -> DataFrame:
+        """Spark reads the version's local Parquet files itself, in parallel, with the
+        version's schema (a file written before a column was added reads it as null)."""
+        self._lacks(pin, columns, schema.names)
+        wanted = pa.schema([schema.field(c) for c in columns])
+        return spark.read.schema(from_arrow_schema(wanted)).parquet(*paths)
 
     def _lacks(self, pin: TablePin, columns: list[str], present: list[str]) -> None:
         missing = [c for c in columns if c not in present]

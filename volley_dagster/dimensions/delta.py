@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import pyarrow as pa
 from deltalake import DeltaTable
 from deltalake.exceptions import DeltaError, TableNotFoundError
 
@@ -48,7 +49,8 @@ class DeltaDimension(DimensionTable):
                 f"can no longer be loaded ({exc}). The epoch cannot be reproduced: keep the table's log longer "
                 "than epochs wait to run (delta.logRetentionDuration)"
             ) from exc
-        self._lacks(pin, columns, [f.name for f in table.schema().fields])
+        schema = pa.schema(table.schema().to_arrow())
+        self._lacks(pin, columns, schema.names)
         uris = table.file_uris()
         missing = [u for u in uris if u.startswith("/") and not Path(u).exists()]
         if missing:
@@ -60,7 +62,6 @@ class DeltaDimension(DimensionTable):
         features = set(table.protocol().reader_features or ())
         plain = (not features & _NOT_PLAIN_PARQUET and not table.metadata().partition_columns
                  and uris and all(u.startswith("/") for u in uris))
-        if plain:  # Spark reads the version's files itself, in parallel; files written before
-            # a column was added lack it (null), so their schemas are merged
-            return spark.read.option("mergeSchema", "true").parquet(*uris).select(*columns)
+        if plain:
+            return self._read_files(spark, pin, uris, schema, columns)
         return spark.createDataFrame(table.to_pyarrow_table(columns=columns))

@@ -53,6 +53,7 @@ class IcebergDimension(DimensionTable):
                 f"dimension table {self.name!r} ({self.identifier}): snapshot {pin.version}, which this epoch "
                 "pinned, has expired. The epoch cannot be reproduced: keep snapshots longer than epochs wait to run"
             )
-        schema = table.schemas().get(snapshot.schema_id) if snapshot.schema_id is not None else table.schema()
-        self._lacks(pin, columns, [f.name for f in (schema or table.schema()).fields])
+        schemas, current = table.schemas(), table.schema()  # the snapshot's own schema, when it names one
+        schema = current if snapshot.schema_id is None else schemas.get(snapshot.schema_id, current)
+        self._lacks(pin, columns, [f.name for f in schema.fields])
         return spark.createDataFrame(table.scan(selected_fields=tuple(columns), snapshot_id=snapshot.snapshot_id).to_arrow())

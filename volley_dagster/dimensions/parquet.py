@@ -60,9 +60,9 @@ class ParquetDimension(DimensionTable):
 
     def read(self, spark: SparkSession, pin: TablePin, columns: list[str]) -> DataFrame:
         self.verify(pin)
-        if isinstance(self.storage, LocalStorage):  # Spark reads the pinned files itself (checked again after)
+        if isinstance(self.storage, LocalStorage):  # checked again after the job read them
             paths = [str(Path(self.uri) / f.path) for f in pin.files]
-            return spark.read.option("mergeSchema", "true").parquet(*paths).select(*columns)
+            return self._read_files(spark, pin, paths, pa.unify_schemas([pq.read_schema(p) for p in paths]), columns)
         tables = []
         for f in pin.files:
             data = pq.read_table(io.BytesIO(self.storage.read(f.path, f.version)))

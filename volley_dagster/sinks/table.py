@@ -115,13 +115,14 @@ class TableSink(Sink, Generic[Table]):
                 if not ctx.should_commit(self.name, held):
                     return SinkCommitResult(skipped=True, held_epoch=held.epoch if held else None,
                                             conflicts=conflicts, mode=self.mode, position=self._position(table))
+                rows = output
                 if table is not None and not ctx.replace:
-                    if self._change_schema(table, output.schema, ctx):
+                    schema = self._schema(table)
+                    if self._change_schema(table, schema, output.schema, ctx):
                         self._forget()
                         continue  # decide again on the table as its schema change left it
-                    rows = self._conform(table, output)
-                else:
-                    rows = output
+                    if self.mode == "append" or output.num_rows == 0:
+                        rows = _with_table_columns(schema, output)
                 counts, position = self._write(table, rows, ctx, keys)
             except self.conflicts as exc:
                 conflicts, lost_to = conflicts + 1, exc  # someone committed since we looked (possibly this very epoch): decide again
@@ -142,10 +143,9 @@ class TableSink(Sink, Generic[Table]):
             "epoch was committed to it; retrying is safe"
         ) from lost_to
 
-    def _change_schema(self, table: Table, output: pa.Schema, ctx: CommitContext) -> bool:
+    def _change_schema(self, table: Table, schema: pa.Schema, output: pa.Schema, ctx: CommitContext) -> bool:
         """Bring the table's schema to the output's after a migration, in a commit of its
         own (see the module's docstring); False when there is nothing to change."""
-        schema = self._schema(table)
         added = [f for f in output if f.name not in schema.names]
         dropped = ([n for n in schema.names if n in ctx.retired_columns and n not in output.names]
                    if self.mode == "upsert" else [])
@@ -153,14 +153,14 @@ class TableSink(Sink, Generic[Table]):
             self._change_columns(table, added, dropped)
         return bool(added or dropped)
 
-    def _conform(self, table: Table, output: pa.Table) -> pa.Table:
-        """Rows appended carry nulls in the table's columns the output lacks."""
-        schema = self._schema(table)
-        if (self.mode == "upsert" and output.num_rows) or schema.names == output.schema.names:
-            return output
-        return pa.table({f.name: output.column(f.name) if f.name in output.schema.names
-                         else pa.nulls(output.num_rows, f.type) for f in schema})
-
     def describe_target(self) -> str:
         location = self.location()
         return f"{location.kind} {location.uri or location.table_name}"
+
+
+def _with_table_columns(schema: pa.Schema, output: pa.Table) -> pa.Table:
+    """Appended rows carry nulls in the table's columns the output lacks."""
+    if schema.names == output.schema.names:
+        return output
+    return pa.table({f.name: output.column(f.name) if f.name in output.schema.names
+                     else pa.nulls(output.num_rows, f.type) for f in schema})

@@ -12,12 +12,11 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from pyspark.errors import AnalysisException
 from pyspark.sql import DataFrame, Observation, SparkSession
 from pyspark.sql import functions as F
 
 from volley_dagster.dimensions.base import Enrichment, TablePin
-from volley_dagster.errors import ConfigError, DimensionPinRejectedError, DuplicateDimensionKeyError
+from volley_dagster.errors import ConfigError, DuplicateDimensionKeyError
 
 MATCHED = "_volley_matched"
 
@@ -56,17 +55,7 @@ class EpochJoins:
         clash = [c for c in step.columns if c in df.columns]
         if clash:
             raise ConfigError(f"enrich({step.name!r}): the records already have columns {clash}; rename them first")
-        wanted = list(step.on) + list(step.columns)
-        try:
-            dim = step.table.read(self.spark, pin, wanted)
-            dim.schema  # noqa: B018 (resolves the columns now, to name a missing one)
-        except AnalysisException as exc:
-            raise DimensionPinRejectedError(
-                f"epoch {self.epoch}: dimension table {step.name!r} ({step.table.uri}) version {pin.version} lacks a "
-                f"column of {wanted}: {exc}. Nothing was committed and the pin is set aside: add the column to the "
-                "table (or fix enrich(columns=...)), and the next attempt reads its version then",
-                step.name, pin.version,
-            ) from exc
+        dim = step.table.read(self.spark, pin, list(step.on) + list(step.columns))
         if step.name not in self.verified:
             self._check_unique(dim, step, pin)
         dim = dim.withColumn(MATCHED, F.lit(True))

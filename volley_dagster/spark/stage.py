@@ -57,19 +57,22 @@ def _shard_partials(rows: DataFrame, partial_exprs: list, layout: ShardLayout) -
 
 
 @contextmanager
-def _source_unchanged(pipeline: Pipeline, rng: EpochRange, plan: PlannedEpoch) -> Iterator[None]:
-    """Spark's own Parquet scan cannot check, as the Python reader does, that a file
-    is the one the epoch was cut from; so the driver checks after the read (and when
-    the read failed, whether a changed file is why)."""
-    if plan.may_have_bad_records:  # the Python reader checks each segment itself
-        yield
-        return
+def _inputs_unchanged(pipeline: Pipeline, rng: EpochRange, plan: PlannedEpoch) -> Iterator[None]:
+    """Spark's own Parquet scans cannot check, as the Python reader does, that a file
+    is the one the epoch was cut from, or the one a dimension table's pin names; so the
+    driver checks after the read (and when the read failed, whether a changed file is why)."""
+    def verify() -> None:
+        if not plan.may_have_bad_records:  # the Python reader checks each segment itself
+            pipeline.source_log.verify(rng)
+        for run in plan.enrichments:
+            run.enrichment.table.verify(run.pin)
+
     try:
         yield
     except Exception:
-        pipeline.source_log.verify(rng)
+        verify()
         raise
-    pipeline.source_log.verify(rng)
+    verify()
 
 
 def run_stage(
@@ -114,7 +117,7 @@ def run_stage(
                 partials = _shard_partials(valid_rows(plan), plan.running.partial_exprs(), layout)
         t1 = time.perf_counter()
         out_schema = ", ".join(_output_ddl(pipeline, plan) + [f"`{columns.STATS}` string"])
-        with engine_errors(), _source_unchanged(pipeline, rng, plan):
+        with engine_errors(), _inputs_unchanged(pipeline, rng, plan):
             out = (
                 partials.groupBy(columns.PARTITION)
                 .applyInArrow(lambda table: merge(table), out_schema)  # Spark counts a callable's self
