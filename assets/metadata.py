@@ -7,7 +7,7 @@ import pyarrow as pa
 from dagster import AssetKey, MetadataValue, TableColumn, TableSchema
 
 from volley_dagster import ConfigError, EpochResult, EpochRunner, Pipeline
-from volley_dagster.operators.window import describe_event_time
+from volley_dagster.operators.event_time import describe_event_time
 from volley_dagster.sinks import Sink
 from volley_dagster.sources.offsets import Backlog
 
@@ -113,9 +113,11 @@ def epoch_metadata(pipeline: Pipeline, result: EpochResult,
         "records_per_second": MetadataValue.float(float(result.records_per_second)),
         **{f"seconds_{phase}": MetadataValue.float(float(v)) for phase, v in d.items()},
     }
-    if result.watermark is not None:  # window pipelines
+    if result.watermark is not None:  # event time: windows, event-time TTL
         state["watermark"] = MetadataValue.text(describe_event_time(result.watermark))
         state["late_records"] = MetadataValue.int(result.late_records)
+    if pipeline.expiry_column() is not None:  # state TTL
+        state["keys_expired"] = MetadataValue.int(result.keys_expired)
     for name, read in result.enrichments.items():  # the version each dimension table was read at
         state[f"{name}_version"] = MetadataValue.text(str(read["version"]))
         state[f"{name}_unmatched"] = MetadataValue.int(int(read["unmatched"]))

@@ -164,7 +164,7 @@ def print_tables(runner: Any) -> None:
 def demo_windows(pipeline, work: Path, args: argparse.Namespace, spark) -> None:
     """The same events through 1-minute tumbling windows: fired windows, late records, watermark."""
     from volley_dagster import EpochRunner
-    from volley_dagster.operators.window import describe_event_time
+    from volley_dagster.operators.event_time import describe_event_time
 
     runner = EpochRunner(pipeline, work / "state" / pipeline.name, spark=spark,
                          max_records_per_epoch=args.max_records, keep_epochs=args.keep)

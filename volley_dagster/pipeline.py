@@ -17,7 +17,9 @@ from volley_dagster.dimensions.base import DimensionTable, Enrichment, How
 from volley_dagster.errors import ConfigError
 from volley_dagster.operators.accumulators import Accumulator
 from volley_dagster.operators.aggregate import Aggregate
-from volley_dagster.operators.window import Duration, WindowedAggregate, Windowing, Windows, duration_us
+from volley_dagster.operators.event_time import Duration, EventTime, duration_us
+from volley_dagster.operators.ttl import DEFAULT_MAX_RESIDENT_ENTRIES, EXPIRED, StateTtl
+from volley_dagster.operators.window import WindowedAggregate, Windowing, Windows
 from volley_dagster.sinks.base import Sink
 from volley_dagster.sources.base import Source
 from volley_dagster.state.keys import DEFAULT_KEY_GROUPS, ShardLayout
@@ -102,9 +104,34 @@ class Pipeline:
     def key_by(self, column: str) -> Pipeline:
         return replace(self, key_given=column)
 
-    def aggregate(self, **accumulators: Accumulator) -> Pipeline:
-        """A running aggregate per key; after ``window(...)``, one per key and window."""
-        return replace(self, operator_given=Aggregate(tuple(accumulators.items())))
+    def aggregate(
+        self,
+        *,
+        ttl: Duration | None = None,
+        ttl_epochs: int | None = None,
+        event_time: str | None = None,
+        max_out_of_orderness: Duration = "0 seconds",
+        max_event_time_skew: Duration | None = None,
+        max_expiry_entries: int | None = DEFAULT_MAX_RESIDENT_ENTRIES,
+        **accumulators: Accumulator,
+    ) -> Pipeline:
+        """A running aggregate per key; after ``window(...)``, one per key and window.
+
+        State TTL (running aggregates): ``ttl_epochs=100`` expires a key once 100 epochs
+        pass without an update; ``ttl="30 days", event_time="ts"`` once the watermark
+        (the latest event time less ``max_out_of_orderness``) passes the key's latest
+        event time plus 30 days. An expired key leaves state and is emitted once with
+        ``expired = true`` (upsert sinks delete its row). ``max_event_time_skew`` and
+        the bad-record rules for event times are those of ``window``;
+        ``max_expiry_entries`` bounds the in-memory expiry index per shard (the rest
+        is evicted to RocksDB). The rules: ``volley_dagster.operators.ttl``."""
+        state_ttl = None
+        if ttl is not None or ttl_epochs is not None or event_time is not None:
+            clock = None if event_time is None else EventTime(
+                event_time, duration_us(max_out_of_orderness, "max_out_of_orderness"),
+                None if max_event_time_skew is None else duration_us(max_event_time_skew, "max_event_time_skew"))
+            state_ttl = StateTtl(ttl_epochs, None if ttl is None else duration_us(ttl, "ttl"), clock, max_expiry_entries)
+        return replace(self, operator_given=Aggregate(tuple(accumulators.items()), ttl=state_ttl))
 
     def window(
         self,
@@ -139,7 +166,14 @@ class Pipeline:
     def stateful_operator(self) -> Aggregate | WindowedAggregate:
         if self.windowing is None:
             return self.operator
+        if self.operator.ttl is not None:
+            raise ConfigError(f"pipeline {self.name!r}: a state TTL is for running aggregates; a window's state "
+                              "already ends when it fires")
         return WindowedAggregate(self.windowing, self.operator)
+
+    def expiry_column(self) -> str | None:
+        """The output column that marks a key's expiry (with a state TTL): upsert sinks delete its row."""
+        return EXPIRED if self.operator_given is not None and self.operator_given.ttl is not None else None
 
     def output_keys(self) -> tuple[str, ...]:
         """The columns that identify one output row (what an upsert sink matches on)."""

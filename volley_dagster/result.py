@@ -27,7 +27,8 @@ class EpochResult:
     sinks: dict[str, dict[str, Any]]  # per sink: its SinkCommitResult, as recorded
     durations: dict[str, float]
     dead_letter_path: str | None = None
-    watermark: int | None = None  # windows: event time (microseconds) the next epoch starts from
+    keys_expired: int = 0  # state TTL: keys this epoch deleted (and emitted with expired = true)
+    watermark: int | None = None  # windows, event-time TTL: event time (microseconds) the next epoch starts from
     late_records: int = 0  # windows: (record, window) pairs whose window had closed
     late_records_path: str | None = None
     end_of_stream: bool = False

@@ -345,6 +345,7 @@ class EpochRunner:
             records_out=stage.output.num_rows,
             keys_touched=sum(s.keys_touched for s in shards.values()),
             new_keys=sum(s.new_keys for s in shards.values()),
+            keys_expired=sum(s.operator.figures.get("keys_expired", 0) for s in shards.values()),
             state_bytes=sum(s.snapshot.bytes_total for s in shards.values()),
             state_bytes_written=sum(s.bytes_new for s in shards.values()),
             shards=shards,
@@ -417,7 +418,7 @@ class EpochRunner:
                 self._check_fence(f"epoch {epoch}: recording sink {sink.name!r}'s choice {sink.on_foreign_lineage!r}")
                 binding = self.log.record_sink_binding(SinkBinding(sink.name, sink.on_foreign_lineage, held, epoch))
             ctx = CommitContext(self.pipeline.name, epoch, self.pipeline.output_keys(), lineage, digest, binding,
-                                retired_columns=retired)
+                                retired_columns=retired, expiry_column=self.pipeline.expiry_column())
             if held is not None and lineage.owns(held) and held.epoch > ctx.sink_epoch:
                 held = sink.commit_of(self.pipeline.name, ctx.sink_epoch) or ctx.mark  # the range it holds for this epoch
             if not ctx.should_commit(sink.name, held):

@@ -7,7 +7,7 @@ from __future__ import annotations
 from assets.metadata import epoch_metadata, state_key
 from volley_dagster import EpochResult
 from volley_dagster.demo.payments import local_tables, merchant_minutes_pipeline
-from volley_dagster.operators.window import describe_event_time
+from volley_dagster.operators.event_time import describe_event_time
 
 
 def test_watermarks_beyond_what_datetime_holds_are_shown_as_numbers(tmp_path):

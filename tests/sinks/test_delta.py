@@ -123,11 +123,12 @@ class _InterleavedSink(DeltaSink):
         self.rival: DeltaSink | None = rival
         self.rival_ctx = rival_ctx
 
-    def _write_rows(self, table: Any, output: pa.Table, keys: Any, props: Any, replace: bool) -> dict[str, Any]:
+    def _write_rows(self, table: Any, output: pa.Table, keys: Any, props: Any, replace: bool,
+                    expired: pa.Table) -> dict[str, Any]:
         if self.rival is not None:
             rival, self.rival = self.rival, None
             assert rival.commit(output, self.rival_ctx).skipped is False
-        return super()._write_rows(table, output, keys, props, replace)
+        return super()._write_rows(table, output, keys, props, replace, expired)
 
 
 @pytest.mark.parametrize("mode", ["append", "upsert"])

@@ -145,11 +145,12 @@ class _InterleavedSink(IcebergSink):
         self.rival: IcebergSink | None = rival
         self.rival_ctx = rival_ctx
 
-    def _stage(self, txn: Any, table: Any, output: pa.Table, keys: Any, summary: Any, replace: bool) -> dict[str, Any]:
+    def _stage(self, txn: Any, table: Any, output: pa.Table, keys: Any, summary: Any, replace: bool,
+               expired: pa.Table) -> dict[str, Any]:
         if self.rival is not None:
             rival, self.rival = self.rival, None
             assert rival.commit(output, self.rival_ctx).skipped is False
-        return super()._stage(txn, table, output, keys, summary, replace)
+        return super()._stage(txn, table, output, keys, summary, replace, expired)
 
 
 @pytest.mark.parametrize("iceberg_catalog", ["sqlite-local", "postgres-local"], indirect=True)

@@ -6,13 +6,16 @@ from typing import Any
 
 from volley_dagster.errors import StateLayoutError
 from volley_dagster.operators.base import StatefulOperator, StateNamespaces
+from volley_dagster.operators.ttl import StateTtl, with_ttl_namespaces
 from volley_dagster.operators.window_state import WINDOW_NAMESPACES
 
 
 def recorded_namespaces(layout: dict[str, Any]) -> StateNamespaces:
     """The namespaces of the operator that wrote a checkpoint root, from the layout it
     recorded (``pipeline.json``): for tools that have no pipeline (``volley rescale``)."""
-    return WINDOW_NAMESPACES if "windowing" in layout else StateNamespaces((layout["namespace"],))
+    if "windowing" in layout:
+        return WINDOW_NAMESPACES
+    return with_ttl_namespaces(layout["namespace"], StateTtl.recorded(layout["ttl"]) if "ttl" in layout else None)
 
 
 def recorded_operator(layout: dict[str, Any]) -> StatefulOperator:
@@ -31,7 +34,7 @@ def recorded_operator(layout: dict[str, Any]) -> StatefulOperator:
     except KeyError as exc:
         raise StateLayoutError(f"the recorded aggregate names an accumulator this engine does not know ({exc}); "
                                f"recorded: {layout.get('accumulators')}") from None
-    aggregate = Aggregate(accumulators, layout["namespace"])
+    aggregate = Aggregate(accumulators, layout["namespace"], StateTtl.recorded(layout["ttl"]) if "ttl" in layout else None)
     if "windowing" not in layout:
         return aggregate.recorded(layout)
     w = layout["windowing"]

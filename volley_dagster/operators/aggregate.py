@@ -16,6 +16,7 @@ from volley_dagster import columns
 from volley_dagster.errors import AggregateOverflowError, ConfigError, StateLayoutError
 from volley_dagster.operators.accumulators import Accumulator, StateOverflow, ValueKind, spark_ddl
 from volley_dagster.operators.base import OperatorStats, ShardStep, StateNamespaces
+from volley_dagster.operators.ttl import EXPIRED, TOUCHED, TOUCHED_PARTIAL, ShardExpiry, StateTtl, with_ttl_namespaces
 from volley_dagster.state.keys import decode_keys, encode_keys, key_columns, namespace_prefix
 from volley_dagster.state.resident import ResidentShard
 from volley_dagster.state.transaction import ShardTransaction
@@ -29,6 +30,7 @@ class Aggregate:
 
     accumulators: tuple[tuple[str, Accumulator], ...]
     namespace: int = 1
+    ttl: StateTtl | None = None
 
     def __post_init__(self) -> None:
         if not self.accumulators:
@@ -36,16 +38,20 @@ class Aggregate:
         for name, acc in self.accumulators:
             if not isinstance(acc, Accumulator):
                 raise ConfigError(f"aggregate({name}=...) must be an accumulator such as sum_('x'), got {acc!r}")
-            if name.startswith("_volley") or ":" in name:
+            if name.startswith("_volley") or ":" in name or (self.ttl is not None and name == EXPIRED):
                 raise ConfigError(f"aggregate output name {name!r} is reserved")
 
     def resolve(self, schema: T.StructType) -> ResolvedAggregate:
         kinds = tuple(acc.kind(schema) for _, acc in self.accumulators)
-        return ResolvedAggregate(self.accumulators, kinds, self.namespace)
+        if self.ttl is not None and self.ttl.event_time is not None:
+            self.ttl.event_time.check(schema, "aggregate(ttl=...) event_time")
+        return ResolvedAggregate(self.accumulators, kinds, self.namespace, self.ttl)
 
     def recorded(self, layout: dict[str, Any]) -> ResolvedAggregate:
         """Resolved as the checkpoint root recorded it (``layout()``), without Spark."""
-        return ResolvedAggregate(self.accumulators, tuple(a["kind"] for a in layout["accumulators"]), layout["namespace"])
+        ttl = StateTtl.recorded(layout["ttl"]) if "ttl" in layout else None
+        return ResolvedAggregate(self.accumulators, tuple(a["kind"] for a in layout["accumulators"]),
+                                 layout["namespace"], ttl)
 
 
 @dataclass(frozen=True)
@@ -55,12 +61,15 @@ class ResolvedAggregate:
     accumulators: tuple[tuple[str, Accumulator], ...]
     kinds: tuple[ValueKind | None, ...]
     namespace: int
+    ttl: StateTtl | None = None
     dtype: np.dtype = field(init=False, compare=False)
 
     def __post_init__(self) -> None:
         fields: list[tuple[str, Any]] = [("_format", np.uint8)]
         for (name, acc), kind in zip(self.accumulators, self.kinds, strict=True):
             fields.extend(acc.fields(name, kind))
+        if self.ttl is not None:
+            fields.append((TOUCHED, np.int64))
         object.__setattr__(self, "dtype", np.dtype(fields))
 
     @property
@@ -69,18 +78,18 @@ class ResolvedAggregate:
 
     @property
     def namespaces(self) -> StateNamespaces:
-        return StateNamespaces((self.namespace,))
+        return with_ttl_namespaces(self.namespace, self.ttl)
 
     def decode_state(self, keys: list[bytes], values: list[bytes], key_kind: str, key_name: str,
                      key_group: str | None = None) -> pa.Table:
         groups, key_values = decode_keys(key_kind, keys)
         state, _ = self.decode(values)
         front, names = key_columns(key_values, key_name, groups, key_group)
-        return pa.table(front + self.outputs(state), names=names + self.output_names())
+        return pa.table(front + self.outputs(state), names=names + [n for n, _ in self.output_fields()])
 
     def layout(self) -> dict[str, Any]:
         """What must not change between epochs of one checkpoint root."""
-        return {
+        layout: dict[str, Any] = {
             "namespace": self.namespace,
             "format": STATE_FORMAT,
             "accumulators": [
@@ -88,29 +97,39 @@ class ResolvedAggregate:
                 for (name, acc), kind in zip(self.accumulators, self.kinds, strict=True)
             ],
         }
+        if self.ttl is not None:
+            layout["ttl"] = self.ttl.layout()
+        return layout
 
     def partial_exprs(self) -> list[Column]:
         exprs = [F.count(F.lit(1)).alias(columns.ROWS)]
         for (name, acc), kind in zip(self.accumulators, self.kinds, strict=True):
             exprs.extend(expr.alias(col) for col, expr in acc.partials(name, kind).items())
-        return exprs
+        return exprs + (self.ttl.partial_exprs() if self.ttl is not None else [])
 
     def output_fields(self) -> list[tuple[str, ValueKind]]:
         return [(name, acc.output_kind(kind)) for (name, acc), kind in zip(self.accumulators, self.kinds, strict=True)]
 
     def output_ddl(self) -> list[str]:
-        return [f"`{name}` {spark_ddl(kind)}" for name, kind in self.output_fields()]
+        expired = [f"`{EXPIRED}` boolean"] if self.ttl is not None else []
+        return [f"`{name}` {spark_ddl(kind)}" for name, kind in self.output_fields()] + expired
 
     def output_names(self) -> list[str]:
-        return [name for name, _ in self.output_fields()]
+        return [name for name, _ in self.output_fields()] + ([EXPIRED] if self.ttl is not None else [])
 
     def apply(self, txn: ShardTransaction, data: pa.Table, step: ShardStep) -> tuple[list[pa.Array], OperatorStats]:
-        """Running aggregate: every touched key's new value is the output."""
+        """Running aggregate: every touched key's new value is the output; with a TTL,
+        also every key that expires, once, flagged ``expired``."""
         # in state-key order: lookups, the mirror and the WriteBatch all go faster sorted
         data = data.sort_by([(columns.KEY_GROUP, "ascending"), (columns.KEY, "ascending")])
+        n = data.num_rows
         key_groups = data.column(columns.KEY_GROUP).to_numpy(zero_copy_only=False)
         key_values = data.column(columns.KEY).combine_chunks()
         keys = encode_keys(self.namespace, key_groups, key_values)
+        expiry = ShardExpiry(self.ttl, txn, step, keys) if self.ttl is not None else None
+        if expiry is not None and expiry.due:  # untouched keys whose TTL entry came due: read them too
+            keys = keys + expiry.due
+            key_values = pa.concat_arrays([key_values, decode_keys(step.key_kind, expiry.due)[1].cast(key_values.type)])
         resident = txn.resident  # only for int keys (``spark/tasks.py``)
         ints = key_values.to_numpy(zero_copy_only=False).astype(np.int64) if resident is not None else np.empty(0, np.int64)
         if resident is not None and resident.complete:
@@ -119,8 +138,9 @@ class ResolvedAggregate:
             state, existed = self.decode(txn.get_many(keys, namespace_prefix(self.namespace)))
             if resident is not None:
                 self._mirror(resident, txn.scanned_entries)
+        touched = state[:n]
         try:
-            self.merge(state, data, step.epoch)
+            self.merge(touched, data, step.epoch)
         except StateOverflow as overflow:
             keys_shown = key_values.take(pa.array(overflow.rows[:5])).to_pylist()
             raise AggregateOverflowError(
@@ -128,10 +148,34 @@ class ResolvedAggregate:
                 "nothing was committed. Sum a float instead (.with_column(name, 'CAST(name AS DOUBLE)')) or scale "
                 "the values down, in a new checkpoint root"
             ) from None
-        txn.set_many(keys, self.encode(state))
+        state[:n] = touched
+        outputs = [key_values] + self.outputs(state)
+        stats = OperatorStats(n, int((~existed[:n]).sum()))
+        if expiry is None:
+            txn.set_many(keys, self.encode(state))
+            if resident is not None and resident.complete:
+                resident.update(ints, state)
+            return outputs, stats
+        expired = expiry.settle(keys, state, existed, self._touched_now(data, step))
+        written = ~expired[:n]
+        txn.set_many([k for k, w in zip(keys[:n], written, strict=True) if w] if not written.all() else keys[:n],
+                     self.encode(state[:n][written]))
+        txn.delete_many([k for k, e in zip(keys, expired, strict=True) if e])
         if resident is not None and resident.complete:
-            resident.update(ints, state)
-        return [key_values] + self.outputs(state), OperatorStats(len(keys), int((~existed).sum()))
+            resident.update(ints[:n][written], state[:n][written])
+            resident.remove(ints[expired])
+        emitted = np.arange(len(state)) < n
+        emitted |= expired
+        rows = pa.array(emitted)
+        out = [arr.filter(rows) for arr in outputs] + [pa.array(expired[emitted])]
+        return out, OperatorStats(stats.keys_touched, stats.new_keys, expiry.figures())
+
+    def _touched_now(self, data: pa.Table, step: ShardStep) -> np.ndarray:
+        """What the epoch stamps on the keys it updates: its number, or each key's latest event time."""
+        assert self.ttl is not None
+        if self.ttl.by_epochs:
+            return np.full(data.num_rows, step.epoch, dtype=np.int64)
+        return data.column(TOUCHED_PARTIAL).to_numpy(zero_copy_only=False).astype(np.int64)
 
     def _mirror(self, resident: ResidentShard, scanned: dict[bytes, bytes] | None) -> None:
         """Build the shard's mirror from a scan that read all of it (else drop it)."""

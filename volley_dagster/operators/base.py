@@ -56,6 +56,7 @@ class ShardStep:
     epoch: int
     key_kind: str  # "int" | "str": how state keys encode the key
     fire_limit: int | None = None  # windows ending at or before this fire (microseconds)
+    expire_limit: int | None = None  # event-time TTL: keys whose deadline is at or before this expire
 
 
 class StatefulOperator(Protocol):

@@ -26,9 +26,7 @@ shard tasks merge those partials with state (``window_state``).
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
 from typing import Any, ClassVar, Literal
 
 import numpy as np
@@ -42,49 +40,16 @@ from volley_dagster.errors import AggregateOverflowError, ConfigError
 from volley_dagster.operators.accumulators import StateOverflow
 from volley_dagster.operators.aggregate import Aggregate, ResolvedAggregate
 from volley_dagster.operators.base import OperatorStats, ShardStep, StateNamespaces
+from volley_dagster.operators.event_time import Duration, EventTime, duration_us
 from volley_dagster.operators.window_state import WINDOW_NAMESPACES, apply_windows, decode_windows, window_dtype
 from volley_dagster.state.keys import decode_keys, key_columns
 from volley_dagster.state.transaction import ShardTransaction
 
 WindowKind = Literal["tumbling", "sliding", "session"]
-Duration = str | timedelta
 
 WINDOW_START = "window_start"
 WINDOW_END = "window_end"
 NO_LIMIT = np.iinfo(np.int64).max  # an end-of-stream epoch fires every window
-
-_UNITS_US = {
-    "us": 1, "microsecond": 1, "ms": 1_000, "millisecond": 1_000, "s": 1_000_000, "sec": 1_000_000,
-    "second": 1_000_000, "m": 60_000_000, "min": 60_000_000, "minute": 60_000_000, "h": 3_600_000_000,
-    "hour": 3_600_000_000, "d": 86_400_000_000, "day": 86_400_000_000,
-}
-_DURATION = re.compile(r"^\s*(\d+)\s*([a-z]+?)s?\s*$")
-
-
-def describe_event_time(micros: int) -> str:
-    """An event time (microseconds since 1970, UTC) as ISO 8601; one Python's datetime
-    cannot hold (after year 9999, before year 1) as its number, so a single record with
-    a wild event time never breaks what shows a watermark."""
-    try:
-        return datetime.fromtimestamp(micros / 1e6, tz=timezone.utc).isoformat()
-    except (OverflowError, ValueError, OSError):
-        return f"{micros} microseconds since 1970-01-01T00:00:00+00:00"
-
-
-def duration_us(value: Duration, what: str) -> int:
-    """``"30 seconds"``, ``"1 minute"``, ``"500ms"`` or a ``timedelta``, in microseconds."""
-    if isinstance(value, timedelta):
-        us = value // timedelta(microseconds=1)
-    else:
-        match = _DURATION.match(str(value).lower())
-        unit = match and (_UNITS_US.get(match.group(2)) or _UNITS_US.get(match.group(2) + "s"))
-        if not match or not unit:
-            raise ConfigError(f"{what}: cannot read {value!r} as a duration; use e.g. '30 seconds', '1 minute', '250 ms'")
-        us = int(match.group(1)) * unit
-    if us < 0:
-        raise ConfigError(f"{what} must not be negative, got {value!r}")
-    return us
-
 
 @dataclass(frozen=True)
 class Windows:
@@ -139,21 +104,11 @@ class Windowing:
             raise ConfigError(f"window(...) takes tumbling(...), sliding(...) or session(...), got {self.windows!r}")
         if self.max_pending_windows is not None and self.max_pending_windows < 1:
             raise ConfigError(f"max_pending_windows must be positive or None, got {self.max_pending_windows}")
-        if self.max_skew_us is not None and self.max_skew_us <= self.out_of_orderness_us:
-            raise ConfigError(
-                f"max_event_time_skew ({self.max_skew_us} us) must exceed max_out_of_orderness "
-                f"({self.out_of_orderness_us} us): the newest on-time record is that far past the watermark"
-            )
+        _ = self.event_time  # checks the watermark policy
 
-    def event_time_bound(self, watermark: int | None, cut_at_us: int | None) -> int | None:
-        """The latest event time an epoch believes: ``max_event_time_skew`` past the
-        watermark it starts from and past the wall clock when it was cut (recorded, so
-        a retry decides the same). Later ones are dead letters: one record from the
-        far future would otherwise move the watermark for good."""
-        if self.max_skew_us is None:
-            return None
-        bounds = [t + self.max_skew_us for t in (watermark, cut_at_us) if t is not None]
-        return min(bounds) if bounds else None
+    @property
+    def event_time(self) -> EventTime:
+        return EventTime(self.time_column, self.out_of_orderness_us, self.max_skew_us)
 
     def layout(self) -> dict[str, Any]:
         """What must not change between epochs of one checkpoint root (the bound may)."""
@@ -163,13 +118,6 @@ class Windowing:
             "out_of_orderness_us": self.out_of_orderness_us,
             "lateness_us": self.lateness_us,
         }
-
-    def advance(self, previous: int | None, max_event_us: int | None) -> int | None:
-        """The watermark after an epoch whose latest event time is ``max_event_us``."""
-        if max_event_us is None:
-            return previous
-        candidate = max_event_us - self.out_of_orderness_us
-        return candidate if previous is None else max(previous, candidate)
 
     def fire_limit(self, watermark: int | None, end_of_stream: bool) -> int | None:
         """Windows ending at or before this fire; None: none can."""
@@ -186,14 +134,7 @@ class WindowedAggregate:
     aggregate: Aggregate
 
     def resolve(self, schema: T.StructType) -> ResolvedWindowAggregate:
-        column = self.windowing.time_column
-        if column not in schema.names:
-            raise ConfigError(f"window(on={column!r}): no such column; columns are {schema.names}")
-        if not isinstance(schema[column].dataType, (T.TimestampType, T.TimestampNTZType)):
-            raise ConfigError(
-                f"window(on={column!r}): the event-time column must be a timestamp, "
-                f"got {schema[column].dataType.simpleString()}"
-            )
+        self.windowing.event_time.check(schema, "window")
         clash = [n for n, _ in self.aggregate.accumulators if n in (WINDOW_START, WINDOW_END)]
         if clash:
             raise ConfigError(f"aggregate output {clash[0]!r} is reserved for the window bounds")
@@ -232,14 +173,11 @@ class ResolvedWindowAggregate:
         return pa.table(front + bounds + self.aggregate.outputs(rows),
                         names=names + [WINDOW_START, WINDOW_END] + self.aggregate.output_names())
 
-    def event_us(self) -> Column:
-        return F.unix_micros(F.col(self.windowing.time_column).cast("timestamp"))
-
     def assign(self, keyed: DataFrame) -> DataFrame:
         """One row per (record, window) with the window's bounds in microseconds; for a
         session, the record's own ``[t, t+gap)`` (sessions are formed by ``partials``)."""
         w = self.windows
-        t = self.event_us()
+        t = self.windowing.event_time.event_us()
         if w.kind == "session":
             return keyed.withColumn(columns.WINDOW_START, t).withColumn(columns.WINDOW_END, t + F.lit(w.gap_us))
         spark_window = F.window(

@@ -20,7 +20,8 @@ class CommitContext:
     (the epoch itself unless the sink held another lineage's epochs first, see
     ``SinkBinding``); ``replace``: this commit also removes every row the table held;
     ``retired_columns``: output columns a migration removed or renamed away, which an
-    upsert table drops (``EpochLog.retired_columns``)."""
+    upsert table drops (``EpochLog.retired_columns``); ``expiry_column``: the output
+    column that is true on a key's expiry (state TTL), whose row an upsert deletes."""
 
     pipeline: str
     epoch: int
@@ -29,6 +30,7 @@ class CommitContext:
     range_digest: str | None = None
     binding: SinkBinding | None = None
     retired_columns: frozenset[str] = frozenset()
+    expiry_column: str | None = None
 
     @property
     def sink_epoch(self) -> int:

@@ -30,6 +30,7 @@ from volley_dagster.sinks.lineage import ForeignLineage, SinkCommit, SinkMark
 from volley_dagster.sinks.table import Mode, TableSink
 
 SCHEMA_CHANGE = "volley.schema_change"  # commit info of a rewrite that only changed the schema
+_DELETE = "_volley_delete"  # a MERGE source row that deletes its key's row
 
 
 def _quote(column: str) -> str:
@@ -115,18 +116,24 @@ class DeltaSink(TableSink[DeltaTable]):
         return {"version": table.version() if table is not None else None}
 
     def _write(self, table: DeltaTable | None, output: pa.Table, ctx: CommitContext,
-               keys: tuple[str, ...]) -> tuple[dict[str, int], dict[str, Any]]:
+               keys: tuple[str, ...], expired: pa.Table) -> tuple[dict[str, int], dict[str, Any]]:
         app_id = self.app_id(ctx.pipeline)
         props = CommitProperties(
             app_transactions=[Transaction(app_id=app_id, version=ctx.sink_epoch)],
-            custom_metadata={**commit_tags(ctx, output.num_rows), "volley.app_id": app_id},
+            custom_metadata={**commit_tags(ctx, output.num_rows + expired.num_rows), "volley.app_id": app_id},
             max_commit_retries=0,
         )
-        counts = self._write_rows(table, output, keys, props, ctx.replace)
-        return counts, self._position(self._load())
+        counts = self._write_rows(table, output, keys, props, ctx.replace, expired)
+        after = self._load()
+        if after is not None and after.transaction_version(app_id) != ctx.sink_epoch:
+            # a MERGE that changed nothing (only deletes of rows the table lacks) commits
+            # nothing: the epoch still needs its commit, one carrying its txn and no rows
+            write_deltalake(after, output.slice(0, 0), mode="append", commit_properties=props)
+            after = self._load()
+        return counts, self._position(after)
 
     def _write_rows(self, table: DeltaTable | None, output: pa.Table, keys: tuple[str, ...],
-                    props: CommitProperties, replace: bool) -> dict[str, int]:
+                    props: CommitProperties, replace: bool, expired: pa.Table) -> dict[str, int]:
         if table is None:
             # The first commit creates the table (version 0) with this epoch's rows
             # and txn; a MERGE into an empty table would insert the same rows.
@@ -143,20 +150,28 @@ class DeltaSink(TableSink[DeltaTable]):
         if replace:  # another lineage's rows go in the same commit (its schema too)
             write_deltalake(table, output, mode="overwrite", schema_mode="overwrite", commit_properties=props)
             return {"inserted": output.num_rows, "updated": 0}
-        if self.mode == "append" or output.num_rows == 0:
+        if self.mode == "append" or output.num_rows + expired.num_rows == 0:
             # An empty MERGE commits nothing (delta-rs skips a commit without actions), so
             # an epoch without rows is an append of nothing: a commit that carries the txn.
             write_deltalake(table, output, mode="append", commit_properties=props)
             return {"inserted": output.num_rows, "updated": 0}
         predicate = " AND ".join(f"target.{_quote(k)} = source.{_quote(k)}" for k in keys)
-        metrics = (
-            table.merge(output, predicate, source_alias="source", target_alias="target", commit_properties=props)
-            .when_matched_update_all()
-            .when_not_matched_insert_all()
-            .execute()
-        )
+        if not expired.num_rows:
+            merge = table.merge(output, predicate, source_alias="source", target_alias="target",
+                                commit_properties=props).when_matched_update_all().when_not_matched_insert_all()
+        else:  # the expired keys' rows go in the same MERGE: matched and deleted
+            source = pa.concat_tables([output.append_column(_DELETE, pa.repeat(False, output.num_rows)),
+                                       _padded(expired, output.schema).append_column(_DELETE, pa.repeat(True, expired.num_rows))])
+            values = {c: f"source.{_quote(c)}" for c in output.column_names}
+            keep = f"source.{_quote(_DELETE)} = false"
+            merge = (table.merge(source, predicate, source_alias="source", target_alias="target", commit_properties=props)
+                     .when_matched_delete(predicate=f"source.{_quote(_DELETE)} = true")
+                     .when_matched_update(updates=values, predicate=keep)
+                     .when_not_matched_insert(updates=values, predicate=keep))
+        metrics = merge.execute()
         return {"inserted": metrics.get("num_target_rows_inserted", 0),
-                "updated": metrics.get("num_target_rows_updated", 0)}
+                "updated": metrics.get("num_target_rows_updated", 0),
+                "deleted": metrics.get("num_target_rows_deleted", 0)}
 
     def commits(self, pipeline: str) -> list[SinkCommit]:
         """From the table's commit infos; after a replacing overwrite, only those since."""
@@ -179,6 +194,12 @@ class DeltaSink(TableSink[DeltaTable]):
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "uri": self.uri, "mode": self.mode,
                 "key_columns": list(self.key_columns) if self.key_columns else None}
+
+
+def _padded(keys: pa.Table, schema: pa.Schema) -> pa.Table:
+    """Key rows with every other column of ``schema`` null (a MERGE source's delete rows)."""
+    return pa.table({f.name: keys.column(f.name).cast(f.type) if f.name in keys.column_names
+                     else pa.nulls(keys.num_rows, f.type) for f in schema})
 
 
 def _same_app(info: dict[str, Any], app_id: str) -> bool:

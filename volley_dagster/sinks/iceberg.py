@@ -178,18 +178,20 @@ class IcebergSink(TableSink[Table]):
                 update.delete_column(name)
 
     def _write(self, table: Table | None, output: pa.Table, ctx: CommitContext,
-               keys: tuple[str, ...]) -> tuple[dict[str, int], dict[str, Any]]:
+               keys: tuple[str, ...], expired: pa.Table) -> tuple[dict[str, int], dict[str, Any]]:
         assert table is not None  # ``_load(create_with=...)`` created it
         txn = table.transaction()
-        stats = self._stage(txn, table, output, keys, commit_tags(ctx, output.num_rows), ctx.replace)
+        stats = self._stage(txn, table, output, keys, commit_tags(ctx, output.num_rows + expired.num_rows),
+                            ctx.replace, expired)
         prefix = mark_prefix(ctx.pipeline, self.name)
         txn.set_properties({prefix + k[len("volley."):]: v for k, v in ctx.mark.tags().items()})
         return stats, self._position(txn.commit_transaction())
 
     def _stage(self, txn: Transaction, table: Table, output: pa.Table, keys: tuple[str, ...],
-               summary: dict[str, str], replace: bool) -> dict[str, int]:
+               summary: dict[str, str], replace: bool, expired: pa.Table) -> dict[str, int]:
         """Stage the epoch's rows in ``txn`` (the caller adds the epoch property).
-        ``replace``: delete every row first (another lineage's), in the same commit.
+        ``replace``: delete every row first (another lineage's), in the same commit;
+        ``expired``: keys whose rows the upsert deletes (and does not write back).
 
         Upsert = ``Transaction.overwrite`` with an ``overwrite_filter``: delete, then
         append, in the same transaction. The filter is the epoch's key *range*
@@ -209,19 +211,20 @@ class IcebergSink(TableSink[Table]):
         if self.mode == "append":
             txn.append(output, snapshot_properties=summary)
             return {"inserted": output.num_rows}
-        condition = _key_range(output, keys)
+        epoch_keys = pa.concat_tables([output.select(list(keys)), expired.select(list(keys)).cast(output.select(list(keys)).schema)])
+        condition = _key_range(epoch_keys, keys)
         rows, kept = output, 0
         if table.current_snapshot() is not None and not isinstance(condition, AlwaysFalse):
             selected = table.scan(row_filter=condition, selected_fields=tuple(output.column_names)).to_arrow()
             if selected.num_rows:
-                survivors = selected.join(output.select(list(keys)), keys=list(keys), join_type="left anti")
+                survivors = selected.join(epoch_keys, keys=list(keys), join_type="left anti")
                 kept = survivors.num_rows
                 if kept:
                     rows = pa.concat_tables([output, survivors.select(output.column_names).cast(output.schema)])
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Delete operation did not match any records")
             txn.overwrite(rows, overwrite_filter=condition, snapshot_properties=summary)
-        return {"upserted": output.num_rows, "rewritten": kept}
+        return {"upserted": output.num_rows, "rewritten": kept, "deleted": expired.num_rows}
 
     def _create(self, schema: pa.Schema) -> Table:
         """Create the namespace and table (retries off) on first use; a racing

@@ -25,6 +25,7 @@ from abc import abstractmethod
 from typing import Any, ClassVar, Generic, Literal, TypeVar
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from volley_dagster.errors import ConfigError, SinkCommitError, VolleyError
 from volley_dagster.sinks.base import CommitContext, Sink, SinkCommitResult, upsert_keys
@@ -74,10 +75,11 @@ class TableSink(Sink, Generic[Table]):
 
     @abstractmethod
     def _write(self, table: Table | None, output: pa.Table, ctx: CommitContext,
-               keys: tuple[str, ...]) -> tuple[dict[str, int], dict[str, Any]]:
+               keys: tuple[str, ...], expired: pa.Table) -> tuple[dict[str, int], dict[str, Any]]:
         """Commit the epoch on exactly the state of ``table`` that was checked, tagged
         with ``ctx.mark``; raise one of ``conflicts`` when another writer got there first.
-        Returns the row counts and the table's new position."""
+        ``expired``: upsert only, the keys (``keys`` columns) whose rows the same commit
+        deletes (state TTL). Returns the row counts and the table's new position."""
 
     @abstractmethod
     def _position(self, table: Table | None) -> dict[str, Any]:
@@ -107,6 +109,7 @@ class TableSink(Sink, Generic[Table]):
 
     def commit(self, output: pa.Table, ctx: CommitContext) -> SinkCommitResult:
         keys = upsert_keys(self, self.mode, self.key_columns, ctx)
+        output, expired = _split_expired(output, ctx.expiry_column, keys)
         conflicts, lost_to = 0, None
         for _ in range(self.max_attempts):
             try:
@@ -123,7 +126,7 @@ class TableSink(Sink, Generic[Table]):
                         continue  # decide again on the table as its schema change left it
                     if self.mode == "append" or output.num_rows == 0:
                         rows = _with_table_columns(schema, output)
-                counts, position = self._write(table, rows, ctx, keys)
+                counts, position = self._write(table, rows, ctx, keys, expired)
             except self.conflicts as exc:
                 conflicts, lost_to = conflicts + 1, exc  # someone committed since we looked (possibly this very epoch): decide again
                 self._forget()
@@ -135,7 +138,7 @@ class TableSink(Sink, Generic[Table]):
                     f"sink {self.name!r} ({self.describe_target()}): epoch {ctx.epoch} did not commit: "
                     f"{type(exc).__name__}: {exc}"
                 ) from exc
-            return SinkCommitResult(skipped=False, rows=output.num_rows, mode=self.mode, conflicts=conflicts,
+            return SinkCommitResult(skipped=False, rows=output.num_rows + expired.num_rows, mode=self.mode, conflicts=conflicts,
                                     replaced=ctx.replace, position=position, counts=counts)
         raise SinkCommitError(
             f"sink {self.name!r} ({self.describe_target()}): epoch {ctx.epoch} lost {conflicts} commit races in a row "
@@ -156,6 +159,15 @@ class TableSink(Sink, Generic[Table]):
     def describe_target(self) -> str:
         location = self.location()
         return f"{location.kind} {location.uri or location.table_name}"
+
+
+def _split_expired(output: pa.Table, expiry_column: str | None, keys: tuple[str, ...]) -> tuple[pa.Table, pa.Table]:
+    """An upsert's rows to write, and the keys of the rows to delete (expired state);
+    an append table keeps every row, the expiry column with them."""
+    if not keys or expiry_column is None or expiry_column not in output.column_names:
+        return output, output.select(list(keys)).slice(0, 0)
+    flag = output.column(expiry_column)
+    return output.filter(pc.invert(flag)).drop_columns([expiry_column]), output.filter(flag).select(list(keys))
 
 
 def _with_table_columns(schema: pa.Schema, output: pa.Table) -> pa.Table:

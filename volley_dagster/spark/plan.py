@@ -15,6 +15,7 @@ from volley_dagster import columns
 from volley_dagster.dimensions.base import TablePin
 from volley_dagster.errors import ConfigError
 from volley_dagster.operators.aggregate import ResolvedAggregate
+from volley_dagster.operators.event_time import EventTime
 from volley_dagster.operators.window import ResolvedWindowAggregate
 from volley_dagster.pipeline import Pipeline
 from volley_dagster.sources.offsets import EpochRange
@@ -43,7 +44,19 @@ class PlannedEpoch:
         """One Spark job does the epoch: nothing has to be known before the state stage
         (no parse errors to look for, no watermark to advance). Null keys are counted
         by the shard tasks, and only then looked up, in a second job."""
-        return not self.may_have_bad_records and self.windowed is None
+        return not self.may_have_bad_records and self.event_time is None
+
+    @property
+    def event_time(self) -> EventTime | None:
+        """The event time the epoch advances a watermark on: windows', or an event-time TTL's."""
+        if isinstance(self.operator, ResolvedWindowAggregate):
+            return self.operator.windowing.event_time
+        return self.operator.ttl.event_time if self.operator.ttl is not None else None
+
+    @property
+    def expires_by_epoch(self) -> bool:
+        """Keys can expire in any epoch, even one without records (``ttl_epochs``)."""
+        return isinstance(self.operator, ResolvedAggregate) and self.operator.ttl is not None and self.operator.ttl.by_epochs
 
     @property
     def windowed(self) -> ResolvedWindowAggregate | None:

@@ -16,7 +16,8 @@ from pyspark.sql import functions as F
 from volley_dagster import columns
 from volley_dagster.checkpoint.manifest import ShardEntry
 from volley_dagster.columns import POS_OFFSET_BITS
-from volley_dagster.operators.window import ResolvedWindowAggregate, describe_event_time
+from volley_dagster.operators.event_time import describe_event_time
+from volley_dagster.operators.window import ResolvedWindowAggregate
 from volley_dagster.pipeline import Pipeline
 from volley_dagster.sources.offsets import EpochRange
 from volley_dagster.spark.plan import PlannedEpoch
@@ -33,22 +34,22 @@ LATE_REASON = "window closed: window end + allowed lateness <= watermark"
 class SideOutputs:
     dead_letters: pa.Table  # DEAD_LETTER_SCHEMA
     late: pa.Table | None = None  # windows: (record, window) pairs that came too late
-    max_event_us: int | None = None  # windows: the latest believable event time of the epoch
+    max_event_us: int | None = None  # event time: the latest believable event time of the epoch
 
 
 def collect_side_outputs(plan: PlannedEpoch, pipeline: Pipeline, rng: EpochRange, assigned: DataFrame | None,
                          watermark: int | None, bound: int | None) -> SideOutputs:
     """Run the side-output job. ``assigned``: the windowed rows with their windows;
     ``watermark``: the one the epoch starts from; ``bound``: the latest event time
-    believed (``Windowing.event_time_bound``)."""
+    believed (``EventTime.event_time_bound``)."""
     with engine_errors():
         side = _side_output_frame(plan, pipeline, assigned, watermark, bound).toArrow()
     kind = side.column(_SIDE)
     dead = _resolve_dead_letters(side.filter(pc.equal(kind, "dead")).select([columns.POS, "reason", "raw"]), rng)
-    window = plan.windowed
-    if window is None:
+    if plan.event_time is None:
         return SideOutputs(dead)
-    late = _resolve_late(side.filter(pc.equal(kind, "late")), rng, pipeline, window, watermark)
+    window = plan.windowed
+    late = _resolve_late(side.filter(pc.equal(kind, "late")), rng, pipeline, window, watermark) if window else None
     return SideOutputs(dead, late, side.filter(pc.equal(kind, "max")).column(_MAX_EVENT)[0].as_py())
 
 
@@ -64,9 +65,9 @@ def _dead_letter_frame(plan: PlannedEpoch, pipeline: Pipeline, bound: int | None
         F.to_json(F.struct(*user_cols)).alias("raw"),
     )
     bad = parse_errors.unionByName(null_keys)
-    window = plan.windowed
-    if window is not None:
-        column = window.windowing.time_column
+    clock = plan.event_time
+    if clock is not None:
+        column = clock.time_column
         null_times = plan.keyed.where(F.col(columns.KEY).isNotNull() & F.col(column).isNull()).select(
             pos.alias(columns.POS),
             F.lit(f"null event time: {column!r} is null").alias("reason"),
@@ -74,7 +75,7 @@ def _dead_letter_frame(plan: PlannedEpoch, pipeline: Pipeline, bound: int | None
         )
         bad = bad.unionByName(null_times)
         if bound is not None:
-            skewed = plan.keyed.where(F.col(columns.KEY).isNotNull() & (window.event_us() > F.lit(bound))).select(
+            skewed = plan.keyed.where(F.col(columns.KEY).isNotNull() & (clock.event_us() > F.lit(bound))).select(
                 pos.alias(columns.POS),
                 F.lit(f"event time beyond max_event_time_skew: {column!r} is later than "
                       f"{describe_event_time(bound)} (the watermark or the epoch's cut time plus the skew)").alias("reason"),
@@ -85,19 +86,25 @@ def _dead_letter_frame(plan: PlannedEpoch, pipeline: Pipeline, bound: int | None
 
 
 def valid_rows(plan: PlannedEpoch, bound: int | None = None) -> DataFrame:
-    """The rows state sees: keyed and, for windows, with a believable event time."""
+    """The rows state sees: keyed and, with event time, with a believable one."""
     valid = plan.keyed.where(F.col(columns.KEY).isNotNull())
-    if plan.windowed is not None:
-        valid = valid.where(F.col(plan.windowed.windowing.time_column).isNotNull())
+    clock = plan.event_time
+    if clock is not None:
+        valid = valid.where(F.col(clock.time_column).isNotNull())
         if bound is not None:
-            valid = valid.where(plan.windowed.event_us() <= F.lit(bound))
+            valid = valid.where(clock.event_us() <= F.lit(bound))
     return valid
 
 
 def _side_output_frame(plan: PlannedEpoch, pipeline: Pipeline, assigned: DataFrame | None, watermark: int | None,
                   bound: int | None) -> DataFrame:
-    """Bad records, and for windows the late pairs and the latest event time: one Spark job."""
+    """Bad records, and with event time the latest one, and for windows the late pairs: one Spark job."""
     side = _dead_letter_frame(plan, pipeline, bound).withColumn(_SIDE, F.lit("dead"))
+    clock = plan.event_time
+    if clock is None:
+        return side
+    latest = valid_rows(plan, bound).agg(F.max(clock.event_us()).alias(_MAX_EVENT)).withColumn(_SIDE, F.lit("max"))
+    side = side.unionByName(latest, allowMissingColumns=True)
     window = plan.windowed
     if window is None or assigned is None:
         return side
@@ -106,8 +113,7 @@ def _side_output_frame(plan: PlannedEpoch, pipeline: Pipeline, assigned: DataFra
         F.col(window.windowing.time_column).cast("timestamp").alias("_volley_time"),
         F.col(columns.WINDOW_START), F.col(columns.WINDOW_END), F.lit("late").alias(_SIDE),
     )
-    latest = valid_rows(plan, bound).agg(F.max(window.event_us()).alias(_MAX_EVENT)).withColumn(_SIDE, F.lit("max"))
-    return side.unionByName(late, allowMissingColumns=True).unionByName(latest, allowMissingColumns=True)
+    return side.unionByName(late, allowMissingColumns=True)
 
 
 def _positions(table: pa.Table, rng: EpochRange) -> list[pa.Array]:

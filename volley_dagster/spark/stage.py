@@ -46,7 +46,7 @@ class StageResult:
     read_transform_s: float
     state_stage_s: float
     late: pa.Table | None = None  # windows: (record, window) pairs that came too late
-    watermark: int | None = None  # windows: after this epoch, microseconds
+    watermark: int | None = None  # windows, event-time TTL: after this epoch, microseconds
     enrichments: dict[str, dict[str, Any]] = field(default_factory=dict)  # per enrichment: version, unmatched records
 
 
@@ -84,9 +84,9 @@ def run_stage(
     watermark: int | None = None,
     end_of_stream: bool = False,
 ) -> StageResult:
-    """``watermark``: the one the epoch starts from (windows only)."""
-    layout, window = pipeline.layout, plan.windowed
-    if not rng.segments and window is None and len(merge.previous) == layout.num_shards:
+    """``watermark``: the one the epoch starts from (windows, event-time TTL)."""
+    layout, window, clock = pipeline.layout, plan.windowed, plan.event_time
+    if not rng.segments and window is None and not plan.expires_by_epoch and len(merge.previous) == layout.num_shards:
         return _carry_forward_stage(spark, pipeline, plan, merge)
     # A Python-decoded read is cached for the side-output job and the state stage to
     # share; a native Parquet scan is cheaper to run twice (each job reads only the
@@ -100,21 +100,24 @@ def run_stage(
         if plan.single_job:  # null keys ride along: they fold into one partial row, counted per shard
             partials = _shard_partials(plan.keyed, plan.running.partial_exprs(), layout)
         else:
-            bound = window.windowing.event_time_bound(watermark, rng.cut_at_us) if window is not None else None
+            bound = clock.event_time_bound(watermark, rng.cut_at_us) if clock is not None else None
             assigned = window.assign(valid_rows(plan, bound)) if window is not None else None
             side = collect_side_outputs(plan, pipeline, rng, assigned, watermark, bound)
             dead = side.dead_letters
             if dead.num_rows and pipeline.bad_records == "fail":
                 return StageResult(pa.table({}), dead, {}, time.perf_counter() - t0, 0.0)
+            if clock is not None:
+                new_watermark = clock.advance(watermark, side.max_event_us)
             if window is not None:
                 late = side.late
-                new_watermark = window.windowing.advance(watermark, side.max_event_us)
                 limit = window.windowing.fire_limit(new_watermark, end_of_stream)
                 merge = replace(merge, step=replace(merge.step, fire_limit=limit))
                 assert assigned is not None
                 partials = window.partials(to_shards(assigned.where(~window.is_late(watermark)), layout), ROUTING_COLUMNS)
             else:
-                partials = _shard_partials(valid_rows(plan), plan.running.partial_exprs(), layout)
+                if clock is not None:  # an event-time TTL: keys expire at the watermark after this epoch
+                    merge = replace(merge, step=replace(merge.step, expire_limit=new_watermark))
+                partials = _shard_partials(valid_rows(plan, bound), plan.running.partial_exprs(), layout)
         t1 = time.perf_counter()
         out_schema = ", ".join(_output_ddl(pipeline, plan) + [f"`{columns.STATS}` string"])
         with engine_errors(), _inputs_unchanged(pipeline, rng, plan):

@@ -43,6 +43,7 @@ class PendingMeta:
     resident: int = 0  # entries in the in-memory part (persisted as one record)
     min_end: int | None = None  # earliest end among them
     evicted: int = 0  # entries in the pending_index/ namespace
+    popped_to: int | None = None  # every entry up to this end is gone: later scans start past it
 
     def to_bytes(self) -> bytes:
         return json.dumps(self.__dict__).encode()
@@ -86,13 +87,14 @@ class PendingIndex:
             hit = pc.is_in(pa.array(self.keys, pa.binary()), value_set=pa.array(keys, pa.binary()))
             self.used[hit.to_numpy(zero_copy_only=False)] = epoch
 
-    def evict_beyond(self, bound: int) -> tuple[np.ndarray, np.ndarray]:
+    def evict_beyond(self, bound: int, latest_first: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """Drop the least recently used entries beyond ``bound`` (the latest ends first
-        among equals: they fire last) and return them."""
+        among equals: they fire last), or with ``latest_first`` the latest ends, and
+        return them."""
         excess = len(self) - bound
         if excess <= 0:
             return np.empty(0, dtype=object), np.empty(0, dtype=np.int64)
-        victims = np.lexsort((-self.ends, self.used))[:excess]
+        victims = (np.argsort(-self.ends, kind="stable") if latest_first else np.lexsort((-self.ends, self.used)))[:excess]
         keep = np.ones(len(self), dtype=bool)
         keep[victims] = False
         evicted = self.keys[~keep], self.ends[~keep]
@@ -120,16 +122,21 @@ class PendingIndex:
 
 class PersistentPendingIndex:
     """The index of one shard for one epoch: restored lazily, flushed with the shard's
-    transaction. ``meta_ns``/``evicted_ns`` are the two namespaces it owns."""
+    transaction. ``meta_ns``/``evicted_ns`` are the two namespaces it owns.
+    ``evict_latest``: beyond the bound, evict the latest ends (an index whose entries
+    are never touched again, as state TTL's) instead of the least recently used."""
 
-    def __init__(self, txn: ShardTransaction, meta_ns: bytes, evicted_ns: bytes, max_resident: int | None) -> None:
+    def __init__(self, txn: ShardTransaction, meta_ns: bytes, evicted_ns: bytes, max_resident: int | None,
+                 evict_latest: bool = False) -> None:
         self._txn = txn
         self._meta_ns = meta_ns
         self._meta_key = meta_ns + b"meta"
         self._index_key = meta_ns + b"index"
         self._evicted_ns = evicted_ns
         self._max_resident = max_resident
+        self._evict_latest = evict_latest
         self.meta = PendingMeta.from_bytes(txn.get_many([self._meta_key], meta_ns)[0])
+        self._meta_changed = False
         self._index: PendingIndex | None = None
         self.loaded = False
         self.evicted_now = 0
@@ -152,13 +159,20 @@ class PersistentPendingIndex:
         """State keys with an entry ending at or before ``limit``, removed from the index."""
         due = list(self.index.pop_due(limit)) if self.meta.min_end is not None and self.meta.min_end <= limit else []
         if self.meta.evicted:
-            upper = self._evicted_ns + _ordered_us(np.array([min(limit, np.iinfo(np.int64).max - 1) + 1])).tobytes()
-            entries = [k for k, _ in self._txn.scan_flushed(self._evicted_ns, upper)]
+            # entries up to an earlier limit are gone (each new one ends past the limit of
+            # its epoch): start past them, not over their tombstones
+            popped = self.meta.popped_to
+            lower = self._evicted_ns + (b"" if popped is None else _ordered_us(np.array([_after(popped)])).tobytes())
+            upper = self._evicted_ns + _ordered_us(np.array([_after(limit)])).tobytes()
+            entries = [k for k, _ in self._txn.scan_flushed(lower, upper)] if lower < upper else []
             self._txn.delete_many(entries)
             self.meta.evicted -= len(entries)
             self.evicted_fired += len(entries)
             skip = len(self._evicted_ns) + 8
             due.extend(k[skip:] for k in entries)
+            if limit < np.iinfo(np.int64).max:  # an end-of-stream epoch's: epochs may follow it
+                self.meta.popped_to = limit if popped is None else max(popped, limit)
+            self._meta_changed = True
         return due
 
     def add(self, keys: np.ndarray, ends: np.ndarray, epoch: int) -> None:
@@ -171,11 +185,13 @@ class PersistentPendingIndex:
 
     def flush(self) -> None:
         """Evict beyond the bound and stage the index and its meta record in the
-        transaction (written by its WriteBatch). A no-op when never loaded."""
+        transaction (written by its WriteBatch). Never loaded: only a changed meta record."""
         if self._index is None:
+            if self._meta_changed:
+                self._txn.set_many([self._meta_key], [self.meta.to_bytes()])
             return
         if self._max_resident is not None:
-            keys, ends = self.index.evict_beyond(self._max_resident)
+            keys, ends = self.index.evict_beyond(self._max_resident, self._evict_latest)
             if len(keys):
                 ns, ordered_ends = self._evicted_ns, _ordered_us(ends).view("V8").tolist()
                 self._txn.set_many([ns + end + key for end, key in zip(ordered_ends, keys, strict=True)], [b""] * len(keys))
@@ -185,6 +201,10 @@ class PersistentPendingIndex:
         self.meta.resident = len(index)
         self.meta.min_end = int(index.ends[0]) if len(index) else None
         self._txn.set_many([self._meta_key, self._index_key], [self.meta.to_bytes(), index.to_bytes()])
+
+
+def _after(limit: int) -> int:
+    return min(limit, np.iinfo(np.int64).max - 1) + 1
 
 
 def stored_entries(index_record: bytes | None, evicted_keys: list[bytes],

@@ -184,6 +184,17 @@ class ResidentShard:
             self.values = np.insert(np.asarray(self.values), at, states[new][order])
             self._rewrite = True
 
+    def remove(self, keys: np.ndarray) -> None:
+        """Drop these keys (expired): the state no longer holds them."""
+        assert self.keys is not None and self.values is not None
+        if not len(keys) or not len(self.keys):
+            return
+        self._unstamp()
+        idx = np.minimum(np.searchsorted(self.keys, keys), len(self.keys) - 1)
+        keep = np.ones(len(self.keys), dtype=bool)
+        keep[idx[self.keys[idx] == keys]] = False
+        self.keys, self.values, self._rewrite = np.asarray(self.keys)[keep], np.asarray(self.values)[keep], True
+
     def discard(self) -> None:
         """This attempt cannot keep the mirror whole (it read the shard sparsely)."""
         self._unstamp()

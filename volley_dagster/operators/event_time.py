@@ -1,0 +1,100 @@
+"""Event time and the watermark it drives, shared by windows and state TTL.
+
+The watermark after epoch N is ``max(W[N-1], latest believable event time of
+epoch N - max_out_of_orderness)``: it never moves back, it is stored in the
+epoch's manifest, and a re-run of the epoch computes the same one.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+
+from pyspark.sql import Column
+from pyspark.sql import functions as F
+from pyspark.sql import types as T
+
+from volley_dagster.errors import ConfigError
+
+Duration = str | timedelta
+
+_UNITS_US = {
+    "us": 1, "microsecond": 1, "ms": 1_000, "millisecond": 1_000, "s": 1_000_000, "sec": 1_000_000,
+    "second": 1_000_000, "m": 60_000_000, "min": 60_000_000, "minute": 60_000_000, "h": 3_600_000_000,
+    "hour": 3_600_000_000, "d": 86_400_000_000, "day": 86_400_000_000,
+}
+_DURATION = re.compile(r"^\s*(\d+)\s*([a-z]+?)s?\s*$")
+
+
+def describe_event_time(micros: int) -> str:
+    """An event time (microseconds since 1970, UTC) as ISO 8601; one Python's datetime
+    cannot hold (after year 9999, before year 1) as its number, so a single record with
+    a wild event time never breaks what shows a watermark."""
+    try:
+        return datetime.fromtimestamp(micros / 1e6, tz=timezone.utc).isoformat()
+    except (OverflowError, ValueError, OSError):
+        return f"{micros} microseconds since 1970-01-01T00:00:00+00:00"
+
+
+def duration_us(value: Duration, what: str) -> int:
+    """``"30 seconds"``, ``"1 minute"``, ``"500ms"`` or a ``timedelta``, in microseconds."""
+    if isinstance(value, timedelta):
+        us = value // timedelta(microseconds=1)
+    else:
+        match = _DURATION.match(str(value).lower())
+        unit = match and (_UNITS_US.get(match.group(2)) or _UNITS_US.get(match.group(2) + "s"))
+        if not match or not unit:
+            raise ConfigError(f"{what}: cannot read {value!r} as a duration; use e.g. '30 seconds', '1 minute', '250 ms'")
+        us = int(match.group(1)) * unit
+    if us < 0:
+        raise ConfigError(f"{what} must not be negative, got {value!r}")
+    return us
+
+
+@dataclass(frozen=True)
+class EventTime:
+    """The timestamp column ``time_column`` and the watermark policy over it.
+    ``max_skew_us``: how far past the watermark (or the wall clock of the cut) an
+    event time is believed; None believes any."""
+
+    time_column: str
+    out_of_orderness_us: int = 0
+    max_skew_us: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_skew_us is not None and self.max_skew_us <= self.out_of_orderness_us:
+            raise ConfigError(
+                f"max_event_time_skew ({self.max_skew_us} us) must exceed max_out_of_orderness "
+                f"({self.out_of_orderness_us} us): the newest on-time record is that far past the watermark"
+            )
+
+    def check(self, schema: T.StructType, what: str) -> None:
+        column = self.time_column
+        if column not in schema.names:
+            raise ConfigError(f"{what}(on={column!r}): no such column; columns are {schema.names}")
+        if not isinstance(schema[column].dataType, (T.TimestampType, T.TimestampNTZType)):
+            raise ConfigError(
+                f"{what}(on={column!r}): the event-time column must be a timestamp, "
+                f"got {schema[column].dataType.simpleString()}"
+            )
+
+    def event_us(self) -> Column:
+        return F.unix_micros(F.col(self.time_column).cast("timestamp"))
+
+    def event_time_bound(self, watermark: int | None, cut_at_us: int | None) -> int | None:
+        """The latest event time an epoch believes: ``max_event_time_skew`` past the
+        watermark it starts from and past the wall clock when it was cut (recorded, so
+        a retry decides the same). Later ones are dead letters: one record from the
+        far future would otherwise move the watermark for good."""
+        if self.max_skew_us is None:
+            return None
+        bounds = [t + self.max_skew_us for t in (watermark, cut_at_us) if t is not None]
+        return min(bounds) if bounds else None
+
+    def advance(self, previous: int | None, max_event_us: int | None) -> int | None:
+        """The watermark after an epoch whose latest event time is ``max_event_us``."""
+        if max_event_us is None:
+            return previous
+        candidate = max_event_us - self.out_of_orderness_us
+        return candidate if previous is None else max(previous, candidate)
