@@ -22,7 +22,7 @@ from tests.ttl_reference import (
     ttl_pipeline,
     write_ttl_log,
 )
-from volley_dagster import ConfigError, EpochRunner, FileLog, Pipeline, count, tumbling
+from volley_dagster import ConfigError, EpochRunner, FileLog, ParquetSink, Pipeline, count, sum_, tumbling
 from volley_dagster.errors import StateLayoutError
 
 FILES = 6
@@ -166,3 +166,28 @@ def test_ttl_settings_are_checked_and_recorded(spark, tmp_path):
     write_ttl_log(tmp_path / "events", 1, first_file=1)
     with pytest.raises(StateLayoutError):
         EpochRunner(base.aggregate(events=count(), ttl_epochs=3), tmp_path / "s2", spark=spark).run_available()
+
+
+def test_a_migration_keeps_each_keys_expiry_and_refuses_another_ttl(spark, tmp_path):
+    """``total`` renamed to ``spent`` and 3 -> 4 shards after epoch 2: every key expires
+    when it would have (its stamp and index entry carried over). Another TTL is refused."""
+    logs = write_ttl_log(tmp_path / "events", FILES)
+    runner = EpochRunner(ttl_pipeline(tmp_path / "events", tmp_path / "out", shards=3), tmp_path / "state",
+                         spark=spark, max_records_per_epoch=logs[0].num_rows)
+    results = runner.run_available(max_epochs=2)
+    other = ttl_pipeline(tmp_path / "events", tmp_path / "out", ttl_epochs=5)
+    with pytest.raises(StateLayoutError, match="the state TTL changed"):
+        runner.migrate(other)
+    renamed = Pipeline("ttl").source(FileLog(tmp_path / "events", format="parquet")).key_by(KEY).aggregate(
+        events=count(), spent=sum_("amount"), ttl_epochs=2).sink(ParquetSink(tmp_path / "out2"))
+    runner.migrate(renamed, renames={"total": "spent"}, num_shards=4)
+    runner = EpochRunner(renamed, tmp_path / "state", spark=spark, max_records_per_epoch=logs[0].num_rows)
+    results += run_all(runner, empty_epochs=2)
+    for result in results:
+        result.output = result.output.rename_columns([c if c != "spent" else "total" for c in result.output.column_names])
+    reference = TtlReference(ttl_epochs=2)
+    for result, records in zip(results, logs + [None, None], strict=True):
+        same_rows(result.output.to_pandas(), reference.run(records), VALUES)
+    state = runner.read_state().to_pandas().rename(columns={"spent": "total"})
+    same_rows(state, reference.current(), [KEY, "events", "total"])
+    assert len(results[-1].shards) == 4 and sum(r.keys_expired for r in results[2:]) > 0

@@ -34,6 +34,7 @@ from volley_dagster.errors import ConfigError, EpochOrderError, StateLayoutError
 from volley_dagster.operators import recorded_operator
 from volley_dagster.operators.aggregate import ResolvedAggregate
 from volley_dagster.operators.base import StatefulOperator
+from volley_dagster.operators.ttl import TOUCHED
 from volley_dagster.operators.window import ResolvedWindowAggregate
 from volley_dagster.operators.window_state import decode_windows, encode_windows, window_dtype
 from volley_dagster.state.options import RocksDBOptions
@@ -92,6 +93,8 @@ class StateMigration:
 
     def _fill(self, out: np.ndarray, rows: np.ndarray, new: ResolvedAggregate) -> None:
         out["_format"] = rows["_format"]
+        if TOUCHED in (out.dtype.names or ()):  # a state TTL's stamp (the same TTL: ``plan_migration``)
+            out[TOUCHED] = rows[TOUCHED]
         for (name, acc), kind in zip(new.accumulators, new.kinds, strict=True):
             change = next(c for c in self.accumulators if c.name == name and c.change != "removed")
             for field, _ in acc.fields(name, kind):
@@ -134,6 +137,9 @@ def plan_migration(recorded: dict[str, Any], proposed: dict[str, Any], renames: 
     for field in ("namespace", "format"):
         if old_layout.get(field) != new_layout.get(field):
             _refuse(f"the state {field} changed ({old_layout.get(field)} -> {new_layout.get(field)})")
+    if old_layout.get("ttl") != new_layout.get("ttl"):
+        _refuse(f"the state TTL changed ({old_layout.get('ttl')} -> {new_layout.get('ttl')}): every key's expiry "
+                "is stamped and indexed under the recorded one; start a new checkpoint root for another TTL")
     windowing = _windowing_changes(old_layout.get("windowing"), new_layout.get("windowing"))
     old_specs = {a["name"]: a for a in old_layout["accumulators"]}
     new_specs = {a["name"]: a for a in new_layout["accumulators"]}
