@@ -100,3 +100,59 @@ def test_sessions_merge_when_a_record_bridges_them_and_tumbling_windows_do_not()
     assert dict(zip(keys.tolist(), end_moved.tolist(), strict=True)) == {0: False, 1: True}
     tumbling, _, _ = group_windows(aggregate, rows.copy(), key_index, is_new, sessions=False)
     assert len(tumbling) == 5  # distinct windows never merge, even when they overlap
+
+
+@pytest.mark.parametrize("by_epochs", [True, False], ids=["ttl_epochs", "ttl_event_time"])
+def test_state_ttl_expires_each_key_as_a_plain_fold_over_random_epochs(tmp_path, by_epochs):
+    """30 epochs over 200 keys, each touching a random subset, on a real RocksDB with an
+    in-memory expiry index of 7 entries: each epoch's output (updates, and expiries with
+    the key's last count) and the state equal a plain per-key fold of the TTL rule."""
+    import rocksdict
+
+    from volley_dagster import columns
+    from volley_dagster.operators.base import ShardStep
+    from volley_dagster.operators.event_time import EventTime
+    from volley_dagster.operators.ttl import TOUCHED_PARTIAL, StateTtl
+    from volley_dagster.state.keys import namespace_prefix
+    from volley_dagster.state.options import RocksDBOptions
+    from volley_dagster.state.transaction import ShardTransaction, scan_prefix
+
+    ttl = StateTtl(epochs=3, max_resident_entries=7) if by_epochs else StateTtl(
+        duration_us=50, event_time=EventTime("t"), max_resident_entries=7)
+    aggregate = Aggregate((("n", count()),), ttl=ttl).recorded({"namespace": 1, "accumulators": [{"kind": None}], "ttl": ttl.layout()})
+    rng = np.random.default_rng(5)
+    db = rocksdict.Rdict(str(tmp_path / "db"), RocksDBOptions().build())
+    expected: dict[int, list[int]] = {}  # key -> [count, touched]
+    watermark, expired_total = None, 0
+    try:
+        for epoch in range(1, 31):
+            keys = np.unique(rng.choice(200, rng.integers(0, 40)))
+            counts = rng.integers(1, 4, len(keys))
+            times = epoch * 10 + rng.integers(0, 10, len(keys))  # event time moves ~10 a epoch
+            data = pa.table({columns.KEY_GROUP: pa.array(keys % 7, pa.int64()), columns.KEY: pa.array(keys, pa.int64()),
+                             columns.ROWS: counts, "n:n": counts, TOUCHED_PARTIAL: times})
+            if len(keys):
+                watermark = max(watermark or 0, int(times.max()))
+            txn = ShardTransaction(db)
+            out, stats = aggregate.apply(txn, data, ShardStep(epoch, "int", expire_limit=watermark))
+            txn.flush()
+            got = {k: (n, e) for k, n, e in zip(*(a.to_pylist() for a in out), strict=True)}
+            want = {}
+            for k, c, t in zip(keys.tolist(), counts.tolist(), times.tolist(), strict=True):
+                old = expected.get(k)
+                stamp = epoch if by_epochs else max(old[1], t) if old else t
+                expected[k] = [(old[0] if old else 0) + c, stamp]
+                want[k] = (expected[k][0], False)
+            limit = epoch if by_epochs else watermark
+            for k in [k for k, (_, s) in expected.items() if limit is not None and s + ttl.amount <= limit]:
+                want[k] = (expected.pop(k)[0], True)
+            assert got == want, f"epoch {epoch}"
+            assert stats.figures["keys_expired"] == sum(e for _, e in want.values())
+            assert stats.figures["expiry_resident"] <= 7
+            expired_total += stats.figures["keys_expired"]
+        stored = dict(scan_prefix(db, namespace_prefix(1)))
+        state, _ = aggregate.decode(list(stored.values()))
+        assert sorted(state["n:n"].tolist()) == sorted(v[0] for v in expected.values())
+        assert expired_total > 50
+    finally:
+        db.close()

@@ -55,3 +55,38 @@ def test_evicted_entries_fire_from_rocksdb_on_time(tmp_path):
         assert again.evicted_fired == 1 and again.meta.evicted == 1
     finally:
         db.close()
+
+
+def test_latest_first_eviction_and_scans_that_start_past_the_last_limit(tmp_path):
+    """State TTL's use: the latest deadlines are evicted (the earliest stay in memory to
+    pop); a later scan starts past every deadline already popped; an epoch that pops only
+    evicted entries, without loading the in-memory part, still persists its meta record."""
+    db = rocksdict.Rdict(str(tmp_path / "db"), RocksDBOptions().build())
+    try:
+        txn = ShardTransaction(db)
+        pending = PersistentPendingIndex(txn, META, EVICTED, max_resident=1, evict_latest=True)
+        pending.add(keys("a", "b", "c"), np.array([10, 20, 30]), epoch=1)
+        pending.flush()
+        txn.flush()
+        assert [k.decode() for k in pending.index.keys] == ["a"] and pending.meta.evicted == 2
+
+        txn = ShardTransaction(db)
+        popping = PersistentPendingIndex(txn, META, EVICTED, max_resident=1, evict_latest=True)
+        assert popping.pop_due(5) == [] and popping.meta.popped_to == 5
+        popping.flush()  # the in-memory part was never loaded: only the meta record is written
+        txn.flush()
+        assert popping._index is None
+        assert PersistentPendingIndex(ShardTransaction(db), META, EVICTED, None).meta.popped_to == 5
+
+        txn = ShardTransaction(db)
+        later = PersistentPendingIndex(txn, META, EVICTED, max_resident=1, evict_latest=True)
+        assert sorted(later.pop_due(25)) == [b"a", b"b"] and later.meta.evicted == 1
+        later.flush()
+        txn.flush()
+        stored = [k for k, _ in db.items(from_key=EVICTED) if k.startswith(EVICTED)]
+        assert [k[len(EVICTED) + 8:] for k in stored] == [b"c"]  # the popped one left RocksDB
+        final = PersistentPendingIndex(ShardTransaction(db), META, EVICTED, None)
+        assert (final.meta.evicted, final.meta.popped_to) == (1, 25)
+        assert final.pop_due(2**63 - 1) == [b"c"] and final.meta.popped_to == 25  # end of stream: not recorded
+    finally:
+        db.close()

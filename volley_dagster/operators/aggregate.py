@@ -49,7 +49,7 @@ class Aggregate:
 
     def recorded(self, layout: dict[str, Any]) -> ResolvedAggregate:
         """Resolved as the checkpoint root recorded it (``layout()``), without Spark."""
-        ttl = StateTtl.recorded(layout["ttl"]) if "ttl" in layout else None
+        ttl = (self.ttl or StateTtl.recorded(layout["ttl"])) if "ttl" in layout else None
         return ResolvedAggregate(self.accumulators, tuple(a["kind"] for a in layout["accumulators"]),
                                  layout["namespace"], ttl)
 
