@@ -126,7 +126,10 @@ class Pipeline:
         ``max_expiry_entries`` bounds the in-memory expiry index per shard (the rest
         is evicted to RocksDB). The rules: ``volley_dagster.operators.ttl``."""
         state_ttl = None
-        if ttl is not None or ttl_epochs is not None or event_time is not None:
+        if event_time is not None and ttl is None:
+            raise ConfigError("aggregate(event_time=...) names the clock of ttl=...; give ttl= with it "
+                              "(ttl_epochs= counts epochs and needs no event time)")
+        if ttl is not None or ttl_epochs is not None:
             clock = None if event_time is None else EventTime(
                 event_time, duration_us(max_out_of_orderness, "max_out_of_orderness"),
                 None if max_event_time_skew is None else duration_us(max_event_time_skew, "max_event_time_skew"))

@@ -52,6 +52,7 @@ from volley_dagster.errors import (
 )
 from volley_dagster.io.atomic import write_bytes_atomic
 from volley_dagster.operators.base import ShardStep, StatefulOperator
+from volley_dagster.operators.ttl import next_due
 from volley_dagster.pipeline import Pipeline
 from volley_dagster.result import EpochResult
 from volley_dagster.sinks.base import CommitContext, SinkCommitResult
@@ -320,7 +321,8 @@ class EpochRunner:
             fence=self._fence(),
         )
         watermark = before.watermark if before is not None else None
-        stage = run_stage(self.spark, pipeline, rng, plan, merge, watermark, rng.end_of_stream)
+        due = next_due([s.operator.figures for s in before.shards.values()]) if before is not None else None
+        stage = run_stage(self.spark, pipeline, rng, plan, merge, watermark, rng.end_of_stream, due)
         if stage.dead_letters.num_rows and pipeline.bad_records == "fail":
             raise MalformedRecordError(_describe_bad(epoch, stage.dead_letters, pipeline.quote_bad_records))
         if sorted(stage.shards) != list(range(pipeline.layout.num_shards)):

@@ -54,25 +54,36 @@ def test_keys_expire_by_epochs_as_the_reference_and_upsert_tables_lose_them(spar
     logs = write_ttl_log(tmp_path / "events", FILES)
     pipeline = ttl_pipeline(tmp_path / "events", tmp_path / "out", ttl_epochs=2, tables=tmp_path / "tables")
     runner = EpochRunner(pipeline, tmp_path / "state", spark=spark, max_records_per_epoch=logs[0].num_rows)
-    results = run_all(runner, empty_epochs=1)
-    # the file sizes differ by the story keys: one file per epoch all the same
-    assert [r.records_in for r in results] == [t.num_rows for t in logs] + [0]
+    results = runner.run_available()
+    after_records = TtlReference(ttl_epochs=2)
+    for records in logs:
+        after_records.run(records)
+    delta, iceberg = runner.pipeline.sinks[1], runner.pipeline.sinks[2]
+    for table in (delta, iceberg):  # upsert tables hold exactly the live state
+        same_rows(table.read().to_pandas(), after_records.current(), [KEY, "events", "total"])
+        assert "expired" not in table.read().column_names
+    results += run_all(runner, empty_epochs=3)
+    assert [r.records_in for r in results] == [t.num_rows for t in logs] + [0, 0, 0]
     reference = TtlReference(ttl_epochs=2)
-    check_against_reference(runner, results, reference, logs + [None])
+    check_against_reference(runner, results, reference, logs + [None, None, None])
+    # epochs without records: 7 and 8 expire what epochs 5 and 6 touched last; by 9 nothing
+    # is left to expire, so its shards carry their snapshots forward without a Spark job
+    modes = [{s.read_mode for s in r.shards.values()} for r in results[-3:]]
+    assert [r.keys_expired > 0 for r in results[-3:]] == [True, True, False]
+    assert "carried_forward" not in modes[0] | modes[1] and modes[2] == {"carried_forward"}
+    assert runner.read_state().num_rows == 0
     stories = {k: [bool(r.output.to_pandas().set_index(KEY)["expired"].get(k, False)) for r in results]
                for k in (REFRESHED, RETURNING, STEADY)}
     assert stories[REFRESHED][:3] == [False, False, False]  # touched in epoch 3, the epoch that would expire it
     assert stories[RETURNING][2] is True  # expired in epoch 3 ...
     returned = results[3].output.to_pandas().set_index(KEY).loc[RETURNING]
     assert (returned["events"], returned["expired"]) == (3, False)  # ... and back in epoch 4 from empty
-    assert not any(stories[STEADY])
-    # upsert tables hold exactly the live state; each epoch one commit
-    delta, iceberg = runner.pipeline.sinks[1], runner.pipeline.sinks[2]
+    assert stories[STEADY] == [False] * (FILES + 1) + [True, False]  # in every file: expires once they end
+    # after the last keys expired the upsert tables are empty; each epoch one commit
     for table in (delta, iceberg):
-        same_rows(table.read().to_pandas(), reference.current(), [KEY, "events", "total"])
-        assert "expired" not in table.read().column_names
-        assert sorted(table.epoch_history("ttl")) == [r.epoch for r in results]
-    assert results[-1].sinks["delta"]["deleted"] > 0
+        assert table.read().num_rows == 0 == len(reference.current())
+        assert table.epoch_history("ttl") == {r.epoch: [r.records_out] for r in results}
+    assert results[-2].sinks["delta"]["deleted"] > 0 and results[-2].sinks["iceberg"]["expired"] > 0
     # the append changelog keeps every row, the expiry rows too
     changelog = pd.concat([r.output.to_pandas() for r in results])
     written = runner.pipeline.sinks[0]
@@ -83,21 +94,27 @@ def test_keys_expire_by_epochs_as_the_reference_and_upsert_tables_lose_them(spar
 @pytest.mark.parametrize("string_keys", [False, True], ids=["int_keys", "string_keys"])
 def test_keys_expire_on_event_time_with_the_expiry_index_evicted_to_rocksdb(spark, tmp_path, string_keys):
     """An in-memory index of 5 entries a shard: nearly every entry is evicted, and found
-    again by the range scan of its deadline. Int keys read resident state."""
-    logs = write_ttl_log(tmp_path / "events", FILES)
+    again by the range scan of its deadline. Int keys read resident state. An epoch
+    without records in the middle keeps the watermark (and expires nothing new)."""
+    logs = write_ttl_log(tmp_path / "events", 3)
     pipeline = ttl_pipeline(tmp_path / "events", tmp_path / "out", ttl="15 minutes", tables=tmp_path / "tables",
                             max_expiry_entries=5, string_keys=string_keys, iceberg_mode="append")
     runner = EpochRunner(pipeline, tmp_path / "state", spark=spark, max_records_per_epoch=logs[0].num_rows)
-    results = run_all(runner)
+    results = run_all(runner, empty_epochs=1)
+    logs += [None] + write_ttl_log(tmp_path / "events", FILES - 3, first_file=3)
+    results += run_all(runner)
     if string_keys:
-        logs = [t.set_column(1, KEY, pa.array([f"m-{k}" for k in t.column(KEY).to_pylist()])) for t in logs]
+        logs = [t if t is None else t.set_column(1, KEY, pa.array([f"m-{k}" for k in t.column(KEY).to_pylist()]))
+                for t in logs]
     reference = TtlReference(ttl_us=15 * 60 * 1_000_000)
     check_against_reference(runner, results, reference, logs)
-    assert [r.watermark for r in results] == [max(t.column("event_time").cast(pa.int64()).to_pylist()) for t in logs]
+    latest = [None if t is None else max(t.column("event_time").cast(pa.int64()).to_pylist()) for t in logs]
+    assert [r.watermark for r in results] == [max(w for w in latest[: i + 1] if w is not None) for i in range(len(logs))]
+    assert results[3].keys_expired == 0 and results[3].watermark == results[2].watermark
     shards = [s for r in results for s in r.shards.values()]
-    assert max(s.operator.figures["expiry_evicted"] for s in shards) > 0
-    assert max(s.operator.figures["expiry_resident"] for s in shards) <= 5
-    modes = {s.read_mode for r in results[1:] for s in r.shards.values()}
+    assert max(s.operator.figures.get("expiry_evicted", 0) for s in shards) > 0
+    assert max(s.operator.figures.get("expiry_resident", 0) for s in shards) <= 5
+    modes = {s.read_mode for r in results[1:] for s in r.shards.values()} - {"carried_forward"}
     assert modes == ({"multi_get", "scan"} & modes if string_keys else {"resident"})
     same_rows(runner.pipeline.sinks[1].read().to_pandas(), reference.current(), [KEY, "events", "total"])
     appended = runner.pipeline.sinks[2].read().to_pandas()  # Iceberg, append: the changelog
@@ -151,6 +168,8 @@ def test_ttl_settings_are_checked_and_recorded(spark, tmp_path):
         base.aggregate(events=count(), ttl="1 hour", ttl_epochs=3, event_time="event_time")
     with pytest.raises(ConfigError, match="event_time="):
         base.aggregate(events=count(), ttl="1 hour")
+    with pytest.raises(ConfigError, match="give ttl= with it"):
+        base.aggregate(events=count(), ttl_epochs=3, event_time="event_time")
     with pytest.raises(ConfigError, match="at least 1"):
         base.aggregate(events=count(), ttl_epochs=0)
     with pytest.raises(ConfigError, match="reserved"):

@@ -70,8 +70,9 @@ def test_latest_first_eviction_and_scans_that_start_past_the_last_limit(tmp_path
         txn.flush()
         assert [k.decode() for k in pending.index.keys] == ["a"] and pending.meta.evicted == 2
 
-        txn = ShardTransaction(db)
+        txn = ShardTransaction(db, scan_fraction=0.0)  # would scan for any read of keyed state
         popping = PersistentPendingIndex(txn, META, EVICTED, max_resident=1, evict_latest=True)
+        assert not txn.scanned and txn.scanned_entries is None  # its own records: looked up, never a scan
         assert popping.pop_due(5) == [] and popping.meta.popped_to == 5
         popping.flush()  # the in-memory part was never loaded: only the meta record is written
         txn.flush()

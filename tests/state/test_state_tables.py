@@ -107,7 +107,7 @@ def test_reads_leave_the_snapshots_unchanged_and_name_what_they_cannot_read(thre
             verify_snapshot(runner.log.root / snap.path, snap.files, full=True)
     with pytest.raises(ConfigError, match="epoch 4 is not committed"):
         tables.at(4)
-    with pytest.raises(ConfigError, match="pending entries are kept by window operators only"):
+    with pytest.raises(ConfigError, match="pending entries are kept by window operators and state TTLs only"):
         tables.at(3, "pending")
     retained = runner.log.retained_snapshots()
     assert retained == [1, 2, 3]

@@ -32,7 +32,7 @@ from volley_dagster.state.pending_index import stored_entries
 from volley_dagster.state.store import FileDigests, open_snapshot_read_only, verify_snapshot
 from volley_dagster.state.transaction import scan_prefix
 
-StateView = Literal["state", "pending"]  # the operator's state rows, or a window operator's pending entries
+StateView = Literal["state", "pending"]  # the operator's state rows, or its pending entries (windows, state TTL)
 KEY_GROUP, SHARD = "key_group", "shard"
 WINDOW_END, EVICTED = "window_end", "evicted"
 _TIMESTAMP = pa.timestamp("us", tz="UTC")
@@ -126,19 +126,23 @@ class StateReader:
 
     def _check(self, view: StateView) -> None:
         if view == "pending" and self.operator.namespaces.pending is None:
-            raise ConfigError("pending entries are kept by window operators only; this state has none")
+            raise ConfigError("pending entries are kept by window operators and state TTLs only; this state has none")
 
     def _state_rows(self, keys: list[bytes], values: list[bytes], shard: int) -> pa.Table:
         table = self.operator.decode_state(keys, values, self.key_kind, self.key_name, key_group=KEY_GROUP)
         return _with_shard(table, shard)
 
     def _pending_rows(self, keys: list[bytes], ends: list[int], evicted: list[bool], shard: int) -> pa.Table:
-        """Pending entries: which key has a window ending when, and whether the entry
+        """Pending entries: which key has a window ending when (a state TTL: when the key
+        is next looked at, ``expires_in_epoch`` or ``expires_at``), and whether the entry
         was evicted from the in-memory index to RocksDB (``max_pending_windows``)."""
         groups, key_values = decode_keys(self.key_kind, keys)
         front, names = key_columns(key_values, self.key_name, groups, KEY_GROUP)
-        table = pa.table(front + [pa.array(ends, pa.int64()).cast(_TIMESTAMP), pa.array(evicted, pa.bool_())],
-                         names=names + [WINDOW_END, EVICTED])
+        ttl = getattr(self.operator, "ttl", None)
+        when, name = pa.array(ends, pa.int64()), "expires_in_epoch"
+        if ttl is None or not ttl.by_epochs:
+            when, name = when.cast(_TIMESTAMP), WINDOW_END if ttl is None else "expires_at"
+        table = pa.table(front + [when, pa.array(evicted, pa.bool_())], names=names + [name, EVICTED])
         return _with_shard(table, shard)
 
     @contextlib.contextmanager

@@ -158,9 +158,12 @@ class ResolvedAggregate:
             return outputs, stats
         expired = expiry.settle(keys, state, existed, self._touched_now(data, step))
         written = ~expired[:n]
-        txn.set_many([k for k, w in zip(keys[:n], written, strict=True) if w] if not written.all() else keys[:n],
-                     self.encode(state[:n][written]))
-        txn.delete_many([k for k, e in zip(keys, expired, strict=True) if e])
+        if expired.any():
+            key_array = np.array(keys, dtype=object)
+            txn.set_many(key_array[:n][written].tolist(), self.encode(state[:n][written]))
+            txn.delete_many(key_array[expired].tolist())
+        else:
+            txn.set_many(keys[:n], self.encode(state[:n]))
         if resident is not None and resident.complete:
             resident.update(ints[:n][written], state[:n][written])
             resident.remove(ints[expired])

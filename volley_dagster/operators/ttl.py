@@ -7,7 +7,9 @@ The rules (decided per epoch, so a re-run decides the same):
   Its deadline is ``_touched + ttl``.
 - Epoch N first merges its records, then expires every key whose deadline is at
   or before the epoch's limit: N itself (epochs), or the watermark after N (event
-  time). A key updated in epoch N so lives on; a key that expires is deleted from
+  time). By epochs, a key updated in epoch N so lives on. On event time, a key
+  whose latest event time is already older than the watermark less the TTL (a late
+  record) expires in the epoch that updated it. A key that expires is deleted from
   state and emitted once with ``expired = true`` (an upsert sink deletes its row,
   an append sink keeps the row); if it comes back, it starts from empty.
 
@@ -43,6 +45,7 @@ EXPIRED = "expired"  # the output column: true on a key's last row, the one that
 TOUCHED = "_touched"  # the state record's field
 TOUCHED_PARTIAL = "_volley_touched"  # event time: a key's latest event time in the epoch (microseconds)
 DEFAULT_MAX_RESIDENT_ENTRIES = 100_000
+NEXT_DUE = "expiry_next"  # a shard's figure: its earliest deadline (NO_ENTRY: none)
 _MAX = np.iinfo(np.int64).max
 
 
@@ -156,5 +159,15 @@ class ShardExpiry:
         return expired
 
     def figures(self) -> dict[str, int]:
-        return {"keys_expired": self.expired, "expiry_resident": self.index.meta.resident,
-                "expiry_evicted": self.index.meta.evicted}
+        """For the manifest; ``expiry_next``: the earliest deadline left (absent: unknown),
+        so that an epoch without records and nothing due can skip the shard tasks."""
+        figures = {"keys_expired": self.expired, "expiry_resident": self.index.meta.resident,
+                   "expiry_evicted": self.index.meta.evicted}
+        next_due = self.index.next_due()
+        return figures if next_due is None else {**figures, NEXT_DUE: next_due}
+
+
+def next_due(figures: list[dict[str, int]]) -> int | None:
+    """The earliest deadline over a committed epoch's shards (None: some shard did not say)."""
+    dues = [f.get(NEXT_DUE) for f in figures]
+    return None if not dues or any(d is None for d in dues) else min(d for d in dues if d is not None)

@@ -124,13 +124,7 @@ class DeltaSink(TableSink[DeltaTable]):
             max_commit_retries=0,
         )
         counts = self._write_rows(table, output, keys, props, ctx.replace, expired)
-        after = self._load()
-        if after is not None and after.transaction_version(app_id) != ctx.sink_epoch:
-            # a MERGE that changed nothing (only deletes of rows the table lacks) commits
-            # nothing: the epoch still needs its commit, one carrying its txn and no rows
-            write_deltalake(after, output.slice(0, 0), mode="append", commit_properties=props)
-            after = self._load()
-        return counts, self._position(after)
+        return counts, self._position(self._load())
 
     def _write_rows(self, table: DeltaTable | None, output: pa.Table, keys: tuple[str, ...],
                     props: CommitProperties, replace: bool, expired: pa.Table) -> dict[str, int]:
@@ -168,7 +162,13 @@ class DeltaSink(TableSink[DeltaTable]):
                      .when_matched_delete(predicate=f"source.{_quote(_DELETE)} = true")
                      .when_matched_update(updates=values, predicate=keep)
                      .when_not_matched_insert(updates=values, predicate=keep))
+        checked = table.version()
         metrics = merge.execute()
+        if table.version() == checked:
+            # a MERGE that changes nothing (only deletes of rows the table lacks) commits
+            # nothing, but the epoch needs its commit: one with its txn and no rows, built
+            # on the same checked snapshot (a commit since makes it lose the race)
+            write_deltalake(table, output.slice(0, 0), mode="append", commit_properties=props)
         return {"inserted": metrics.get("num_target_rows_inserted", 0),
                 "updated": metrics.get("num_target_rows_updated", 0),
                 "deleted": metrics.get("num_target_rows_deleted", 0)}

@@ -201,7 +201,9 @@ class IcebergSink(TableSink[Table]):
         times per commit (about 9 s at 100k keys); and not pyiceberg 0.12's
         ``Transaction.upsert``, which builds that same IN list and then compares
         every matched row in a Python loop. Keys match by SQL equality (a null key
-        never matches), as in Delta's MERGE."""
+        never matches), as in Delta's MERGE. Expired keys (state TTL) are in the range
+        and not written back: deleted in the same commit. They widen the range, and so
+        the rows rewritten: with keys that grow over time, the oldest expire."""
         if replace:
             summary = {**summary, "volley.replaced": "true"}
             with warnings.catch_warnings():
@@ -224,7 +226,7 @@ class IcebergSink(TableSink[Table]):
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Delete operation did not match any records")
             txn.overwrite(rows, overwrite_filter=condition, snapshot_properties=summary)
-        return {"upserted": output.num_rows, "rewritten": kept, "deleted": expired.num_rows}
+        return {"upserted": output.num_rows, "rewritten": kept, "expired": expired.num_rows}
 
     def _create(self, schema: pa.Schema) -> Table:
         """Create the namespace and table (retries off) on first use; a racing

@@ -21,6 +21,8 @@ from pyspark.sql import DataFrame, SparkSession
 
 from volley_dagster import columns
 from volley_dagster.checkpoint.manifest import ShardEntry, ShardSnapshot
+from volley_dagster.operators.base import OperatorStats
+from volley_dagster.operators.ttl import NEXT_DUE
 from volley_dagster.pipeline import Pipeline
 from volley_dagster.sources.offsets import EpochRange
 from volley_dagster.spark.partitioning import ROUTING_COLUMNS, to_shards
@@ -83,11 +85,15 @@ def run_stage(
     merge: ShardMerge,
     watermark: int | None = None,
     end_of_stream: bool = False,
+    expiry_next: int | None = None,
 ) -> StageResult:
-    """``watermark``: the one the epoch starts from (windows, event-time TTL)."""
+    """``watermark``: the one the epoch starts from (windows, event-time TTL);
+    ``expiry_next``: ``ttl_epochs``, the earliest deadline the previous epoch left (None: unknown)."""
     layout, window, clock = pipeline.layout, plan.windowed, plan.event_time
-    if not rng.segments and window is None and not plan.expires_by_epoch and len(merge.previous) == layout.num_shards:
-        return _carry_forward_stage(spark, pipeline, plan, merge)
+    nothing_due = not plan.expires_by_epoch or (expiry_next is not None and expiry_next > merge.step.epoch)
+    if not rng.segments and window is None and nothing_due and len(merge.previous) == layout.num_shards:
+        carried = _carry_forward_stage(spark, pipeline, plan, merge, expiry_next)
+        return replace(carried, watermark=watermark)
     # A Python-decoded read is cached for the side-output job and the state stage to
     # share; a native Parquet scan is cheaper to run twice (each job reads only the
     # columns it needs) than to cache whole.
@@ -145,13 +151,15 @@ def _output_ddl(pipeline: Pipeline, plan: PlannedEpoch) -> list[str]:
     return [f"`{pipeline.key_column}` {key_type}"] + plan.operator.output_ddl()
 
 
-def _carry_forward_stage(spark: SparkSession, pipeline: Pipeline, plan: PlannedEpoch, merge: ShardMerge) -> StageResult:
-    """An epoch with no records (running aggregate): state is unchanged, so each shard's
+def _carry_forward_stage(spark: SparkSession, pipeline: Pipeline, plan: PlannedEpoch, merge: ShardMerge,
+                         expiry_next: int | None) -> StageResult:
+    """An epoch with no records (running aggregate; with ``ttl_epochs``, none due):
+    state is unchanged, so each shard's
     snapshot is the previous one, hardlinked, and on S3 a manifest naming the previous
     one's objects; no Spark job runs. Where the previous snapshot is only on S3 (the
     executors keep theirs on their own disks), only the S3 manifest is written. The
     output is empty, typed as a processed epoch's would be, so each sink still records
-    the epoch."""
+    the epoch. ``expiry_next`` is carried too, for the next epoch to decide by."""
     t0 = time.perf_counter()
     shards: dict[int, ShardEntry] = {}
     for shard, prev in sorted(merge.previous.items()):
@@ -174,7 +182,8 @@ def _carry_forward_stage(spark: SparkSession, pipeline: Pipeline, plan: PlannedE
                 else merge.remote.upload(merge.step.epoch, shard, snap.path, attempt=attempt)
             )
         shards[shard] = ShardEntry(shard, ShardSnapshot.of(snap, attempt, stored_remotely=upload is not None),
-                                   read_mode="carried_forward", bytes_new=snap.bytes_new,
+                                   read_mode="carried_forward", bytes_new=snap.bytes_new, operator=OperatorStats(
+                                       figures={} if expiry_next is None else {NEXT_DUE: expiry_next}),
                                    snapshot_s=time.perf_counter() - t, upload=upload)
     output = spark.createDataFrame([], ", ".join(_output_ddl(pipeline, plan))).toArrow()
     return StageResult(output, DEAD_LETTER_SCHEMA.empty_table(), shards, 0.0, time.perf_counter() - t0,

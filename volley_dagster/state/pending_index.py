@@ -44,6 +44,7 @@ class PendingMeta:
     min_end: int | None = None  # earliest end among them
     evicted: int = 0  # entries in the pending_index/ namespace
     popped_to: int | None = None  # every entry up to this end is gone: later scans start past it
+    evicted_min: int | None = None  # the earliest end among the evicted (None with evicted: unknown)
 
     def to_bytes(self) -> bytes:
         return json.dumps(self.__dict__).encode()
@@ -135,7 +136,7 @@ class PersistentPendingIndex:
         self._evicted_ns = evicted_ns
         self._max_resident = max_resident
         self._evict_latest = evict_latest
-        self.meta = PendingMeta.from_bytes(txn.get_many([self._meta_key], meta_ns)[0])
+        self.meta = PendingMeta.from_bytes(txn.get_many([self._meta_key], meta_ns, may_scan=False)[0])
         self._meta_changed = False
         self._index: PendingIndex | None = None
         self.loaded = False
@@ -145,7 +146,7 @@ class PersistentPendingIndex:
     @property
     def index(self) -> PendingIndex:
         if self._index is None:
-            self._index = PendingIndex.from_bytes(self._txn.get_many([self._index_key], self._meta_ns)[0])
+            self._index = PendingIndex.from_bytes(self._txn.get_many([self._index_key], self._meta_ns, may_scan=False)[0])
             self.loaded = True
         return self._index
 
@@ -165,12 +166,14 @@ class PersistentPendingIndex:
             lower = self._evicted_ns + (b"" if popped is None else _ordered_us(np.array([_after(popped)])).tobytes())
             upper = self._evicted_ns + _ordered_us(np.array([_after(limit)])).tobytes()
             entries = [k for k, _ in self._txn.scan_flushed(lower, upper)] if lower < upper else []
+            following = next(self._txn.scan_flushed(max(lower, upper), _namespace_end(self._evicted_ns)), None)
+            self.meta.evicted_min = None if following is None else _end_of(following[0], self._evicted_ns)
             self._txn.delete_many(entries)
             self.meta.evicted -= len(entries)
             self.evicted_fired += len(entries)
             skip = len(self._evicted_ns) + 8
             due.extend(k[skip:] for k in entries)
-            if limit < np.iinfo(np.int64).max:  # an end-of-stream epoch's: epochs may follow it
+            if limit < np.iinfo(np.int64).max:  # an end-of-stream epoch fires all: no bound to keep
                 self.meta.popped_to = limit if popped is None else max(popped, limit)
             self._meta_changed = True
         return due
@@ -193,6 +196,11 @@ class PersistentPendingIndex:
         if self._max_resident is not None:
             keys, ends = self.index.evict_beyond(self._max_resident, self._evict_latest)
             if len(keys):
+                earliest = int(ends.min())
+                if not self.meta.evicted:
+                    self.meta.evicted_min = earliest
+                elif self.meta.evicted_min is not None:  # unknown (an older record) stays unknown
+                    self.meta.evicted_min = min(self.meta.evicted_min, earliest)
                 ns, ordered_ends = self._evicted_ns, _ordered_us(ends).view("V8").tolist()
                 self._txn.set_many([ns + end + key for end, key in zip(ordered_ends, keys, strict=True)], [b""] * len(keys))
                 self.meta.evicted += len(keys)
@@ -201,6 +209,26 @@ class PersistentPendingIndex:
         self.meta.resident = len(index)
         self.meta.min_end = int(index.ends[0]) if len(index) else None
         self._txn.set_many([self._meta_key, self._index_key], [self.meta.to_bytes(), index.to_bytes()])
+
+    def next_due(self) -> int | None:
+        """The earliest end anywhere in the index (``NO_ENTRY`` when empty; None: unknown,
+        an index written before the evicted part's earliest end was kept)."""
+        if self.meta.evicted and self.meta.evicted_min is None:
+            return None
+        ends = [e for e in (self.meta.min_end, self.meta.evicted_min if self.meta.evicted else None) if e is not None]
+        return min(ends) if ends else NO_ENTRY
+
+
+NO_ENTRY = int(np.iinfo(np.int64).max)
+
+
+def _namespace_end(ns: bytes) -> bytes:
+    return (int.from_bytes(ns, "big") + 1).to_bytes(len(ns), "big")
+
+
+def _end_of(entry_key: bytes, ns: bytes) -> int:
+    ordered = np.frombuffer(entry_key[len(ns):len(ns) + 8], dtype=">u8")
+    return int((ordered.astype(np.uint64) ^ _SIGN_BIT).view(np.int64)[0])
 
 
 def _after(limit: int) -> int:

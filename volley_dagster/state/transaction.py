@@ -36,13 +36,15 @@ class ShardTransaction:
         self.resident = resident  # the shard's mirror between epochs (``state/resident.py``), if any
         self.scanned_entries: dict[bytes, bytes] | None = None  # kept for the mirror: the whole prefix
 
-    def get_many(self, keys: list[bytes], prefix: bytes) -> list[bytes | None]:
-        """Values for ``keys`` (all under ``prefix``), None where absent."""
+    def get_many(self, keys: list[bytes], prefix: bytes, may_scan: bool = True) -> list[bytes | None]:
+        """Values for ``keys`` (all under ``prefix``), None where absent. ``may_scan``:
+        an operator's keyed state (a scan of the prefix may serve, and feed the mirror);
+        False for a few records of its own (an index's meta), always looked up."""
         cache = self._cache
         misses = [k for k in keys if k not in cache] if cache else keys
         if misses:
             self.reads += len(misses)
-            if self._should_scan(len(misses)):
+            if may_scan and self._should_scan(len(misses)):
                 found = self._scan(prefix)
                 self.scanned = True
                 if self.resident is not None:
