@@ -138,6 +138,7 @@ class PersistentPendingIndex:
         self._evict_latest = evict_latest
         self.meta = PendingMeta.from_bytes(txn.get_many([self._meta_key], meta_ns, may_scan=False)[0])
         self._meta_changed = False
+        self._fired_evicted: list[bytes] = []  # deleted at flush: the cache stays empty for the state lookups
         self._index: PendingIndex | None = None
         self.loaded = False
         self.evicted_now = 0
@@ -168,7 +169,7 @@ class PersistentPendingIndex:
             entries = [k for k, _ in self._txn.scan_flushed(lower, upper)] if lower < upper else []
             following = next(self._txn.scan_flushed(max(lower, upper), _namespace_end(self._evicted_ns)), None)
             self.meta.evicted_min = None if following is None else _end_of(following[0], self._evicted_ns)
-            self._txn.delete_many(entries)
+            self._fired_evicted.extend(entries)
             self.meta.evicted -= len(entries)
             self.evicted_fired += len(entries)
             skip = len(self._evicted_ns) + 8
@@ -189,6 +190,9 @@ class PersistentPendingIndex:
     def flush(self) -> None:
         """Evict beyond the bound and stage the index and its meta record in the
         transaction (written by its WriteBatch). Never loaded: only a changed meta record."""
+        if self._fired_evicted:
+            self._txn.delete_many(self._fired_evicted)
+            self._fired_evicted = []
         if self._index is None:
             if self._meta_changed:
                 self._txn.set_many([self._meta_key], [self.meta.to_bytes()])
