@@ -252,8 +252,8 @@ def state_command(args: argparse.Namespace) -> int:
             df, what = tables.changes(args.from_epoch, epoch), f"changes from epoch {args.from_epoch} to {epoch}"
         else:
             df = tables.at(epoch, "pending" if pending else "state")
-            what = f"{'pending windows' if pending else 'state'} at epoch {epoch}"
-            keys = [keys[0], "window_end"] if pending else keys
+            what = f"{'pending entries' if pending else 'state'} at epoch {epoch}"
+            keys = [keys[0], df.columns[2]] if pending else keys  # key, key group, then when
         if getattr(args, "key", None) is not None:
             df = df.where(F.col(keys[0]) == args.key)
         if args.action == "export":
@@ -370,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("checkpoint_root")
         p.add_argument("--key", help="only this key")
         p.set_defaults(func=state_command)
-    show.add_argument("--pending", action="store_true", help="a window operator's pending entries instead")
+    show.add_argument("--pending", action="store_true", help="a window operator's pending entries (a state TTL's: each key's next look) instead")
     diff.add_argument("from_epoch", type=int, metavar="N")
     diff.add_argument("to_epoch", type=int, metavar="M")
     export.add_argument("--to", required=True, help="delta:<folder or s3:// uri>")

@@ -91,21 +91,17 @@ def test_keys_expire_by_epochs_as_the_reference_and_upsert_tables_lose_them(spar
     assert int(changelog["expired"].sum()) == sum(r.keys_expired for r in results)
 
 
-@pytest.mark.parametrize("string_keys", [False, True], ids=["int_keys", "string_keys"])
-def test_keys_expire_on_event_time_with_the_expiry_index_evicted_to_rocksdb(spark, tmp_path, string_keys):
+def test_keys_expire_on_event_time_with_the_expiry_index_evicted_to_rocksdb(spark, tmp_path):
     """An in-memory index of 5 entries a shard: nearly every entry is evicted, and found
     again by the range scan of its deadline. Int keys read resident state. An epoch
     without records in the middle keeps the watermark (and expires nothing new)."""
     logs = write_ttl_log(tmp_path / "events", 3)
     pipeline = ttl_pipeline(tmp_path / "events", tmp_path / "out", ttl="15 minutes", tables=tmp_path / "tables",
-                            max_expiry_entries=5, string_keys=string_keys, iceberg_mode="append")
+                            max_expiry_entries=5, iceberg_mode="append")
     runner = EpochRunner(pipeline, tmp_path / "state", spark=spark, max_records_per_epoch=logs[0].num_rows)
     results = run_all(runner, empty_epochs=1)
     logs += [None] + write_ttl_log(tmp_path / "events", FILES - 3, first_file=3)
     results += run_all(runner)
-    if string_keys:
-        logs = [t if t is None else t.set_column(1, KEY, pa.array([f"m-{k}" for k in t.column(KEY).to_pylist()]))
-                for t in logs]
     reference = TtlReference(ttl_us=15 * 60 * 1_000_000)
     check_against_reference(runner, results, reference, logs)
     latest = [None if t is None else max(t.column("event_time").cast(pa.int64()).to_pylist()) for t in logs]
@@ -114,8 +110,7 @@ def test_keys_expire_on_event_time_with_the_expiry_index_evicted_to_rocksdb(spar
     shards = [s for r in results for s in r.shards.values()]
     assert max(s.operator.figures.get("expiry_evicted", 0) for s in shards) > 0
     assert max(s.operator.figures.get("expiry_resident", 0) for s in shards) <= 5
-    modes = {s.read_mode for r in results[1:] for s in r.shards.values()} - {"carried_forward"}
-    assert modes == ({"multi_get", "scan"} & modes if string_keys else {"resident"})
+    assert {s.read_mode for r in results[1:] for s in r.shards.values()} - {"carried_forward"} == {"resident"}
     same_rows(runner.pipeline.sinks[1].read().to_pandas(), reference.current(), [KEY, "events", "total"])
     appended = runner.pipeline.sinks[2].read().to_pandas()  # Iceberg, append: the changelog
     assert int(appended["expired"].sum()) == sum(r.keys_expired for r in results) > 0
@@ -148,17 +143,25 @@ def test_a_kill_9_between_the_sinks_of_an_expiring_epoch_commits_it_once(spark, 
 
 
 def test_a_rescale_carries_the_expiry_index_to_the_new_shards(spark, tmp_path):
+    """With string keys (RocksDB reads: no resident state), 2 -> 5 -> 3 shards."""
     logs = write_ttl_log(tmp_path / "events", FILES)
-    runner = EpochRunner(ttl_pipeline(tmp_path / "events", tmp_path / "out", shards=2, max_expiry_entries=3),
+    runner = EpochRunner(ttl_pipeline(tmp_path / "events", tmp_path / "out", shards=2, max_expiry_entries=3,
+                                      string_keys=True),
                          tmp_path / "state", spark=spark, max_records_per_epoch=logs[0].num_rows)
+    logs = [t.set_column(1, KEY, pa.array([f"m-{k}" for k in t.column(KEY).to_pylist()])) for t in logs]
     reference = TtlReference(ttl_epochs=2)
     results = [runner.run_next() for _ in range(2)]
     assert runner.rescale(5).new_shards == 5
     results += [runner.run_next() for _ in range(2)]
+    # one index entry per live key, none due yet, in the 5 new shards
+    pending = runner.state_tables().at(4, "pending").toPandas()
+    assert sorted(pending[KEY]) == sorted(runner.read_state().column(KEY).to_pylist())
+    assert (pending["expires_in_epoch"] > 4).all() and pending["evicted"].any()
     assert runner.rescale(3).new_shards == 3
     results += run_all(runner, empty_epochs=2)
     check_against_reference(runner, results, reference, logs + [None, None])
     assert len(results[-1].shards) == 3
+    assert {s.read_mode for r in results for s in r.shards.values()} <= {"multi_get", "scan", "carried_forward"}
 
 
 def test_ttl_settings_are_checked_and_recorded(spark, tmp_path):
