@@ -170,6 +170,7 @@ def start_dagster_dev(workspace: str | os.PathLike[str], *,
                       keep_home: bool = False,
                       overrides: Mapping[str, Any] | None = None,
                       live_data_poll_rate_ms: int | None = 500,
+                      daemon_interval_s: float | None = 5.0,
                       extra_args: Sequence[str] = ()) -> DagsterDev:
     """Start ``dagster dev -w workspace -h 127.0.0.1 -p <port>`` and wait until it is usable.
 
@@ -185,6 +186,9 @@ def start_dagster_dev(workspace: str | os.PathLike[str], *,
     ``live_data_poll_rate_ms``: how often the UI refreshes asset live data (dagster's
     default 2000 ms left lineage nodes showing "Loading…" for ~6 s after a navigation
     one time in two; 500 ms made it ~0.3 s). ``None`` keeps dagster's default.
+    ``daemon_interval_s``: the backfill daemon's wait between iterations (dagster's is a
+    fixed 30 s, which paced every backfill test; ``harness/pace/sitecustomize.py``).
+    ``None`` keeps dagster's.
     """
     workspace = Path(workspace).resolve()
     if not workspace.is_file():
@@ -213,6 +217,10 @@ def start_dagster_dev(workspace: str | os.PathLike[str], *,
     token = uuid.uuid4().hex
     child_env = {**os.environ, **(env or {}), "DAGSTER_HOME": str(home_path), "PYTHONUNBUFFERED": "1",
                  _TOKEN_VAR: token}
+    if daemon_interval_s is not None:
+        pace = str(Path(__file__).resolve().parent / "pace")
+        child_env["PYTHONPATH"] = os.pathsep.join(p for p in (pace, child_env.get("PYTHONPATH")) if p)
+        child_env["HARNESS_DAEMON_INTERVAL_S"] = str(daemon_interval_s)
     cmd = [sys.executable, "-m", "dagster", "dev", "-w", str(workspace), "-h", host, "-p", str(port),
            *(["--live-data-poll-rate", str(live_data_poll_rate_ms)] if live_data_poll_rate_ms else []),
            *extra_args]
