@@ -23,6 +23,7 @@ from tests.ttl_reference import (
     write_ttl_log,
 )
 from volley_dagster import ConfigError, EpochRunner, FileLog, ParquetSink, Pipeline, count, sum_, tumbling
+from volley_dagster.checkpoint.state_reader import recorded_reader, shards_to_read
 from volley_dagster.errors import StateLayoutError
 
 FILES = 6
@@ -154,7 +155,9 @@ def test_a_rescale_carries_the_expiry_index_to_the_new_shards(spark, tmp_path):
     assert runner.rescale(5).new_shards == 5
     results += [runner.run_next() for _ in range(2)]
     # one index entry per live key, none due yet, in the 5 new shards
-    pending = runner.state_tables().at(4, "pending").toPandas()
+    reader = recorded_reader(runner.log, 4)  # on the driver, as read_state
+    pending = pa.concat_tables([t for shard in shards_to_read(runner.log, 4, None)
+                                for t in reader.read(shard, "pending")]).to_pandas()
     assert sorted(pending[KEY]) == sorted(runner.read_state().column(KEY).to_pylist())
     assert (pending["expires_in_epoch"] > 4).all() and pending["evicted"].any()
     assert runner.rescale(3).new_shards == 3
