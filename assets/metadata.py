@@ -118,6 +118,10 @@ def epoch_metadata(pipeline: Pipeline, result: EpochResult,
         state["late_records"] = MetadataValue.int(result.late_records)
     if pipeline.expiry_column() is not None:  # state TTL
         state["keys_expired"] = MetadataValue.int(result.keys_expired)
+    if pipeline.dedup is not None:  # deduplication: records dropped, and where they are when written
+        state["duplicates"] = MetadataValue.int(result.duplicates)
+        if result.duplicates_path is not None:
+            state["duplicates_path"] = MetadataValue.path(result.duplicates_path)
     for name, read in result.enrichments.items():  # the version each dimension table was read at
         state[f"{name}_version"] = MetadataValue.text(str(read["version"]))
         state[f"{name}_unmatched"] = MetadataValue.int(int(read["unmatched"]))

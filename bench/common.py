@@ -29,3 +29,14 @@ def finish(name: str, report: dict[str, Any], work: Path, keep: bool) -> Path:
     if not keep:
         shutil.rmtree(work, ignore_errors=True)
     return path
+
+
+def aggregate_floor(spark: Any, file: str) -> float:
+    """Seconds of the stateless floor of one epoch's file: read, group by merchant, collect."""
+    import time
+
+    from pyspark.sql import functions as F
+
+    t = time.perf_counter()
+    spark.read.parquet(file).groupBy("merchant_id").agg(F.sum("amount"), F.count(F.lit(1))).toArrow()
+    return time.perf_counter() - t

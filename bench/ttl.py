@@ -18,14 +18,12 @@ import shutil
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pyspark.sql import functions as F  # noqa: E402
 
-from bench.common import finish, log_arguments  # noqa: E402
+from bench.common import aggregate_floor, finish, log_arguments  # noqa: E402
 from volley_dagster import DeltaSink, EpochRunner, FileLog, Pipeline, count, sum_  # noqa: E402
 from volley_dagster.demo.events import generate  # noqa: E402
 from volley_dagster.spark.session import get_or_create_spark  # noqa: E402
@@ -36,11 +34,6 @@ def spend(events: Path, table: Path, shards: int, ttl_epochs: int | None) -> Pip
             .aggregate(spent=sum_("amount"), payments=count(), ttl_epochs=ttl_epochs)
             .sink(DeltaSink(table, mode="upsert")).with_shards(shards))
 
-
-def floor(spark, file: str) -> float:
-    t = time.perf_counter()
-    spark.read.parquet(file).groupBy("merchant_id").agg(F.sum("amount"), F.count(F.lit(1))).toArrow()
-    return time.perf_counter() - t
 
 
 def main() -> None:
@@ -67,7 +60,7 @@ def main() -> None:
         a, b = plain.run_next(), ttl.run_next()
         assert a is not None and b is not None
         row = {"epoch": b.epoch, "plain_s": a.durations["total"], "ttl_s": b.durations["total"],
-               "floor_s": floor(spark, str(work / "events" / names[i])), "keys_expired": b.keys_expired,
+               "floor_s": aggregate_floor(spark, str(work / "events" / names[i])), "keys_expired": b.keys_expired,
                "merge_plain_s": a.durations["merge_shard_sum"], "merge_ttl_s": b.durations["merge_shard_sum"],
                "plain_rows": plain.pipeline.sinks[0].row_count(), "ttl_rows": ttl.pipeline.sinks[0].row_count()}
         rows.append(row)

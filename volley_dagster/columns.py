@@ -16,3 +16,6 @@ WINDOW_START = "_volley_ws"  # window bounds in microseconds since the Unix epoc
 WINDOW_END = "_volley_we"
 MARKER = "_volley_marker"  # one row per shard, so every shard task runs
 PARTITION = "_volley_part"  # the Spark partition a shard's rows go to (spark/partitioning.py)
+DEDUP_KEY = "_volley_dkey"  # deduplication: a record's key over the ``on`` columns (int64 or string)
+DEDUP_TIME = "_volley_dtime"  # its event time in microseconds
+DUPLICATE = "_volley_dup"  # the probe's verdict: the record repeats a key already seen

@@ -17,6 +17,7 @@ from volley_dagster.dimensions.base import DimensionTable, Enrichment, How
 from volley_dagster.errors import ConfigError
 from volley_dagster.operators.accumulators import Accumulator
 from volley_dagster.operators.aggregate import Aggregate
+from volley_dagster.operators.dedup import Deduplication
 from volley_dagster.operators.event_time import Duration, EventTime, duration_us
 from volley_dagster.operators.ttl import DEFAULT_MAX_RESIDENT_ENTRIES, EXPIRED, StateTtl
 from volley_dagster.operators.window import WindowedAggregate, Windowing, Windows
@@ -38,6 +39,7 @@ class Pipeline:
     key_given: str | None = None
     operator_given: Aggregate | None = None
     windowing: Windowing | None = None
+    dedup: Deduplication | None = None
     sinks: tuple[Sink, ...] = ()
     bad_records: BadRecordPolicy = "fail"
     quote_bad_records: bool = True
@@ -100,6 +102,22 @@ class Pipeline:
     @property
     def enrichments(self) -> list[Enrichment]:
         return [t for t in self.transforms if isinstance(t, Enrichment)]
+
+    def deduplicate(self, *, on: str | list[str], within: Duration, event_time: str,
+                    write_duplicates: bool = False) -> Pipeline:
+        """Drop a record whose ``on`` columns repeat a record kept earlier, while that
+        one's key is remembered: until the watermark passes its ``event_time`` plus
+        ``within`` (Spark's ``dropDuplicatesWithinWatermark``). It applies to the
+        records after the transforms, before the aggregate or window; the first
+        record of a key in the log is the one kept. The watermark is the pipeline's
+        one (a window's or an event-time TTL's, on the same column), else the latest
+        event time. Duplicates are counted per epoch; ``write_duplicates`` also
+        writes them, with where they are, to the epoch's side output. The rules:
+        ``volley_dagster.operators.dedup``."""
+        columns_on = (on,) if isinstance(on, str) else tuple(on)
+        dedup = Deduplication(columns_on, duration_us(within, "deduplicate(within=...)"), EventTime(event_time),
+                              write_duplicates)
+        return replace(self, dedup=dedup)
 
     def key_by(self, column: str) -> Pipeline:
         return replace(self, key_given=column)
@@ -167,12 +185,25 @@ class Pipeline:
         return replace(self, windowing=windowing)
 
     def stateful_operator(self) -> Aggregate | WindowedAggregate:
+        self._check_clock()
         if self.windowing is None:
             return self.operator
         if self.operator.ttl is not None:
             raise ConfigError(f"pipeline {self.name!r}: a state TTL is for running aggregates; a window's state "
                               "already ends when it fires")
         return WindowedAggregate(self.windowing, self.operator)
+
+    def _check_clock(self) -> None:
+        """One watermark per pipeline: a deduplication dates keys on the window's or TTL's event time."""
+        if self.dedup is None:
+            return
+        ttl = self.operator.ttl
+        clock = self.windowing.event_time if self.windowing is not None else ttl.event_time if ttl is not None else None
+        if clock is not None and clock.time_column != self.dedup.event_time.time_column:
+            raise ConfigError(
+                f"pipeline {self.name!r}: deduplicate(event_time={self.dedup.event_time.time_column!r}) and the "
+                f"{'window' if self.windowing is not None else 'state TTL'} (on {clock.time_column!r}) must share "
+                "one event time: the pipeline has one watermark")
 
     def expiry_column(self) -> str | None:
         """The output column that marks a key's expiry (with a state TTL): upsert sinks delete its row."""

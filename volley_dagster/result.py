@@ -31,6 +31,8 @@ class EpochResult:
     watermark: int | None = None  # windows, event-time TTL: event time (microseconds) the next epoch starts from
     late_records: int = 0  # windows: (record, window) pairs whose window had closed
     late_records_path: str | None = None
+    duplicates: int = 0  # deduplication: records dropped because they repeat a remembered key
+    duplicates_path: str | None = None  # with write_duplicates: where they are
     end_of_stream: bool = False
     committed_at: str = ""
     fencing_token: int = 0  # the lease token of the runner that committed it (0: run without one)

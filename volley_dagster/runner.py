@@ -300,13 +300,13 @@ class EpochRunner:
             self._check_fence(f"epoch {epoch}: setting aside the pin of dimension table {exc.table!r}")
             log.drop_dimension_pin(epoch, exc.table, exc.version)
             raise
-        log.check_identity(identity_of(pipeline, plan.operator, plan.key_kind))
+        log.check_identity(identity_of(pipeline, plan.state_operator, plan.key_kind))
         pipeline = self._in_layout(epoch)
         previous = self._previous_snapshots(epoch, pipeline.layout)
         merge = ShardMerge(
-            step=ShardStep(epoch, plan.key_kind),
+            step=ShardStep(epoch, plan.key_kind, layout=pipeline.layout),
             key_column=pipeline.key_column,
-            operator=plan.operator,
+            operator=plan.state_operator,
             previous=previous,
             snapshot_root=str(log.snapshots_dir(epoch)),
             work_root=str(log.work_dir(epoch)),
@@ -332,6 +332,7 @@ class EpochRunner:
         t_sinks = time.perf_counter()
         dead_path = self._write_side_output(stage.dead_letters, log.dead_letter_path(epoch))
         late_path = self._write_side_output(stage.late, log.late_records_path(epoch))
+        duplicates_path = self._write_side_output(stage.duplicate_records, log.duplicates_path(epoch))
         sink_results = self._commit_sinks(stage.output, rng)
         faults.fault_point("after_sinks", epoch)
         t_commit = time.perf_counter()
@@ -364,6 +365,8 @@ class EpochRunner:
             watermark=stage.watermark,
             late_records=stage.late.num_rows if stage.late is not None else 0,
             late_records_path=late_path,
+            duplicates=stage.duplicates,
+            duplicates_path=duplicates_path,
             end_of_stream=rng.end_of_stream,
             committed_at=datetime.now(timezone.utc).isoformat(),
             fencing_token=self._fence().token,
@@ -393,7 +396,7 @@ class EpochRunner:
             self.snapshot_store.prune(retained, winners)
 
     def _write_side_output(self, table: pa.Table | None, path: Path) -> str | None:
-        """Dead letters and late records: one Parquet file per epoch, before the commit."""
+        """Dead letters, late records, duplicates: one Parquet file per epoch, before the commit."""
         if table is None or not table.num_rows:
             return None
         buf = io.BytesIO()
@@ -404,6 +407,11 @@ class EpochRunner:
     def late_records(self, epoch: int) -> pa.Table | None:
         """A committed epoch's late-records output (None when it had none)."""
         path = self.result(epoch).late_records_path
+        return pq.read_table(self.log.root / path) if path else None
+
+    def duplicate_records(self, epoch: int) -> pa.Table | None:
+        """A committed epoch's duplicates side output (None when it had none, or it was off)."""
+        path = self.result(epoch).duplicates_path
         return pq.read_table(self.log.root / path) if path else None
 
     def _commit_sinks(self, output: pa.Table, rng: EpochRange) -> dict[str, dict[str, Any]]:

@@ -10,6 +10,7 @@ Layout under the checkpoint root::
     epochs/0000000007/manifest.json    the commit point, written last
     epochs/0000000007/dead_letters.parquet
     epochs/0000000007/late_records.parquet   windows: records whose window had closed
+    epochs/0000000007/duplicates.parquet     deduplication (write_duplicates): the records dropped
     snapshots/0000000007/rescale-0001-<attempt>/shard-0005/   epoch 7's state rewritten by a rescale
     snapshots/0000000007/shard-0003-<attempt>/   the attempt the manifest names (losers are pruned)
     work/0000000007/shard-0003-<attempt>/  a task attempt's writable DB (deleted after)
@@ -122,6 +123,9 @@ class EpochLog:
 
     def late_records_path(self, epoch: int) -> Path:
         return self.epoch_dir(epoch) / "late_records.parquet"
+
+    def duplicates_path(self, epoch: int) -> Path:
+        return self.epoch_dir(epoch) / "duplicates.parquet"
 
     def layout_path(self, sequence: int) -> Path:
         return self.root / "layouts" / f"{sequence:010d}.json"

@@ -31,7 +31,7 @@ import numpy as np
 from volley_dagster.checkpoint.epoch_log import EpochLog
 from volley_dagster.checkpoint.rescale import RescaleResult, rescale
 from volley_dagster.errors import ConfigError, EpochOrderError, StateLayoutError
-from volley_dagster.operators import recorded_operator
+from volley_dagster.operators import recorded_operator, without_dedup
 from volley_dagster.operators.aggregate import ResolvedAggregate
 from volley_dagster.operators.base import StatefulOperator
 from volley_dagster.operators.ttl import TOUCHED
@@ -140,6 +140,9 @@ def plan_migration(recorded: dict[str, Any], proposed: dict[str, Any], renames: 
     if old_layout.get("ttl") != new_layout.get("ttl"):
         _refuse(f"the state TTL changed ({old_layout.get('ttl')} -> {new_layout.get('ttl')}): every key's expiry "
                 "is stamped and indexed under the recorded one; start a new checkpoint root for another TTL")
+    if old_layout.get("dedup") != new_layout.get("dedup"):
+        _refuse(f"the deduplication changed ({old_layout.get('dedup')} -> {new_layout.get('dedup')}): the keys it "
+                "remembers are keyed and dated by the recorded one; start a new checkpoint root for another")
     windowing = _windowing_changes(old_layout.get("windowing"), new_layout.get("windowing"))
     old_specs = {a["name"]: a for a in old_layout["accumulators"]}
     new_specs = {a["name"]: a for a in new_layout["accumulators"]}
@@ -165,7 +168,8 @@ def plan_migration(recorded: dict[str, Any], proposed: dict[str, Any], renames: 
     if stray:
         raise ConfigError(f"initial values {sorted(stray)} name no added accumulator; added: "
                           f"{[c.name for c in changes if c.change == 'added']}")
-    return StateMigration(recorded_operator(old_layout), recorded_operator(new_layout), tuple(changes), windowing)
+    return StateMigration(without_dedup(recorded_operator(old_layout)), without_dedup(recorded_operator(new_layout)),
+                          tuple(changes), windowing)
 
 
 def migrate(

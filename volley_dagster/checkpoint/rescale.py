@@ -228,7 +228,7 @@ class _Rewriter:
 
     def _converted(self, ns: int, entries: Iterable[tuple[bytes, bytes]]) -> Iterator[tuple[bytes, bytes]]:
         """The entries with their values converted by the migration, a batch at a time."""
-        if self.conversion is None:
+        if self.conversion is None or ns != self.ns.state:  # a migration converts the operator's own records
             yield from entries
             return
         it = iter(entries)

@@ -6,6 +6,7 @@ from typing import Any
 
 from volley_dagster.errors import StateLayoutError
 from volley_dagster.operators.base import StatefulOperator, StateNamespaces
+from volley_dagster.operators.dedup import Deduplicated, Deduplication, dedup_namespaces
 from volley_dagster.operators.ttl import StateTtl, with_ttl_namespaces
 from volley_dagster.operators.window_state import WINDOW_NAMESPACES
 
@@ -14,8 +15,10 @@ def recorded_namespaces(layout: dict[str, Any]) -> StateNamespaces:
     """The namespaces of the operator that wrote a checkpoint root, from the layout it
     recorded (``pipeline.json``): for tools that have no pipeline (``volley rescale``)."""
     if "windowing" in layout:
-        return WINDOW_NAMESPACES
-    return with_ttl_namespaces(layout["namespace"], StateTtl.recorded(layout["ttl"]) if "ttl" in layout else None)
+        namespaces = WINDOW_NAMESPACES
+    else:
+        namespaces = with_ttl_namespaces(layout["namespace"], StateTtl.recorded(layout["ttl"]) if "ttl" in layout else None)
+    return dedup_namespaces(namespaces) if "dedup" in layout else namespaces
 
 
 def recorded_operator(layout: dict[str, Any]) -> StatefulOperator:
@@ -35,8 +38,16 @@ def recorded_operator(layout: dict[str, Any]) -> StatefulOperator:
         raise StateLayoutError(f"the recorded aggregate names an accumulator this engine does not know ({exc}); "
                                f"recorded: {layout.get('accumulators')}") from None
     aggregate = Aggregate(accumulators, layout["namespace"], StateTtl.recorded(layout["ttl"]) if "ttl" in layout else None)
+    operator: StatefulOperator
     if "windowing" not in layout:
-        return aggregate.recorded(layout)
-    w = layout["windowing"]
-    windowing = Windowing(Windows(**w["windows"]), w["time_column"], w["out_of_orderness_us"], w["lateness_us"])
-    return WindowedAggregate(windowing, aggregate).recorded(layout)
+        operator = aggregate.recorded(layout)
+    else:
+        w = layout["windowing"]
+        windowing = Windowing(Windows(**w["windows"]), w["time_column"], w["out_of_orderness_us"], w["lateness_us"])
+        operator = WindowedAggregate(windowing, aggregate).recorded(layout)
+    return Deduplicated(operator, Deduplication.recorded(layout["dedup"])) if "dedup" in layout else operator
+
+
+def without_dedup(operator: StatefulOperator) -> StatefulOperator:
+    """The aggregate or window a deduplication feeds (the operator itself without one)."""
+    return operator.inner if isinstance(operator, Deduplicated) else operator

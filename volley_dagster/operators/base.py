@@ -9,6 +9,7 @@ from typing import Any, Protocol
 import numpy as np
 import pyarrow as pa
 
+from volley_dagster.state.keys import ShardLayout
 from volley_dagster.state.transaction import ShardTransaction
 
 
@@ -57,6 +58,10 @@ class ShardStep:
     key_kind: str  # "int" | "str": how state keys encode the key
     fire_limit: int | None = None  # windows ending at or before this fire (microseconds)
     expire_limit: int | None = None  # event-time TTL: keys whose deadline is at or before this expire
+    watermark_before: int | None = None  # event time: the watermark the epoch starts from
+    watermark: int | None = None  # and the one after it
+    layout: ShardLayout | None = None  # the epoch's shards, and the one this task is (set per task)
+    shard: int | None = None
 
 
 class StatefulOperator(Protocol):

@@ -51,10 +51,10 @@ def partition_values(num_shards: int) -> tuple[int, ...]:
     return tuple(found[s] for s in range(num_shards))
 
 
-def with_shard(df: DataFrame, layout: ShardLayout) -> DataFrame:
-    """Key group (a stable hash of the key) and shard (its range) as Spark expressions."""
+def with_shard(df: DataFrame, layout: ShardLayout, key: str = columns.KEY) -> DataFrame:
+    """Key group (a stable hash of the key column ``key``) and shard (its range) as Spark expressions."""
     return df.withColumn(
-        columns.KEY_GROUP, F.pmod(F.xxhash64(columns.KEY), F.lit(layout.num_key_groups)).cast("int")
+        columns.KEY_GROUP, F.pmod(F.xxhash64(key), F.lit(layout.num_key_groups)).cast("int")
     ).withColumn(
         columns.SHARD,
         F.expr(f"cast(({columns.KEY_GROUP} * {layout.num_shards}) div {layout.num_key_groups} as int)"),

@@ -15,6 +15,8 @@ from volley_dagster import columns
 from volley_dagster.dimensions.base import TablePin
 from volley_dagster.errors import ConfigError
 from volley_dagster.operators.aggregate import ResolvedAggregate
+from volley_dagster.operators.base import StatefulOperator
+from volley_dagster.operators.dedup import Deduplicated, Deduplication
 from volley_dagster.operators.event_time import EventTime
 from volley_dagster.operators.window import ResolvedWindowAggregate
 from volley_dagster.pipeline import Pipeline
@@ -33,6 +35,12 @@ class PlannedEpoch:
     key_kind: str
     may_have_bad_records: bool = True  # False: a native Parquet read, every record parsed
     enrichments: list[EnrichmentRun] = field(default_factory=list)
+    dedup: Deduplication | None = None  # ``keyed`` then has ``DEDUP_KEY``
+
+    @property
+    def state_operator(self) -> StatefulOperator:
+        """What the shard tasks run: the operator, after a deduplication also remembering its keys."""
+        return self.operator if self.dedup is None else Deduplicated(self.operator, self.dedup)
 
     def enrichment_figures(self, ran: bool) -> dict[str, dict[str, Any]]:
         """Per enrichment: the version read and the records without a match (after the
@@ -51,7 +59,9 @@ class PlannedEpoch:
         """The event time the epoch advances a watermark on: windows', or an event-time TTL's."""
         if isinstance(self.operator, ResolvedWindowAggregate):
             return self.operator.windowing.event_time
-        return self.operator.ttl.event_time if self.operator.ttl is not None else None
+        if self.operator.ttl is not None and self.operator.ttl.event_time is not None:
+            return self.operator.ttl.event_time
+        return self.dedup.event_time if self.dedup is not None else None
 
     @property
     def expires_by_epoch(self) -> bool:
@@ -105,4 +115,6 @@ def plan_epoch(spark: SparkSession, pipeline: Pipeline, rng: EpochRange, pins: d
     operator = pipeline.stateful_operator().resolve(keyed.schema)
     if pipeline.key_column in operator.output_names():
         raise ConfigError(f"output column {pipeline.key_column!r} has the same name as the key column")
-    return PlannedEpoch(raw, keyed, operator, kind, read.may_have_bad_records, joins.runs)
+    if pipeline.dedup is not None:
+        keyed = keyed.withColumn(columns.DEDUP_KEY, pipeline.dedup.key_expr(keyed.schema)[0])
+    return PlannedEpoch(raw, keyed, operator, kind, read.may_have_bad_records, joins.runs, pipeline.dedup)

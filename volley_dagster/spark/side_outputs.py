@@ -16,6 +16,7 @@ from pyspark.sql import functions as F
 from volley_dagster import columns
 from volley_dagster.checkpoint.manifest import ShardEntry
 from volley_dagster.columns import POS_OFFSET_BITS
+from volley_dagster.operators.dedup import Deduplication
 from volley_dagster.operators.event_time import describe_event_time
 from volley_dagster.operators.window import ResolvedWindowAggregate
 from volley_dagster.pipeline import Pipeline
@@ -65,17 +66,26 @@ def _dead_letter_frame(plan: PlannedEpoch, pipeline: Pipeline, bound: int | None
         F.to_json(F.struct(*user_cols)).alias("raw"),
     )
     bad = parse_errors.unionByName(null_keys)
+    if plan.dedup is not None:
+        null_dedup = plan.keyed.where(F.col(columns.KEY).isNotNull() & F.col(columns.DEDUP_KEY).isNull()).select(
+            pos.alias(columns.POS), F.lit(plan.dedup.describe_null()).alias("reason"),
+            F.to_json(F.struct(*user_cols)).alias("raw"),
+        )
+        bad = bad.unionByName(null_dedup)
     clock = plan.event_time
     if clock is not None:
         column = clock.time_column
-        null_times = plan.keyed.where(F.col(columns.KEY).isNotNull() & F.col(column).isNull()).select(
+        keyed = F.col(columns.KEY).isNotNull()  # a record is a dead letter once, for its first reason
+        if plan.dedup is not None:
+            keyed = keyed & F.col(columns.DEDUP_KEY).isNotNull()
+        null_times = plan.keyed.where(keyed & F.col(column).isNull()).select(
             pos.alias(columns.POS),
             F.lit(f"null event time: {column!r} is null").alias("reason"),
             F.to_json(F.struct(*user_cols)).alias("raw"),
         )
         bad = bad.unionByName(null_times)
         if bound is not None:
-            skewed = plan.keyed.where(F.col(columns.KEY).isNotNull() & (clock.event_us() > F.lit(bound))).select(
+            skewed = plan.keyed.where(keyed & (clock.event_us() > F.lit(bound))).select(
                 pos.alias(columns.POS),
                 F.lit(f"event time beyond max_event_time_skew: {column!r} is later than "
                       f"{describe_event_time(bound)} (the watermark or the epoch's cut time plus the skew)").alias("reason"),
@@ -88,6 +98,8 @@ def _dead_letter_frame(plan: PlannedEpoch, pipeline: Pipeline, bound: int | None
 def valid_rows(plan: PlannedEpoch, bound: int | None = None) -> DataFrame:
     """The rows state sees: keyed and, with event time, with a believable one."""
     valid = plan.keyed.where(F.col(columns.KEY).isNotNull())
+    if plan.dedup is not None:
+        valid = valid.where(F.col(columns.DEDUP_KEY).isNotNull())
     clock = plan.event_time
     if clock is not None:
         valid = valid.where(F.col(clock.time_column).isNotNull())
@@ -144,6 +156,15 @@ def _resolve_late(table: pa.Table, rng: EpochRange, pipeline: Pipeline, window: 
     ]
     names = [f.name for f in _WHERE] + [pipeline.key_column, window.windowing.time_column, "window_start", "window_end", "watermark", "reason"]
     return pa.table(cols, names=names)
+
+
+def resolve_duplicates(dropped: pa.Table, rng: EpochRange, dedup: Deduplication) -> pa.Table:
+    """The duplicates side output: where each dropped record is, its key and event time, in log order."""
+    dropped = dropped.sort_by(columns.POS)
+    key_name = dedup.on[0] if len(dedup.on) == 1 else "dedup_key"
+    cols = _positions(dropped, rng) + [dropped.column(columns.DEDUP_KEY),
+                                        dropped.column(columns.DEDUP_TIME).cast(pa.timestamp("us", tz="UTC"))]
+    return pa.table(cols, names=[f.name for f in _WHERE] + [key_name, dedup.event_time.time_column])
 
 
 def null_key_dead_letters(

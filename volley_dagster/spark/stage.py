@@ -1,4 +1,5 @@
-"""One epoch's Spark work: the plan (``spark/plan.py``) -> cache -> side outputs
+"""One epoch's Spark work: the plan (``spark/plan.py``) -> cache -> [deduplication:
+the probe job, then the duplicates are left out (``spark/dedup.py``)] -> side outputs
 (bad records, late records, the epoch's latest event time: one job,
 ``spark/side_outputs.py``) -> [windows: assign, drop late] -> partial aggregate per
 key (or key and window) in the JVM -> key group and shard (Spark expressions) -> one
@@ -25,12 +26,14 @@ from volley_dagster.operators.base import OperatorStats
 from volley_dagster.operators.ttl import NEXT_DUE
 from volley_dagster.pipeline import Pipeline
 from volley_dagster.sources.offsets import EpochRange
+from volley_dagster.spark.dedup import DuplicateProbe, ProbedEpoch, probe_duplicates
 from volley_dagster.spark.partitioning import ROUTING_COLUMNS, to_shards
 from volley_dagster.spark.plan import PlannedEpoch, plan_epoch
 from volley_dagster.spark.side_outputs import (
     DEAD_LETTER_SCHEMA,
     collect_side_outputs,
     null_key_dead_letters,
+    resolve_duplicates,
     valid_rows,
 )
 from volley_dagster.spark.task_errors import engine_errors
@@ -50,6 +53,8 @@ class StageResult:
     late: pa.Table | None = None  # windows: (record, window) pairs that came too late
     watermark: int | None = None  # windows, event-time TTL: after this epoch, microseconds
     enrichments: dict[str, dict[str, Any]] = field(default_factory=dict)  # per enrichment: version, unmatched records
+    duplicates: int = 0  # deduplication: records dropped as duplicates
+    duplicate_records: pa.Table | None = None  # and, with its side output on, where they are
 
 
 def _shard_partials(rows: DataFrame, partial_exprs: list, layout: ShardLayout) -> DataFrame:
@@ -100,6 +105,7 @@ def run_stage(
     cached = plan.may_have_bad_records
     if cached:
         plan.raw.persist(StorageLevel.MEMORY_AND_DISK)
+    probed: ProbedEpoch | None = None
     try:
         t0 = time.perf_counter()
         late, new_watermark, dead = None, watermark, None
@@ -107,13 +113,19 @@ def run_stage(
             partials = _shard_partials(plan.keyed, plan.running.partial_exprs(), layout)
         else:
             bound = clock.event_time_bound(watermark, rng.cut_at_us) if clock is not None else None
-            assigned = window.assign(valid_rows(plan, bound)) if window is not None else None
+            rows = valid_rows(plan, bound)
+            if plan.dedup is not None:  # duplicates never reach windows, late records or state
+                probe = DuplicateProbe(merge.previous, merge.rocksdb, merge.verify_checksums, merge.remote, merge.cache_root)
+                probed = probe_duplicates(rows, plan.dedup, layout, probe)
+                rows = probed.unique(rows)
+            assigned = window.assign(rows) if window is not None else None
             side = collect_side_outputs(plan, pipeline, rng, assigned, watermark, bound)
             dead = side.dead_letters
             if dead.num_rows and pipeline.bad_records == "fail":
                 return StageResult(pa.table({}), dead, {}, time.perf_counter() - t0, 0.0)
             if clock is not None:
                 new_watermark = clock.advance(watermark, side.max_event_us)
+                merge = replace(merge, step=replace(merge.step, watermark_before=watermark, watermark=new_watermark))
             if window is not None:
                 late = side.late
                 limit = window.windowing.fire_limit(new_watermark, end_of_stream)
@@ -123,7 +135,9 @@ def run_stage(
             else:
                 if clock is not None:  # an event-time TTL: keys expire at the watermark after this epoch
                     merge = replace(merge, step=replace(merge.step, expire_limit=new_watermark))
-                partials = _shard_partials(valid_rows(plan, bound), plan.running.partial_exprs(), layout)
+                partials = _shard_partials(rows, plan.running.partial_exprs(), layout)
+            if probed is not None:
+                partials = probed.with_kept_keys(partials, layout)
         t1 = time.perf_counter()
         out_schema = ", ".join(_output_ddl(pipeline, plan) + [f"`{columns.STATS}` string"])
         with engine_errors(), _inputs_unchanged(pipeline, rng, plan):
@@ -141,9 +155,17 @@ def run_stage(
     finally:
         if cached:
             plan.raw.unpersist()
+        if probed is not None:
+            probed.release()
     output = out.filter(pc.invert(is_stats)).drop_columns([columns.STATS])
     output = output.sort_by([(c, "ascending") for c in pipeline.output_keys()])
-    return StageResult(output, dead, shards, t1 - t0, t2 - t1, late, new_watermark, plan.enrichment_figures(ran=True))
+    duplicates, duplicate_records = 0, None
+    if probed is not None and plan.dedup is not None:
+        duplicates = probed.duplicates
+        if probed.dropped is not None:
+            duplicate_records = resolve_duplicates(probed.dropped, rng, plan.dedup)
+    return StageResult(output, dead, shards, t1 - t0, t2 - t1, late, new_watermark, plan.enrichment_figures(ran=True),
+                       duplicates, duplicate_records)
 
 
 def _output_ddl(pipeline: Pipeline, plan: PlannedEpoch) -> list[str]:

@@ -13,7 +13,7 @@ import resource
 import shutil
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator
 
@@ -103,6 +103,8 @@ class ShardMerge:
 
     def _merge(self, shard: int, table: pa.Table) -> pa.Table:
         valid = pc.is_valid(table.column(columns.KEY))
+        if columns.DEDUP_KEY in table.column_names:  # the keys a deduplication kept, to remember
+            valid = pc.or_(valid, pc.is_valid(table.column(columns.DEDUP_KEY)))
         data = table.filter(valid)
         # a single-job epoch's null-key records arrive as one partial row per shard;
         # the marker rows (one per shard) are no records
@@ -139,7 +141,7 @@ class ShardMerge:
             t1 = time.perf_counter()
             txn = store.transaction(self.scan_fraction, resident)
             hit = resident is not None and resident.complete
-            outputs, operator_stats = self.operator.apply(txn, data, self.step)
+            outputs, operator_stats = self.operator.apply(txn, data, replace(self.step, shard=shard))
             t2 = time.perf_counter()
             written = txn.flush()
             t3 = time.perf_counter()
@@ -192,17 +194,7 @@ class ShardMerge:
         return self.resident.open(identity, prev.files if prev else None, records)
 
     def _local_previous(self, shard: int, prev: PreviousSnapshot | None) -> tuple[Path | None, SnapshotDownload | None]:
-        """N-1's snapshot on this machine: the shared checkpoint root's copy, or when it
-        is not here, one restored from the snapshot store into the local cache."""
-        if prev is None or Path(prev.path).exists() or self.remote is None:
-            return (Path(prev.path) if prev else None), None
-        if prev.remote_epoch is None:
-            raise SnapshotError(
-                f"snapshot {prev.path} is not on this machine and the snapshot store has no copy of it "
-                "(a rescale's rewrite is kept on the checkpoint root only)"
-            )
-        restored = self.remote.restore(prev.remote_epoch, shard, Path(self.cache_root), attempt=prev.remote_attempt)
-        return restored.path, SnapshotDownload(restored.bytes_downloaded, restored.seconds)
+        return local_previous(shard, prev, self.remote, self.cache_root)
 
     def _output(self, values: list[pa.Array], entry: ShardEntry) -> pa.Table:
         names = [self.key_column] + self.operator.output_names() + [columns.STATS]
@@ -211,6 +203,22 @@ class ShardMerge:
             [pa.nulls(1, arr.type) for arr in values] + [pa.array([json.dumps(entry.to_dict())], pa.string())], names=names
         )
         return pa.concat_tables([rows, stats_row])
+
+
+def local_previous(shard: int, prev: PreviousSnapshot | None, remote: S3SnapshotStore | None,
+                   cache_root: str) -> tuple[Path | None, SnapshotDownload | None]:
+    """N-1's snapshot on this machine: the shared checkpoint root's copy, or when it
+    is not here, one restored from the snapshot store into the local cache (the
+    caller removes that copy when done)."""
+    if prev is None or Path(prev.path).exists() or remote is None:
+        return (Path(prev.path) if prev else None), None
+    if prev.remote_epoch is None:
+        raise SnapshotError(
+            f"snapshot {prev.path} is not on this machine and the snapshot store has no copy of it "
+            "(a rescale's rewrite is kept on the checkpoint root only)"
+        )
+    restored = remote.restore(prev.remote_epoch, shard, Path(cache_root), attempt=prev.remote_attempt)
+    return restored.path, SnapshotDownload(restored.bytes_downloaded, restored.seconds)
 
 
 def snapshot_upload(upload: UploadResult) -> SnapshotUpload:

@@ -33,7 +33,7 @@ from volley_dagster.state.transaction import ShardTransaction
 _SIGN_BIT = np.uint64(1 << 63)
 
 
-def _ordered_us(values: np.ndarray) -> np.ndarray:
+def ordered_us(values: np.ndarray) -> np.ndarray:
     """Big-endian, sign-flipped: byte order equals numeric order."""
     return (np.asarray(values, dtype=np.int64).view(np.uint64) ^ _SIGN_BIT).astype(">u8")
 
@@ -164,8 +164,8 @@ class PersistentPendingIndex:
             # entries up to an earlier limit are gone (each new one ends past the limit of
             # its epoch): start past them, not over their tombstones
             popped = self.meta.popped_to
-            lower = self._evicted_ns + (b"" if popped is None else _ordered_us(np.array([_after(popped)])).tobytes())
-            upper = self._evicted_ns + _ordered_us(np.array([_after(limit)])).tobytes()
+            lower = self._evicted_ns + (b"" if popped is None else ordered_us(np.array([_after(popped)])).tobytes())
+            upper = self._evicted_ns + ordered_us(np.array([_after(limit)])).tobytes()
             entries = [k for k, _ in self._txn.scan_flushed(lower, upper)] if lower < upper else []
             following = next(self._txn.scan_flushed(max(lower, upper), _namespace_end(self._evicted_ns)), None)
             self.meta.evicted_min = None if following is None else _end_of(following[0], self._evicted_ns)
@@ -205,7 +205,7 @@ class PersistentPendingIndex:
                     self.meta.evicted_min = earliest
                 elif self.meta.evicted_min is not None:  # unknown (an older record) stays unknown
                     self.meta.evicted_min = min(self.meta.evicted_min, earliest)
-                ns, ordered_ends = self._evicted_ns, _ordered_us(ends).view("V8").tolist()
+                ns, ordered_ends = self._evicted_ns, ordered_us(ends).view("V8").tolist()
                 self._txn.set_many([ns + end + key for end, key in zip(ordered_ends, keys, strict=True)], [b""] * len(keys))
                 self.meta.evicted += len(keys)
                 self.evicted_now = len(keys)

@@ -1,0 +1,136 @@
+"""Deduplication pipelines over a log written for them, and their reference: the rule
+of ``volley_dagster.operators.dedup`` applied record by record in plain Python, in
+log order, then a running aggregate of the kept records.
+
+The log: file ``i`` covers the next 10 minutes of event time with fresh events, plus
+events sent again (same ``event_id`` and event time, another amount, so the totals
+tell which copy was kept):
+- a copy later in the same file (dropped);
+- a copy of one of the previous file's events (dropped: remembered for 15 minutes);
+- a copy of an event three files back, past the bound (kept, as a late record, and
+  then not remembered: its second copy in the same file is dropped, its deadline
+  having passed the watermark only at the end of the epoch);
+- an old id reused with a new event time (kept, and remembered: its copy in the next
+  file is dropped)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+
+from tests.helpers import with_tables
+from volley_dagster import FileLog, ParquetSink, Pipeline, count, sum_
+from volley_dagster.demo.events import EVENT_SCHEMA, START_US, write_events
+from volley_dagster.sources.storage import storage_for
+
+KEY, ID = "merchant_id", "event_id"
+WITHIN_US = 15 * 60 * 1_000_000
+FILE_SPAN_US = 600 * 1_000_000
+ROWS, MERCHANTS = 400, 50  # every file the same size: one file an epoch
+
+
+def _fresh(index: int) -> pd.DataFrame:
+    copies = 20 + (20 if index >= 1 else 0) + (25 if index >= 3 else 0) + (5 if index >= 4 else 0)
+    n = ROWS - copies
+    rng = np.random.default_rng([29, index])
+    return pd.DataFrame({
+        ID: index * 10_000 + np.arange(n, dtype=np.int64),
+        KEY: rng.integers(0, MERCHANTS, n).astype(np.int64),
+        "amount": np.round(rng.uniform(1, 100, n), 2),
+        "status": "active",
+        "t": START_US + index * FILE_SPAN_US + np.sort(rng.integers(0, FILE_SPAN_US, n)),
+    })
+
+
+def dedup_file(index: int) -> pa.Table:
+    """Records of file ``index`` (epoch ``index + 1``)."""
+    rng = np.random.default_rng([31, index])
+    fresh = _fresh(index)
+    parts = [fresh, fresh.sample(20, random_state=index)]  # copies later in this file
+    if index >= 1:
+        parts.append(_fresh(index - 1).tail(40).sample(20, random_state=index))  # within the bound
+    if index >= 3:
+        past = _fresh(index - 3).head(10)  # 30+ minutes back: past the bound, kept (twice: once)
+        parts += [past, past]
+        reused = _fresh(index - 3).iloc[100:105].copy()  # an old id with a new event time: kept ...
+        reused["t"] = START_US + index * FILE_SPAN_US + FILE_SPAN_US // 2
+        parts.append(reused)
+    if index >= 4:
+        again = _fresh(index - 4).iloc[100:105].copy()  # ... and its copy in the next file dropped
+        again["t"] = START_US + (index - 1) * FILE_SPAN_US + FILE_SPAN_US // 2
+        parts.append(again)
+    df = pd.concat(parts[:1] + [p.assign(amount=np.round(rng.uniform(1, 100, len(p)), 2)) for p in parts[1:]],
+                   ignore_index=True)
+    return pa.table([pa.array(df[ID].to_numpy()), pa.array(df[KEY].to_numpy()), pa.array(df["amount"].to_numpy()),
+                     pa.array(df["status"].tolist()),
+                     pa.array(df["t"].to_numpy(), pa.int64()).cast(pa.timestamp("us", tz="UTC"))], schema=EVENT_SCHEMA)
+
+
+def write_dedup_log(events: Path, files: int, first_file: int = 0) -> list[pa.Table]:
+    storage = storage_for(events)
+    tables = [dedup_file(i) for i in range(first_file, first_file + files)]
+    for i, table in enumerate(tables, start=first_file):
+        write_events(storage, f"events-{i:06d}.parquet", table)
+    return tables
+
+
+def dedup_pipeline(events: Path, output: Path, *, shards: int = 2, tables: Path | None = None, name: str = "dedup",
+                   string_ids: bool = False, write_duplicates: bool = True) -> Pipeline:
+    """Deduplicate on ``event_id`` (as ``e-<id>`` strings with ``string_ids``), then a running aggregate."""
+    pipeline = Pipeline(name).source(FileLog(events, format="parquet"))
+    if string_ids:
+        pipeline = pipeline.with_column(ID, f"concat('e-', {ID})")
+    pipeline = (
+        pipeline.deduplicate(on=ID, within="15 minutes", event_time="event_time", write_duplicates=write_duplicates)
+        .key_by(KEY)
+        .aggregate(events=count(), total=sum_("amount"))
+        .sink(ParquetSink(output))
+        .with_shards(shards)
+    )
+    return with_tables(pipeline, tables, delta_mode="upsert", iceberg_table=f"volley.{name}", iceberg_mode="upsert")
+
+
+@dataclass
+class DedupReference:
+    """Remembered ids and their event time; the watermark is the latest event time so far."""
+
+    remembered: dict[int, int] = field(default_factory=dict)
+    watermark: int | None = None
+    totals: dict[int, tuple[int, float]] = field(default_factory=dict)
+    kept: list[pd.DataFrame] = field(default_factory=list)  # per epoch: the records kept, ``t`` their event time
+    watermarks: list[int | None] = field(default_factory=list)  # per epoch: the watermark it started from
+    remembered_total: int = 0  # kept ids remembered past their epoch, over all epochs
+
+    def run(self, records: pa.Table) -> tuple[pd.DataFrame, list[int]]:
+        """One epoch: the aggregate's output rows (by key) and the row numbers dropped."""
+        df = records.to_pandas()
+        times = records.column("event_time").cast(pa.int64()).to_numpy()
+        kept_now: dict[int, int] = {}
+        dropped, touched = [], set()
+        for row, (event, key, amount, t) in enumerate(zip(df[ID], df[KEY], df["amount"], times, strict=True)):
+            if event in self.remembered or event in kept_now:
+                dropped.append(row)
+                continue
+            kept_now[event] = int(t)
+            events, total = self.totals.get(key, (0, 0.0))
+            self.totals[key] = (events + 1, total + float(amount))
+            touched.add(key)
+        kept = df.drop(index=dropped).assign(t=np.delete(times, dropped))
+        self.kept.append(kept)
+        self.watermarks.append(self.watermark)
+        self.watermark = max(self.watermark or -(2**62), int(times.max()))
+        self.remembered_total += sum(1 for t in kept_now.values() if t + WITHIN_US > self.watermark)
+        self.remembered.update(kept_now)
+        self.remembered = {e: t for e, t in self.remembered.items() if t + WITHIN_US > self.watermark}
+        return self._frame(touched), dropped
+
+    def current(self) -> pd.DataFrame:
+        return self._frame(set(self.totals))
+
+    def _frame(self, keys: set[int]) -> pd.DataFrame:
+        rows = [{KEY: k, "events": self.totals[k][0], "total": self.totals[k][1]} for k in sorted(keys)]
+        return pd.DataFrame(rows, columns=[KEY, "events", "total"])

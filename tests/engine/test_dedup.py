@@ -1,0 +1,177 @@
+"""Deduplication within a watermark on real Spark, RocksDB, Delta and Iceberg, against
+the reference in ``tests/dedup_reference.py``: copies within one epoch, across epochs
+and past the bound (kept); before a running aggregate and before a window; a
+``kill -9`` after the Delta commit of an epoch, whose re-run drops the same records;
+a rescale of the remembered keys."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pyarrow as pa
+import pytest
+
+from tests.dedup_reference import ID, KEY, DedupReference, dedup_file, dedup_pipeline, write_dedup_log
+from tests.engine.test_crash_recovery import run_until_killed
+from tests.ttl_reference import same_rows
+from volley_dagster import ConfigError, EpochRunner, FileLog, ParquetSink, Pipeline, count, sum_, tumbling
+from volley_dagster.checkpoint.migrate import plan_migration
+from volley_dagster.errors import MalformedRecordError, StateLayoutError
+
+FILES, ROWS = 6, 400
+VALUES = [KEY, "events", "total"]
+
+
+def check_epoch(runner: EpochRunner, result, expected: pd.DataFrame, dropped: list[int]) -> None:
+    same_rows(result.output.to_pandas(), expected, VALUES)
+    assert result.duplicates == len(dropped)
+    side = runner.duplicate_records(result.epoch)
+    offsets = [] if side is None else side.column("offset").to_pylist()
+    assert offsets == dropped, f"epoch {result.epoch}: the duplicates side output differs from the reference"
+
+
+def test_duplicates_are_dropped_as_the_reference_and_the_tables_hold_the_kept_records(spark, tmp_path):
+    logs = write_dedup_log(tmp_path / "events", FILES)
+    runner = EpochRunner(dedup_pipeline(tmp_path / "events", tmp_path / "out", tables=tmp_path / "tables"),
+                         tmp_path / "state", spark=spark, max_records_per_epoch=ROWS)
+    results = runner.run_available()
+    assert [r.epoch for r in results] == list(range(1, FILES + 1))
+    reference = DedupReference()
+    for result, records in zip(results, logs, strict=True):
+        check_epoch(runner, result, *reference.run(records))
+    assert all(r.records_aggregated == ROWS - r.duplicates for r in results)
+    # epoch 4 repeats file 1's first ten events twice, past the bound: the first copy is
+    # kept, the second dropped as a copy within the epoch
+    side = runner.duplicate_records(4)
+    assert side is not None and side.column_names == ["partition", "file", "offset", ID, "event_time"]
+    assert set(side.column("file").to_pylist()) == {"events-000003.parquet"}
+    past = [i for i in side.column(ID).to_pylist() if i < 10]
+    assert sorted(past) == list(range(10))
+    figures = [s.operator.figures for r in results for s in r.shards.values()]
+    assert sum(f["dedup_keys_forgotten"] for f in figures) > 0  # memory is bounded by the watermark
+    assert sum(f["dedup_keys_remembered"] for f in figures) == reference.remembered_total
+    same_rows(runner.read_state().to_pandas(), reference.current(), VALUES)
+    delta, iceberg = runner.pipeline.sinks[1], runner.pipeline.sinks[2]
+    for table in (delta, iceberg):
+        same_rows(table.read().to_pandas(), reference.current(), VALUES)
+        assert table.epoch_history("dedup") == {r.epoch: [r.records_out] for r in results}
+    # an epoch without records carries its state forward; the next one still remembers
+    rng = runner.cut_next(allow_empty=True)
+    assert rng is not None and runner.run(rng.epoch).duplicates == 0
+
+
+def test_a_kill_9_after_the_delta_commit_re_runs_the_epoch_dropping_the_same_records(spark, tmp_path):
+    """Epoch 4's output (decided by its deduplication) is in Delta when the process dies;
+    the retry probes the same snapshot with the same records: Iceberg gets the same
+    rows, and every table ends equal to the reference."""
+    logs = write_dedup_log(tmp_path / "events", 5)
+    died = run_until_killed(tmp_path, "after_sink_delta", 4, kind="dedup", max_records=ROWS)
+    assert died.returncode == -9, died.stderr[-3000:]
+    runner = EpochRunner(dedup_pipeline(tmp_path / "events", tmp_path / "out", tables=tmp_path / "tables"),
+                         tmp_path / "state", spark=spark, max_records_per_epoch=ROWS)
+    assert runner.committed_epoch() == 3
+    delta, iceberg = runner.pipeline.sinks[1], runner.pipeline.sinks[2]
+    assert (delta.committed_epoch("dedup"), iceberg.committed_epoch("dedup")) == (4, 3)
+    in_delta = delta.read().to_pandas()
+    results = runner.run_available()
+    assert [r.epoch for r in results] == [4, 5]
+    assert results[0].sinks["delta"]["skipped"] and not results[0].sinks["iceberg"]["skipped"]
+    reference = DedupReference()
+    for epoch, records in enumerate(logs, start=1):
+        expected, dropped = reference.run(records)
+        if epoch == 4:
+            check_epoch(runner, results[0], expected, dropped)
+            same_rows(in_delta, reference.current(), VALUES)  # what the killed attempt committed ...
+            rerun = results[0].output.to_pandas()  # ... is what the re-run emitted
+            same_rows(in_delta[in_delta[KEY].isin(rerun[KEY])], rerun, VALUES)
+    check_epoch(runner, results[1], expected, dropped)
+    for table in (delta, iceberg):
+        same_rows(table.read().to_pandas(), reference.current(), VALUES)
+        assert all(len(rows) == 1 for rows in table.epoch_history("dedup").values())
+
+
+def test_remembered_string_keys_move_with_a_rescale(spark, tmp_path):
+    """String ids; 2 -> 3 shards after epoch 2, 3 -> 1 after epoch 4: copies of events
+    remembered before a rescale are still dropped after it."""
+    logs = write_dedup_log(tmp_path / "events", FILES)
+    runner = EpochRunner(dedup_pipeline(tmp_path / "events", tmp_path / "out", string_ids=True,
+                                        write_duplicates=False),
+                         tmp_path / "state", spark=spark, max_records_per_epoch=ROWS)
+    results = [runner.run_next() for _ in range(2)]
+    assert runner.rescale(3).new_shards == 3
+    results += [runner.run_next() for _ in range(2)]
+    assert runner.rescale(1).new_shards == 1
+    results += runner.run_available()
+    reference = DedupReference()
+    for result, records in zip(results, logs, strict=True):
+        expected, dropped = reference.run(records)
+        same_rows(result.output.to_pandas(), expected, VALUES)
+        assert result.duplicates == len(dropped) and result.duplicates_path is None
+    assert [len(r.shards) for r in results] == [2, 2, 3, 3, 1, 1]
+    same_rows(runner.read_state().to_pandas(), reference.current(), VALUES)
+
+
+def test_a_window_after_a_deduplication_counts_each_event_once(spark, tmp_path):
+    """Tumbling 10-minute windows over the kept records: late ones (past the window,
+    on the pipeline's one watermark) go to the late output, never duplicates."""
+    logs = write_dedup_log(tmp_path / "events", FILES)
+    pipeline = (Pipeline("dedup_windows").source(FileLog(tmp_path / "events", format="parquet"))
+                .deduplicate(on=[ID], within="15 minutes", event_time="event_time")
+                .key_by(KEY).window(tumbling("10 minutes"), on="event_time")
+                .aggregate(events=count(), total=sum_("amount")).sink(ParquetSink(tmp_path / "out")).with_shards(2))
+    runner = EpochRunner(pipeline, tmp_path / "state", spark=spark, max_records_per_epoch=ROWS)
+    results = runner.run_available()
+    reference = DedupReference()
+    on_time = []
+    size = 600 * 1_000_000
+    for result, records in zip(results, logs, strict=True):
+        reference.run(records)
+        kept, before = reference.kept[-1], reference.watermarks[-1]
+        start = kept["t"] // size * size
+        late = (start + size <= before) if before is not None else pd.Series(False, index=kept.index)
+        assert result.late_records == int(late.sum())
+        on_time.append(kept[~late].assign(window_start=start[~late]))
+        assert result.watermark == reference.watermark
+    assert sum(r.late_records for r in results) > 0 and sum(r.duplicates for r in results) > 0
+    fired = pa.concat_tables([r.output for r in results])
+    fired = fired.set_column(fired.column_names.index("window_start"), "window_start",
+                             fired.column("window_start").cast(pa.int64())).to_pandas()  # microseconds
+    rows = pd.concat(on_time)
+    final = reference.watermark
+    expected = (rows[rows["window_start"] + size <= final].groupby([KEY, "window_start"])
+                .agg(events=("amount", "size"), total=("amount", "sum")).reset_index())
+    got = fired[[KEY, "window_start", "events", "total"]].sort_values([KEY, "window_start"]).reset_index(drop=True)
+    want = expected.sort_values([KEY, "window_start"]).reset_index(drop=True)
+    pd.testing.assert_frame_equal(got, want, check_dtype=False, check_exact=False, rtol=1e-9)
+
+
+def test_deduplication_settings_are_checked_and_recorded(spark, tmp_path):
+    write_dedup_log(tmp_path / "events", 1)
+    base = Pipeline("bad").source(FileLog(tmp_path / "events", format="parquet"))
+    with pytest.raises(ConfigError, match="within"):
+        base.deduplicate(on=ID, within="0 seconds", event_time="event_time")
+    with pytest.raises(ConfigError, match="at least one column"):
+        base.deduplicate(on=[], within="1 minute", event_time="event_time")
+    clash = (base.with_column("other_time", "event_time").deduplicate(on=ID, within="1 minute", event_time="other_time")
+             .key_by(KEY).window(tumbling("1 minute"), on="event_time").aggregate(events=count()))
+    with pytest.raises(ConfigError, match="one watermark"):
+        clash.stateful_operator()
+    missing = base.deduplicate(on="nope", within="1 minute", event_time="event_time").key_by(KEY).aggregate(n=count())
+    with pytest.raises(ConfigError, match="no column 'nope'"):
+        EpochRunner(missing.sink(ParquetSink(tmp_path / "o1")), tmp_path / "s1", spark=spark).run_available()
+    # a null id is a bad record, named as such; with dead letters it is counted, never dropped silently
+    nulls = (base.with_column(ID, f"CASE WHEN {ID} % 50 = 7 THEN NULL ELSE {ID} END")
+             .deduplicate(on=ID, within="1 minute", event_time="event_time").key_by(KEY).aggregate(n=count())
+             .sink(ParquetSink(tmp_path / "o2")))
+    with pytest.raises(MalformedRecordError, match="null deduplication key"):
+        EpochRunner(nulls, tmp_path / "s2", spark=spark).run_available()
+    lettered = EpochRunner(nulls.on_bad_records("dead_letter"), tmp_path / "s3", spark=spark).run_available()[0]
+    null_ids = sum(1 for i in dedup_file(0).column(ID).to_pylist() if i % 50 == 7)
+    assert lettered.dead_letters == null_ids > 0
+    assert lettered.records_aggregated + lettered.duplicates + null_ids == ROWS
+    # the deduplication is part of the recorded layout: another one is refused, not silently mixed
+    recorded = EpochRunner(nulls, tmp_path / "s3", spark=spark).log.identity()
+    assert recorded["aggregate"]["dedup"] == {"on": [ID], "within_us": 60_000_000, "time_column": "event_time"}
+    proposed = {**recorded, "aggregate": {**recorded["aggregate"], "dedup": {**recorded["aggregate"]["dedup"],
+                                                                           "within_us": 1}}}
+    with pytest.raises(StateLayoutError, match="deduplication changed"):
+        plan_migration(recorded, proposed, {}, {})

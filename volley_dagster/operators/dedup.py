@@ -1,0 +1,219 @@
+"""Deduplication within a watermark: Spark's ``dropDuplicatesWithinWatermark``,
+decided so that a re-run of an epoch drops exactly the same records.
+
+The rules:
+
+- A record's deduplication key is its ``on`` columns. A record is a duplicate when
+  a record with the same key was kept before it, in an earlier epoch or earlier in
+  the log within this epoch (by log position), and that key is still remembered.
+- A kept record's key is remembered until the watermark passes its event time plus
+  ``within``: epoch N forgets every key whose deadline is at or before the watermark
+  after N. So a record that repeats a key once it is forgotten is kept, and starts
+  remembering it again.
+- Epoch N decides against the state epoch N-1 left (its snapshot, read-only) and
+  its own records, so every attempt of epoch N decides the same.
+
+State (two namespaces of the shard that owns the key's key group, so rescaling moves
+them like any keyed state): the remembered keys (``key -> event time``), and the
+same keys ordered by deadline within each key group, so forgetting costs what is
+forgotten: one range scan per key group, starting past the previous watermark.
+
+Where it runs: Spark routes each record's (key, position, event time) to the key's
+shard, where a probe reads N-1's snapshot (``spark/dedup.py``); the epoch's state
+tasks then remember the kept keys and forget the due ones, in the same ``WriteBatch``
+and snapshot as the operator after it (``Deduplicated``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from pyspark.sql import Column
+from pyspark.sql import functions as F
+from pyspark.sql import types as T
+
+from volley_dagster import columns
+from volley_dagster.errors import ConfigError
+from volley_dagster.operators.base import OperatorStats, ShardStep, StatefulOperator, StateNamespaces
+from volley_dagster.operators.event_time import EventTime
+from volley_dagster.state.keys import encode_keys, namespace_prefix
+from volley_dagster.state.pending_index import ordered_us
+from volley_dagster.state.transaction import ShardTransaction
+
+SEEN_NS, SEEN_BY_DEADLINE_NS = 7, 8  # ns | key group | key -> event time; ns | key group | deadline | key
+DUPLICATES = "duplicates"  # the epoch's figure: records dropped as duplicates
+_MAX = np.iinfo(np.int64).max
+
+
+@dataclass(frozen=True)
+class Deduplication:
+    """``Pipeline.deduplicate(...)``: the key columns, how long a key is remembered,
+    on which event time, and whether dropped records go to a side output."""
+
+    on: tuple[str, ...]
+    within_us: int
+    event_time: EventTime
+    write_duplicates: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.on:
+            raise ConfigError("deduplicate(on=[...]) needs at least one column")
+        reserved = [c for c in self.on if c.startswith("_volley_")]
+        if reserved:
+            raise ConfigError(f"deduplicate(on=...): {reserved} use the engine's reserved prefix _volley_")
+        if self.within_us < 1:
+            raise ConfigError("deduplicate(within=...) must be positive")
+
+    def layout(self) -> dict[str, Any]:
+        """What must not change between epochs of one checkpoint root (the side output may)."""
+        return {"on": list(self.on), "within_us": self.within_us, "time_column": self.event_time.time_column}
+
+    @classmethod
+    def recorded(cls, layout: dict[str, Any]) -> Deduplication:
+        return cls(tuple(layout["on"]), layout["within_us"], EventTime(layout["time_column"]))
+
+    def key_expr(self, schema: T.StructType) -> tuple[Column, str]:
+        """The key over ``on`` and its kind: one integer column as int64, one string
+        column as it is, anything else as the JSON of its values (exact, never hashed)."""
+        missing = [c for c in self.on if c not in schema.names]
+        if missing:
+            raise ConfigError(f"deduplicate(on=...): no column {missing[0]!r}; columns are {schema.names}")
+        self.event_time.check(schema, "deduplicate(event_time=...)")
+        if len(self.on) == 1:
+            kind = schema[self.on[0]].dataType
+            if isinstance(kind, T.IntegralType):
+                return F.col(self.on[0]).cast("long"), "int"
+            if isinstance(kind, T.StringType):
+                return F.col(self.on[0]), "str"
+        return F.to_json(F.struct(*[F.col(c) for c in self.on])), "str"
+
+    def describe_null(self) -> str:
+        """The dead-letter reason of a record whose single key column is null."""
+        return f"null deduplication key: {self.on[0]!r} is null"
+
+
+def first_occurrences(keys: pa.Array, positions: np.ndarray) -> np.ndarray:
+    """For each row, whether it is its key's first by log position (bulk: one sort)."""
+    n = len(keys)
+    first = np.zeros(n, dtype=bool)
+    if n == 0:
+        return first
+    order = pc.sort_indices(pa.table({"k": keys, "p": positions}),
+                            sort_keys=[("k", "ascending"), ("p", "ascending")]).to_numpy()
+    ordered = keys.take(pa.array(order))
+    starts = np.ones(n, dtype=bool)
+    if n > 1:
+        starts[1:] = pc.not_equal(ordered.slice(1), ordered.slice(0, n - 1)).to_numpy(zero_copy_only=False)
+    first[order[starts]] = True
+    return first
+
+
+def find_duplicates(reader: ShardTransaction | None, key_groups: np.ndarray, keys: pa.Array,
+                    positions: np.ndarray) -> np.ndarray:
+    """Which rows are duplicates: not their key's first in the epoch, or their key is
+    remembered in ``reader`` (N-1's state; None: there is none)."""
+    first = first_occurrences(keys, positions)
+    duplicate = ~first
+    if reader is not None:
+        rows = np.flatnonzero(first)
+        seen = encode_keys(SEEN_NS, key_groups[rows], keys.take(pa.array(rows)))
+        stored = reader.get_many(seen, namespace_prefix(SEEN_NS), may_scan=False)
+        duplicate[rows[np.fromiter((v is not None for v in stored), dtype=bool, count=len(rows))]] = True
+    return duplicate
+
+
+class SeenKeys:
+    """One shard's remembered keys in one epoch: remember the kept ones, forget the due ones."""
+
+    def __init__(self, dedup: Deduplication, txn: ShardTransaction, step: ShardStep) -> None:
+        self.dedup, self.txn, self.step = dedup, txn, step
+
+    def remember(self, key_groups: np.ndarray, keys: pa.Array, times: np.ndarray) -> int:
+        """Remember kept keys that outlive this epoch's watermark; returns how many."""
+        deadlines = np.minimum(times, _MAX - self.dedup.within_us) + self.dedup.within_us
+        if self.step.watermark is not None:
+            live = deadlines > self.step.watermark
+            key_groups, keys, times, deadlines = key_groups[live], keys.filter(pa.array(live)), times[live], deadlines[live]
+        if not len(keys):
+            return 0
+        seen = encode_keys(SEEN_NS, key_groups, keys)
+        prefix = np.empty(len(seen), dtype=[("ns", ">u2"), ("kg", ">u2"), ("deadline", ">u8")])
+        prefix["ns"], prefix["kg"], prefix["deadline"] = SEEN_BY_DEADLINE_NS, key_groups, ordered_us(deadlines)
+        prefixes = pa.FixedSizeBinaryArray.from_buffers(pa.binary(12), len(seen), [None, pa.py_buffer(prefix.tobytes())])
+        suffixes = pc.binary_slice(pa.array(seen, pa.binary()), 4, 1 << 30)
+        by_deadline = pc.binary_join_element_wise(prefixes.cast(pa.binary()), suffixes, pa.scalar(b"", pa.binary()))
+        self.txn.set_many(seen, np.ascontiguousarray(times, dtype="<i8").view("V8").tolist())
+        self.txn.set_many(by_deadline.to_pylist(), [b""] * len(seen))
+        return len(seen)
+
+    def forget_due(self) -> int:
+        """Forget every key whose deadline is at or before the watermark after this
+        epoch; the scan of each key group starts past the previous watermark (all
+        earlier deadlines are gone), so it costs what it forgets."""
+        limit, before, layout = self.step.watermark, self.step.watermark_before, self.step.layout
+        if limit is None or layout is None or self.step.shard is None or (before is not None and before >= limit):
+            return 0
+        upper_at = ordered_us(np.array([min(limit, _MAX - 1) + 1])).tobytes()
+        lower_at = b"" if before is None else ordered_us(np.array([min(before, _MAX - 1) + 1])).tobytes()
+        due: list[bytes] = []
+        start, end = layout.key_group_range(self.step.shard)
+        for kg in range(start, end):
+            group = namespace_prefix(SEEN_BY_DEADLINE_NS) + int(kg).to_bytes(2, "big")
+            due.extend(k for k, _ in self.txn.scan_flushed(group + lower_at, group + upper_at))
+        if due:
+            seen_prefix = namespace_prefix(SEEN_NS)
+            self.txn.delete_many(due)
+            self.txn.delete_many([seen_prefix + k[2:4] + k[12:] for k in due])
+        return len(due)
+
+
+@dataclass(frozen=True)
+class Deduplicated:
+    """The stateful operator after a deduplication: its own work, plus remembering the
+    kept keys that reach the shard (rows with ``DEDUP_KEY``) and forgetting due ones,
+    in the same transaction, so one snapshot holds both."""
+
+    inner: StatefulOperator
+    dedup: Deduplication
+
+    @property
+    def resident_records(self) -> np.dtype | None:
+        return self.inner.resident_records
+
+    def layout(self) -> dict[str, Any]:
+        return {**self.inner.layout(), "dedup": self.dedup.layout()}
+
+    @property
+    def namespaces(self) -> StateNamespaces:
+        return dedup_namespaces(self.inner.namespaces)
+
+    def decode_state(self, keys: list[bytes], values: list[bytes], key_kind: str, key_name: str,
+                     key_group: str | None = None) -> pa.Table:
+        return self.inner.decode_state(keys, values, key_kind, key_name, key_group)
+
+    def output_ddl(self) -> list[str]:
+        return self.inner.output_ddl()
+
+    def output_names(self) -> list[str]:
+        return self.inner.output_names()
+
+    def apply(self, txn: ShardTransaction, data: pa.Table, step: ShardStep) -> tuple[list[pa.Array], OperatorStats]:
+        is_seen = pc.is_valid(data.column(columns.DEDUP_KEY))
+        seen, rest = data.filter(is_seen), data.filter(pc.invert(is_seen))
+        outputs, stats = self.inner.apply(txn, rest.drop_columns([columns.DEDUP_KEY, columns.DEDUP_TIME]), step)
+        keys = SeenKeys(self.dedup, txn, step)
+        forgotten = keys.forget_due()
+        remembered = keys.remember(seen.column(columns.KEY_GROUP).to_numpy(zero_copy_only=False).astype(np.int64),
+                                   seen.column(columns.DEDUP_KEY).combine_chunks(),
+                                   seen.column(columns.DEDUP_TIME).to_numpy(zero_copy_only=False).astype(np.int64))
+        figures = {**stats.figures, "dedup_keys_remembered": remembered, "dedup_keys_forgotten": forgotten}
+        return outputs, OperatorStats(stats.keys_touched, stats.new_keys, figures)
+
+
+def dedup_namespaces(inner: StateNamespaces) -> StateNamespaces:
+    """An operator's namespaces plus the deduplication's (both keyed by key group)."""
+    return StateNamespaces(inner.keyed + (SEEN_NS, SEEN_BY_DEADLINE_NS), inner.pending, inner.meta)
