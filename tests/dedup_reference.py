@@ -94,6 +94,19 @@ def dedup_pipeline(events: Path, output: Path, *, shards: int = 2, tables: Path 
     return with_tables(pipeline, tables, delta_mode="upsert", iceberg_table=f"volley.{name}", iceberg_mode="upsert")
 
 
+def unique_pipeline(events: Path, output: Path, *, shards: int = 2, tables: Path | None = None,
+                    name: str = "unique") -> Pipeline:
+    """Only a deduplication: the sinks get the kept records (Delta upserts them by
+    ``event_id``, Iceberg and Parquet append them)."""
+    pipeline = (
+        Pipeline(name).source(FileLog(events, format="parquet"))
+        .deduplicate(on=ID, within="15 minutes", event_time="event_time", write_duplicates=True)
+        .sink(ParquetSink(output))
+        .with_shards(shards)
+    )
+    return with_tables(pipeline, tables, delta_mode="upsert", iceberg_table=f"volley.{name}", iceberg_mode="append")
+
+
 @dataclass
 class DedupReference:
     """Remembered ids and their event time; the watermark is the latest event time so far."""

@@ -17,7 +17,7 @@ from volley_dagster.dimensions.base import DimensionTable, Enrichment, How
 from volley_dagster.errors import ConfigError
 from volley_dagster.operators.accumulators import Accumulator
 from volley_dagster.operators.aggregate import Aggregate
-from volley_dagster.operators.dedup import Deduplication
+from volley_dagster.operators.dedup import Deduplication, UniqueRecords
 from volley_dagster.operators.event_time import Duration, EventTime, duration_us
 from volley_dagster.operators.ttl import DEFAULT_MAX_RESIDENT_ENTRIES, EXPIRED, StateTtl
 from volley_dagster.operators.window import WindowedAggregate, Windowing, Windows
@@ -56,7 +56,17 @@ class Pipeline:
 
     @property
     def key_column(self) -> str:
+        """The key users see: ``key_by``'s column; a pipeline that only deduplicates: the first ``on`` column."""
+        if self.only_deduplicates:
+            assert self.dedup is not None
+            return self.dedup.on[0]
         return self._required(self.key_given, "key_by(...)")
+
+    @property
+    def only_deduplicates(self) -> bool:
+        """``deduplicate(...)`` with no key_by, aggregate or window after it: its sinks get the kept records."""
+        return (self.dedup is not None and self.key_given is None and self.operator_given is None
+                and self.windowing is None)
 
     @property
     def operator(self) -> Aggregate:
@@ -111,7 +121,8 @@ class Pipeline:
         records after the transforms, before the aggregate or window; the first
         record of a key in the log is the one kept. The watermark is the pipeline's
         one (a window's or an event-time TTL's, on the same column), else the latest
-        event time. Duplicates are counted per epoch; ``write_duplicates`` also
+        event time. With no ``key_by``/``aggregate`` after it, the sinks get the kept
+        records themselves (an upsert sink keys them by ``on``). Duplicates are counted per epoch; ``write_duplicates`` also
         writes them, with where they are, to the epoch's side output. The rules:
         ``volley_dagster.operators.dedup``."""
         columns_on = (on,) if isinstance(on, str) else tuple(on)
@@ -184,7 +195,10 @@ class Pipeline:
         )
         return replace(self, windowing=windowing)
 
-    def stateful_operator(self) -> Aggregate | WindowedAggregate:
+    def stateful_operator(self) -> Aggregate | WindowedAggregate | UniqueRecords:
+        if self.only_deduplicates:
+            assert self.dedup is not None
+            return UniqueRecords(self.dedup)
         self._check_clock()
         if self.windowing is None:
             return self.operator
@@ -211,6 +225,9 @@ class Pipeline:
 
     def output_keys(self) -> tuple[str, ...]:
         """The columns that identify one output row (what an upsert sink matches on)."""
+        if self.only_deduplicates:
+            assert self.dedup is not None
+            return self.dedup.on
         return (self.key_column, "window_start") if self.windowing is not None else (self.key_column,)
 
     def sink(self, sink: Sink) -> Pipeline:
@@ -231,12 +248,10 @@ class Pipeline:
         return replace(self, layout=ShardLayout(num_shards, num_key_groups))
 
     def validate(self) -> None:
-        missing = [
-            what
-            for what, value in (("source(...)", self.source_given), ("key_by(...)", self.key_given),
-                                ("aggregate(...)", self.operator_given))
-            if value is None
-        ]
+        required: list[tuple[str, object]] = [("source(...)", self.source_given)]
+        if not self.only_deduplicates:
+            required += [("key_by(...)", self.key_given), ("aggregate(...)", self.operator_given)]
+        missing = [what for what, value in required if value is None]
         if missing:
             raise ConfigError(f"pipeline {self.name!r} is incomplete: add {', '.join(missing)}")
 

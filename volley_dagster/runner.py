@@ -473,7 +473,7 @@ class EpochRunner:
             self._refuse_held_uncommitted(committed)
             # planned, not run: resolves the new operator against the source's columns
             plan = plan_epoch(self.spark, pipeline, self.log.offsets(committed))
-            result = migrate_state(self.log, identity_of(pipeline, plan.operator, plan.key_kind), renames, initial,
+            result = migrate_state(self.log, identity_of(pipeline, plan.state_operator, plan.key_kind), renames, initial,
                                    num_shards, self.rocksdb, self.verify_checksums,
                                    before_commit=lambda: self._check_fence("migrating the state"), uncommitted_ok=True)
         self.pipeline = pipeline

@@ -10,14 +10,22 @@ import pandas as pd
 import pyarrow as pa
 import pytest
 
-from tests.dedup_reference import ID, KEY, DedupReference, dedup_file, dedup_pipeline, write_dedup_log
+from tests.dedup_reference import (
+    ID,
+    KEY,
+    DedupReference,
+    dedup_file,
+    dedup_pipeline,
+    unique_pipeline,
+    write_dedup_log,
+)
 from tests.engine.test_crash_recovery import run_until_killed
 from tests.ttl_reference import same_rows
 from volley_dagster import ConfigError, EpochRunner, FileLog, ParquetSink, Pipeline, count, sum_, tumbling
 from volley_dagster.checkpoint.migrate import plan_migration
 from volley_dagster.errors import MalformedRecordError, StateLayoutError
 
-FILES, ROWS = 6, 400
+FILES, ROWS = 5, 400  # file 4 (epoch 4) repeats ids past the bound, file 5 a reused id again
 VALUES = [KEY, "events", "total"]
 
 
@@ -60,25 +68,25 @@ def test_duplicates_are_dropped_as_the_reference_and_the_tables_hold_the_kept_re
 
 
 def test_a_kill_9_after_the_delta_commit_re_runs_the_epoch_dropping_the_same_records(spark, tmp_path):
-    """Epoch 4's output (decided by its deduplication) is in Delta when the process dies;
+    """Epoch 3's output (decided by its deduplication) is in Delta when the process dies;
     the retry probes the same snapshot with the same records: Iceberg gets the same
     rows, and every table ends equal to the reference."""
-    logs = write_dedup_log(tmp_path / "events", 5)
-    died = run_until_killed(tmp_path, "after_sink_delta", 4, kind="dedup", max_records=ROWS)
+    logs = write_dedup_log(tmp_path / "events", 4)
+    died = run_until_killed(tmp_path, "after_sink_delta", 3, kind="dedup", max_records=ROWS)
     assert died.returncode == -9, died.stderr[-3000:]
     runner = EpochRunner(dedup_pipeline(tmp_path / "events", tmp_path / "out", tables=tmp_path / "tables"),
                          tmp_path / "state", spark=spark, max_records_per_epoch=ROWS)
-    assert runner.committed_epoch() == 3
+    assert runner.committed_epoch() == 2
     delta, iceberg = runner.pipeline.sinks[1], runner.pipeline.sinks[2]
-    assert (delta.committed_epoch("dedup"), iceberg.committed_epoch("dedup")) == (4, 3)
+    assert (delta.committed_epoch("dedup"), iceberg.committed_epoch("dedup")) == (3, 2)
     in_delta = delta.read().to_pandas()
     results = runner.run_available()
-    assert [r.epoch for r in results] == [4, 5]
+    assert [r.epoch for r in results] == [3, 4]
     assert results[0].sinks["delta"]["skipped"] and not results[0].sinks["iceberg"]["skipped"]
     reference = DedupReference()
     for epoch, records in enumerate(logs, start=1):
         expected, dropped = reference.run(records)
-        if epoch == 4:
+        if epoch == 3:
             check_epoch(runner, results[0], expected, dropped)
             same_rows(in_delta, reference.current(), VALUES)  # what the killed attempt committed ...
             rerun = results[0].output.to_pandas()  # ... is what the re-run emitted
@@ -89,9 +97,10 @@ def test_a_kill_9_after_the_delta_commit_re_runs_the_epoch_dropping_the_same_rec
         assert all(len(rows) == 1 for rows in table.epoch_history("dedup").values())
 
 
-def test_remembered_string_keys_move_with_a_rescale(spark, tmp_path):
-    """String ids; 2 -> 3 shards after epoch 2, 3 -> 1 after epoch 4: copies of events
-    remembered before a rescale are still dropped after it."""
+def test_remembered_string_keys_move_with_a_rescale_and_a_migration(spark, tmp_path):
+    """String ids; 2 -> 3 shards after epoch 2, then after epoch 4 a migration (``total``
+    renamed ``spent``) to 1 shard: copies of events remembered before are still dropped
+    after, so the remembered ids moved unconverted beside the converted aggregate."""
     logs = write_dedup_log(tmp_path / "events", FILES)
     runner = EpochRunner(dedup_pipeline(tmp_path / "events", tmp_path / "out", string_ids=True,
                                         write_duplicates=False),
@@ -99,15 +108,22 @@ def test_remembered_string_keys_move_with_a_rescale(spark, tmp_path):
     results = [runner.run_next() for _ in range(2)]
     assert runner.rescale(3).new_shards == 3
     results += [runner.run_next() for _ in range(2)]
-    assert runner.rescale(1).new_shards == 1
+    renamed = (Pipeline("dedup").source(FileLog(tmp_path / "events", format="parquet"))
+               .with_column(ID, f"concat('e-', {ID})")
+               .deduplicate(on=ID, within="15 minutes", event_time="event_time")
+               .key_by(KEY).aggregate(events=count(), spent=sum_("amount")).sink(ParquetSink(tmp_path / "out2"))
+               .with_shards(1))
+    runner.migrate(renamed, renames={"total": "spent"}, num_shards=1)
+    runner = EpochRunner(renamed, tmp_path / "state", spark=spark, max_records_per_epoch=ROWS)
     results += runner.run_available()
     reference = DedupReference()
     for result, records in zip(results, logs, strict=True):
         expected, dropped = reference.run(records)
-        same_rows(result.output.to_pandas(), expected, VALUES)
-        assert result.duplicates == len(dropped) and result.duplicates_path is None
-    assert [len(r.shards) for r in results] == [2, 2, 3, 3, 1, 1]
-    same_rows(runner.read_state().to_pandas(), reference.current(), VALUES)
+        output = result.output.rename_columns([c if c != "spent" else "total" for c in result.output.column_names])
+        same_rows(output.to_pandas(), expected, VALUES)
+        assert result.duplicates == len(dropped) > 0 and result.duplicates_path is None
+    assert [len(r.shards) for r in results] == [2, 2, 3, 3, 1]
+    same_rows(runner.read_state().to_pandas().rename(columns={"spent": "total"}), reference.current(), VALUES)
 
 
 def test_a_window_after_a_deduplication_counts_each_event_once(spark, tmp_path):
@@ -175,3 +191,61 @@ def test_deduplication_settings_are_checked_and_recorded(spark, tmp_path):
                                                                            "within_us": 1}}}
     with pytest.raises(StateLayoutError, match="deduplication changed"):
         plan_migration(recorded, proposed, {}, {})
+
+
+def kept_records(frame: pd.DataFrame) -> pd.DataFrame:
+    return frame[[ID, KEY, "amount"]].sort_values([ID, "amount"]).reset_index(drop=True)
+
+
+def last_kept(reference: DedupReference) -> pd.DataFrame:
+    """What an upsert by event id holds: each id's latest kept record."""
+    return kept_records(pd.concat(reference.kept).drop_duplicates(ID, keep="last"))
+
+
+def test_a_pipeline_that_only_deduplicates_gives_its_sinks_the_kept_records(spark, tmp_path):
+    """No aggregate: the records go to the shard of their id, which decides, remembers
+    and emits them. Delta upserts by event id (an id kept again past the bound replaces
+    its row), Iceberg appends every kept record; the state is the remembered ids."""
+    logs = write_dedup_log(tmp_path / "events", FILES)
+    runner = EpochRunner(unique_pipeline(tmp_path / "events", tmp_path / "out", tables=tmp_path / "tables"),
+                         tmp_path / "state", spark=spark, max_records_per_epoch=ROWS)
+    results = runner.run_available()
+    reference = DedupReference()
+    for result, records in zip(results, logs, strict=True):
+        _, dropped = reference.run(records)
+        got = result.output.to_pandas()
+        assert list(got.columns) == [ID, KEY, "amount", "status", "event_time"]
+        pd.testing.assert_frame_equal(kept_records(got), kept_records(reference.kept[-1]), check_dtype=False)
+        assert result.records_out == len(got) == ROWS - len(dropped) and result.duplicates == len(dropped)
+        side = runner.duplicate_records(result.epoch)
+        assert (side.column("offset").to_pylist() if side is not None else []) == dropped
+    delta, iceberg = runner.pipeline.sinks[1], runner.pipeline.sinks[2]
+    pd.testing.assert_frame_equal(kept_records(delta.read().to_pandas()), last_kept(reference), check_dtype=False)
+    pd.testing.assert_frame_equal(kept_records(iceberg.read().to_pandas()),
+                                  kept_records(pd.concat(reference.kept)), check_dtype=False)
+    state = runner.read_state().to_pandas()
+    assert sorted(state[ID]) == sorted(reference.remembered)
+    assert list(state.columns[-2:]) == ["event_time", "remembered_until"]
+
+
+def test_a_kill_9_mid_state_stage_of_a_pipeline_that_only_deduplicates(spark, tmp_path):
+    """Killed once shard 1 of epoch 2 has snapshotted (its ids remembered) and before
+    the epoch commits: the retry starts again from epoch 1's snapshots, so it keeps
+    and drops exactly what the reference does."""
+    logs = write_dedup_log(tmp_path / "events", 3)
+    died = run_until_killed(tmp_path, "shard_after_snapshot", 2, shard=1, kind="unique", max_records=ROWS)
+    assert died.returncode == -9, died.stderr[-3000:]
+    runner = EpochRunner(unique_pipeline(tmp_path / "events", tmp_path / "out", tables=tmp_path / "tables"),
+                         tmp_path / "state", spark=spark, max_records_per_epoch=ROWS)
+    delta, iceberg = runner.pipeline.sinks[1], runner.pipeline.sinks[2]
+    assert runner.committed_epoch() == 1
+    assert (delta.committed_epoch("unique"), iceberg.committed_epoch("unique")) == (1, 1)
+    assert [r.epoch for r in runner.run_available()] == [2, 3]
+    reference = DedupReference()
+    for records in logs:
+        reference.run(records)
+    pd.testing.assert_frame_equal(kept_records(delta.read().to_pandas()), last_kept(reference), check_dtype=False)
+    pd.testing.assert_frame_equal(kept_records(iceberg.read().to_pandas()),
+                                  kept_records(pd.concat(reference.kept)), check_dtype=False)
+    for table in (delta, iceberg):
+        assert all(len(rows) == 1 for rows in table.epoch_history("unique").values())

@@ -80,7 +80,7 @@ class StateMigration:
 
     def convert(self, namespace: int, values: list[bytes]) -> list[bytes]:
         old, new = _aggregate(self.old), _aggregate(self.new)
-        if isinstance(self.new, ResolvedWindowAggregate):
+        if isinstance(without_dedup(self.new), ResolvedWindowAggregate):
             rows, key_index = decode_windows(values, window_dtype(old))
             out = np.zeros(len(rows), dtype=window_dtype(new))
             out["start"], out["end"] = rows["start"], rows["end"]
@@ -132,6 +132,9 @@ def plan_migration(recorded: dict[str, Any], proposed: dict[str, Any], renames: 
             _refuse(f"the {what} changed ({recorded.get(field)!r} -> {proposed.get(field)!r}): every key's state "
                     "would belong to another key")
     old_layout, new_layout = recorded["aggregate"], proposed["aggregate"]
+    if "unique_records" in old_layout or "unique_records" in new_layout:
+        _refuse("a pipeline that only deduplicates remembers keys under its recorded deduplication; "
+                "start a new checkpoint root for another pipeline")
     if ("windowing" in old_layout) != ("windowing" in new_layout):
         _refuse("the operator changed between a running aggregate and windows")
     for field in ("namespace", "format"):
@@ -168,8 +171,7 @@ def plan_migration(recorded: dict[str, Any], proposed: dict[str, Any], renames: 
     if stray:
         raise ConfigError(f"initial values {sorted(stray)} name no added accumulator; added: "
                           f"{[c.name for c in changes if c.change == 'added']}")
-    return StateMigration(without_dedup(recorded_operator(old_layout)), without_dedup(recorded_operator(new_layout)),
-                          tuple(changes), windowing)
+    return StateMigration(recorded_operator(old_layout), recorded_operator(new_layout), tuple(changes), windowing)
 
 
 def migrate(
@@ -231,6 +233,8 @@ def _show(spec: dict[str, Any]) -> str:
 
 
 def _aggregate(operator: StatefulOperator) -> ResolvedAggregate:
+    """The aggregate whose records a migration converts (a deduplication's are copied as they are)."""
+    operator = without_dedup(operator)
     if isinstance(operator, ResolvedWindowAggregate):
         return operator.aggregate
     assert isinstance(operator, ResolvedAggregate)

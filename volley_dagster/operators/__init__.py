@@ -6,7 +6,14 @@ from typing import Any
 
 from volley_dagster.errors import StateLayoutError
 from volley_dagster.operators.base import StatefulOperator, StateNamespaces
-from volley_dagster.operators.dedup import Deduplicated, Deduplication, dedup_namespaces
+from volley_dagster.operators.dedup import (
+    SEEN_BY_DEADLINE_NS,
+    SEEN_NS,
+    Deduplicated,
+    Deduplication,
+    ResolvedUniqueRecords,
+    dedup_namespaces,
+)
 from volley_dagster.operators.ttl import StateTtl, with_ttl_namespaces
 from volley_dagster.operators.window_state import WINDOW_NAMESPACES
 
@@ -14,6 +21,8 @@ from volley_dagster.operators.window_state import WINDOW_NAMESPACES
 def recorded_namespaces(layout: dict[str, Any]) -> StateNamespaces:
     """The namespaces of the operator that wrote a checkpoint root, from the layout it
     recorded (``pipeline.json``): for tools that have no pipeline (``volley rescale``)."""
+    if "unique_records" in layout:
+        return StateNamespaces((SEEN_NS, SEEN_BY_DEADLINE_NS))
     if "windowing" in layout:
         namespaces = WINDOW_NAMESPACES
     else:
@@ -29,6 +38,8 @@ def recorded_operator(layout: dict[str, Any]) -> StatefulOperator:
     from volley_dagster.operators.aggregate import Aggregate
     from volley_dagster.operators.window import WindowedAggregate, Windowing, Windows
 
+    if "unique_records" in layout:
+        return ResolvedUniqueRecords(Deduplication.recorded(layout["dedup"]))
     kinds: dict[str, type[acc.Accumulator]] = {
         c.__name__: c for c in (acc.Count, acc.Sum, acc.Min, acc.Max, acc.Mean, acc.First, acc.Last)
     }

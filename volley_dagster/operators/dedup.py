@@ -18,16 +18,19 @@ them like any keyed state): the remembered keys (``key -> event time``), and the
 same keys ordered by deadline within each key group, so forgetting costs what is
 forgotten: one range scan per key group, starting past the previous watermark.
 
-Where it runs: Spark routes each record's (key, position, event time) to the key's
-shard, where a probe reads N-1's snapshot (``spark/dedup.py``); the epoch's state
-tasks then remember the kept keys and forget the due ones, in the same ``WriteBatch``
-and snapshot as the operator after it (``Deduplicated``).
+Where it runs: before an aggregate or a window, Spark routes each record's (key,
+position, event time) to the key's shard, where a probe reads N-1's snapshot
+(``spark/dedup.py``); the epoch's state tasks then remember the kept keys and forget
+the due ones, in the same ``WriteBatch`` and snapshot as the operator after it
+(``Deduplicated``). With nothing after it, the records themselves are routed by the
+key and each shard task decides, remembers and emits the kept ones
+(``UniqueRecords``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import pyarrow as pa
@@ -40,7 +43,7 @@ from volley_dagster import columns
 from volley_dagster.errors import ConfigError
 from volley_dagster.operators.base import OperatorStats, ShardStep, StatefulOperator, StateNamespaces
 from volley_dagster.operators.event_time import EventTime
-from volley_dagster.state.keys import encode_keys, namespace_prefix
+from volley_dagster.state.keys import decode_keys, encode_keys, key_columns, namespace_prefix
 from volley_dagster.state.pending_index import ordered_us
 from volley_dagster.state.transaction import ShardTransaction
 
@@ -212,6 +215,86 @@ class Deduplicated:
                                    seen.column(columns.DEDUP_TIME).to_numpy(zero_copy_only=False).astype(np.int64))
         figures = {**stats.figures, "dedup_keys_remembered": remembered, "dedup_keys_forgotten": forgotten}
         return outputs, OperatorStats(stats.keys_touched, stats.new_keys, figures)
+
+
+@dataclass(frozen=True)
+class UniqueRecords:
+    """``deduplicate(...)`` with nothing stateful after it: the records are routed by
+    their deduplication key, so each shard task decides against its own state and
+    emits the kept records themselves (no probe job)."""
+
+    dedup: Deduplication
+
+    def resolve(self, schema: T.StructType) -> ResolvedUniqueRecords:
+        self.dedup.key_expr(schema)  # checks the columns and the event time
+        fields = [f for f in schema.fields if not f.name.startswith("_volley_")]
+        ordered = [schema[c] for c in self.dedup.on] + [f for f in fields if f.name not in self.dedup.on]
+        return ResolvedUniqueRecords(self.dedup, tuple(f.name for f in ordered),
+                                     tuple(f"`{f.name}` {f.dataType.simpleString()}" for f in ordered))
+
+
+_INTERNAL_OUT = (columns.POS, columns.DEDUP_KEY, columns.DEDUP_TIME, columns.DUPLICATE)  # write_duplicates only
+
+
+@dataclass(frozen=True)
+class ResolvedUniqueRecords:
+    """The kept records out of the shard tasks: the ``on`` columns first (the first is
+    what ``ShardMerge`` calls the key column), then the record's other columns; with
+    ``write_duplicates`` every record, flagged, with where it is (``_INTERNAL_OUT``)."""
+
+    dedup: Deduplication
+    columns: tuple[str, ...] = ()  # empty: rebuilt from a recorded layout, to read state only
+    ddl: tuple[str, ...] = ()
+    resident_records: ClassVar[None] = None
+
+    def layout(self) -> dict[str, Any]:
+        """The passed-through columns may change between epochs; the deduplication may not."""
+        return {"dedup": self.dedup.layout(), "unique_records": True}
+
+    @property
+    def namespaces(self) -> StateNamespaces:
+        return StateNamespaces((SEEN_NS, SEEN_BY_DEADLINE_NS))
+
+    def decode_state(self, keys: list[bytes], values: list[bytes], key_kind: str, key_name: str,
+                     key_group: str | None = None) -> pa.Table:
+        """Each remembered key, the event time of its kept record and when it is forgotten."""
+        groups, key_values = decode_keys(key_kind, keys)
+        front, names = key_columns(key_values, key_name, groups, key_group)
+        times = np.frombuffer(b"".join(values), dtype="<i8")
+        ts = pa.timestamp("us", tz="UTC")
+        bounds = [pa.array(times).cast(ts), pa.array(times + self.dedup.within_us).cast(ts)]
+        return pa.table(front + bounds, names=names + [self.dedup.event_time.time_column, "remembered_until"])
+
+    def output_ddl(self) -> list[str]:
+        internal = [f"`{columns.POS}` bigint", f"`{columns.DEDUP_KEY}` {self._key_ddl()}",
+                    f"`{columns.DEDUP_TIME}` bigint", f"`{columns.DUPLICATE}` boolean"]
+        return list(self.ddl[1:]) + (internal if self.dedup.write_duplicates else [])
+
+    def output_names(self) -> list[str]:
+        return list(self.columns[1:]) + (list(_INTERNAL_OUT) if self.dedup.write_duplicates else [])
+
+    def _key_ddl(self) -> str:
+        return "bigint" if self.ddl and len(self.dedup.on) == 1 and self.ddl[0].split()[-1] in _INTEGRAL else "string"
+
+    def apply(self, txn: ShardTransaction, data: pa.Table, step: ShardStep) -> tuple[list[pa.Array], OperatorStats]:
+        key_groups = data.column(columns.KEY_GROUP).to_numpy(zero_copy_only=False).astype(np.int64)
+        keys = data.column(columns.KEY).combine_chunks()
+        times = data.column(columns.DEDUP_TIME).to_numpy(zero_copy_only=False).astype(np.int64)
+        duplicate = find_duplicates(txn, key_groups, keys, data.column(columns.POS).to_numpy(zero_copy_only=False))
+        kept = ~duplicate
+        seen = SeenKeys(self.dedup, txn, step)
+        forgotten = seen.forget_due()
+        remembered = seen.remember(key_groups[kept], keys.filter(pa.array(kept)), times[kept])
+        rows = data if self.dedup.write_duplicates else data.filter(pa.array(kept))
+        outputs = [rows.column(c).combine_chunks() for c in self.columns]
+        if self.dedup.write_duplicates:
+            outputs += [rows.column(columns.POS).combine_chunks(), keys, pa.array(times), pa.array(duplicate)]
+        figures = {DUPLICATES: int(duplicate.sum()), "dedup_keys_remembered": remembered,
+                   "dedup_keys_forgotten": forgotten}
+        return outputs, OperatorStats(int(kept.sum()), remembered, figures)
+
+
+_INTEGRAL = {"tinyint", "smallint", "int", "bigint"}
 
 
 def dedup_namespaces(inner: StateNamespaces) -> StateNamespaces:

@@ -205,8 +205,9 @@ class ResolvedWindowAggregate:
         gap = f"{self.windows.gap_us} microseconds"
         column = self.windowing.time_column
         time = F.col(column)
-        # only the shard marker rows have no event time: give them one so that no session
-        # window drops them (their group, key null, is no record to the shard task)
+        # the shard marker rows and a deduplication's kept-key rows have no event time: give
+        # them one so that no session window drops them (their groups, key null, are no
+        # records to the operator)
         epoch_start = F.lit("1970-01-01 00:00:00").cast(on_time.schema[column].dataType)  # timestamp or _ntz
         on_time = on_time.withColumn(column, F.coalesce(time, epoch_start))
         return (

@@ -17,14 +17,15 @@ from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 from pyspark import StorageLevel
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
 from volley_dagster import columns
 from volley_dagster.checkpoint.s3_snapshots import S3SnapshotStore
-from volley_dagster.operators.dedup import Deduplication, find_duplicates
-from volley_dagster.spark.partitioning import partition_of_shard, with_shard
+from volley_dagster.operators.dedup import Deduplication, ResolvedUniqueRecords, find_duplicates
+from volley_dagster.spark.partitioning import partition_of_shard, to_shards, with_shard
 from volley_dagster.spark.task_errors import engine_errors
 from volley_dagster.spark.tasks import PreviousSnapshot, local_previous
 from volley_dagster.state.keys import ShardLayout
@@ -33,6 +34,7 @@ from volley_dagster.state.store import open_snapshot_read_only, verify_snapshot
 from volley_dagster.state.transaction import ShardTransaction
 
 _PROBED = [columns.SHARD, columns.KEY_GROUP, columns.DEDUP_KEY, columns.DEDUP_TIME, columns.POS]
+KEPT_KEY_COLUMNS = [columns.DEDUP_KEY, columns.DEDUP_TIME]  # null on the records' rows
 
 
 @dataclass(frozen=True)
@@ -83,11 +85,11 @@ class ProbedEpoch:
         dropped = self.probed.where(F.col(columns.DUPLICATE)).select(columns.POS)
         return rows.join(dropped, columns.POS, "left_anti")
 
-    def with_kept_keys(self, partials: DataFrame, layout: ShardLayout) -> DataFrame:
-        """The state stage's input plus one row per kept key, in its shard's partition."""
-        kept = (self.probed.where(~F.col(columns.DUPLICATE)).drop(columns.DUPLICATE, columns.POS)
-                .withColumn(columns.PARTITION, partition_of_shard(layout)))
-        return partials.unionByName(kept, allowMissingColumns=True)
+    def kept_keys(self) -> DataFrame:
+        """One row per kept key, with its key group and shard, for ``to_shards(routed=...)``:
+        they reach their shard task in the state stage's own exchange, grouped apart
+        from the partials by ``KEPT_KEY_COLUMNS``."""
+        return self.probed.where(~F.col(columns.DUPLICATE)).drop(columns.DUPLICATE, columns.POS)
 
     def release(self) -> None:
         self.probed.unpersist()
@@ -113,3 +115,23 @@ def probe_duplicates(rows: DataFrame, dedup: Deduplication, layout: ShardLayout,
     except BaseException:
         probed.unpersist()
         raise
+
+
+def route_records(rows: DataFrame, unique: ResolvedUniqueRecords, layout: ShardLayout) -> DataFrame:
+    """A pipeline that only deduplicates: each record (its columns, position and event
+    time) in the partition of the shard that owns its key, marker rows included."""
+    needed = [columns.KEY, columns.POS, *unique.columns]
+    narrow = rows.select(*needed, unique.dedup.event_time.event_us().alias(columns.DEDUP_TIME),
+                         F.lit(1).alias(columns.ROWS))
+    return to_shards(narrow, layout)
+
+
+def split_duplicates(output: pa.Table, unique: ResolvedUniqueRecords) -> tuple[pa.Table, pa.Table | None]:
+    """The shard tasks' rows as the kept records, and with ``write_duplicates`` the
+    dropped ones (position, key, event time) for the side output."""
+    if not unique.dedup.write_duplicates:
+        return output, None
+    flags = output.column(columns.DUPLICATE)
+    internal = [columns.POS, columns.DEDUP_KEY, columns.DEDUP_TIME, columns.DUPLICATE]
+    dropped = output.filter(flags).select(internal[:3])
+    return output.filter(pc.invert(flags)).drop_columns(internal), dropped

@@ -82,6 +82,11 @@ def shard_markers(df: DataFrame, layout: ShardLayout) -> DataFrame:
 ROUTING_COLUMNS = [columns.PARTITION, columns.SHARD, columns.KEY_GROUP, columns.MARKER]
 
 
-def to_shards(rows: DataFrame, layout: ShardLayout) -> DataFrame:
-    """Keyed rows, one Spark partition per shard (marker rows included)."""
-    return shard_markers(with_shard(rows, layout), layout).repartition(layout.num_shards, columns.PARTITION)
+def to_shards(rows: DataFrame, layout: ShardLayout, routed: DataFrame | None = None) -> DataFrame:
+    """Keyed rows, one Spark partition per shard (marker rows included); ``routed``:
+    more rows that carry their own key group and shard (a deduplication's kept keys),
+    in the same exchange."""
+    keyed = with_shard(rows, layout)
+    if routed is not None:
+        keyed = keyed.unionByName(routed, allowMissingColumns=True)
+    return shard_markers(keyed, layout).repartition(layout.num_shards, columns.PARTITION)

@@ -16,7 +16,7 @@ from volley_dagster.dimensions.base import TablePin
 from volley_dagster.errors import ConfigError
 from volley_dagster.operators.aggregate import ResolvedAggregate
 from volley_dagster.operators.base import StatefulOperator
-from volley_dagster.operators.dedup import Deduplicated, Deduplication
+from volley_dagster.operators.dedup import Deduplicated, Deduplication, ResolvedUniqueRecords, UniqueRecords
 from volley_dagster.operators.event_time import EventTime
 from volley_dagster.operators.window import ResolvedWindowAggregate
 from volley_dagster.pipeline import Pipeline
@@ -31,11 +31,11 @@ class PlannedEpoch:
 
     raw: DataFrame
     keyed: DataFrame
-    operator: ResolvedAggregate | ResolvedWindowAggregate
+    operator: ResolvedAggregate | ResolvedWindowAggregate | ResolvedUniqueRecords
     key_kind: str
     may_have_bad_records: bool = True  # False: a native Parquet read, every record parsed
     enrichments: list[EnrichmentRun] = field(default_factory=list)
-    dedup: Deduplication | None = None  # ``keyed`` then has ``DEDUP_KEY``
+    dedup: Deduplication | None = None  # before an aggregate or window: ``keyed`` then has ``DEDUP_KEY``
 
     @property
     def state_operator(self) -> StatefulOperator:
@@ -59,6 +59,8 @@ class PlannedEpoch:
         """The event time the epoch advances a watermark on: windows', or an event-time TTL's."""
         if isinstance(self.operator, ResolvedWindowAggregate):
             return self.operator.windowing.event_time
+        if isinstance(self.operator, ResolvedUniqueRecords):
+            return self.operator.dedup.event_time
         if self.operator.ttl is not None and self.operator.ttl.event_time is not None:
             return self.operator.ttl.event_time
         return self.dedup.event_time if self.dedup is not None else None
@@ -96,6 +98,12 @@ def plan_epoch(spark: SparkSession, pipeline: Pipeline, rng: EpochRange, pins: d
         verified = frozenset(pins)
     joins = EpochJoins(spark, pins, verified, rng.epoch)
     transformed = pipeline.apply_transforms(parsed, joins)
+    if pipeline.only_deduplicates:  # the key is the deduplication's
+        assert pipeline.dedup is not None
+        key, kind = pipeline.dedup.key_expr(transformed.schema)
+        keyed = transformed.withColumn(columns.KEY, key)
+        unique = UniqueRecords(pipeline.dedup).resolve(keyed.schema)
+        return PlannedEpoch(raw, keyed, unique, kind, read.may_have_bad_records, joins.runs)
     if pipeline.key_column not in transformed.columns:
         raise ConfigError(
             f"pipeline {pipeline.name!r}: key column {pipeline.key_column!r} is not among the columns "

@@ -23,10 +23,18 @@ from pyspark.sql import DataFrame, SparkSession
 from volley_dagster import columns
 from volley_dagster.checkpoint.manifest import ShardEntry, ShardSnapshot
 from volley_dagster.operators.base import OperatorStats
+from volley_dagster.operators.dedup import DUPLICATES, ResolvedUniqueRecords
 from volley_dagster.operators.ttl import NEXT_DUE
 from volley_dagster.pipeline import Pipeline
 from volley_dagster.sources.offsets import EpochRange
-from volley_dagster.spark.dedup import DuplicateProbe, ProbedEpoch, probe_duplicates
+from volley_dagster.spark.dedup import (
+    KEPT_KEY_COLUMNS,
+    DuplicateProbe,
+    ProbedEpoch,
+    probe_duplicates,
+    route_records,
+    split_duplicates,
+)
 from volley_dagster.spark.partitioning import ROUTING_COLUMNS, to_shards
 from volley_dagster.spark.plan import PlannedEpoch, plan_epoch
 from volley_dagster.spark.side_outputs import (
@@ -57,10 +65,12 @@ class StageResult:
     duplicate_records: pa.Table | None = None  # and, with its side output on, where they are
 
 
-def _shard_partials(rows: DataFrame, partial_exprs: list, layout: ShardLayout) -> DataFrame:
+def _shard_partials(rows: DataFrame, partial_exprs: list, layout: ShardLayout, kept: DataFrame | None = None) -> DataFrame:
     """The running aggregate's partials per key, already in their shard's partition:
-    one shuffle of the epoch's rows (``spark/partitioning.py``); windows do the same."""
-    return to_shards(rows, layout).groupBy(*ROUTING_COLUMNS, columns.KEY).agg(*partial_exprs)
+    one shuffle of the epoch's rows (``spark/partitioning.py``); windows do the same.
+    ``kept``: a deduplication's kept keys, routed in the same shuffle."""
+    by = ROUTING_COLUMNS + (KEPT_KEY_COLUMNS if kept is not None else [])
+    return to_shards(rows, layout, kept).groupBy(*by, columns.KEY).agg(*partial_exprs)
 
 
 @contextmanager
@@ -114,10 +124,12 @@ def run_stage(
         else:
             bound = clock.event_time_bound(watermark, rng.cut_at_us) if clock is not None else None
             rows = valid_rows(plan, bound)
+            kept = None
             if plan.dedup is not None:  # duplicates never reach windows, late records or state
                 probe = DuplicateProbe(merge.previous, merge.rocksdb, merge.verify_checksums, merge.remote, merge.cache_root)
                 probed = probe_duplicates(rows, plan.dedup, layout, probe)
-                rows = probed.unique(rows)
+                rows, kept = probed.unique(rows).drop(columns.DEDUP_KEY), probed.kept_keys()
+            by = ROUTING_COLUMNS + (KEPT_KEY_COLUMNS if kept is not None else [])
             assigned = window.assign(rows) if window is not None else None
             side = collect_side_outputs(plan, pipeline, rng, assigned, watermark, bound)
             dead = side.dead_letters
@@ -131,13 +143,13 @@ def run_stage(
                 limit = window.windowing.fire_limit(new_watermark, end_of_stream)
                 merge = replace(merge, step=replace(merge.step, fire_limit=limit))
                 assert assigned is not None
-                partials = window.partials(to_shards(assigned.where(~window.is_late(watermark)), layout), ROUTING_COLUMNS)
+                partials = window.partials(to_shards(assigned.where(~window.is_late(watermark)), layout, kept), by)
+            elif isinstance(plan.operator, ResolvedUniqueRecords):  # the records themselves, by their key
+                partials = route_records(rows, plan.operator, layout)
             else:
                 if clock is not None:  # an event-time TTL: keys expire at the watermark after this epoch
                     merge = replace(merge, step=replace(merge.step, expire_limit=new_watermark))
-                partials = _shard_partials(rows, plan.running.partial_exprs(), layout)
-            if probed is not None:
-                partials = probed.with_kept_keys(partials, layout)
+                partials = _shard_partials(rows, plan.running.partial_exprs(), layout, kept)
         t1 = time.perf_counter()
         out_schema = ", ".join(_output_ddl(pipeline, plan) + [f"`{columns.STATS}` string"])
         with engine_errors(), _inputs_unchanged(pipeline, rng, plan):
@@ -158,17 +170,24 @@ def run_stage(
         if probed is not None:
             probed.release()
     output = out.filter(pc.invert(is_stats)).drop_columns([columns.STATS])
-    output = output.sort_by([(c, "ascending") for c in pipeline.output_keys()])
     duplicates, duplicate_records = 0, None
     if probed is not None and plan.dedup is not None:
         duplicates = probed.duplicates
         if probed.dropped is not None:
             duplicate_records = resolve_duplicates(probed.dropped, rng, plan.dedup)
+    elif isinstance(plan.operator, ResolvedUniqueRecords):
+        duplicates = sum(entry.operator.figures.get(DUPLICATES, 0) for entry in shards.values())
+        output, dropped = split_duplicates(output, plan.operator)
+        if dropped is not None:
+            duplicate_records = resolve_duplicates(dropped, rng, plan.operator.dedup)
+    output = output.sort_by([(c, "ascending") for c in pipeline.output_keys()])
     return StageResult(output, dead, shards, t1 - t0, t2 - t1, late, new_watermark, plan.enrichment_figures(ran=True),
                        duplicates, duplicate_records)
 
 
 def _output_ddl(pipeline: Pipeline, plan: PlannedEpoch) -> list[str]:
+    if isinstance(plan.operator, ResolvedUniqueRecords):  # the records' own columns, the key among them
+        return [plan.operator.ddl[0]] + plan.operator.output_ddl()
     key_type = plan.keyed.schema[columns.KEY].dataType.simpleString()
     return [f"`{pipeline.key_column}` {key_type}"] + plan.operator.output_ddl()
 

@@ -166,7 +166,7 @@ class ShardMerge:
             shard, ShardSnapshot.of(snap, attempt, stored_remotely=upload is not None),
             read_mode="resident" if hit else "scan" if txn.scanned else "multi_get",
             operator=operator_stats,
-            records=int(pc.sum(data.column(columns.ROWS)).as_py() or 0),
+            records=_records(data),
             null_key_records=null_keys,
             keys_written=written,
             bytes_new=snap.bytes_new,
@@ -203,6 +203,13 @@ class ShardMerge:
             [pa.nulls(1, arr.type) for arr in values] + [pa.array([json.dumps(entry.to_dict())], pa.string())], names=names
         )
         return pa.concat_tables([rows, stats_row])
+
+
+def _records(data: pa.Table) -> int:
+    """The epoch's records a shard folded in (a deduplication's kept-key rows are none)."""
+    if columns.DEDUP_KEY in data.column_names:
+        data = data.filter(pc.is_null(data.column(columns.DEDUP_KEY)))
+    return int(pc.sum(data.column(columns.ROWS)).as_py() or 0)
 
 
 def local_previous(shard: int, prev: PreviousSnapshot | None, remote: S3SnapshotStore | None,
