@@ -538,13 +538,16 @@ class EpochRunner:
         """The full keyed state as of a committed, retained epoch, read on the driver
         from its snapshots (without modifying them): each key's aggregate, or for windows
         every open window (key, window_start, window_end, aggregates). For state too big
-        for the driver, ``state_tables().at(epoch)`` reads it in Spark tasks."""
+        for the driver, ``state_tables().at(epoch)`` reads it in Spark tasks. A pipeline
+        that only deduplicates: the keys it remembers."""
         epoch = self.log.last_committed() if epoch is None else epoch
         reader = recorded_reader(self.log, epoch, self._read_settings())
         tables = [t for shard in shards_to_read(self.log, epoch, self.snapshot_store) for t in reader.read(shard, "state")]
         table = pa.concat_tables(tables) if tables else reader.schema("state").empty_table()
         table = table.drop_columns([KEY_GROUP, SHARD])
-        return table.sort_by([(c, "ascending") for c in self.pipeline.output_keys()])
+        # a pipeline that only deduplicates holds its remembered keys, one column
+        keys = table.column_names[:1] if self.pipeline.only_deduplicates else self.pipeline.output_keys()
+        return table.sort_by([(c, "ascending") for c in keys])
 
     def _stored_remotely(self, snap: ShardSnapshot) -> bool:
         """Whether this runner's snapshot store holds the snapshot (an epoch's own

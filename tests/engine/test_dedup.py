@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pandas as pd
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from tests.dedup_reference import (
@@ -167,6 +168,8 @@ def test_deduplication_settings_are_checked_and_recorded(spark, tmp_path):
         base.deduplicate(on=ID, within="0 seconds", event_time="event_time")
     with pytest.raises(ConfigError, match="at least one column"):
         base.deduplicate(on=[], within="1 minute", event_time="event_time")
+    with pytest.raises(ConfigError, match="names a column twice"):
+        base.deduplicate(on=[ID, ID], within="1 minute", event_time="event_time")
     clash = (base.with_column("other_time", "event_time").deduplicate(on=ID, within="1 minute", event_time="other_time")
              .key_by(KEY).window(tumbling("1 minute"), on="event_time").aggregate(events=count()))
     with pytest.raises(ConfigError, match="one watermark"):
@@ -216,7 +219,8 @@ def test_a_pipeline_that_only_deduplicates_gives_its_sinks_the_kept_records(spar
         got = result.output.to_pandas()
         assert list(got.columns) == [ID, KEY, "amount", "status", "event_time"]
         pd.testing.assert_frame_equal(kept_records(got), kept_records(reference.kept[-1]), check_dtype=False)
-        assert result.records_out == len(got) == ROWS - len(dropped) and result.duplicates == len(dropped)
+        assert result.records_out == len(got) == result.records_aggregated == ROWS - len(dropped)
+        assert result.duplicates == len(dropped)
         side = runner.duplicate_records(result.epoch)
         assert (side.column("offset").to_pylist() if side is not None else []) == dropped
     delta, iceberg = runner.pipeline.sinks[1], runner.pipeline.sinks[2]
@@ -226,6 +230,28 @@ def test_a_pipeline_that_only_deduplicates_gives_its_sinks_the_kept_records(spar
     state = runner.read_state().to_pandas()
     assert sorted(state[ID]) == sorted(reference.remembered)
     assert list(state.columns[-2:]) == ["event_time", "remembered_until"]
+    rng = runner.cut_next(allow_empty=True)  # an epoch without records: the same columns, none of the flags
+    assert rng is not None and runner.run(rng.epoch).output.column_names == [ID, KEY, "amount", "status", "event_time"]
+
+
+def test_a_key_over_several_columns_tells_microseconds_apart(spark, tmp_path):
+    """``on=[id, event_time]``: the same id 1 µs apart is two events (Spark's default
+    JSON timestamp format would cut both to the millisecond, one key)."""
+    t = pd.Timestamp("2026-01-01 00:00:00.000001", tz="UTC")
+    rows = [(1, t), (1, t + pd.Timedelta(microseconds=1)), (1, t), (2, t), (2, t)]
+    (tmp_path / "events").mkdir()
+    pq.write_table(pa.table({ID: [r[0] for r in rows], KEY: [7] * 5, "amount": [1.0] * 5, "status": ["ok"] * 5,
+                             "event_time": pa.array([r[1] for r in rows], pa.timestamp("us", tz="UTC"))}),
+                   tmp_path / "events" / "events-000000.parquet")
+    pipeline = (Pipeline("pairs").source(FileLog(tmp_path / "events", format="parquet"))
+                .deduplicate(on=[ID, "event_time"], within="1 hour", event_time="event_time")
+                .sink(ParquetSink(tmp_path / "out")))
+    result = EpochRunner(pipeline, tmp_path / "state", spark=spark).run_available()[0]
+    assert result.duplicates == 2 and result.records_out == 3
+    keys = EpochRunner(pipeline, tmp_path / "state", spark=spark).read_state().column("dedup_key").to_pylist()
+    assert sorted(keys) == [f'{{"{ID}":1,"event_time":"2026-01-01T00:00:00.000001Z"}}',
+                            f'{{"{ID}":1,"event_time":"2026-01-01T00:00:00.000002Z"}}',
+                            f'{{"{ID}":2,"event_time":"2026-01-01T00:00:00.000001Z"}}']
 
 
 def test_a_kill_9_mid_state_stage_of_a_pipeline_that_only_deduplicates(spark, tmp_path):

@@ -47,6 +47,10 @@ from volley_dagster.state.keys import decode_keys, encode_keys, key_columns, nam
 from volley_dagster.state.pending_index import ordered_us
 from volley_dagster.state.transaction import ShardTransaction
 
+# a key over several columns: every value exactly (microseconds, in UTC whatever the
+# session's time zone), and a null as a null, so equal keys and only they match
+_EXACT_JSON = {"timestampFormat": "yyyy-MM-dd'T'HH:mm:ss.SSSSSSXXX", "timestampNTZFormat": "yyyy-MM-dd'T'HH:mm:ss.SSSSSS",
+               "timeZone": "UTC", "ignoreNullFields": "false"}
 SEEN_NS, SEEN_BY_DEADLINE_NS = 7, 8  # ns | key group | key -> event time; ns | key group | deadline | key
 DUPLICATES = "duplicates"  # the epoch's figure: records dropped as duplicates
 _MAX = np.iinfo(np.int64).max
@@ -65,6 +69,8 @@ class Deduplication:
     def __post_init__(self) -> None:
         if not self.on:
             raise ConfigError("deduplicate(on=[...]) needs at least one column")
+        if len(set(self.on)) != len(self.on):
+            raise ConfigError(f"deduplicate(on={list(self.on)}) names a column twice")
         reserved = [c for c in self.on if c.startswith("_volley_")]
         if reserved:
             raise ConfigError(f"deduplicate(on=...): {reserved} use the engine's reserved prefix _volley_")
@@ -92,7 +98,7 @@ class Deduplication:
                 return F.col(self.on[0]).cast("long"), "int"
             if isinstance(kind, T.StringType):
                 return F.col(self.on[0]), "str"
-        return F.to_json(F.struct(*[F.col(c) for c in self.on])), "str"
+        return F.to_json(F.struct(*[F.col(c) for c in self.on]), options=_EXACT_JSON), "str"
 
     def describe_null(self) -> str:
         """The dead-letter reason of a record whose single key column is null."""
@@ -259,7 +265,8 @@ class ResolvedUniqueRecords:
                      key_group: str | None = None) -> pa.Table:
         """Each remembered key, the event time of its kept record and when it is forgotten."""
         groups, key_values = decode_keys(key_kind, keys)
-        front, names = key_columns(key_values, key_name, groups, key_group)
+        name = key_name if len(self.dedup.on) == 1 else "dedup_key"  # several columns: their JSON
+        front, names = key_columns(key_values, name, groups, key_group)
         times = np.frombuffer(b"".join(values), dtype="<i8")
         ts = pa.timestamp("us", tz="UTC")
         bounds = [pa.array(times).cast(ts), pa.array(times + self.dedup.within_us).cast(ts)]

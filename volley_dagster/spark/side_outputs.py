@@ -16,7 +16,7 @@ from pyspark.sql import functions as F
 from volley_dagster import columns
 from volley_dagster.checkpoint.manifest import ShardEntry
 from volley_dagster.columns import POS_OFFSET_BITS
-from volley_dagster.operators.dedup import Deduplication
+from volley_dagster.operators.dedup import Deduplication, ResolvedUniqueRecords
 from volley_dagster.operators.event_time import describe_event_time
 from volley_dagster.operators.window import ResolvedWindowAggregate
 from volley_dagster.pipeline import Pipeline
@@ -60,9 +60,11 @@ def _dead_letter_frame(plan: PlannedEpoch, pipeline: Pipeline, bound: int | None
     )
     user_cols = [c for c in plan.keyed.columns if not c.startswith("_volley_")]
     pos = F.col(columns.POS) if columns.POS in plan.keyed.columns else F.lit(None).cast("long")
+    null_key = (plan.operator.dedup.describe_null() if isinstance(plan.operator, ResolvedUniqueRecords)
+                else f"null key: {pipeline.key_column!r} is null")
     null_keys = plan.keyed.where(F.col(columns.KEY).isNull()).select(
         pos.alias(columns.POS),
-        F.lit(f"null key: {pipeline.key_column!r} is null").alias("reason"),
+        F.lit(null_key).alias("reason"),
         F.to_json(F.struct(*user_cols)).alias("raw"),
     )
     bad = parse_errors.unionByName(null_keys)

@@ -227,6 +227,8 @@ def _carry_forward_stage(spark: SparkSession, pipeline: Pipeline, plan: PlannedE
                                        figures={} if expiry_next is None else {NEXT_DUE: expiry_next}),
                                    snapshot_s=time.perf_counter() - t, upload=upload)
     output = spark.createDataFrame([], ", ".join(_output_ddl(pipeline, plan))).toArrow()
+    if isinstance(plan.operator, ResolvedUniqueRecords):  # typed as the kept records, without the flags
+        output, _ = split_duplicates(output, plan.operator)
     return StageResult(output, DEAD_LETTER_SCHEMA.empty_table(), shards, 0.0, time.perf_counter() - t0,
                        enrichments=plan.enrichment_figures(ran=False))
 

@@ -26,6 +26,7 @@ from volley_dagster.checkpoint.manifest import ShardEntry, ShardSnapshot, Snapsh
 from volley_dagster.checkpoint.s3_snapshots import S3SnapshotStore, UploadResult
 from volley_dagster.errors import SnapshotError, StorageFullError, is_disk_full
 from volley_dagster.operators.base import ShardStep, StatefulOperator
+from volley_dagster.operators.dedup import DUPLICATES
 from volley_dagster.sources.base import Source
 from volley_dagster.sources.offsets import Segment
 from volley_dagster.state.options import RocksDBOptions
@@ -166,7 +167,7 @@ class ShardMerge:
             shard, ShardSnapshot.of(snap, attempt, stored_remotely=upload is not None),
             read_mode="resident" if hit else "scan" if txn.scanned else "multi_get",
             operator=operator_stats,
-            records=_records(data),
+            records=_records(data) - operator_stats.figures.get(DUPLICATES, 0),  # dropped copies reach no state
             null_key_records=null_keys,
             keys_written=written,
             bytes_new=snap.bytes_new,
