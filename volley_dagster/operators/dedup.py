@@ -100,6 +100,11 @@ class Deduplication:
                 return F.col(self.on[0]), "str"
         return F.to_json(F.struct(*[F.col(c) for c in self.on]), options=_EXACT_JSON), "str"
 
+    @property
+    def key_name(self) -> str:
+        """What the key is called where it is shown alone: its column, or for several their JSON ``dedup_key``."""
+        return self.on[0] if len(self.on) == 1 else "dedup_key"
+
     def describe_null(self) -> str:
         """The dead-letter reason of a record whose single key column is null."""
         return f"null deduplication key: {self.on[0]!r} is null"
@@ -131,7 +136,7 @@ def find_duplicates(reader: ShardTransaction | None, key_groups: np.ndarray, key
         rows = np.flatnonzero(first)
         seen = encode_keys(SEEN_NS, key_groups[rows], keys.take(pa.array(rows)))
         stored = reader.get_many(seen, namespace_prefix(SEEN_NS), may_scan=False)
-        duplicate[rows[np.fromiter((v is not None for v in stored), dtype=bool, count=len(rows))]] = True
+        duplicate[rows[pa.array(stored, pa.binary()).is_valid().to_numpy(zero_copy_only=False)]] = True
     return duplicate
 
 
@@ -174,10 +179,19 @@ class SeenKeys:
             group = namespace_prefix(SEEN_BY_DEADLINE_NS) + int(kg).to_bytes(2, "big")
             due.extend(k for k, _ in self.txn.scan_flushed(group + lower_at, group + upper_at))
         if due:
-            seen_prefix = namespace_prefix(SEEN_NS)
+            entries = pa.array(due, pa.binary())  # ns 8 | kg | deadline | key -> ns 7 | kg | key, in bulk
+            seen = pc.binary_join_element_wise(pa.scalar(namespace_prefix(SEEN_NS)), pc.binary_slice(entries, 2, 4),
+                                               pc.binary_slice(entries, 12, 1 << 30), pa.scalar(b""))
             self.txn.delete_many(due)
-            self.txn.delete_many([seen_prefix + k[2:4] + k[12:] for k in due])
+            self.txn.delete_many(seen.to_pylist())
         return len(due)
+
+    def settle(self, key_groups: np.ndarray, keys: pa.Array, times: np.ndarray) -> dict[str, int]:
+        """The epoch's work on its remembered keys: forget the due ones (before, so a
+        key never both goes and comes in one batch), remember the kept ones; its figures."""
+        forgotten = self.forget_due()
+        remembered = self.remember(key_groups, keys, times)
+        return {"dedup_keys_remembered": remembered, "dedup_keys_forgotten": forgotten}
 
 
 @dataclass(frozen=True)
@@ -214,13 +228,11 @@ class Deduplicated:
         is_seen = pc.is_valid(data.column(columns.DEDUP_KEY))
         seen, rest = data.filter(is_seen), data.filter(pc.invert(is_seen))
         outputs, stats = self.inner.apply(txn, rest.drop_columns([columns.DEDUP_KEY, columns.DEDUP_TIME]), step)
-        keys = SeenKeys(self.dedup, txn, step)
-        forgotten = keys.forget_due()
-        remembered = keys.remember(seen.column(columns.KEY_GROUP).to_numpy(zero_copy_only=False).astype(np.int64),
-                                   seen.column(columns.DEDUP_KEY).combine_chunks(),
-                                   seen.column(columns.DEDUP_TIME).to_numpy(zero_copy_only=False).astype(np.int64))
-        figures = {**stats.figures, "dedup_keys_remembered": remembered, "dedup_keys_forgotten": forgotten}
-        return outputs, OperatorStats(stats.keys_touched, stats.new_keys, figures)
+        figures = SeenKeys(self.dedup, txn, step).settle(
+            seen.column(columns.KEY_GROUP).to_numpy(zero_copy_only=False).astype(np.int64),
+            seen.column(columns.DEDUP_KEY).combine_chunks(),
+            seen.column(columns.DEDUP_TIME).to_numpy(zero_copy_only=False).astype(np.int64))
+        return outputs, OperatorStats(stats.keys_touched, stats.new_keys, {**stats.figures, **figures})
 
 
 @dataclass(frozen=True)
@@ -236,21 +248,23 @@ class UniqueRecords:
         fields = [f for f in schema.fields if not f.name.startswith("_volley_")]
         ordered = [schema[c] for c in self.dedup.on] + [f for f in fields if f.name not in self.dedup.on]
         return ResolvedUniqueRecords(self.dedup, tuple(f.name for f in ordered),
-                                     tuple(f"`{f.name}` {f.dataType.simpleString()}" for f in ordered))
+                                     tuple(f"`{f.name}` {f.dataType.simpleString()}" for f in ordered),
+                                     schema[columns.KEY].dataType.simpleString())
 
 
-_INTERNAL_OUT = (columns.POS, columns.DEDUP_KEY, columns.DEDUP_TIME, columns.DUPLICATE)  # write_duplicates only
+INTERNAL_OUT = (columns.POS, columns.DEDUP_KEY, columns.DEDUP_TIME, columns.DUPLICATE)  # write_duplicates only
 
 
 @dataclass(frozen=True)
 class ResolvedUniqueRecords:
     """The kept records out of the shard tasks: the ``on`` columns first (the first is
     what ``ShardMerge`` calls the key column), then the record's other columns; with
-    ``write_duplicates`` every record, flagged, with where it is (``_INTERNAL_OUT``)."""
+    ``write_duplicates`` every record, flagged, with where it is (``INTERNAL_OUT``)."""
 
     dedup: Deduplication
     columns: tuple[str, ...] = ()  # empty: rebuilt from a recorded layout, to read state only
     ddl: tuple[str, ...] = ()
+    key_type: str = "string"  # the deduplication key's Spark type (``columns.KEY``)
     resident_records: ClassVar[None] = None
 
     def layout(self) -> dict[str, Any]:
@@ -265,23 +279,19 @@ class ResolvedUniqueRecords:
                      key_group: str | None = None) -> pa.Table:
         """Each remembered key, the event time of its kept record and when it is forgotten."""
         groups, key_values = decode_keys(key_kind, keys)
-        name = key_name if len(self.dedup.on) == 1 else "dedup_key"  # several columns: their JSON
-        front, names = key_columns(key_values, name, groups, key_group)
+        front, names = key_columns(key_values, self.dedup.key_name, groups, key_group)
         times = np.frombuffer(b"".join(values), dtype="<i8")
         ts = pa.timestamp("us", tz="UTC")
         bounds = [pa.array(times).cast(ts), pa.array(times + self.dedup.within_us).cast(ts)]
         return pa.table(front + bounds, names=names + [self.dedup.event_time.time_column, "remembered_until"])
 
     def output_ddl(self) -> list[str]:
-        internal = [f"`{columns.POS}` bigint", f"`{columns.DEDUP_KEY}` {self._key_ddl()}",
+        internal = [f"`{columns.POS}` bigint", f"`{columns.DEDUP_KEY}` {self.key_type}",
                     f"`{columns.DEDUP_TIME}` bigint", f"`{columns.DUPLICATE}` boolean"]
         return list(self.ddl[1:]) + (internal if self.dedup.write_duplicates else [])
 
     def output_names(self) -> list[str]:
-        return list(self.columns[1:]) + (list(_INTERNAL_OUT) if self.dedup.write_duplicates else [])
-
-    def _key_ddl(self) -> str:
-        return "bigint" if self.ddl and len(self.dedup.on) == 1 and self.ddl[0].split()[-1] in _INTEGRAL else "string"
+        return list(self.columns[1:]) + (list(INTERNAL_OUT) if self.dedup.write_duplicates else [])
 
     def apply(self, txn: ShardTransaction, data: pa.Table, step: ShardStep) -> tuple[list[pa.Array], OperatorStats]:
         key_groups = data.column(columns.KEY_GROUP).to_numpy(zero_copy_only=False).astype(np.int64)
@@ -289,19 +299,14 @@ class ResolvedUniqueRecords:
         times = data.column(columns.DEDUP_TIME).to_numpy(zero_copy_only=False).astype(np.int64)
         duplicate = find_duplicates(txn, key_groups, keys, data.column(columns.POS).to_numpy(zero_copy_only=False))
         kept = ~duplicate
-        seen = SeenKeys(self.dedup, txn, step)
-        forgotten = seen.forget_due()
-        remembered = seen.remember(key_groups[kept], keys.filter(pa.array(kept)), times[kept])
+        figures = SeenKeys(self.dedup, txn, step).settle(key_groups[kept], keys.filter(pa.array(kept)), times[kept])
         rows = data if self.dedup.write_duplicates else data.filter(pa.array(kept))
         outputs = [rows.column(c).combine_chunks() for c in self.columns]
         if self.dedup.write_duplicates:
             outputs += [rows.column(columns.POS).combine_chunks(), keys, pa.array(times), pa.array(duplicate)]
-        figures = {DUPLICATES: int(duplicate.sum()), "dedup_keys_remembered": remembered,
-                   "dedup_keys_forgotten": forgotten}
-        return outputs, OperatorStats(int(kept.sum()), remembered, figures)
+        return outputs, OperatorStats(int(kept.sum()), figures["dedup_keys_remembered"],
+                                      {DUPLICATES: int(duplicate.sum()), **figures})
 
-
-_INTEGRAL = {"tinyint", "smallint", "int", "bigint"}
 
 
 def dedup_namespaces(inner: StateNamespaces) -> StateNamespaces:

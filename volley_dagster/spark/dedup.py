@@ -12,7 +12,6 @@ with the same records, so every attempt drops the same records.
 
 from __future__ import annotations
 
-import shutil
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,10 +23,10 @@ from pyspark.sql import functions as F
 
 from volley_dagster import columns
 from volley_dagster.checkpoint.s3_snapshots import S3SnapshotStore
-from volley_dagster.operators.dedup import Deduplication, ResolvedUniqueRecords, find_duplicates
+from volley_dagster.operators.dedup import INTERNAL_OUT, Deduplication, ResolvedUniqueRecords, find_duplicates
 from volley_dagster.spark.partitioning import partition_of_shard, to_shards, with_shard
 from volley_dagster.spark.task_errors import engine_errors
-from volley_dagster.spark.tasks import PreviousSnapshot, local_previous
+from volley_dagster.spark.tasks import PreviousSnapshot, previous_on_this_machine
 from volley_dagster.state.keys import ShardLayout
 from volley_dagster.state.options import RocksDBOptions
 from volley_dagster.state.store import open_snapshot_read_only, verify_snapshot
@@ -53,8 +52,7 @@ class DuplicateProbe:
         keys = table.column(columns.DEDUP_KEY).combine_chunks()
         positions = table.column(columns.POS).to_numpy(zero_copy_only=False)
         prev = self.previous.get(shard)
-        path, _ = local_previous(shard, prev, self.remote, self.cache_root)
-        try:
+        with previous_on_this_machine(shard, prev, self.remote, self.cache_root) as (path, _):
             if path is None or prev is None:
                 duplicate = find_duplicates(None, key_groups, keys, positions)
             else:
@@ -64,9 +62,6 @@ class DuplicateProbe:
                     duplicate = find_duplicates(ShardTransaction(db), key_groups, keys, positions)
                 finally:
                     db.close()
-        finally:
-            if path is not None and prev is not None and str(path) != prev.path:
-                shutil.rmtree(path, ignore_errors=True)  # a copy restored from the snapshot store
         return table.select(_PROBED).append_column(columns.DUPLICATE, pa.array(duplicate))
 
 
@@ -132,6 +127,5 @@ def split_duplicates(output: pa.Table, unique: ResolvedUniqueRecords) -> tuple[p
     if not unique.dedup.write_duplicates:
         return output, None
     flags = output.column(columns.DUPLICATE)
-    internal = [columns.POS, columns.DEDUP_KEY, columns.DEDUP_TIME, columns.DUPLICATE]
-    dropped = output.filter(flags).select(internal[:3])
-    return output.filter(pc.invert(flags)).drop_columns(internal), dropped
+    dropped = output.filter(flags).select([columns.POS, columns.DEDUP_KEY, columns.DEDUP_TIME])
+    return output.filter(pc.invert(flags)).drop_columns(list(INTERNAL_OUT)), dropped

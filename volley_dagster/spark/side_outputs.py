@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 import pyarrow.compute as pc
-from pyspark.sql import DataFrame
+from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 
 from volley_dagster import columns
@@ -62,38 +62,27 @@ def _dead_letter_frame(plan: PlannedEpoch, pipeline: Pipeline, bound: int | None
     pos = F.col(columns.POS) if columns.POS in plan.keyed.columns else F.lit(None).cast("long")
     null_key = (plan.operator.dedup.describe_null() if isinstance(plan.operator, ResolvedUniqueRecords)
                 else f"null key: {pipeline.key_column!r} is null")
-    null_keys = plan.keyed.where(F.col(columns.KEY).isNull()).select(
-        pos.alias(columns.POS),
-        F.lit(null_key).alias("reason"),
-        F.to_json(F.struct(*user_cols)).alias("raw"),
-    )
-    bad = parse_errors.unionByName(null_keys)
+
+    def letters(where: Column, reason: str) -> DataFrame:
+        return plan.keyed.where(where).select(pos.alias(columns.POS), F.lit(reason).alias("reason"),
+                                              F.to_json(F.struct(*user_cols)).alias("raw"))
+
+    bad = parse_errors.unionByName(letters(F.col(columns.KEY).isNull(), null_key))
     if plan.dedup is not None:
-        null_dedup = plan.keyed.where(F.col(columns.KEY).isNotNull() & F.col(columns.DEDUP_KEY).isNull()).select(
-            pos.alias(columns.POS), F.lit(plan.dedup.describe_null()).alias("reason"),
-            F.to_json(F.struct(*user_cols)).alias("raw"),
-        )
-        bad = bad.unionByName(null_dedup)
+        bad = bad.unionByName(letters(F.col(columns.KEY).isNotNull() & F.col(columns.DEDUP_KEY).isNull(),
+                                      plan.dedup.describe_null()))
     clock = plan.event_time
     if clock is not None:
         column = clock.time_column
         keyed = F.col(columns.KEY).isNotNull()  # a record is a dead letter once, for its first reason
         if plan.dedup is not None:
             keyed = keyed & F.col(columns.DEDUP_KEY).isNotNull()
-        null_times = plan.keyed.where(keyed & F.col(column).isNull()).select(
-            pos.alias(columns.POS),
-            F.lit(f"null event time: {column!r} is null").alias("reason"),
-            F.to_json(F.struct(*user_cols)).alias("raw"),
-        )
-        bad = bad.unionByName(null_times)
+        bad = bad.unionByName(letters(keyed & F.col(column).isNull(), f"null event time: {column!r} is null"))
         if bound is not None:
-            skewed = plan.keyed.where(keyed & (clock.event_us() > F.lit(bound))).select(
-                pos.alias(columns.POS),
-                F.lit(f"event time beyond max_event_time_skew: {column!r} is later than "
-                      f"{describe_event_time(bound)} (the watermark or the epoch's cut time plus the skew)").alias("reason"),
-                F.to_json(F.struct(*user_cols)).alias("raw"),
-            )
-            bad = bad.unionByName(skewed)
+            bad = bad.unionByName(letters(
+                keyed & (clock.event_us() > F.lit(bound)),
+                f"event time beyond max_event_time_skew: {column!r} is later than {describe_event_time(bound)} "
+                "(the watermark or the epoch's cut time plus the skew)"))
     return bad
 
 
@@ -163,10 +152,9 @@ def _resolve_late(table: pa.Table, rng: EpochRange, pipeline: Pipeline, window: 
 def resolve_duplicates(dropped: pa.Table, rng: EpochRange, dedup: Deduplication) -> pa.Table:
     """The duplicates side output: where each dropped record is, its key and event time, in log order."""
     dropped = dropped.sort_by(columns.POS)
-    key_name = dedup.on[0] if len(dedup.on) == 1 else "dedup_key"
     cols = _positions(dropped, rng) + [dropped.column(columns.DEDUP_KEY),
                                         dropped.column(columns.DEDUP_TIME).cast(pa.timestamp("us", tz="UTC"))]
-    return pa.table(cols, names=[f.name for f in _WHERE] + [key_name, dedup.event_time.time_column])
+    return pa.table(cols, names=[f.name for f in _WHERE] + [dedup.key_name, dedup.event_time.time_column])
 
 
 def null_key_dead_letters(

@@ -13,6 +13,7 @@ import resource
 import shutil
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator
@@ -125,19 +126,15 @@ class ShardMerge:
         self, shard: int, data: pa.Table, null_keys: int, prev: PreviousSnapshot | None,
         resident: ResidentShard | None, t0: float,
     ) -> pa.Table:
-        source, download = self._local_previous(shard, prev)
         attempt = attempt_id()
-        try:
-            store = ShardStore.restore(
+        with previous_on_this_machine(shard, prev, self.remote, self.cache_root) as (source, download):
+            store = ShardStore.restore(  # an S3 restore is checkpointed into work/, then removed
                 source,
                 prev.files if prev else None,
                 Path(self.work_root) / snapshot_name(shard, attempt),
                 self.rocksdb,
                 self.verify_checksums,
             )
-        finally:
-            if source is not None and prev is not None and str(source) != prev.path:
-                shutil.rmtree(source, ignore_errors=True)  # the S3 restore was checkpointed into work/
         try:
             t1 = time.perf_counter()
             txn = store.transaction(self.scan_fraction, resident)
@@ -194,9 +191,6 @@ class ShardMerge:
         identity = {"state": self.state_identity, "shard": shard, "layout": self.operator.layout()}
         return self.resident.open(identity, prev.files if prev else None, records)
 
-    def _local_previous(self, shard: int, prev: PreviousSnapshot | None) -> tuple[Path | None, SnapshotDownload | None]:
-        return local_previous(shard, prev, self.remote, self.cache_root)
-
     def _output(self, values: list[pa.Array], entry: ShardEntry) -> pa.Table:
         names = [self.key_column] + self.operator.output_names() + [columns.STATS]
         rows = pa.table(values + [pa.nulls(len(values[0]), pa.string())], names=names)
@@ -213,11 +207,22 @@ def _records(data: pa.Table) -> int:
     return int(pc.sum(data.column(columns.ROWS)).as_py() or 0)
 
 
-def local_previous(shard: int, prev: PreviousSnapshot | None, remote: S3SnapshotStore | None,
-                   cache_root: str) -> tuple[Path | None, SnapshotDownload | None]:
-    """N-1's snapshot on this machine: the shared checkpoint root's copy, or when it
-    is not here, one restored from the snapshot store into the local cache (the
-    caller removes that copy when done)."""
+@contextmanager
+def previous_on_this_machine(shard: int, prev: PreviousSnapshot | None, remote: S3SnapshotStore | None,
+                             cache_root: str) -> Iterator[tuple[Path | None, SnapshotDownload | None]]:
+    """N-1's snapshot on this machine (None: no previous epoch) and what restoring it
+    cost: the shared checkpoint root's copy, or when it is not here, one restored from
+    the snapshot store into the local cache and removed when the block ends."""
+    path, download = _local_previous(shard, prev, remote, cache_root)
+    try:
+        yield path, download
+    finally:
+        if path is not None and prev is not None and str(path) != prev.path:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _local_previous(shard: int, prev: PreviousSnapshot | None, remote: S3SnapshotStore | None,
+                    cache_root: str) -> tuple[Path | None, SnapshotDownload | None]:
     if prev is None or Path(prev.path).exists() or remote is None:
         return (Path(prev.path) if prev else None), None
     if prev.remote_epoch is None:
