@@ -137,7 +137,9 @@ def test_kill_9_mid_epoch_heals_without_anyone(healing):
         server = wait_for(lambda: warm_spark(base), 150, "the warm Spark", srv)
         wait_for(lambda: (h := current_holder(state)) is not None and h.pid != first and h.released_at is None,
                  150, "a later run to hold the lease (its epochs under way)", srv)
-        time.sleep(1)
+        # inside a shard stage, not between two of them: the kill must fail an attempt
+        wait_for(lambda: run_worker_in_shard_stage(state) not in (None, first), 150,
+                 "a later run in its shard stage", srv)
         os.kill(server.server_pid, signal.SIGKILL)
     finally:
         lander.join()
