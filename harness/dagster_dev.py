@@ -170,7 +170,7 @@ def start_dagster_dev(workspace: str | os.PathLike[str], *,
                       keep_home: bool = False,
                       overrides: Mapping[str, Any] | None = None,
                       live_data_poll_rate_ms: int | None = 500,
-                      daemon_interval_s: float | None = 5.0,
+                      daemon_interval_s: float | None = 2.0,
                       extra_args: Sequence[str] = ()) -> DagsterDev:
     """Start ``dagster dev -w workspace -h 127.0.0.1 -p <port>`` and wait until it is usable.
 

@@ -24,15 +24,18 @@ def log_records(files: int, records_per_file: int, keys: int, seed: int = 7, fir
 
 def payments(
     events: Path, output: Path, shards: int = 3, name: str = "payments", tables: Path | None = None, fmt: str = "parquet",
-    on_foreign_lineage: str = "fail", source: Source | None = None,
+    on_foreign_lineage: str = "fail", source: Source | None = None, string_keys: bool = False,
 ) -> Pipeline:
     """Every accumulator kind over the payment events; with ``tables``, also a Delta
     table (upsert: the current state) and an Iceberg table (append: every epoch's output).
     ``fmt="json"`` reads a JSON-lines log (through the Python segment reader); ``source``
-    replaces the log at ``events`` (a Kafka topic)."""
+    replaces the log at ``events`` (a Kafka topic). ``string_keys``: merchant 12 is
+    keyed as ``m-000012``."""
+    pipeline = Pipeline(name).source(source or FileLog(events, format=fmt, schema=EVENT_SCHEMA if fmt == "json" else None))
+    if string_keys:
+        pipeline = pipeline.with_column("merchant_id", "format_string('m-%06d', merchant_id)")
     pipeline = (
-        Pipeline(name)
-        .source(source or FileLog(events, format=fmt, schema=EVENT_SCHEMA if fmt == "json" else None))
+        pipeline
         .where("status = 'active'")
         .key_by("merchant_id")
         .aggregate(

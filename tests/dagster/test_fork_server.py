@@ -25,7 +25,7 @@ from launcher.workers import run_worker_pid
 
 JOBS = textwrap.dedent('''
     import os, time
-    from dagster import Definitions, job, op
+    from dagster import Definitions, in_process_executor, job, op
 
     @op
     def record_pid(context):
@@ -39,7 +39,10 @@ JOBS = textwrap.dedent('''
     def quick():
         record_pid()
 
-    @job
+    # in one process, as the volley location runs its jobs (assets/location.py): Dagster's
+    # multiprocess executor loses a termination that arrives while it is starting a
+    # step's subprocess, which runs on to its end (upstream, whichever launcher)
+    @job(executor_def=in_process_executor)
     def slow():
         wait_a_minute()
 

@@ -4,6 +4,8 @@ straight computation over the source records, and re-runs change nothing."""
 from __future__ import annotations
 
 import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
 
 from tests.helpers import (
@@ -158,14 +160,16 @@ def test_empty_epoch_carries_state_forward_without_spark_work(spark, tmp_path):
     assert_state_equal(sinks["delta"].read(), reference_state(records))
 
 
-def test_resident_state_is_used_only_while_it_is_the_restored_snapshot(spark, tmp_path):
+@pytest.mark.parametrize("string_keys", [False, True], ids=["int_keys", "string_keys"])
+def test_resident_state_is_used_only_while_it_is_the_restored_snapshot(spark, tmp_path, string_keys):
     """Shards read state from their memory mirror between epochs; a mirror left behind
     by an epoch some other runner moved past (with the mirror off) is never used, and
-    the next epoch that scans rebuilds it. State and outputs equal the reference."""
+    the next epoch that scans rebuilds it. State and outputs equal the reference.
+    String keys are mirrored too (by hash, each string checked)."""
     from volley_dagster.state.resident import ResidentStateCache
 
     generate(tmp_path / "events", 5, 1_000, 400)
-    pipeline = payments(tmp_path / "events", tmp_path / "out")
+    pipeline = payments(tmp_path / "events", tmp_path / "out", string_keys=string_keys)
     cache = ResidentStateCache(str(tmp_path / "resident"))
     mirrored = EpochRunner(pipeline, tmp_path / "state", spark=spark, max_records_per_epoch=1_000, resident_state=cache)
     plain = EpochRunner(pipeline, tmp_path / "state", spark=spark, max_records_per_epoch=1_000, resident_state=False)
@@ -177,8 +181,13 @@ def test_resident_state_is_used_only_while_it_is_the_restored_snapshot(spark, tm
     assert "resident" not in modes[2] | modes[3]  # epoch 4: the mirror is epoch 2's state
     assert modes[3] == {"scan"}  # 1,000 records touch most of 400 keys: scanned, so mirrored again
     records = log_records(5, 1_000, 400)
-    assert_state_equal(mirrored.read_state(), reference_state(records))
-    assert_epoch_outputs(read_sink(tmp_path / "out"), records, {e: 1_000 for e in range(1, 6)})
+    state, outputs = mirrored.read_state(), read_sink(tmp_path / "out")
+    if string_keys:
+        assert all(k.startswith("m-") for k in state.column("merchant_id").to_pylist())
+        state = state.set_column(0, "merchant_id", pc.cast(pc.utf8_slice_codeunits(state.column(0), 2), pa.int64()))
+        outputs["merchant_id"] = outputs["merchant_id"].str[2:].astype("int64")
+    assert_state_equal(state, reference_state(records))
+    assert_epoch_outputs(outputs, records, {e: 1_000 for e in range(1, 6)})
 
 
 def test_a_new_checkpoint_root_is_its_owners_alone(tmp_path):

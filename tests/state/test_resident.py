@@ -4,9 +4,10 @@ being restored, one attempt at a time, and a failed attempt leaves none to trust
 from __future__ import annotations
 
 import numpy as np
+import pyarrow as pa
 import pytest
 
-from volley_dagster.state.resident import ResidentStateCache, lineage_of
+from volley_dagster.state.resident import MirrorKeys, ResidentStateCache, lineage_of
 
 DTYPE = np.dtype([("_format", np.uint8), ("total", np.float64), ("events", np.int64)])
 IDENTITY = {"state": "/root|payments", "shard": 0, "layout": {"namespace": 1}}
@@ -26,9 +27,13 @@ def states(keys: np.ndarray) -> np.ndarray:
     return rows
 
 
+def mirror_keys(keys: np.ndarray | list[str]) -> MirrorKeys:
+    return MirrorKeys.of(pa.array(keys))
+
+
 def commit_new(cache: ResidentStateCache, keys: np.ndarray, files: dict, identity: dict = IDENTITY) -> None:
     shard = cache.open(identity, None, DTYPE)
-    shard.update(keys, states(keys))
+    shard.update(mirror_keys(keys), states(keys))
     shard.commit(files)
     shard.release()
 
@@ -46,20 +51,20 @@ def test_mirror_round_trip_merges_new_keys_in_order(cache):
     shard = cache.open(IDENTITY, FILES_1, DTYPE)
     assert shard.complete
     touched = np.concatenate([first[:500], np.arange(20_000, 20_400, dtype=np.int64)])
-    got, existed = shard.lookup(touched, blank)
+    got, existed = shard.lookup(mirror_keys(touched), blank)
     assert existed.tolist() == [True] * 500 + [False] * 400
     np.testing.assert_array_equal(got[:500], states(first[:500]))
     assert (got["events"][500:] == 0).all() and (got["_format"] == 2).all()
     updated = states(touched)
     updated["events"] += 100
-    shard.update(touched, updated)
+    shard.update(mirror_keys(touched), updated)
     shard.commit(FILES_2)
     shard.release()
 
     shard = cache.open(IDENTITY, FILES_2, DTYPE)
     expected = {int(k): r for k, r in zip(first, states(first))} | {int(k): r for k, r in zip(touched, updated)}
     assert np.all(np.diff(shard.keys) > 0) and len(shard.keys) == len(expected)
-    got, existed = shard.lookup(np.array(sorted(expected), np.int64), blank)
+    got, existed = shard.lookup(mirror_keys(np.array(sorted(expected), np.int64)), blank)
     assert existed.all()
     np.testing.assert_array_equal(got, np.array([expected[k] for k in sorted(expected)], DTYPE))
     shard.release()
@@ -81,7 +86,7 @@ def test_failed_attempt_leaves_no_mirror_to_trust(cache):
     shard = cache.open(IDENTITY, FILES_1, DTYPE)
     changed = states(keys)
     changed["total"] = -1
-    shard.update(keys, changed)  # in place, then the attempt dies before its snapshot
+    shard.update(mirror_keys(keys), changed)  # in place, then the attempt dies before its snapshot
     shard.release()
     shard = cache.open(IDENTITY, FILES_1, DTYPE)
     assert not shard.complete
@@ -148,7 +153,7 @@ def test_memory_budget_drops_least_recent_mirrors(tmp_path):
 def test_mirror_that_cannot_be_written_is_dropped_not_fatal(cache, tmp_path):
     shard = cache.open(IDENTITY, None, DTYPE)
     (shard.path / "keys.npy").mkdir()  # a write that fails, as on a full /dev/shm
-    shard.update(np.arange(10, dtype=np.int64), states(np.arange(10, dtype=np.int64)))
+    shard.update(mirror_keys(np.arange(10, dtype=np.int64)), states(np.arange(10, dtype=np.int64)))
     shard.commit(FILES_1)
     shard.release()
     again = cache.open(IDENTITY, FILES_1, DTYPE)
@@ -156,3 +161,69 @@ def test_mirror_that_cannot_be_written_is_dropped_not_fatal(cache, tmp_path):
     again.release()
     (tmp_path / "not-a-dir").write_text("")
     assert ResidentStateCache(str(tmp_path / "not-a-dir")).open(IDENTITY, None, DTYPE) is None
+
+
+def test_string_keys_round_trip_by_hash_with_the_strings_beside(cache):
+    rng = np.random.default_rng(5)
+    first = [f"m-{i:06d}" for i in rng.choice(100_000, 2_000, replace=False)] + ["", "héllo", "x" * 300]
+    values = states(np.arange(len(first), dtype=np.int64))
+    shard = cache.open(IDENTITY, None, DTYPE, strings=True)
+    shard.update(mirror_keys(first), values)
+    shard.commit(FILES_1)
+    shard.release()
+    as_ints = cache.open(IDENTITY, FILES_1, DTYPE)
+    assert not as_ints.complete  # a mirror of int keys is another mirror
+    as_ints.release()
+
+    shard = cache.open(IDENTITY, FILES_1, DTYPE, strings=True)
+    assert shard.complete and len(shard.names) == len(first)
+    touched = first[:700] + [f"new-{i}" for i in range(300)]
+    got, existed = shard.lookup(mirror_keys(touched), blank)
+    assert existed.tolist() == [True] * 700 + [False] * 300
+    np.testing.assert_array_equal(got[:700], values[:700])
+    updated = states(np.arange(1_000, 2_000, dtype=np.int64))
+    shard.update(mirror_keys(touched), updated)
+    shard.remove(mirror_keys(first[-3:]))
+    shard.commit(FILES_2)
+    shard.release()
+
+    shard = cache.open(IDENTITY, FILES_2, DTYPE, strings=True)
+    expected = dict(zip(first, values)) | dict(zip(touched, updated))
+    for gone in first[-3:]:
+        expected.pop(gone)
+    assert np.all(np.diff(shard.keys) > 0) and len(shard.keys) == len(shard.names) == len(expected)
+    assert sorted(shard.names.to_pylist()) == sorted(expected)  # each string beside its own hash
+    np.testing.assert_array_equal(shard.keys, mirror_keys(shard.names.to_pylist()).order)
+    names = sorted(expected)
+    got, existed = shard.lookup(mirror_keys(names), blank)
+    assert existed.all()
+    np.testing.assert_array_equal(got, np.array([expected[k] for k in names], DTYPE))
+    shard.release()
+
+
+def test_two_strings_of_one_hash_never_share_a_state(cache):
+    """A forced hash clash (64-bit clashes are too rare to find): the lookup compares
+    the strings, drops the mirror and leaves the keys to RocksDB."""
+    shard = cache.open(IDENTITY, None, DTYPE, strings=True)
+    shard.update(MirrorKeys(np.array([7, 9], np.int64), pa.array(["a", "b"])), states(np.array([1, 2])))
+    assert shard.lookup(MirrorKeys(np.array([7], np.int64), pa.array(["a"])), blank)[1].tolist() == [True]
+    assert shard.lookup(MirrorKeys(np.array([9], np.int64), pa.array(["z"])), blank) is None
+    assert not shard.complete
+
+    shard.start_empty()  # two new keys of one hash in one epoch
+    shard.update(MirrorKeys(np.array([3, 3], np.int64), pa.array(["p", "q"])), states(np.array([1, 2])))
+    assert not shard.complete
+
+    shard.adopt(MirrorKeys(np.array([4, 4], np.int64), pa.array(["p", "q"])), states(np.array([1, 2])))
+    assert not shard.complete  # nor from a scan
+    shard.adopt(MirrorKeys(np.array([4, 5], np.int64), pa.array(["p", "q"])), states(np.array([1, 2])))
+    shard.update(MirrorKeys(np.array([5], np.int64), pa.array(["r"])), states(np.array([3])))
+    assert not shard.complete  # an unseen key landing on a mirrored key's hash
+    shard.commit(FILES_1)
+    shard.release()
+    assert not cache.open(IDENTITY, FILES_1, DTYPE, strings=True).complete
+
+
+def test_keys_too_long_to_hash_quickly_are_left_to_rocksdb():
+    assert mirror_keys(["k" * 1_025, "short"]).too_long
+    assert not mirror_keys(["k" * 1_024, "short"]).too_long and not mirror_keys(np.arange(3)).too_long

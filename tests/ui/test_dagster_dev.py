@@ -39,7 +39,7 @@ def server(tmp_path_factory):
         dagster_yaml=ROOT / "dagster.yaml",
         overrides={"run_coordinator": {"config": {"dequeue_interval_seconds": 1}}},
         home=base / "dagster_home",
-        env={"VOLLEY_TEST_BASE": str(base)},
+        env={"VOLLEY_TEST_BASE": str(base), "VOLLEY_TEST_WARM": "1"},  # runs share the warm Spark, as ./dev dagster
     ) as srv:
         for epoch in (1, 2, 3, 4):
             srv.client.add_dynamic_partition("payments_epochs", key(epoch))

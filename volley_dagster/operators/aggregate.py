@@ -18,7 +18,7 @@ from volley_dagster.operators.accumulators import Accumulator, StateOverflow, Va
 from volley_dagster.operators.base import OperatorStats, ShardStep, StateNamespaces
 from volley_dagster.operators.ttl import EXPIRED, TOUCHED, TOUCHED_PARTIAL, ShardExpiry, StateTtl, with_ttl_namespaces
 from volley_dagster.state.keys import decode_keys, encode_keys, key_columns, namespace_prefix
-from volley_dagster.state.resident import ResidentShard
+from volley_dagster.state.resident import MirrorKeys, ResidentShard
 from volley_dagster.state.transaction import ShardTransaction
 
 STATE_FORMAT = 2  # 2: first/last keep their log position
@@ -130,14 +130,20 @@ class ResolvedAggregate:
         if expiry is not None and expiry.due:  # untouched keys whose TTL entry came due: read them too
             keys = keys + expiry.due
             key_values = pa.concat_arrays([key_values, decode_keys(step.key_kind, expiry.due)[1].cast(key_values.type)])
-        resident = txn.resident  # only for int keys (``spark/tasks.py``)
-        ints = key_values.to_numpy(zero_copy_only=False).astype(np.int64) if resident is not None else np.empty(0, np.int64)
-        if resident is not None and resident.complete:
-            state, existed = resident.lookup(ints, self.blank_rows)
+        resident = txn.resident
+        mirror_keys = MirrorKeys.of(key_values) if resident is not None else None
+        found = None
+        if resident is not None and mirror_keys is not None:
+            if mirror_keys.too_long:
+                resident.discard()
+            elif resident.complete:
+                found = resident.lookup(mirror_keys, self.blank_rows)
+        if found is not None:
+            state, existed = found
         else:
             state, existed = self.decode(txn.get_many(keys, namespace_prefix(self.namespace)))
-            if resident is not None:
-                self._mirror(resident, txn.scanned_entries)
+            if resident is not None and mirror_keys is not None and not mirror_keys.too_long:
+                self._mirror(resident, txn.scanned_entries, step.key_kind)
         touched = state[:n]
         try:
             self.merge(touched, data, step.epoch)
@@ -153,8 +159,8 @@ class ResolvedAggregate:
         stats = OperatorStats(n, int((~existed[:n]).sum()))
         if expiry is None:
             txn.set_many(keys, self.encode(state))
-            if resident is not None and resident.complete:
-                resident.update(ints, state)
+            if resident is not None and resident.complete and mirror_keys is not None:
+                resident.update(mirror_keys, state)
             return outputs, stats
         expired = expiry.settle(keys, state, existed, self._touched_now(data, step))
         written = ~expired[:n]
@@ -164,9 +170,9 @@ class ResolvedAggregate:
             txn.delete_many(key_array[expired].tolist())
         else:
             txn.set_many(keys[:n], self.encode(state[:n]))
-        if resident is not None and resident.complete:
-            resident.update(ints[:n][written], state[:n][written])
-            resident.remove(ints[expired])
+        if resident is not None and resident.complete and mirror_keys is not None:
+            resident.update(mirror_keys[:n][written], state[:n][written])
+            resident.remove(mirror_keys[expired])
         emitted = np.arange(len(state)) < n
         emitted |= expired
         rows = pa.array(emitted)
@@ -180,14 +186,18 @@ class ResolvedAggregate:
             return np.full(data.num_rows, step.epoch, dtype=np.int64)
         return data.column(TOUCHED_PARTIAL).to_numpy(zero_copy_only=False).astype(np.int64)
 
-    def _mirror(self, resident: ResidentShard, scanned: dict[bytes, bytes] | None) -> None:
+    def _mirror(self, resident: ResidentShard, scanned: dict[bytes, bytes] | None, key_kind: str) -> None:
         """Build the shard's mirror from a scan that read all of it (else drop it)."""
         if scanned is None:
             resident.discard()
             return
-        _, keys = decode_keys("int", list(scanned))
+        _, keys = decode_keys(key_kind, list(scanned))
         states, _ = self.decode(list(scanned.values()))
-        resident.adopt(keys.to_numpy(), states)
+        mirror_keys = MirrorKeys.of(keys)
+        if mirror_keys.too_long:
+            resident.discard()
+            return
+        resident.adopt(mirror_keys, states)
 
     def decode(self, values: Sequence[bytes | None]) -> tuple[np.ndarray, np.ndarray]:
         """States for a batch of lookups (misses start zeroed) and which existed."""

@@ -138,7 +138,6 @@ class ShardMerge:
         try:
             t1 = time.perf_counter()
             txn = store.transaction(self.scan_fraction, resident)
-            hit = resident is not None and resident.complete
             outputs, operator_stats = self.operator.apply(txn, data, replace(self.step, shard=shard))
             t2 = time.perf_counter()
             written = txn.flush()
@@ -162,7 +161,7 @@ class ShardMerge:
         faults.fault_point("shard_after_snapshot", self.step.epoch, pid=self.driver_pid, shard=shard)
         entry = ShardEntry(
             shard, ShardSnapshot.of(snap, attempt, stored_remotely=upload is not None),
-            read_mode="resident" if hit else "scan" if txn.scanned else "multi_get",
+            read_mode="resident" if resident is not None and resident.answered else "scan" if txn.scanned else "multi_get",
             operator=operator_stats,
             records=_records(data) - operator_stats.figures.get(DUPLICATES, 0),  # dropped copies reach no state
             null_key_records=null_keys,
@@ -186,10 +185,10 @@ class ShardMerge:
 
     def _open_resident(self, shard: int, prev: PreviousSnapshot | None) -> ResidentShard | None:
         records = self.operator.resident_records
-        if self.resident is None or records is None or self.step.key_kind != "int":
+        if self.resident is None or records is None:
             return None
         identity = {"state": self.state_identity, "shard": shard, "layout": self.operator.layout()}
-        return self.resident.open(identity, prev.files if prev else None, records)
+        return self.resident.open(identity, prev.files if prev else None, records, strings=self.step.key_kind == "str")
 
     def _output(self, values: list[pa.Array], entry: ShardEntry) -> pa.Table:
         names = [self.key_column] + self.operator.output_names() + [columns.STATS]

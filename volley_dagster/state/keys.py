@@ -105,6 +105,36 @@ def namespace_prefix(namespace: int) -> bytes:
     return int(namespace).to_bytes(2, "big")
 
 
+_FNV_OFFSET = np.uint64(0xCBF29CE484222325)
+_FNV_PRIME = np.uint64(0x100000001B3)
+
+
+def string_key_hashes(keys: pa.Array) -> np.ndarray:
+    """64-bit FNV-1a of each string's UTF-8 bytes, in bulk: a byte position at a time
+    over the keys still that long, so the work is the keys' total bytes plus one NumPy
+    step per byte of the longest key. Not a fingerprint: whoever relies on it for
+    identity compares the strings too (``state/resident.py``)."""
+    arr = keys.cast(pa.large_binary())
+    n = len(arr)
+    hashes = np.full(n, _FNV_OFFSET, dtype=np.uint64)
+    if not n:
+        return hashes.view(np.int64)
+    offsets = np.frombuffer(arr.buffers()[1], dtype=np.int64, count=n + 1, offset=arr.offset * 8)
+    data = np.frombuffer(arr.buffers()[2], dtype=np.uint8) if arr.buffers()[2] is not None else np.empty(0, np.uint8)
+    lengths = np.diff(offsets)
+    order = np.argsort(-lengths, kind="stable")  # longest first: the keys at byte j are a prefix
+    starts, by_length = offsets[:-1][order], lengths[order]
+    h = hashes[order]
+    still = np.searchsorted(-by_length, -np.arange(int(by_length[0])), side="left")  # keys longer than j
+    with np.errstate(over="ignore"):
+        for j, count in enumerate(still.tolist()):
+            head = h[:count]
+            head ^= data[starts[:count] + j]
+            head *= _FNV_PRIME
+    hashes[order] = h
+    return hashes.view(np.int64)
+
+
 def key_columns(key_values: pa.Array, key_name: str, key_groups: np.ndarray,
                 key_group: str | None) -> tuple[list[pa.Array], list[str]]:
     """The key column of decoded state rows, followed by each row's key group (as
