@@ -3,6 +3,8 @@ Python workers all die), then resume: the result equals a clean run."""
 
 from __future__ import annotations
 
+import atexit
+import json
 import os
 import signal
 import subprocess
@@ -23,25 +25,67 @@ FILES, PER_FILE, KEYS, MAX, KEEP = 4, 1_500, 300, 1_500, 2
 ROOT = Path(__file__).resolve().parents[2]
 
 
+class SpareCrashWorkers:
+    """One crash worker kept started ahead (``crash_worker --spare``: its Spark up), so
+    a kill test does not wait for a JVM to start: about 6 s of each test's 20 on two
+    cores. The next spare starts once the taken one died, while the test resumes."""
+
+    def __init__(self) -> None:
+        self._spare: subprocess.Popen | None = None
+        atexit.register(self.stop)
+
+    def take(self) -> subprocess.Popen:
+        spare, self._spare = self._spare or self._start(), None
+        ready = spare.stdout.readline() if spare.stdout is not None else ""
+        if ready.strip() != "ready":  # it died starting: say why
+            _, err = spare.communicate(timeout=60)
+            raise AssertionError(f"the crash worker did not start: {ready!r}\n{err[-3000:]}")
+        return spare
+
+    def start_next(self) -> None:
+        if self._spare is None:
+            self._spare = self._start()
+
+    def stop(self) -> None:
+        if self._spare is not None:
+            _kill_group(self._spare)
+            self._spare = None
+
+    @staticmethod
+    def _start() -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, "-m", "tests.engine.crash_worker", "--spare"],
+            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True, start_new_session=True,
+        )
+
+
+SPARES = SpareCrashWorkers()
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:  # the whole process group: a crashed machine leaves no JVM or worker behind
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
 def run_until_killed(
     base: Path, point: str, epoch: int, shard: int | None = None, kind: str = "payments", max_records: int = MAX,
     env_extra: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess:
-    env = {**os.environ, "VOLLEY_KILL_AT": point, "VOLLEY_KILL_EPOCH": str(epoch), "PYTHONPATH": str(ROOT),
-           **(env_extra or {})}
+    """Run the pipeline in a crash worker that kills itself at ``point`` of ``epoch``."""
+    env = {"VOLLEY_KILL_AT": point, "VOLLEY_KILL_EPOCH": str(epoch), **(env_extra or {})}
     if shard is not None:
         env["VOLLEY_KILL_SHARD"] = str(shard)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.engine.crash_worker", str(base), str(max_records), str(KEEP), kind],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-    )
+    proc = SPARES.take()
+    request = {"args": [str(base), str(max_records), str(KEEP), kind], "env": env}
     try:
-        out, err = proc.communicate(timeout=240)
+        out, err = proc.communicate(json.dumps(request) + "\n", timeout=240)
     finally:
-        try:  # the whole process group: a crashed machine leaves no JVM or worker behind
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        _kill_group(proc)
+    SPARES.start_next()
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
