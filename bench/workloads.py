@@ -7,6 +7,7 @@ B  1-minute tumbling windows per merchant over all events, 30 s watermark, appen
 C  state-size scaling: a state of N keys built by one epoch, then epochs that each
    touch 100k keys (changed rows appended to Delta); run for a large and a small N
 D  the floor: a stateless Spark batch groupBy over the same epoch's files
+DB B's floor: a stateless Spark groupBy(merchant, window) of the same epoch's file
 """
 
 from __future__ import annotations

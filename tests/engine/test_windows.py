@@ -72,6 +72,8 @@ def test_windows_equal_reference(spark, tmp_path, windows):
     runner, results, ref = run_windows(spark, tmp_path, windows)
     check_against_reference(runner, results, ref)
     assert all(s.operator.figures["pending_evicted"] == 0 for r in results for s in r.shards.values())
+    # open windows are read from the shards' resident mirrors (state/resident.py), each epoch
+    assert {s.read_mode for r in results for s in r.shards.values()} - {"carried_forward"} == {"resident"}
     with pytest.raises(EpochOrderError, match="ended its stream"):
         runner.cut_next()
 

@@ -227,3 +227,56 @@ def test_two_strings_of_one_hash_never_share_a_state(cache):
 def test_keys_too_long_to_hash_quickly_are_left_to_rocksdb():
     assert mirror_keys(["k" * 1_025, "short"]).too_long
     assert not mirror_keys(["k" * 1_024, "short"]).too_long and not mirror_keys(np.arange(3)).too_long
+
+
+WINDOW = np.dtype([("start", np.int64), ("end", np.int64), ("_format", np.uint8), ("n", np.int64)])
+
+
+def windows(starts: list[int]) -> np.ndarray:
+    rows = np.zeros(len(starts), WINDOW)
+    rows["start"], rows["end"], rows["_format"], rows["n"] = starts, np.add(starts, 10), 2, np.add(starts, 1)
+    return rows
+
+
+@pytest.mark.parametrize("strings", [False, True], ids=["int_keys", "string_keys"])
+def test_window_mirror_holds_every_open_window_as_a_fold_of_the_epochs(cache, strings):
+    """Random epochs: each replaces the windows of the keys it touches (adding, keeping
+    or firing them all); the mirror, reopened every epoch, always equals a plain dict."""
+    rng = np.random.default_rng(11)
+    name = (lambda k: f"key-{k}") if strings else int
+    expected: dict = {}
+    files = None
+    for epoch in range(1, 16):
+        opened = cache.open_windows(IDENTITY, files, WINDOW, strings=strings)
+        assert opened is not None and opened.complete
+        keys = [name(k) for k in rng.choice(60, rng.integers(1, 30), replace=False)]
+        got, key_index = opened.windows_of(mirror_keys(keys))
+        for i, key in enumerate(keys):
+            np.testing.assert_array_equal(got[key_index == i], expected.get(key, windows([])))
+        after = {key: windows(sorted(rng.choice(1_000, rng.integers(0, 4), replace=False).tolist())) for key in keys}
+        rows = np.concatenate([after[k] for k in keys])
+        row_key = np.repeat(np.arange(len(keys)), [len(after[k]) for k in keys])
+        opened.replace(mirror_keys(keys), rows, row_key)
+        expected.update({k: v for k, v in after.items()})
+        expected = {k: v for k, v in expected.items() if len(v)}
+        files = {f"{epoch}.sst": {"size": epoch, "sha256": f"{epoch:064d}"}}
+        opened.commit(files)
+        opened.release()
+    final = cache.open_windows(IDENTITY, files, WINDOW, strings=strings)
+    assert len(final.values) == sum(len(v) for v in expected.values())
+    got, key_index = final.windows_of(mirror_keys(list(expected)))
+    for i, rows in enumerate(expected.values()):
+        np.testing.assert_array_equal(got[key_index == i], rows)
+    final.release()
+
+
+def test_window_mirror_from_a_scan_and_its_hash_clashes(cache):
+    shard = cache.open_windows(IDENTITY, None, WINDOW, strings=True)
+    shard.adopt(MirrorKeys(np.array([8, 3, 8], np.int64), pa.array(["b", "a", "b"])), windows([1, 2, 3]))
+    got, key_index = shard.windows_of(MirrorKeys(np.array([8, 3], np.int64), pa.array(["b", "a"])))
+    assert got["start"].tolist() == [1, 3, 2] and key_index.tolist() == [0, 0, 1]  # each key's rows, in scan order
+    assert shard.windows_of(MirrorKeys(np.array([8], np.int64), pa.array(["z"]))) is None  # z shares b's hash
+    assert not shard.complete
+    shard.adopt(MirrorKeys(np.array([5, 5], np.int64), pa.array(["p", "q"])), windows([1, 2]))
+    assert not shard.complete  # a scan holding two keys of one hash
+    shard.release()

@@ -18,7 +18,7 @@ from volley_dagster.operators.accumulators import Accumulator, StateOverflow, Va
 from volley_dagster.operators.base import OperatorStats, ShardStep, StateNamespaces
 from volley_dagster.operators.ttl import EXPIRED, TOUCHED, TOUCHED_PARTIAL, ShardExpiry, StateTtl, with_ttl_namespaces
 from volley_dagster.state.keys import decode_keys, encode_keys, key_columns, namespace_prefix
-from volley_dagster.state.resident import MirrorKeys, ResidentShard
+from volley_dagster.state.resident import MirrorKeys, ResidentRecords, ResidentShard
 from volley_dagster.state.transaction import ShardTransaction
 
 STATE_FORMAT = 2  # 2: first/last keep their log position
@@ -73,8 +73,8 @@ class ResolvedAggregate:
         object.__setattr__(self, "dtype", np.dtype(fields))
 
     @property
-    def resident_records(self) -> np.dtype:
-        return self.dtype
+    def resident_records(self) -> ResidentRecords:
+        return ResidentRecords(self.dtype)
 
     @property
     def namespaces(self) -> StateNamespaces:
@@ -130,7 +130,7 @@ class ResolvedAggregate:
         if expiry is not None and expiry.due:  # untouched keys whose TTL entry came due: read them too
             keys = keys + expiry.due
             key_values = pa.concat_arrays([key_values, decode_keys(step.key_kind, expiry.due)[1].cast(key_values.type)])
-        resident = txn.resident
+        resident = txn.resident if isinstance(txn.resident, ResidentShard) else None
         mirror_keys = MirrorKeys.of(key_values) if resident is not None else None
         found = None
         if resident is not None and mirror_keys is not None:

@@ -6,10 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import numpy as np
 import pyarrow as pa
 
 from volley_dagster.state.keys import ShardLayout
+from volley_dagster.state.resident import ResidentRecords
 from volley_dagster.state.transaction import ShardTransaction
 
 
@@ -66,9 +66,9 @@ class ShardStep:
 
 class StatefulOperator(Protocol):
     @property
-    def resident_records(self) -> np.dtype | None:
-        """One key's state as a fixed-width record, when a shard's state can stay
-        resident between epochs (``state/resident.py``); None: RocksDB only."""
+    def resident_records(self) -> ResidentRecords | None:
+        """A shard's state as fixed-width records, when it can stay resident between
+        epochs (``state/resident.py``); None: RocksDB only."""
 
     def layout(self) -> dict[str, Any]:
         """What must not change between epochs of one checkpoint root."""

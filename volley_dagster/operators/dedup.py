@@ -45,6 +45,7 @@ from volley_dagster.operators.base import OperatorStats, ShardStep, StatefulOper
 from volley_dagster.operators.event_time import EventTime
 from volley_dagster.state.keys import decode_keys, encode_keys, key_columns, namespace_prefix
 from volley_dagster.state.pending_index import ordered_us
+from volley_dagster.state.resident import ResidentRecords
 from volley_dagster.state.transaction import ShardTransaction
 
 # a key over several columns: every value exactly (microseconds, in UTC whatever the
@@ -204,7 +205,7 @@ class Deduplicated:
     dedup: Deduplication
 
     @property
-    def resident_records(self) -> np.dtype | None:
+    def resident_records(self) -> ResidentRecords | None:
         return self.inner.resident_records
 
     def layout(self) -> dict[str, Any]:

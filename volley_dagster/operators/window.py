@@ -27,7 +27,7 @@ shard tasks merge those partials with state (``window_state``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 import numpy as np
 import pyarrow as pa
@@ -43,6 +43,7 @@ from volley_dagster.operators.base import OperatorStats, ShardStep, StateNamespa
 from volley_dagster.operators.event_time import Duration, EventTime, duration_us
 from volley_dagster.operators.window_state import WINDOW_NAMESPACES, apply_windows, decode_windows, window_dtype
 from volley_dagster.state.keys import decode_keys, key_columns
+from volley_dagster.state.resident import ResidentRecords
 from volley_dagster.state.transaction import ShardTransaction
 
 WindowKind = Literal["tumbling", "sliding", "session"]
@@ -149,11 +150,14 @@ class WindowedAggregate:
 class ResolvedWindowAggregate:
     windowing: Windowing
     aggregate: ResolvedAggregate
-    resident_records: ClassVar[None] = None  # open windows per key vary in number: RocksDB only
 
     @property
     def windows(self) -> Windows:
         return self.windowing.windows
+
+    @property
+    def resident_records(self) -> ResidentRecords:
+        return ResidentRecords(window_dtype(self.aggregate), windows=True)
 
     def layout(self) -> dict[str, Any]:
         return {**self.aggregate.layout(), "windowing": self.windowing.layout()}

@@ -15,6 +15,7 @@ Everything is columnar: a batch of windows is one array, grouped by sorting.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -28,6 +29,7 @@ from volley_dagster.operators.aggregate import STATE_FORMAT, ResolvedAggregate
 from volley_dagster.operators.base import OperatorStats, ShardStep, StateNamespaces
 from volley_dagster.state.keys import decode_keys, encode_keys, namespace_prefix
 from volley_dagster.state.pending_index import PersistentPendingIndex
+from volley_dagster.state.resident import MirrorKeys, ResidentWindows
 from volley_dagster.state.transaction import ShardTransaction
 
 WINDOW_NS, PENDING_NS, META_NS = 2, 3, 4
@@ -105,6 +107,47 @@ def group_windows(
     return merged, key_index[leaders], merged["end"] != stored_end
 
 
+@dataclass
+class ShardWindowMirror:
+    """The shard's open windows in its resident mirror (``state/resident.py``), for the
+    keys this epoch touches or fires; RocksDB answers whenever the mirror cannot."""
+
+    resident: ResidentWindows
+    keys: MirrorKeys  # the epoch's state keys, as the mirror orders them
+    key_kind: str
+
+    @classmethod
+    def of(cls, txn: ShardTransaction, step: ShardStep, keys: list[bytes]) -> ShardWindowMirror | None:
+        if not isinstance(txn.resident, ResidentWindows):
+            return None
+        mirror_keys = MirrorKeys.of(decode_keys(step.key_kind, keys)[1])
+        if mirror_keys.too_long:
+            txn.resident.discard()
+            return None
+        return cls(txn.resident, mirror_keys, step.key_kind)
+
+    def windows(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """The keys' stored windows and each one's key index, when the mirror is whole."""
+        return self.resident.windows_of(self.keys) if self.resident.complete else None
+
+    def adopt_scan(self, scanned: dict[bytes, bytes] | None, dtype: np.dtype) -> None:
+        """Rebuild the mirror from a scan that read the whole shard (else drop it)."""
+        if scanned is None:
+            self.resident.discard()
+            return
+        rows, key_index = decode_windows(list(scanned.values()), dtype)
+        row_keys = MirrorKeys.of(decode_keys(self.key_kind, list(scanned))[1])
+        if row_keys.too_long:
+            self.resident.discard()
+            return
+        self.resident.adopt(row_keys[key_index], rows)
+
+    def replace(self, rows: np.ndarray, row_key: np.ndarray) -> None:
+        """The keys' windows after the epoch (the fired ones gone)."""
+        if self.resident.complete:
+            self.resident.replace(self.keys, rows, row_key)
+
+
 def apply_windows(
     aggregate: ResolvedAggregate, sessions: bool, max_pending: int | None,
     txn: ShardTransaction, data: pa.Table, step: ShardStep,
@@ -130,8 +173,17 @@ def apply_windows(
     due = pending.pop_due(limit) if limit is not None and (n or pending.may_fire(limit)) else []
     keys = touched + sorted(set(due).difference(touched))
 
-    stored = txn.get_many(keys, namespace_prefix(WINDOW_NS))
-    rows, key_index = decode_windows(stored, dtype)
+    mirror = ShardWindowMirror.of(txn, step, keys)
+    found = mirror.windows() if mirror is not None else None
+    if found is not None:
+        rows, key_index = found
+        existed = np.bincount(key_index, minlength=len(keys)) > 0
+    else:
+        stored = txn.get_many(keys, namespace_prefix(WINDOW_NS))
+        rows, key_index = decode_windows(stored, dtype)
+        existed = np.fromiter((v is not None for v in stored), dtype=bool, count=len(stored))
+        if mirror is not None:
+            mirror.adopt_scan(txn.scanned_entries, dtype)
     new = np.zeros(n, dtype=dtype)
     new["_format"] = STATE_FORMAT
     new["start"] = data.column(columns.WINDOW_START).to_numpy(zero_copy_only=False)
@@ -147,8 +199,9 @@ def apply_windows(
     fire = windows["end"] <= limit if limit is not None else np.zeros(len(windows), dtype=bool)
 
     records, counts = encode_windows(windows[~fire], window_key[~fire], len(keys))
+    if mirror is not None:
+        mirror.replace(windows[~fire], window_key[~fire])
     keep = counts > 0
-    existed = np.fromiter((v is not None for v in stored), dtype=bool, count=len(stored))
     key_array = np.array(keys, dtype=object) if keys else np.empty(0, dtype=object)
     txn.set_many(list(key_array[keep]), [r for r, k in zip(records, keep, strict=True) if k])
     txn.delete_many(list(key_array[~keep & existed]))

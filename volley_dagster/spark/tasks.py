@@ -31,7 +31,7 @@ from volley_dagster.operators.dedup import DUPLICATES
 from volley_dagster.sources.base import Source
 from volley_dagster.sources.offsets import Segment
 from volley_dagster.state.options import RocksDBOptions
-from volley_dagster.state.resident import ResidentShard, ResidentStateCache
+from volley_dagster.state.resident import ResidentMirror, ResidentStateCache
 from volley_dagster.state.store import FileDigests, ShardStore
 
 
@@ -124,7 +124,7 @@ class ShardMerge:
 
     def _merge_into(
         self, shard: int, data: pa.Table, null_keys: int, prev: PreviousSnapshot | None,
-        resident: ResidentShard | None, t0: float,
+        resident: ResidentMirror | None, t0: float,
     ) -> pa.Table:
         attempt = attempt_id()
         with previous_on_this_machine(shard, prev, self.remote, self.cache_root) as (source, download):
@@ -183,12 +183,13 @@ class ShardMerge:
         if self.fence is not None:
             self.fence.check(what)
 
-    def _open_resident(self, shard: int, prev: PreviousSnapshot | None) -> ResidentShard | None:
+    def _open_resident(self, shard: int, prev: PreviousSnapshot | None) -> ResidentMirror | None:
         records = self.operator.resident_records
         if self.resident is None or records is None:
             return None
         identity = {"state": self.state_identity, "shard": shard, "layout": self.operator.layout()}
-        return self.resident.open(identity, prev.files if prev else None, records, strings=self.step.key_kind == "str")
+        open_mirror = self.resident.open_windows if records.windows else self.resident.open
+        return open_mirror(identity, prev.files if prev else None, records.dtype, strings=self.step.key_kind == "str")
 
     def _output(self, values: list[pa.Array], entry: ShardEntry) -> pa.Table:
         names = [self.key_column] + self.operator.output_names() + [columns.STATS]

@@ -37,7 +37,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -56,6 +56,17 @@ _VALUES = "values.npy"
 _NAMES = "names.arrow"  # string keys, in the order of keys.npy
 _LOCK = ".lock"
 DEFAULT_MAX_MIB = 1024
+_Mirror = TypeVar("_Mirror", bound="ResidentMirror")
+
+
+@dataclass(frozen=True)
+class ResidentRecords:
+    """How an operator's shard state can stay resident: each key's fixed-width record
+    (``ResidentShard``), or, with ``windows``, each open window's (``ResidentWindows``)."""
+
+    dtype: np.dtype
+    windows: bool = False
+
 MAX_STRING_KEY_BYTES = 1024  # a longer key is hashed a byte at a time for too long: RocksDB answers
 
 
@@ -121,11 +132,23 @@ class ResidentStateCache:
         return cls(directory, min(mib * 2**20, _half_free(directory) or mib * 2**20))
 
     def open(
-        self, identity: dict[str, Any], previous_files: FileDigests | None, records: np.dtype, strings: bool = False
+        self, identity: dict[str, Any], previous_files: FileDigests | None, records: np.dtype, strings: bool = False,
     ) -> ResidentShard | None:
-        """The shard's mirror of ``records``, locked for this attempt: complete when its
-        lineage is ``previous_files`` (or the shard starts empty), else incomplete.
-        None when another attempt holds it."""
+        """The shard's mirror of ``records``, one per key, locked for this attempt:
+        complete when its lineage is ``previous_files`` (or the shard starts empty), else
+        incomplete. None when another attempt holds it."""
+        return self._open(ResidentShard, identity, previous_files, records, strings)
+
+    def open_windows(
+        self, identity: dict[str, Any], previous_files: FileDigests | None, records: np.dtype, strings: bool = False,
+    ) -> ResidentWindows | None:
+        """As ``open``, for a window operator: every open window a row."""
+        return self._open(ResidentWindows, identity, previous_files, records, strings)
+
+    def _open(
+        self, kind: type[_Mirror], identity: dict[str, Any], previous_files: FileDigests | None, records: np.dtype,
+        strings: bool,
+    ) -> _Mirror | None:
         name = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:24]
         path = Path(self.directory) / name
         try:
@@ -140,7 +163,7 @@ class ResidentStateCache:
         try:
             if os.fstat(lock).st_ino != os.stat(path / _LOCK).st_ino:
                 raise OSError("the mirror was evicted while this attempt locked it")
-            shard = ResidentShard(self, path, lock, identity, records, strings)
+            shard = kind(self, path, lock, identity, records, strings)
             if previous_files is None:
                 shard.start_empty()
             else:
@@ -157,8 +180,9 @@ def lineage_of(snapshot_files: FileDigests) -> str:
     return f"{digest}@{boot_id()}"
 
 
-class ResidentShard:
-    """One shard's mirror during one attempt (holds the lock until ``release``)."""
+class ResidentMirror:
+    """One shard's mirror during one attempt (holds the lock until ``release``): its
+    trust (lineage, lock, stamp) and storage; the subclasses say what a row is."""
 
     def __init__(
         self, cache: ResidentStateCache, path: Path, lock: int, identity: dict[str, Any], records: np.dtype,
@@ -210,84 +234,22 @@ class ResidentShard:
                 return
         self.keys, self.values, self.names = keys, values, names
 
-    def lookup(
-        self, keys: MirrorKeys, blank_rows: Callable[[int], np.ndarray]
-    ) -> tuple[np.ndarray, np.ndarray] | None:
-        """States of ``keys`` (blank where absent) and which existed; None when a
-        string key shares its hash with another in the mirror (dropped: RocksDB answers)."""
-        assert self.keys is not None and self.values is not None
-        state = blank_rows(len(keys))
-        if not len(self.keys):
-            self.answered = True
-            return state, np.zeros(len(keys), dtype=bool)
-        idx = np.minimum(np.searchsorted(self.keys, keys.order), len(self.keys) - 1)
-        existed = self.keys[idx] == keys.order
-        if keys.names is not None and not self._same_names(idx[existed], keys[existed]):
-            self.discard()
-            return None
-        state[existed] = self.values[idx[existed]]
-        self.answered = True
-        return state, existed
-
-    def adopt(self, keys: MirrorKeys, values: np.ndarray) -> None:
-        """The whole shard, as a scan of the restored snapshot read it."""
-        order = np.argsort(keys.order, kind="stable")
-        self._unstamp()
-        self.keys, self.values, self._rewrite = keys.order[order], values[order], True
-        self.names = keys[order].names
-        if len(self.keys) > 1 and not np.all(self.keys[1:] != self.keys[:-1]):
-            self.discard()  # two string keys of one hash
-
-    def update(self, keys: MirrorKeys, states: np.ndarray) -> None:
-        """Set the epoch's new states: in place for known keys, merged in for new ones."""
-        assert self.keys is not None and self.values is not None
-        self._unstamp()
-        idx = np.searchsorted(self.keys, keys.order)
-        known = idx < len(self.keys)
-        known[known] = self.keys[idx[known]] == keys.order[known]
-        if keys.names is not None and not self._same_names(idx[known], keys[known]):
-            self.discard()  # a new key with the hash of a mirrored one (a mirror adopted from a scan)
-            return
-        self.values[idx[known]] = states[known]
-        new = ~known
-        if not new.any():
-            return
-        order = np.argsort(keys.order[new], kind="stable")
-        added = keys[np.flatnonzero(new)[order]]
-        if len(added) > 1 and not np.all(added.order[1:] != added.order[:-1]):
-            self.discard()  # two new string keys of one hash
-            return
-        at = idx[new][order]
-        old = len(self.keys)
-        self.keys = np.insert(np.asarray(self.keys), at, added.order)
-        self.values = np.insert(np.asarray(self.values), at, states[new][order])
-        if self.names is not None and added.names is not None:
-            placed = at + np.arange(len(at))  # where np.insert put each new key
-            source = np.empty(len(self.keys), dtype=np.int64)
-            is_new = np.zeros(len(self.keys), dtype=bool)
-            is_new[placed] = True
-            source[is_new] = old + np.arange(len(at))
-            source[~is_new] = np.arange(old)
-            self.names = pa.concat_arrays([self.names, added.names]).take(pa.array(source))
-        self._rewrite = True
-
-    def remove(self, keys: MirrorKeys) -> None:
-        """Drop these keys (expired): the state no longer holds them."""
-        assert self.keys is not None and self.values is not None
-        if not len(keys) or not len(self.keys):
-            return
-        self._unstamp()
-        idx = np.minimum(np.searchsorted(self.keys, keys.order), len(self.keys) - 1)
-        keep = np.ones(len(self.keys), dtype=bool)
-        keep[idx[self.keys[idx] == keys.order]] = False
-        self.keys, self.values, self._rewrite = np.asarray(self.keys)[keep], np.asarray(self.values)[keep], True
-        if self.names is not None:
-            self.names = self.names.filter(pa.array(keep))
-
     def discard(self) -> None:
         """This attempt cannot keep the mirror whole (it read the shard sparsely)."""
         self._unstamp()
         self.keys = self.values = self.names = None
+
+    def _positions(self, keys: MirrorKeys) -> np.ndarray:
+        """Where each key is or would go in the mirror. String keys' hashes come in no
+        order, and a search for each in turn misses the cache at every step: sorted
+        first, each search starts where the last ended."""
+        assert self.keys is not None
+        if keys.names is None:  # int keys arrive sorted within each key group
+            return np.searchsorted(self.keys, keys.order)
+        order = np.argsort(keys.order)
+        positions = np.empty(len(order), dtype=np.intp)
+        positions[order] = np.searchsorted(self.keys, keys.order[order])
+        return positions
 
     def _same_names(self, at: np.ndarray, keys: MirrorKeys) -> bool:
         assert self.names is not None and keys.names is not None
@@ -338,6 +300,161 @@ class ResidentShard:
 
     def _unstamp(self) -> None:
         (self.path / _LINEAGE).unlink(missing_ok=True)
+
+
+class ResidentShard(ResidentMirror):
+    """A running aggregate's mirror: one state record per key."""
+
+    def lookup(
+        self, keys: MirrorKeys, blank_rows: Callable[[int], np.ndarray]
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """States of ``keys`` (blank where absent) and which existed; None when a
+        string key shares its hash with another in the mirror (dropped: RocksDB answers)."""
+        assert self.keys is not None and self.values is not None
+        state = blank_rows(len(keys))
+        if not len(self.keys):
+            self.answered = True
+            return state, np.zeros(len(keys), dtype=bool)
+        idx = np.minimum(self._positions(keys), len(self.keys) - 1)
+        existed = self.keys[idx] == keys.order
+        if keys.names is not None and not self._same_names(idx[existed], keys[existed]):
+            self.discard()
+            return None
+        state[existed] = self.values[idx[existed]]
+        self.answered = True
+        return state, existed
+
+    def adopt(self, keys: MirrorKeys, values: np.ndarray) -> None:
+        """The whole shard, as a scan of the restored snapshot read it."""
+        order = np.argsort(keys.order, kind="stable")
+        self._unstamp()
+        self.keys, self.values, self._rewrite = keys.order[order], values[order], True
+        self.names = keys[order].names
+        if len(self.keys) > 1 and not np.all(self.keys[1:] != self.keys[:-1]):
+            self.discard()  # two string keys of one hash
+
+    def update(self, keys: MirrorKeys, states: np.ndarray) -> None:
+        """Set the epoch's new states: in place for known keys, merged in for new ones."""
+        assert self.keys is not None and self.values is not None
+        self._unstamp()
+        idx = self._positions(keys)
+        known = idx < len(self.keys)
+        known[known] = self.keys[idx[known]] == keys.order[known]
+        if keys.names is not None and not self._same_names(idx[known], keys[known]):
+            self.discard()  # a new key with the hash of a mirrored one (a mirror adopted from a scan)
+            return
+        self.values[idx[known]] = states[known]
+        new = ~known
+        if not new.any():
+            return
+        order = np.argsort(keys.order[new], kind="stable")
+        added = keys[np.flatnonzero(new)[order]]
+        if len(added) > 1 and not np.all(added.order[1:] != added.order[:-1]):
+            self.discard()  # two new string keys of one hash
+            return
+        at = idx[new][order]
+        old = len(self.keys)
+        self.keys = np.insert(np.asarray(self.keys), at, added.order)
+        self.values = np.insert(np.asarray(self.values), at, states[new][order])
+        if self.names is not None and added.names is not None:
+            self.names = pa.concat_arrays([self.names, added.names]).take(pa.array(_merged_order(at, old)))
+        self._rewrite = True
+
+    def remove(self, keys: MirrorKeys) -> None:
+        """Drop these keys (expired): the state no longer holds them."""
+        assert self.keys is not None and self.values is not None
+        if not len(keys) or not len(self.keys):
+            return
+        self._unstamp()
+        idx = np.minimum(self._positions(keys), len(self.keys) - 1)
+        keep = np.ones(len(self.keys), dtype=bool)
+        keep[idx[self.keys[idx] == keys.order]] = False
+        self.keys, self.values, self._rewrite = np.asarray(self.keys)[keep], np.asarray(self.values)[keep], True
+        if self.names is not None:
+            self.names = self.names.filter(pa.array(keep))
+
+
+class ResidentWindows(ResidentMirror):
+    """A window operator's mirror: every open window of the shard as one row, sorted by
+    key (rows of one key in their stored order), so a key's windows are one range."""
+
+    def windows_of(self, keys: MirrorKeys) -> tuple[np.ndarray, np.ndarray] | None:
+        """The open windows of ``keys`` (distinct) and, for each, the index of its key;
+        None when a string key shares its hash with another (dropped: RocksDB answers)."""
+        assert self.keys is not None and self.values is not None
+        ranges = self._ranges(keys)
+        if ranges is None:
+            return None
+        rows, key_index = _expand(*ranges)
+        self.answered = True
+        return np.asarray(self.values[rows]), key_index
+
+    def adopt(self, row_keys: MirrorKeys, rows: np.ndarray) -> None:
+        """The whole shard, as a scan of the restored snapshot read it: each row's key."""
+        order = np.argsort(row_keys.order, kind="stable")
+        self._unstamp()
+        self.keys, self.values, self._rewrite = row_keys.order[order], rows[order], True
+        self.names = row_keys[order].names
+        if self.names is not None and len(self.keys) > 1:
+            same_hash = np.flatnonzero(self.keys[1:] == self.keys[:-1])
+            left, right = self.names.take(pa.array(same_hash)), self.names.take(pa.array(same_hash + 1))
+            if pc.all(pc.equal(left, right)).as_py() is False:
+                self.discard()  # two string keys of one hash
+
+    def replace(self, keys: MirrorKeys, rows: np.ndarray, row_key: np.ndarray) -> None:
+        """Every window of ``keys`` (distinct) becomes ``rows``; ``row_key``: the index in
+        ``keys`` of each row's key (a key without rows has none left)."""
+        assert self.keys is not None and self.values is not None
+        ranges = self._ranges(keys)
+        if ranges is None:
+            return
+        if len(keys) > 1 and keys.names is not None and len(np.unique(keys.order)) != len(keys):
+            self.discard()  # two of these string keys share a hash
+            return
+        self._unstamp()
+        drop = np.zeros(len(self.keys), dtype=bool)
+        drop[_expand(*ranges)[0]] = True
+        kept_keys, kept_values = np.asarray(self.keys)[~drop], np.asarray(self.values)[~drop]
+        order = np.argsort(keys.order[row_key], kind="stable")  # by key, each key's rows in their order
+        added = keys[row_key[order]]
+        at = np.searchsorted(kept_keys, added.order)
+        self.keys = np.insert(kept_keys, at, added.order)
+        self.values = np.insert(kept_values, at, rows[order])
+        if self.names is not None and added.names is not None:
+            kept_names = self.names.filter(pa.array(~drop))
+            self.names = pa.concat_arrays([kept_names, added.names]).take(pa.array(_merged_order(at, len(kept_keys))))
+        self._rewrite = True
+
+    def _ranges(self, keys: MirrorKeys) -> tuple[np.ndarray, np.ndarray] | None:
+        """Each key's rows ``[lo, hi)``; None (and the mirror dropped) on a hash clash."""
+        assert self.keys is not None
+        lo = self._positions(keys)
+        hi = np.searchsorted(self.keys, keys.order, side="right")
+        found = hi > lo
+        if keys.names is not None and not self._same_names(lo[found], keys[found]):
+            self.discard()
+            return None
+        return lo, hi
+
+
+def _expand(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The positions of every ``[lo, hi)`` range, and the range each belongs to."""
+    counts = hi - lo
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+    positions = np.arange(int(counts.sum()), dtype=np.int64) + np.repeat(lo - starts, counts)
+    return positions, np.repeat(np.arange(len(lo)), counts)
+
+
+def _merged_order(at: np.ndarray, kept: int) -> np.ndarray:
+    """After ``np.insert(kept_array, at, added)``: where each element came from, as an
+    index into ``kept_array`` followed by ``added``."""
+    placed = at + np.arange(len(at))
+    source = np.empty(kept + len(at), dtype=np.int64)
+    is_new = np.zeros(len(source), dtype=bool)
+    is_new[placed] = True
+    source[is_new] = kept + np.arange(len(at))
+    source[~is_new] = np.arange(kept)
+    return source
 
 
 def _half_free(directory: str) -> int:

@@ -21,7 +21,7 @@ import rocksdict
 from volley_dagster.errors import SnapshotError
 from volley_dagster.io.atomic import fsync_dir
 from volley_dagster.state.options import RocksDBOptions
-from volley_dagster.state.resident import ResidentShard
+from volley_dagster.state.resident import ResidentMirror
 from volley_dagster.state.transaction import DEFAULT_SCAN_FRACTION, ShardTransaction
 
 FileDigests = dict[str, dict[str, Any]]  # file name -> {"size": int, "sha256": str}
@@ -100,7 +100,7 @@ class ShardStore:
         return cls(rocksdict.Rdict(str(work_dir), options.build()), work_dir)
 
     def transaction(
-        self, scan_fraction: float = DEFAULT_SCAN_FRACTION, resident: ResidentShard | None = None
+        self, scan_fraction: float = DEFAULT_SCAN_FRACTION, resident: ResidentMirror | None = None
     ) -> ShardTransaction:
         return ShardTransaction(self.db, scan_fraction, resident)
 

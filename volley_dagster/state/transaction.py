@@ -15,7 +15,7 @@ import numpy as np
 import rocksdict
 
 from volley_dagster.state.options import write_options
-from volley_dagster.state.resident import ResidentShard
+from volley_dagster.state.resident import ResidentMirror
 
 _DELETED = object()
 # Scan the operator's prefix once a batch touches this share of the shard's keys: a scan
@@ -25,7 +25,7 @@ DEFAULT_SCAN_FRACTION = 0.2
 
 class ShardTransaction:
     def __init__(
-        self, db: rocksdict.Rdict, scan_fraction: float = DEFAULT_SCAN_FRACTION, resident: ResidentShard | None = None
+        self, db: rocksdict.Rdict, scan_fraction: float = DEFAULT_SCAN_FRACTION, resident: ResidentMirror | None = None
     ) -> None:
         self._db = db
         self._scan_fraction = scan_fraction
