@@ -15,7 +15,7 @@ from pyspark.sql import types as T
 from volley_dagster import columns
 from volley_dagster.errors import AggregateOverflowError, ConfigError, StateLayoutError
 from volley_dagster.operators.accumulators import Accumulator, StateOverflow, ValueKind, spark_ddl
-from volley_dagster.operators.base import OperatorStats, ShardStep, StateNamespaces
+from volley_dagster.operators.base import OperatorStats, ShardStep, StateNamespaces, partial_records
 from volley_dagster.operators.ttl import EXPIRED, TOUCHED, TOUCHED_PARTIAL, ShardExpiry, StateTtl, with_ttl_namespaces
 from volley_dagster.state.keys import decode_keys, encode_keys, key_columns, namespace_prefix
 from volley_dagster.state.resident import MirrorKeys, ResidentRecords, ResidentShard
@@ -132,17 +132,12 @@ class ResolvedAggregate:
             key_values = pa.concat_arrays([key_values, decode_keys(step.key_kind, expiry.due)[1].cast(key_values.type)])
         resident = txn.resident if isinstance(txn.resident, ResidentShard) else None
         mirror_keys = MirrorKeys.of(key_values) if resident is not None else None
-        found = None
-        if resident is not None and mirror_keys is not None:
-            if mirror_keys.too_long:
-                resident.discard()
-            elif resident.complete:
-                found = resident.lookup(mirror_keys, self.blank_rows)
+        found = resident.lookup(mirror_keys, self.blank_rows) if resident is not None and mirror_keys is not None else None
         if found is not None:
             state, existed = found
         else:
             state, existed = self.decode(txn.get_many(keys, namespace_prefix(self.namespace)))
-            if resident is not None and mirror_keys is not None and not mirror_keys.too_long:
+            if resident is not None:
                 self._mirror(resident, txn.scanned_entries, step.key_kind)
         touched = state[:n]
         try:
@@ -156,10 +151,10 @@ class ResolvedAggregate:
             ) from None
         state[:n] = touched
         outputs = [key_values] + self.outputs(state)
-        stats = OperatorStats(n, int((~existed[:n]).sum()))
+        stats = OperatorStats(n, int((~existed[:n]).sum()), records=partial_records(data))
         if expiry is None:
             txn.set_many(keys, self.encode(state))
-            if resident is not None and resident.complete and mirror_keys is not None:
+            if resident is not None and mirror_keys is not None:
                 resident.update(mirror_keys, state)
             return outputs, stats
         expired = expiry.settle(keys, state, existed, self._touched_now(data, step))
@@ -170,14 +165,14 @@ class ResolvedAggregate:
             txn.delete_many(key_array[expired].tolist())
         else:
             txn.set_many(keys[:n], self.encode(state[:n]))
-        if resident is not None and resident.complete and mirror_keys is not None:
+        if resident is not None and mirror_keys is not None:
             resident.update(mirror_keys[:n][written], state[:n][written])
             resident.remove(mirror_keys[expired])
         emitted = np.arange(len(state)) < n
         emitted |= expired
         rows = pa.array(emitted)
         out = [arr.filter(rows) for arr in outputs] + [pa.array(expired[emitted])]
-        return out, OperatorStats(stats.keys_touched, stats.new_keys, expiry.figures())
+        return out, OperatorStats(stats.keys_touched, stats.new_keys, expiry.figures(), stats.records)
 
     def _touched_now(self, data: pa.Table, step: ShardStep) -> np.ndarray:
         """What the epoch stamps on the keys it updates: its number, or each key's latest event time."""
@@ -193,11 +188,7 @@ class ResolvedAggregate:
             return
         _, keys = decode_keys(key_kind, list(scanned))
         states, _ = self.decode(list(scanned.values()))
-        mirror_keys = MirrorKeys.of(keys)
-        if mirror_keys.too_long:
-            resident.discard()
-            return
-        resident.adopt(mirror_keys, states)
+        resident.adopt(MirrorKeys.of(keys), states)
 
     def decode(self, values: Sequence[bytes | None]) -> tuple[np.ndarray, np.ndarray]:
         """States for a batch of lookups (misses start zeroed) and which existed."""

@@ -7,7 +7,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
+from volley_dagster import columns
 from volley_dagster.state.keys import ShardLayout
 from volley_dagster.state.resident import ResidentRecords
 from volley_dagster.state.transaction import ShardTransaction
@@ -48,6 +50,12 @@ class OperatorStats:
     keys_touched: int = 0
     new_keys: int = 0
     figures: dict[str, int] = field(default_factory=dict)
+    records: int = 0  # the epoch's records folded into state (a deduplication's dropped copies are none)
+
+
+def partial_records(data: pa.Table) -> int:
+    """The records a shard's partial rows stand for (each row counts its ``ROWS``)."""
+    return int(pc.sum(data.column(columns.ROWS)).as_py() or 0)
 
 
 @dataclass(frozen=True)

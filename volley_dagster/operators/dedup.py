@@ -41,7 +41,7 @@ from pyspark.sql import types as T
 
 from volley_dagster import columns
 from volley_dagster.errors import ConfigError
-from volley_dagster.operators.base import OperatorStats, ShardStep, StatefulOperator, StateNamespaces
+from volley_dagster.operators.base import OperatorStats, ShardStep, StatefulOperator, StateNamespaces, partial_records
 from volley_dagster.operators.event_time import EventTime
 from volley_dagster.state.keys import decode_keys, encode_keys, key_columns, namespace_prefix
 from volley_dagster.state.pending_index import ordered_us
@@ -233,7 +233,7 @@ class Deduplicated:
             seen.column(columns.KEY_GROUP).to_numpy(zero_copy_only=False).astype(np.int64),
             seen.column(columns.DEDUP_KEY).combine_chunks(),
             seen.column(columns.DEDUP_TIME).to_numpy(zero_copy_only=False).astype(np.int64))
-        return outputs, OperatorStats(stats.keys_touched, stats.new_keys, {**stats.figures, **figures})
+        return outputs, OperatorStats(stats.keys_touched, stats.new_keys, {**stats.figures, **figures}, stats.records)
 
 
 @dataclass(frozen=True)
@@ -306,7 +306,8 @@ class ResolvedUniqueRecords:
         if self.dedup.write_duplicates:
             outputs += [rows.column(columns.POS).combine_chunks(), keys, pa.array(times), pa.array(duplicate)]
         return outputs, OperatorStats(int(kept.sum()), figures["dedup_keys_remembered"],
-                                      {DUPLICATES: int(duplicate.sum()), **figures})
+                                      {DUPLICATES: int(duplicate.sum()), **figures},
+                                      partial_records(data.filter(pa.array(kept))))
 
 
 

@@ -26,7 +26,7 @@ import pyarrow.compute as pc
 from volley_dagster import columns
 from volley_dagster.errors import StateLayoutError
 from volley_dagster.operators.aggregate import STATE_FORMAT, ResolvedAggregate
-from volley_dagster.operators.base import OperatorStats, ShardStep, StateNamespaces
+from volley_dagster.operators.base import OperatorStats, ShardStep, StateNamespaces, partial_records
 from volley_dagster.state.keys import decode_keys, encode_keys, namespace_prefix
 from volley_dagster.state.pending_index import PersistentPendingIndex
 from volley_dagster.state.resident import MirrorKeys, ResidentWindows
@@ -120,15 +120,11 @@ class ShardWindowMirror:
     def of(cls, txn: ShardTransaction, step: ShardStep, keys: list[bytes]) -> ShardWindowMirror | None:
         if not isinstance(txn.resident, ResidentWindows):
             return None
-        mirror_keys = MirrorKeys.of(decode_keys(step.key_kind, keys)[1])
-        if mirror_keys.too_long:
-            txn.resident.discard()
-            return None
-        return cls(txn.resident, mirror_keys, step.key_kind)
+        return cls(txn.resident, MirrorKeys.of(decode_keys(step.key_kind, keys)[1]), step.key_kind)
 
     def windows(self) -> tuple[np.ndarray, np.ndarray] | None:
-        """The keys' stored windows and each one's key index, when the mirror is whole."""
-        return self.resident.windows_of(self.keys) if self.resident.complete else None
+        """The keys' stored windows and each one's key index, when the mirror can answer."""
+        return self.resident.windows_of(self.keys)
 
     def adopt_scan(self, scanned: dict[bytes, bytes] | None, dtype: np.dtype) -> None:
         """Rebuild the mirror from a scan that read the whole shard (else drop it)."""
@@ -136,16 +132,11 @@ class ShardWindowMirror:
             self.resident.discard()
             return
         rows, key_index = decode_windows(list(scanned.values()), dtype)
-        row_keys = MirrorKeys.of(decode_keys(self.key_kind, list(scanned))[1])
-        if row_keys.too_long:
-            self.resident.discard()
-            return
-        self.resident.adopt(row_keys[key_index], rows)
+        self.resident.adopt(MirrorKeys.of(decode_keys(self.key_kind, list(scanned))[1])[key_index], rows)
 
     def replace(self, rows: np.ndarray, row_key: np.ndarray) -> None:
         """The keys' windows after the epoch (the fired ones gone)."""
-        if self.resident.complete:
-            self.resident.replace(self.keys, rows, row_key)
+        self.resident.replace(self.keys, rows, row_key)
 
 
 def apply_windows(
@@ -227,4 +218,4 @@ def apply_windows(
         "pending_evicted_now": pending.evicted_now,
         "pending_evicted_fired": pending.evicted_fired,
     }
-    return outputs, OperatorStats(len(touched), int((~existed[: len(touched)]).sum()), figures)
+    return outputs, OperatorStats(len(touched), int((~existed[: len(touched)]).sum()), figures, partial_records(data))

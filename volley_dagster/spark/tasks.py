@@ -27,7 +27,6 @@ from volley_dagster.checkpoint.manifest import ShardEntry, ShardSnapshot, Snapsh
 from volley_dagster.checkpoint.s3_snapshots import S3SnapshotStore, UploadResult
 from volley_dagster.errors import SnapshotError, StorageFullError, is_disk_full
 from volley_dagster.operators.base import ShardStep, StatefulOperator
-from volley_dagster.operators.dedup import DUPLICATES
 from volley_dagster.sources.base import Source
 from volley_dagster.sources.offsets import Segment
 from volley_dagster.state.options import RocksDBOptions
@@ -163,7 +162,7 @@ class ShardMerge:
             shard, ShardSnapshot.of(snap, attempt, stored_remotely=upload is not None),
             read_mode="resident" if resident is not None and resident.answered else "scan" if txn.scanned else "multi_get",
             operator=operator_stats,
-            records=_records(data) - operator_stats.figures.get(DUPLICATES, 0),  # dropped copies reach no state
+            records=operator_stats.records,
             null_key_records=null_keys,
             keys_written=written,
             bytes_new=snap.bytes_new,
@@ -198,13 +197,6 @@ class ShardMerge:
             [pa.nulls(1, arr.type) for arr in values] + [pa.array([json.dumps(entry.to_dict())], pa.string())], names=names
         )
         return pa.concat_tables([rows, stats_row])
-
-
-def _records(data: pa.Table) -> int:
-    """The epoch's records a shard folded in (a deduplication's kept-key rows are none)."""
-    if columns.DEDUP_KEY in data.column_names:
-        data = data.filter(pc.is_null(data.column(columns.DEDUP_KEY)))
-    return int(pc.sum(data.column(columns.ROWS)).as_py() or 0)
 
 
 @contextmanager

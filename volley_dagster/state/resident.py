@@ -57,6 +57,7 @@ _NAMES = "names.arrow"  # string keys, in the order of keys.npy
 _LOCK = ".lock"
 DEFAULT_MAX_MIB = 1024
 _Mirror = TypeVar("_Mirror", bound="ResidentMirror")
+MAX_STRING_KEY_BYTES = 1024  # a longer key is hashed a byte at a time for too long: RocksDB answers
 
 
 @dataclass(frozen=True)
@@ -66,8 +67,6 @@ class ResidentRecords:
 
     dtype: np.dtype
     windows: bool = False
-
-MAX_STRING_KEY_BYTES = 1024  # a longer key is hashed a byte at a time for too long: RocksDB answers
 
 
 @dataclass(frozen=True)
@@ -102,6 +101,10 @@ class MirrorKeys:
         """A string key longer than the mirror hashes."""
         return self.names is not None and len(self.names) > 0 and (
             pc.max(pc.binary_length(self.names)).as_py() or 0) > MAX_STRING_KEY_BYTES
+
+    def clash(self) -> bool:
+        """Two of these distinct keys share a hash."""
+        return self.names is not None and len(np.unique(self.order)) != len(self.order)
 
 
 def default_directory() -> str:
@@ -239,6 +242,27 @@ class ResidentMirror:
         self._unstamp()
         self.keys = self.values = self.names = None
 
+    def holds(self, keys: MirrorKeys) -> bool:
+        """Whether the mirror is whole and can hold ``keys``; keys too long to hash drop it."""
+        if keys.too_long:
+            self.discard()
+        return self.complete
+
+    def adopt(self, row_keys: MirrorKeys, rows: np.ndarray) -> None:
+        """The whole shard, as a scan of the restored snapshot read it: each row's key."""
+        if row_keys.too_long:
+            self.discard()
+            return
+        order = np.argsort(row_keys.order, kind="stable")
+        self._unstamp()
+        self.keys, self.values, self._rewrite = row_keys.order[order], rows[order], True
+        self.names = row_keys[order].names
+        if self.names is not None and len(self.keys) > 1:  # rows of one hash must be rows of one key
+            same_hash = np.flatnonzero(self.keys[1:] == self.keys[:-1])
+            left, right = self.names.take(pa.array(same_hash)), self.names.take(pa.array(same_hash + 1))
+            if pc.all(pc.equal(left, right)).as_py() is False:
+                self.discard()
+
     def _positions(self, keys: MirrorKeys) -> np.ndarray:
         """Where each key is or would go in the mirror. String keys' hashes come in no
         order, and a search for each in turn misses the cache at every step: sorted
@@ -267,13 +291,9 @@ class ResidentMirror:
         try:
             if self._rewrite:
                 for name, arr in ((_KEYS, self.keys), (_VALUES, self.values)):
-                    tmp = self.path / f".{name}.tmp"
-                    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-                    with os.fdopen(fd, "wb") as fh:
-                        np.save(fh, np.asarray(arr))
-                    os.replace(tmp, self.path / name)
+                    self._write(name, functools.partial(_write_npy, np.asarray(arr)))
                 if self.names is not None:
-                    self._write_names(self.names)
+                    self._write(_NAMES, functools.partial(_write_arrow, self.names))
             else:
                 for arr in (self.keys, self.values):
                     if isinstance(arr, np.memmap):
@@ -286,13 +306,13 @@ class ResidentMirror:
                 with contextlib.suppress(OSError):
                     (self.path / name).unlink(missing_ok=True)
 
-    def _write_names(self, names: pa.Array) -> None:
-        tmp = self.path / f".{_NAMES}.tmp"
+    def _write(self, name: str, write: Callable[[Any], None]) -> None:
+        """Replace the mirror's file ``name`` whole (never through a link)."""
+        tmp = self.path / f".{name}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-        table = pa.table([names], names=["key"])
-        with os.fdopen(fd, "wb") as fh, pa.ipc.new_file(fh, table.schema) as writer:
-            writer.write_table(table)
-        os.replace(tmp, self.path / _NAMES)
+        with os.fdopen(fd, "wb") as fh:
+            write(fh)
+        os.replace(tmp, self.path / name)
 
     def release(self) -> None:
         self.keys = self.values = self.names = None  # unmaps
@@ -309,7 +329,10 @@ class ResidentShard(ResidentMirror):
         self, keys: MirrorKeys, blank_rows: Callable[[int], np.ndarray]
     ) -> tuple[np.ndarray, np.ndarray] | None:
         """States of ``keys`` (blank where absent) and which existed; None when a
-        string key shares its hash with another in the mirror (dropped: RocksDB answers)."""
+        string key shares its hash with another in the mirror, or the mirror cannot
+        answer (not whole, or dropped: RocksDB answers)."""
+        if not self.holds(keys):
+            return None
         assert self.keys is not None and self.values is not None
         state = blank_rows(len(keys))
         if not len(self.keys):
@@ -324,17 +347,10 @@ class ResidentShard(ResidentMirror):
         self.answered = True
         return state, existed
 
-    def adopt(self, keys: MirrorKeys, values: np.ndarray) -> None:
-        """The whole shard, as a scan of the restored snapshot read it."""
-        order = np.argsort(keys.order, kind="stable")
-        self._unstamp()
-        self.keys, self.values, self._rewrite = keys.order[order], values[order], True
-        self.names = keys[order].names
-        if len(self.keys) > 1 and not np.all(self.keys[1:] != self.keys[:-1]):
-            self.discard()  # two string keys of one hash
-
     def update(self, keys: MirrorKeys, states: np.ndarray) -> None:
         """Set the epoch's new states: in place for known keys, merged in for new ones."""
+        if not self.holds(keys):
+            return
         assert self.keys is not None and self.values is not None
         self._unstamp()
         idx = self._positions(keys)
@@ -349,8 +365,8 @@ class ResidentShard(ResidentMirror):
             return
         order = np.argsort(keys.order[new], kind="stable")
         added = keys[np.flatnonzero(new)[order]]
-        if len(added) > 1 and not np.all(added.order[1:] != added.order[:-1]):
-            self.discard()  # two new string keys of one hash
+        if added.clash():
+            self.discard()
             return
         at = idx[new][order]
         old = len(self.keys)
@@ -362,6 +378,8 @@ class ResidentShard(ResidentMirror):
 
     def remove(self, keys: MirrorKeys) -> None:
         """Drop these keys (expired): the state no longer holds them."""
+        if not self.holds(keys):
+            return
         assert self.keys is not None and self.values is not None
         if not len(keys) or not len(self.keys):
             return
@@ -380,38 +398,30 @@ class ResidentWindows(ResidentMirror):
 
     def windows_of(self, keys: MirrorKeys) -> tuple[np.ndarray, np.ndarray] | None:
         """The open windows of ``keys`` (distinct) and, for each, the index of its key;
-        None when a string key shares its hash with another (dropped: RocksDB answers)."""
-        assert self.keys is not None and self.values is not None
+        None when a string key shares its hash with another, or the mirror cannot answer."""
+        if not self.holds(keys):
+            return None
         ranges = self._ranges(keys)
         if ranges is None:
             return None
         rows, key_index = _expand(*ranges)
+        assert self.values is not None
         self.answered = True
         return np.asarray(self.values[rows]), key_index
-
-    def adopt(self, row_keys: MirrorKeys, rows: np.ndarray) -> None:
-        """The whole shard, as a scan of the restored snapshot read it: each row's key."""
-        order = np.argsort(row_keys.order, kind="stable")
-        self._unstamp()
-        self.keys, self.values, self._rewrite = row_keys.order[order], rows[order], True
-        self.names = row_keys[order].names
-        if self.names is not None and len(self.keys) > 1:
-            same_hash = np.flatnonzero(self.keys[1:] == self.keys[:-1])
-            left, right = self.names.take(pa.array(same_hash)), self.names.take(pa.array(same_hash + 1))
-            if pc.all(pc.equal(left, right)).as_py() is False:
-                self.discard()  # two string keys of one hash
 
     def replace(self, keys: MirrorKeys, rows: np.ndarray, row_key: np.ndarray) -> None:
         """Every window of ``keys`` (distinct) becomes ``rows``; ``row_key``: the index in
         ``keys`` of each row's key (a key without rows has none left)."""
-        assert self.keys is not None and self.values is not None
+        if not self.holds(keys):
+            return
         ranges = self._ranges(keys)
         if ranges is None:
             return
-        if len(keys) > 1 and keys.names is not None and len(np.unique(keys.order)) != len(keys):
-            self.discard()  # two of these string keys share a hash
+        if keys.clash():
+            self.discard()
             return
         self._unstamp()
+        assert self.keys is not None and self.values is not None
         drop = np.zeros(len(self.keys), dtype=bool)
         drop[_expand(*ranges)[0]] = True
         kept_keys, kept_values = np.asarray(self.keys)[~drop], np.asarray(self.values)[~drop]
@@ -455,6 +465,16 @@ def _merged_order(at: np.ndarray, kept: int) -> np.ndarray:
     source[is_new] = kept + np.arange(len(at))
     source[~is_new] = np.arange(kept)
     return source
+
+
+def _write_npy(arr: np.ndarray, fh: Any) -> None:
+    np.save(fh, arr)
+
+
+def _write_arrow(names: pa.Array, fh: Any) -> None:
+    table = pa.table([names], names=["key"])
+    with pa.ipc.new_file(fh, table.schema) as writer:
+        writer.write_table(table)
 
 
 def _half_free(directory: str) -> int:
