@@ -24,7 +24,7 @@ from pyspark.sql import functions as F
 from volley_dagster import columns
 from volley_dagster.checkpoint.s3_snapshots import S3SnapshotStore
 from volley_dagster.operators.dedup import INTERNAL_OUT, Deduplication, ResolvedUniqueRecords, find_duplicates
-from volley_dagster.spark.partitioning import partition_of_shard, to_shards, with_shard
+from volley_dagster.spark.partitioning import partition_of_shard, per_shard, to_shards, with_shard
 from volley_dagster.spark.task_errors import engine_errors
 from volley_dagster.spark.tasks import PreviousSnapshot, previous_on_this_machine
 from volley_dagster.state.keys import ShardLayout
@@ -38,7 +38,7 @@ KEPT_KEY_COLUMNS = [columns.DEDUP_KEY, columns.DEDUP_TIME]  # null on the record
 
 @dataclass(frozen=True)
 class DuplicateProbe:
-    """``applyInArrow`` per shard: which of its records repeat a key, against N-1's snapshot."""
+    """Per shard (``per_shard``): which of its records repeat a key, against N-1's snapshot."""
 
     previous: dict[int, PreviousSnapshot]
     rocksdb: RocksDBOptions
@@ -97,9 +97,8 @@ def probe_duplicates(rows: DataFrame, dedup: Deduplication, layout: ShardLayout,
     key_type = rows.schema[columns.DEDUP_KEY].dataType.simpleString()
     schema = (f"`{columns.SHARD}` int, `{columns.KEY_GROUP}` int, `{columns.DEDUP_KEY}` {key_type}, "
               f"`{columns.DEDUP_TIME}` bigint, `{columns.POS}` bigint, `{columns.DUPLICATE}` boolean")
-    probed = (routed.repartition(layout.num_shards, columns.PARTITION)
-              .groupBy(columns.PARTITION).applyInArrow(lambda table: probe(table), schema)  # Spark counts a callable's self
-              .persist(StorageLevel.MEMORY_AND_DISK))
+    probed = per_shard(routed.repartition(layout.num_shards, columns.PARTITION), probe, schema)
+    probed = probed.persist(StorageLevel.MEMORY_AND_DISK)
     try:
         with engine_errors():
             duplicates = probed.where(F.col(columns.DUPLICATE))

@@ -4,19 +4,25 @@ A shard is a contiguous range of key groups (``state/keys.py``). To send every
 row of a shard to one Spark partition, and only that shard's rows, the epoch
 repartitions by a small integer per shard chosen so that Spark's own hash
 partitioning (``pmod(murmur3(value, 42), n)``) puts shard ``s`` in partition
-``s``. The per-key aggregation after that exchange and the per-shard
-``applyInArrow`` both find their rows already in place, so Spark plans no
-second exchange; and each partition is one shard task.
+``s``. The per-key aggregation after that exchange finds its rows already in
+place, so Spark plans no second exchange; and each partition is one shard task,
+handed its rows by ``per_shard`` (a ``mapInArrow``, which unlike
+``groupBy().applyInArrow`` has nothing to sort first).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
+from typing import Callable, Iterator
 
+import pyarrow as pa
+import pyarrow.compute as pc
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 
 from volley_dagster import columns
+from volley_dagster.errors import VolleyError
 from volley_dagster.state.keys import ShardLayout
 
 _SEED = 42  # Spark's HashPartitioning seed
@@ -90,3 +96,29 @@ def to_shards(rows: DataFrame, layout: ShardLayout, routed: DataFrame | None = N
     if routed is not None:
         keyed = keyed.unionByName(routed, allowMissingColumns=True)
     return shard_markers(keyed, layout).repartition(layout.num_shards, columns.PARTITION)
+
+
+@dataclass(frozen=True)
+class _OnePartitionOneShard:
+    """``mapInArrow``: the partition's rows as one table, to ``task`` (none: an empty partition)."""
+
+    task: Callable[[pa.Table], pa.Table]
+
+    def __call__(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        received = list(batches)
+        if not received:
+            return
+        table = pa.Table.from_batches(received)
+        shards = pc.min_max(table.column(columns.SHARD))
+        if shards["min"] != shards["max"]:
+            raise VolleyError(
+                f"one Spark partition holds the rows of shards {shards['min']} to {shards['max']}: it must hold one "
+                "shard's only (spark/partitioning.py); nothing was committed. Was the plan changed to coalesce partitions?"
+            )
+        yield from self.task(table).to_batches()
+
+
+def per_shard(partitioned: DataFrame, task: Callable[[pa.Table], pa.Table], schema: str) -> DataFrame:
+    """``task`` once per shard, over its rows as one Arrow table, on rows routed by
+    ``to_shards`` (or repartitioned by ``PARTITION`` as it does)."""
+    return partitioned.mapInArrow(_OnePartitionOneShard(task), schema)

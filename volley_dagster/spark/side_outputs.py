@@ -2,7 +2,9 @@
 and where it came from (partition, file, offset). Bad records (unparseable, null
 key, null or unbelievable event time) become dead letters; for windows, the (record,
 window) pairs whose window had closed become late records, and the epoch's latest
-event time moves the watermark. One Spark job computes them all, before the state stage."""
+event time moves the watermark. One Spark job computes them all, before the state stage:
+one pass over the rows (observing the latest event time as it looks for bad ones), and
+for windows a second over the assigned pairs."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 import pyarrow.compute as pc
-from pyspark.sql import Column, DataFrame
+from pyspark.sql import Column, DataFrame, Observation
 from pyspark.sql import functions as F
 
 from volley_dagster import columns
@@ -28,6 +30,7 @@ _WHERE = [pa.field("partition", pa.string()), pa.field("file", pa.string()), pa.
 DEAD_LETTER_SCHEMA = pa.schema(_WHERE + [pa.field("reason", pa.string()), pa.field("raw", pa.string())])
 _SIDE = "_volley_side"  # which side output a row of the side-output job belongs to
 _MAX_EVENT = "_volley_max_event"
+_REASON = "_volley_reason"
 LATE_REASON = "window closed: window end + allowed lateness <= watermark"
 
 
@@ -43,47 +46,56 @@ def collect_side_outputs(plan: PlannedEpoch, pipeline: Pipeline, rng: EpochRange
     """Run the side-output job. ``assigned``: the windowed rows with their windows;
     ``watermark``: the one the epoch starts from; ``bound``: the latest event time
     believed (``EventTime.event_time_bound``)."""
+    latest = Observation() if plan.event_time is not None else None
     with engine_errors():
-        side = _side_output_frame(plan, pipeline, assigned, watermark, bound).toArrow()
+        side = _side_output_frame(plan, pipeline, assigned, watermark, bound, latest).toArrow()
     kind = side.column(_SIDE)
     dead = _resolve_dead_letters(side.filter(pc.equal(kind, "dead")).select([columns.POS, "reason", "raw"]), rng)
-    if plan.event_time is None:
+    if latest is None:
         return SideOutputs(dead)
     window = plan.windowed
     late = _resolve_late(side.filter(pc.equal(kind, "late")), rng, pipeline, window, watermark) if window else None
-    return SideOutputs(dead, late, side.filter(pc.equal(kind, "max")).column(_MAX_EVENT)[0].as_py())
+    return SideOutputs(dead, late, latest.get[_MAX_EVENT])
 
 
-def _dead_letter_frame(plan: PlannedEpoch, pipeline: Pipeline, bound: int | None = None) -> DataFrame:
-    parse_errors = plan.raw.where(F.col(columns.ERROR).isNotNull()).select(
-        F.col(columns.POS), F.col(columns.ERROR).alias("reason"), F.col(columns.RAW).alias("raw")
-    )
-    user_cols = [c for c in plan.keyed.columns if not c.startswith("_volley_")]
-    pos = F.col(columns.POS) if columns.POS in plan.keyed.columns else F.lit(None).cast("long")
+def _bad_reason(plan: PlannedEpoch, pipeline: Pipeline, bound: int | None) -> Column:
+    """Why a parsed record cannot reach state, its first reason only (null: it can;
+    ``valid_rows`` are exactly those)."""
     null_key = (plan.operator.dedup.describe_null() if isinstance(plan.operator, ResolvedUniqueRecords)
                 else f"null key: {pipeline.key_column!r} is null")
-
-    def letters(where: Column, reason: str) -> DataFrame:
-        return plan.keyed.where(where).select(pos.alias(columns.POS), F.lit(reason).alias("reason"),
-                                              F.to_json(F.struct(*user_cols)).alias("raw"))
-
-    bad = parse_errors.unionByName(letters(F.col(columns.KEY).isNull(), null_key))
+    reason = F.when(F.col(columns.KEY).isNull(), F.lit(null_key))
     if plan.dedup is not None:
-        bad = bad.unionByName(letters(F.col(columns.KEY).isNotNull() & F.col(columns.DEDUP_KEY).isNull(),
-                                      plan.dedup.describe_null()))
+        reason = reason.when(F.col(columns.DEDUP_KEY).isNull(), F.lit(plan.dedup.describe_null()))
     clock = plan.event_time
     if clock is not None:
         column = clock.time_column
-        keyed = F.col(columns.KEY).isNotNull()  # a record is a dead letter once, for its first reason
-        if plan.dedup is not None:
-            keyed = keyed & F.col(columns.DEDUP_KEY).isNotNull()
-        bad = bad.unionByName(letters(keyed & F.col(column).isNull(), f"null event time: {column!r} is null"))
+        reason = reason.when(F.col(column).isNull(), F.lit(f"null event time: {column!r} is null"))
         if bound is not None:
-            bad = bad.unionByName(letters(
-                keyed & (clock.event_us() > F.lit(bound)),
+            reason = reason.when(clock.event_us() > F.lit(bound), F.lit(
                 f"event time beyond max_event_time_skew: {column!r} is later than {describe_event_time(bound)} "
                 "(the watermark or the epoch's cut time plus the skew)"))
-    return bad
+    return reason
+
+
+def _dead_letter_frame(plan: PlannedEpoch, pipeline: Pipeline, bound: int | None = None,
+                       latest: Observation | None = None) -> DataFrame:
+    """The epoch's bad records in one pass over its rows; ``latest``: observes, in the
+    same pass, the latest event time of the valid ones."""
+    user_cols = [c for c in plan.keyed.columns if not c.startswith("_volley_")]
+    pos = F.col(columns.POS) if columns.POS in plan.keyed.columns else F.lit(None).cast("long")
+    tagged = plan.keyed.withColumn(_REASON, _bad_reason(plan, pipeline, bound))
+    if latest is not None:
+        assert plan.event_time is not None
+        valid_time = F.when(F.col(_REASON).isNull(), plan.event_time.event_us())
+        tagged = tagged.observe(latest, F.max(valid_time).alias(_MAX_EVENT))
+    bad = tagged.where(F.col(_REASON).isNotNull()).select(
+        pos.alias(columns.POS), F.col(_REASON).alias("reason"), F.to_json(F.struct(*user_cols)).alias("raw"))
+    if not plan.may_have_bad_records:  # a native Parquet read: every record parsed
+        return bad
+    parse_errors = plan.raw.where(F.col(columns.ERROR).isNotNull()).select(
+        F.col(columns.POS), F.col(columns.ERROR).alias("reason"), F.col(columns.RAW).alias("raw")
+    )
+    return parse_errors.unionByName(bad)
 
 
 def valid_rows(plan: PlannedEpoch, bound: int | None = None) -> DataFrame:
@@ -100,14 +112,10 @@ def valid_rows(plan: PlannedEpoch, bound: int | None = None) -> DataFrame:
 
 
 def _side_output_frame(plan: PlannedEpoch, pipeline: Pipeline, assigned: DataFrame | None, watermark: int | None,
-                  bound: int | None) -> DataFrame:
-    """Bad records, and with event time the latest one, and for windows the late pairs: one Spark job."""
-    side = _dead_letter_frame(plan, pipeline, bound).withColumn(_SIDE, F.lit("dead"))
-    clock = plan.event_time
-    if clock is None:
-        return side
-    latest = valid_rows(plan, bound).agg(F.max(clock.event_us()).alias(_MAX_EVENT)).withColumn(_SIDE, F.lit("max"))
-    side = side.unionByName(latest, allowMissingColumns=True)
+                       bound: int | None, latest: Observation | None) -> DataFrame:
+    """Bad records (observing the latest event time as they are looked for), and for
+    windows the late pairs: one Spark job, of one pass over the rows, two with windows."""
+    side = _dead_letter_frame(plan, pipeline, bound, latest).withColumn(_SIDE, F.lit("dead"))
     window = plan.windowed
     if window is None or assigned is None:
         return side

@@ -72,7 +72,7 @@ def snapshot_name(shard: int, attempt: str) -> str:
 
 @dataclass(frozen=True)
 class ShardMerge:
-    """``applyInArrow`` per shard: restore N-1, fold partials in, flush, snapshot N."""
+    """Per shard (``per_shard``): restore N-1, fold partials in, flush, snapshot N."""
 
     step: ShardStep
     key_column: str
