@@ -3,7 +3,7 @@ the probe job, then the duplicates are left out (``spark/dedup.py``)] -> side ou
 (bad records, late records, the epoch's latest event time: one job,
 ``spark/side_outputs.py``) -> [windows: assign, drop late] -> partial aggregate per
 key (or key and window) in the JVM -> key group and shard (Spark expressions) -> one
-applyInArrow call per shard (state merge, firing, snapshot: ``spark/tasks.py``).
+Python call per shard, ``per_shard`` (state merge, firing, snapshot: ``spark/tasks.py``).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from pyspark.sql import DataFrame, SparkSession
 
 from volley_dagster import columns
 from volley_dagster.checkpoint.manifest import ShardEntry, ShardSnapshot
+from volley_dagster.errors import VolleyError
 from volley_dagster.operators.base import OperatorStats
 from volley_dagster.operators.dedup import DUPLICATES, ResolvedUniqueRecords
 from volley_dagster.operators.ttl import NEXT_DUE
@@ -35,7 +36,7 @@ from volley_dagster.spark.dedup import (
     route_records,
     split_duplicates,
 )
-from volley_dagster.spark.partitioning import ROUTING_COLUMNS, to_shards
+from volley_dagster.spark.partitioning import ROUTING_COLUMNS, per_shard, to_shards
 from volley_dagster.spark.plan import PlannedEpoch, plan_epoch
 from volley_dagster.spark.side_outputs import (
     DEAD_LETTER_SCHEMA,
@@ -153,15 +154,15 @@ def run_stage(
         t1 = time.perf_counter()
         out_schema = ", ".join(_output_ddl(pipeline, plan) + [f"`{columns.STATS}` string"])
         with engine_errors(), _inputs_unchanged(pipeline, rng, plan):
-            out = (
-                partials.groupBy(columns.PARTITION)
-                .applyInArrow(lambda table: merge(table), out_schema)  # Spark counts a callable's self
-                .toArrow()
-            )
+            out = per_shard(partials, merge, out_schema).toArrow()
         t2 = time.perf_counter()
         is_stats = pc.is_valid(out.column(columns.STATS))
-        entries = (ShardEntry.from_dict(json.loads(v)) for v in out.filter(is_stats).column(columns.STATS).to_pylist())
+        entries = [ShardEntry.from_dict(json.loads(v)) for v in out.filter(is_stats).column(columns.STATS).to_pylist()]
         shards = {entry.shard: entry for entry in entries}
+        if len(shards) != len(entries):  # a shard's rows split over two tasks: each saw part of them
+            ran = sorted(entry.shard for entry in entries)
+            raise VolleyError(f"epoch {rng.epoch}: shard tasks ran for shards {ran}: a shard ran more than once, "
+                              "each task with part of its rows; nothing was committed (spark/partitioning.py)")
         if dead is None:
             dead = null_key_dead_letters(plan, pipeline, rng, shards)
     finally:
