@@ -97,16 +97,17 @@ def volley_runner(w: Workload, work: Path, spark):
     return EpochRunner(w.pipeline(work / "tables"), work / "state", spark=spark, keep_epochs=3)
 
 
-def volley_epoch(runner, w: Workload, index: int) -> dict[str, Any]:
+def volley_epoch(runner, w: Workload, index: int, paired: bool) -> dict[str, Any]:
     """Run file ``index`` as one epoch; its figures. Right after it, in the same Spark,
     its floor over the same file: the ratio of the two is measured under the same load
-    (this machine is shared, and its speed drifts within a run)."""
+    (this machine is shared, and its speed drifts within a run). ``paired``: warm runs
+    only (a cold run's time includes its process's start, and so would the floor's)."""
     runner.max_records_per_epoch = w.records(index)
     t = time.perf_counter()
     r = runner.run_next()
     wall = time.perf_counter() - t
     d = r.durations
-    floor = FLOOR_OF.get(w.name)
+    floor = FLOOR_OF.get(w.name) if paired else None
     return {
         "floor_s": floor_epoch(runner.spark, floor, w.events / w.files[index]) if floor else None,
         "epoch": r.epoch, "records": r.records_in, "seconds": wall, "keys_touched": r.keys_touched,
@@ -131,10 +132,10 @@ def volley_empty_epochs(runner, n: int) -> list[float]:
     return times
 
 
-def run_volley(w: Workload, work: Path, indices: list[int], empty: int) -> dict[str, Any]:
+def run_volley(w: Workload, work: Path, indices: list[int], empty: int, paired: bool) -> dict[str, Any]:
     spark = spark_session(w.shards)
     runner = volley_runner(w, work, spark)
-    batches = [volley_epoch(runner, w, i) for i in indices]
+    batches = [volley_epoch(runner, w, i, paired) for i in indices]
     out: dict[str, Any] = {"batches": batches}
     if empty:
         out["empty_epoch_s"] = volley_empty_epochs(runner, empty)
@@ -204,7 +205,7 @@ def child(args: argparse.Namespace) -> None:
     w = Workload(args.workload, Path(args.events), tuple(args.files.split(",")), args.shards)
     work, indices = Path(args.work), [int(i) for i in args.indices.split(",")]
     if args.child == "volley":
-        out = run_volley(w, work, indices, args.empty)
+        out = run_volley(w, work, indices, args.empty, args.paired)
     elif args.child == "peer":
         out = run_peer(w, work, indices)
     else:
@@ -212,12 +213,12 @@ def child(args: argparse.Namespace) -> None:
     Path(args.out).write_text(json.dumps(out))
 
 
-def spawn(engine: str, w: Workload, work: Path, indices: list[int], empty: int = 0) -> dict[str, Any]:
+def spawn(engine: str, w: Workload, work: Path, indices: list[int], empty: int = 0, paired: bool = False) -> dict[str, Any]:
     work.mkdir(parents=True, exist_ok=True)
     out = work / f"{engine}-{indices[0]}-{indices[-1]}.json"
     cmd = [sys.executable, __file__, "--child", engine, "--workload", w.name, "--events", str(w.events),
            "--files", ",".join(w.files), "--shards", str(w.shards), "--work", str(work),
-           "--indices", ",".join(map(str, indices)), "--empty", str(empty), "--out", str(out)]
+           "--indices", ",".join(map(str, indices)), "--empty", str(empty), "--out", str(out)] + (["--paired"] if paired else [])
     t = time.perf_counter()
     subprocess.run(cmd, check=True, cwd=ROOT)
     result = json.loads(out.read_text())
@@ -228,7 +229,7 @@ def spawn(engine: str, w: Workload, work: Path, indices: list[int], empty: int =
 def run_mode(engine: str, w: Workload, work: Path, mode: str, epochs: int, empty: int) -> dict[str, Any]:
     indices = list(range(epochs))
     if mode == "warm":
-        return spawn(engine, w, work, indices, empty)
+        return spawn(engine, w, work, indices, empty, paired=True)
     runs = [spawn(engine, w, work, [i]) for i in indices]  # a new process and Spark per epoch
     batches = []
     for run in runs:
@@ -302,6 +303,7 @@ def main() -> None:
     for name in ("--workload", "--events", "--files", "--work", "--indices", "--out"):
         parser.add_argument(name)
     parser.add_argument("--empty", type=int, default=0)
+    parser.add_argument("--paired", action="store_true", help="time the workload's floor after each epoch")
     args = parser.parse_args()
     if args.child:
         return child(args)

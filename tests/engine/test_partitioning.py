@@ -10,8 +10,10 @@ import pytest
 from pyspark.sql import functions as F
 
 from volley_dagster import columns
+from volley_dagster.checkpoint.manifest import ShardEntry, ShardSnapshot
 from volley_dagster.errors import VolleyError
 from volley_dagster.spark.partitioning import _OnePartitionOneShard, per_shard, to_shards
+from volley_dagster.spark.stage import shard_entries
 from volley_dagster.state.keys import ShardLayout
 
 
@@ -53,4 +55,15 @@ def test_a_partition_holding_two_shards_is_refused_naming_them():
     with pytest.raises(VolleyError, match="shards 1 to 2"):
         list(task(iter([batch])))
     assert list(task(iter([]))) == []  # an empty partition: no task call, no rows
+    assert list(task(iter([batch.slice(0, 0)]))) == []  # nor one that arrives as empty batches
     assert [b.num_rows for b in task(iter([batch.slice(0, 2)]))] == [2]
+
+
+def test_a_shard_that_ran_in_two_tasks_is_refused():
+    def stats(shard: int) -> str:
+        entry = ShardEntry(shard, ShardSnapshot(f"snapshots/3/shard-{shard}", {}, 0, "a1"), "multi_get", records=5)
+        return json.dumps(entry.to_dict())
+
+    assert sorted(shard_entries([stats(0), stats(1)], epoch=3)) == [0, 1]
+    with pytest.raises(VolleyError, match=r"epoch 3: shard tasks ran for shards \[0, 1, 1\]: a shard ran more than once"):
+        shard_entries([stats(1), stats(0), stats(1)], epoch=3)

@@ -105,7 +105,7 @@ class _OnePartitionOneShard:
     task: Callable[[pa.Table], pa.Table]
 
     def __call__(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        received = list(batches)
+        received = [batch for batch in batches if batch.num_rows]
         if not received:
             return
         table = pa.Table.from_batches(received)

@@ -3,8 +3,9 @@ and where it came from (partition, file, offset). Bad records (unparseable, null
 key, null or unbelievable event time) become dead letters; for windows, the (record,
 window) pairs whose window had closed become late records, and the epoch's latest
 event time moves the watermark. One Spark job computes them all, before the state stage:
-one pass over the rows (observing the latest event time as it looks for bad ones), and
-for windows a second over the assigned pairs."""
+one pass over the parsed rows (observing the latest event time as it looks for bad
+ones), for windows a second over the assigned pairs, and for a Python-decoded read
+one over its cached raw rows for the parse errors."""
 
 from __future__ import annotations
 
@@ -79,8 +80,8 @@ def _bad_reason(plan: PlannedEpoch, pipeline: Pipeline, bound: int | None) -> Co
 
 def _dead_letter_frame(plan: PlannedEpoch, pipeline: Pipeline, bound: int | None = None,
                        latest: Observation | None = None) -> DataFrame:
-    """The epoch's bad records in one pass over its rows; ``latest``: observes, in the
-    same pass, the latest event time of the valid ones."""
+    """The epoch's bad records, in one pass over its parsed rows (plus its parse errors);
+    ``latest``: observes, in the same pass, the latest event time of the valid ones."""
     user_cols = [c for c in plan.keyed.columns if not c.startswith("_volley_")]
     pos = F.col(columns.POS) if columns.POS in plan.keyed.columns else F.lit(None).cast("long")
     tagged = plan.keyed.withColumn(_REASON, _bad_reason(plan, pipeline, bound))
@@ -114,7 +115,7 @@ def valid_rows(plan: PlannedEpoch, bound: int | None = None) -> DataFrame:
 def _side_output_frame(plan: PlannedEpoch, pipeline: Pipeline, assigned: DataFrame | None, watermark: int | None,
                        bound: int | None, latest: Observation | None) -> DataFrame:
     """Bad records (observing the latest event time as they are looked for), and for
-    windows the late pairs: one Spark job, of one pass over the rows, two with windows."""
+    windows the late pairs: one Spark job."""
     side = _dead_letter_frame(plan, pipeline, bound, latest).withColumn(_SIDE, F.lit("dead"))
     window = plan.windowed
     if window is None or assigned is None:

@@ -157,12 +157,7 @@ def run_stage(
             out = per_shard(partials, merge, out_schema).toArrow()
         t2 = time.perf_counter()
         is_stats = pc.is_valid(out.column(columns.STATS))
-        entries = [ShardEntry.from_dict(json.loads(v)) for v in out.filter(is_stats).column(columns.STATS).to_pylist()]
-        shards = {entry.shard: entry for entry in entries}
-        if len(shards) != len(entries):  # a shard's rows split over two tasks: each saw part of them
-            ran = sorted(entry.shard for entry in entries)
-            raise VolleyError(f"epoch {rng.epoch}: shard tasks ran for shards {ran}: a shard ran more than once, "
-                              "each task with part of its rows; nothing was committed (spark/partitioning.py)")
+        shards = shard_entries(out.filter(is_stats).column(columns.STATS).to_pylist(), rng.epoch)
         if dead is None:
             dead = null_key_dead_letters(plan, pipeline, rng, shards)
     finally:
@@ -184,6 +179,19 @@ def run_stage(
     output = output.sort_by([(c, "ascending") for c in pipeline.output_keys()])
     return StageResult(output, dead, shards, t1 - t0, t2 - t1, late, new_watermark, plan.enrichment_figures(ran=True),
                        duplicates, duplicate_records)
+
+
+def shard_entries(stats: list[str], epoch: int) -> dict[int, ShardEntry]:
+    """Each shard task's manifest entry, from its stats row. Two rows for one shard mean
+    its rows were split over two tasks, each folding in part of them: refused."""
+    entries = [ShardEntry.from_dict(json.loads(v)) for v in stats]
+    shards = {entry.shard: entry for entry in entries}
+    if len(shards) != len(entries):
+        ran = sorted(entry.shard for entry in entries)
+        raise VolleyError(f"epoch {epoch}: shard tasks ran for shards {ran}: a shard ran more than once, each task "
+                          "with part of its rows; nothing was committed (spark/partitioning.py routes one shard "
+                          "to one partition)")
+    return shards
 
 
 def _output_ddl(pipeline: Pipeline, plan: PlannedEpoch) -> list[str]:
