@@ -1,8 +1,9 @@
 """Runs epochs over Spark Connect in its own process (PySpark switches a whole
 process into Connect mode): ``python -m tests.engine.connect_worker URL BASE [SESSION_ID]``
 (with a session id: attached to that server-side session, as Dagster runs on the warm Spark are).
-Prints one JSON line: records per epoch, the error a task-side failure raised, and an
-enriched epoch's join counts."""
+Prints one JSON line: records per epoch, the error a task-side failure raised, an
+enriched epoch's join counts, and each epoch's watermark and late records of a window
+pipeline over ``BASE/events-w`` (its latest event time observed in the side-output job)."""
 
 import json
 import sys
@@ -11,7 +12,8 @@ from pathlib import Path
 from deltalake import write_deltalake
 
 from tests.helpers import enriched_payments, merchants_table, payments
-from volley_dagster import EpochRunner, VolleyError
+from tests.window_reference import window_pipeline
+from volley_dagster import EpochRunner, VolleyError, tumbling
 from volley_dagster.demo.events import generate
 from volley_dagster.spark.stage import plan_epoch, run_stage
 from volley_dagster.spark.warm import warm_session
@@ -26,6 +28,9 @@ if __name__ == "__main__":
     write_deltalake(base / "merchants", merchants_table(200, 0))
     enriched = EpochRunner(enriched_payments(base / "events", base / "out-enriched"), base / "state-enriched",
                            spark=spark, max_records_per_epoch=2_000).run_available(max_epochs=1)
+    windows = EpochRunner(window_pipeline(base / "events-w", base / "out-w", tumbling("10 seconds"), delay="5 seconds",
+                                          lateness="0 seconds"), base / "state-w", spark=spark,
+                          max_records_per_epoch=300).run_available()
     generate(base / "events", 1, 500, 200, first_file=2)
     rng = runner.cut_next()
     plan = plan_epoch(spark, runner.pipeline, rng)
@@ -36,4 +41,5 @@ if __name__ == "__main__":
         error = None
     except VolleyError as exc:
         error = f"{type(exc).__name__}: {exc}"
-    print(json.dumps({"records": records, "error": error, "enriched": enriched[0].enrichments["merchants"]}))
+    print(json.dumps({"records": records, "error": error, "enriched": enriched[0].enrichments["merchants"],
+                      "windows": [{"epoch": r.epoch, "watermark": r.watermark, "late": r.late_records} for r in windows]}))

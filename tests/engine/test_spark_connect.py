@@ -13,8 +13,11 @@ import sys
 import time
 from pathlib import Path
 
+import pyarrow.parquet as pq
+
 from tests.helpers import assert_state_equal, log_records, payments, reference_state
-from volley_dagster import EpochRunner
+from tests.window_reference import reference, window_rows
+from volley_dagster import EpochRunner, tumbling
 from volley_dagster.demo.events import generate
 from volley_dagster.process import is_alive
 from volley_dagster.spark.warm import find_or_start, read_record, stop
@@ -29,6 +32,7 @@ def test_epochs_over_the_warm_spark_which_restarts_and_ends_with_its_owner(tmp_p
     home = tmp_path / "warm"
     owner = subprocess.Popen(["sleep", "600"], start_new_session=True)
     generate(tmp_path / "events", 2, 1_500, 200)
+    window_files = generate(tmp_path / "events-w", 4, 300, 20, events_per_second=10, disorder_s=30)
     try:
         first = find_or_start(home, owner_pid=owner.pid)
         url = first.url
@@ -64,6 +68,16 @@ def test_epochs_over_the_warm_spark_which_restarts_and_ends_with_its_owner(tmp_p
     active = log_records(2, 1_500, 200).slice(0, 2_000).to_pandas().query("status == 'active'")
     assert result["enriched"]["records"] == len(active)  # observed over Connect, not zeros
     assert result["enriched"]["dropped"] == int((active["merchant_id"] % 7 == 3).sum()) > 0
+    # windows over Connect: the watermark comes from an observed maximum (spark/side_outputs.py)
+    ref = reference([tmp_path / "events-w" / f for f in window_files], tumbling("10 seconds"), 5_000_000, 0,
+                    end_of_stream=False)
+    assert [w["epoch"] for w in result["windows"]] == [1, 2, 3, 4]
+    assert [w["watermark"] for w in result["windows"]] == [ref.watermark[e] for e in range(1, 5)]
+    assert [w["late"] for w in result["windows"]] == [len(ref.late[e]) for e in range(1, 5)]
+    assert sum(w["late"] for w in result["windows"]) > 0
+    for e in range(1, 5):
+        fired = pq.read_table(tmp_path / "out-w" / "windows" / f"epoch-{e:010d}.parquet")
+        assert window_rows(fired) == ref.fired[e], f"epoch {e}"
     runner = EpochRunner(payments(tmp_path / "events", tmp_path / "out"), tmp_path / "state")
     assert runner.committed_epoch() == 2
     assert_state_equal(runner.read_state(), reference_state(log_records(2, 1_500, 200)))
