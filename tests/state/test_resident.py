@@ -7,9 +7,10 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from volley_dagster.state.resident import MirrorKeys, ResidentStateCache, lineage_of
+from volley_dagster.state.resident import MirrorKeys, ResidentRecords, ResidentStateCache, lineage_of
 
 DTYPE = np.dtype([("_format", np.uint8), ("total", np.float64), ("events", np.int64)])
+RECORDS = ResidentRecords(DTYPE)
 IDENTITY = {"state": "/root|payments", "shard": 0, "layout": {"namespace": 1}}
 FILES_1 = {"000010.sst": {"size": 10, "sha256": "a" * 64}}
 FILES_2 = {"000011.sst": {"size": 12, "sha256": "b" * 64}}
@@ -32,7 +33,7 @@ def mirror_keys(keys: np.ndarray | list[str]) -> MirrorKeys:
 
 
 def commit_new(cache: ResidentStateCache, keys: np.ndarray, files: dict, identity: dict = IDENTITY) -> None:
-    shard = cache.open(identity, None, DTYPE)
+    shard = cache.open(identity, None, RECORDS)
     shard.update(mirror_keys(keys), states(keys))
     shard.commit(files)
     shard.release()
@@ -48,7 +49,7 @@ def test_mirror_round_trip_merges_new_keys_in_order(cache):
     first = rng.choice(10_000, 3_000, replace=False).astype(np.int64) - 5_000  # negative keys too
     commit_new(cache, first, FILES_1)
 
-    shard = cache.open(IDENTITY, FILES_1, DTYPE)
+    shard = cache.open(IDENTITY, FILES_1, RECORDS)
     assert shard.complete
     touched = np.concatenate([first[:500], np.arange(20_000, 20_400, dtype=np.int64)])
     got, existed = shard.lookup(mirror_keys(touched), blank)
@@ -61,7 +62,7 @@ def test_mirror_round_trip_merges_new_keys_in_order(cache):
     shard.commit(FILES_2)
     shard.release()
 
-    shard = cache.open(IDENTITY, FILES_2, DTYPE)
+    shard = cache.open(IDENTITY, FILES_2, RECORDS)
     expected = {int(k): r for k, r in zip(first, states(first))} | {int(k): r for k, r in zip(touched, updated)}
     assert np.all(np.diff(shard.keys) > 0) and len(shard.keys) == len(expected)
     got, existed = shard.lookup(mirror_keys(np.array(sorted(expected), np.int64)), blank)
@@ -74,7 +75,7 @@ def test_mirror_of_another_snapshot_or_state_is_not_used(cache):
     commit_new(cache, np.arange(100, dtype=np.int64), FILES_1)
     for identity, files in ((IDENTITY, FILES_2), ({**IDENTITY, "shard": 1}, FILES_1),
                             ({**IDENTITY, "state": "/other|payments"}, FILES_1)):
-        shard = cache.open(identity, files, DTYPE)
+        shard = cache.open(identity, files, RECORDS)
         assert not shard.complete
         shard.release()
     assert lineage_of(FILES_1) != lineage_of(FILES_2)
@@ -83,42 +84,42 @@ def test_mirror_of_another_snapshot_or_state_is_not_used(cache):
 def test_failed_attempt_leaves_no_mirror_to_trust(cache):
     keys = np.arange(100, dtype=np.int64)
     commit_new(cache, keys, FILES_1)
-    shard = cache.open(IDENTITY, FILES_1, DTYPE)
+    shard = cache.open(IDENTITY, FILES_1, RECORDS)
     changed = states(keys)
     changed["total"] = -1
     shard.update(mirror_keys(keys), changed)  # in place, then the attempt dies before its snapshot
     shard.release()
-    shard = cache.open(IDENTITY, FILES_1, DTYPE)
+    shard = cache.open(IDENTITY, FILES_1, RECORDS)
     assert not shard.complete
     shard.release()
 
 
 def test_one_attempt_at_a_time(cache):
     commit_new(cache, np.arange(10, dtype=np.int64), FILES_1)
-    first = cache.open(IDENTITY, FILES_1, DTYPE)
-    assert first.complete and cache.open(IDENTITY, FILES_1, DTYPE) is None  # a concurrent attempt reads RocksDB
+    first = cache.open(IDENTITY, FILES_1, RECORDS)
+    assert first.complete and cache.open(IDENTITY, FILES_1, RECORDS) is None  # a concurrent attempt reads RocksDB
     first.release()
-    again = cache.open(IDENTITY, FILES_1, DTYPE)
+    again = cache.open(IDENTITY, FILES_1, RECORDS)
     assert again.complete
     again.release()
 
 
 def test_damaged_mirror_falls_back(cache):
     commit_new(cache, np.arange(1_000, dtype=np.int64), FILES_1)
-    shard = cache.open(IDENTITY, FILES_1, DTYPE)
+    shard = cache.open(IDENTITY, FILES_1, RECORDS)
     path = shard.path
     shard.release()
     (path / "values.npy").write_bytes((path / "values.npy").read_bytes()[:100])
-    shard = cache.open(IDENTITY, FILES_1, DTYPE)
+    shard = cache.open(IDENTITY, FILES_1, RECORDS)
     assert not shard.complete
     shard.release()
     commit_new(cache, np.arange(1_000, dtype=np.int64), FILES_1)
     (path / "keys.npy").write_bytes(b"")  # emptied
-    shard = cache.open(IDENTITY, FILES_1, DTYPE)
+    shard = cache.open(IDENTITY, FILES_1, RECORDS)
     assert shard is not None and not shard.complete
     shard.release()  # and the lock with it: the next attempt gets the mirror
     commit_new(cache, np.arange(10, dtype=np.int64), FILES_1)
-    shard = cache.open(IDENTITY, FILES_1, DTYPE)
+    shard = cache.open(IDENTITY, FILES_1, RECORDS)
     assert shard.complete and len(shard.keys) == 10
     shard.release()
 
@@ -128,7 +129,7 @@ def test_folder_others_can_write_is_never_trusted(tmp_path):
     shared.mkdir()
     shared.chmod(0o777)
     cache = ResidentStateCache(str(shared))
-    assert cache.open(IDENTITY, None, DTYPE) is None
+    assert cache.open(IDENTITY, None, RECORDS) is None
 
 
 def test_memory_budget_drops_least_recent_mirrors(tmp_path):
@@ -138,44 +139,44 @@ def test_memory_budget_drops_least_recent_mirrors(tmp_path):
         commit_new(cache, keys, FILES_1, {**IDENTITY, "shard": shard})
     kept = []
     for shard in range(3):
-        opened = cache.open({**IDENTITY, "shard": shard}, FILES_1, DTYPE)
+        opened = cache.open({**IDENTITY, "shard": shard}, FILES_1, RECORDS)
         kept.append(opened.complete)
         opened.release()
     assert kept == [False, True, True]
 
     small = ResidentStateCache(str(tmp_path / "small"), max_bytes=10_000)  # one mirror alone is over
     commit_new(small, keys, FILES_1)
-    opened = small.open(IDENTITY, FILES_1, DTYPE)
+    opened = small.open(IDENTITY, FILES_1, RECORDS)
     assert not opened.complete
     opened.release()
 
 
 def test_mirror_that_cannot_be_written_is_dropped_not_fatal(cache, tmp_path):
-    shard = cache.open(IDENTITY, None, DTYPE)
+    shard = cache.open(IDENTITY, None, RECORDS)
     (shard.path / "keys.npy").mkdir()  # a write that fails, as on a full /dev/shm
     shard.update(mirror_keys(np.arange(10, dtype=np.int64)), states(np.arange(10, dtype=np.int64)))
     shard.commit(FILES_1)
     shard.release()
-    again = cache.open(IDENTITY, FILES_1, DTYPE)
+    again = cache.open(IDENTITY, FILES_1, RECORDS)
     assert not again.complete
     again.release()
     (tmp_path / "not-a-dir").write_text("")
-    assert ResidentStateCache(str(tmp_path / "not-a-dir")).open(IDENTITY, None, DTYPE) is None
+    assert ResidentStateCache(str(tmp_path / "not-a-dir")).open(IDENTITY, None, RECORDS) is None
 
 
 def test_string_keys_round_trip_by_hash_with_the_strings_beside(cache):
     rng = np.random.default_rng(5)
     first = [f"m-{i:06d}" for i in rng.choice(100_000, 2_000, replace=False)] + ["", "héllo", "x" * 300]
     values = states(np.arange(len(first), dtype=np.int64))
-    shard = cache.open(IDENTITY, None, DTYPE, strings=True)
+    shard = cache.open(IDENTITY, None, RECORDS, strings=True)
     shard.update(mirror_keys(first), values)
     shard.commit(FILES_1)
     shard.release()
-    as_ints = cache.open(IDENTITY, FILES_1, DTYPE)
+    as_ints = cache.open(IDENTITY, FILES_1, RECORDS)
     assert not as_ints.complete  # a mirror of int keys is another mirror
     as_ints.release()
 
-    shard = cache.open(IDENTITY, FILES_1, DTYPE, strings=True)
+    shard = cache.open(IDENTITY, FILES_1, RECORDS, strings=True)
     assert shard.complete and len(shard.names) == len(first)
     touched = first[:700] + [f"new-{i}" for i in range(300)]
     got, existed = shard.lookup(mirror_keys(touched), blank)
@@ -187,7 +188,7 @@ def test_string_keys_round_trip_by_hash_with_the_strings_beside(cache):
     shard.commit(FILES_2)
     shard.release()
 
-    shard = cache.open(IDENTITY, FILES_2, DTYPE, strings=True)
+    shard = cache.open(IDENTITY, FILES_2, RECORDS, strings=True)
     expected = dict(zip(first, values)) | dict(zip(touched, updated))
     for gone in first[-3:]:
         expected.pop(gone)
@@ -204,7 +205,7 @@ def test_string_keys_round_trip_by_hash_with_the_strings_beside(cache):
 def test_two_strings_of_one_hash_never_share_a_state(cache):
     """A forced hash clash (64-bit clashes are too rare to find): the lookup compares
     the strings, drops the mirror and leaves the keys to RocksDB."""
-    shard = cache.open(IDENTITY, None, DTYPE, strings=True)
+    shard = cache.open(IDENTITY, None, RECORDS, strings=True)
     shard.update(MirrorKeys(np.array([7, 9], np.int64), pa.array(["a", "b"])), states(np.array([1, 2])))
     assert shard.lookup(MirrorKeys(np.array([7], np.int64), pa.array(["a"])), blank)[1].tolist() == [True]
     assert shard.lookup(MirrorKeys(np.array([9], np.int64), pa.array(["z"])), blank) is None
@@ -221,7 +222,7 @@ def test_two_strings_of_one_hash_never_share_a_state(cache):
     assert not shard.complete  # an unseen key landing on a mirrored key's hash
     shard.commit(FILES_1)
     shard.release()
-    assert not cache.open(IDENTITY, FILES_1, DTYPE, strings=True).complete
+    assert not cache.open(IDENTITY, FILES_1, RECORDS, strings=True).complete
 
 
 def test_keys_too_long_to_hash_quickly_are_left_to_rocksdb():
@@ -247,7 +248,7 @@ def test_window_mirror_holds_every_open_window_as_a_fold_of_the_epochs(cache, st
     expected: dict = {}
     files = None
     for epoch in range(1, 16):
-        opened = cache.open_windows(IDENTITY, files, WINDOW, strings=strings)
+        opened = cache.open(IDENTITY, files, ResidentRecords(WINDOW, windows=True), strings=strings)
         assert opened is not None and opened.complete
         keys = [name(k) for k in rng.choice(60, rng.integers(1, 30), replace=False)]
         got, key_index = opened.windows_of(mirror_keys(keys))
@@ -262,7 +263,7 @@ def test_window_mirror_holds_every_open_window_as_a_fold_of_the_epochs(cache, st
         files = {f"{epoch}.sst": {"size": epoch, "sha256": f"{epoch:064d}"}}
         opened.commit(files)
         opened.release()
-    final = cache.open_windows(IDENTITY, files, WINDOW, strings=strings)
+    final = cache.open(IDENTITY, files, ResidentRecords(WINDOW, windows=True), strings=strings)
     assert len(final.values) == sum(len(v) for v in expected.values())
     got, key_index = final.windows_of(mirror_keys(list(expected)))
     for i, rows in enumerate(expected.values()):
@@ -271,7 +272,7 @@ def test_window_mirror_holds_every_open_window_as_a_fold_of_the_epochs(cache, st
 
 
 def test_window_mirror_from_a_scan_and_its_hash_clashes(cache):
-    shard = cache.open_windows(IDENTITY, None, WINDOW, strings=True)
+    shard = cache.open(IDENTITY, None, ResidentRecords(WINDOW, windows=True), strings=True)
     shard.adopt(MirrorKeys(np.array([8, 3, 8], np.int64), pa.array(["b", "a", "b"])), windows([1, 2, 3]))
     got, key_index = shard.windows_of(MirrorKeys(np.array([8, 3], np.int64), pa.array(["b", "a"])))
     assert got["start"].tolist() == [1, 3, 2] and key_index.tolist() == [0, 0, 1]  # each key's rows, in scan order

@@ -187,8 +187,7 @@ class ShardMerge:
         if self.resident is None or records is None:
             return None
         identity = {"state": self.state_identity, "shard": shard, "layout": self.operator.layout()}
-        open_mirror = self.resident.open_windows if records.windows else self.resident.open
-        return open_mirror(identity, prev.files if prev else None, records.dtype, strings=self.step.key_kind == "str")
+        return self.resident.open(identity, prev.files if prev else None, records, strings=self.step.key_kind == "str")
 
     def _output(self, values: list[pa.Array], entry: ShardEntry) -> pa.Table:
         names = [self.key_column] + self.operator.output_names() + [columns.STATS]

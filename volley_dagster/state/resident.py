@@ -135,18 +135,15 @@ class ResidentStateCache:
         return cls(directory, min(mib * 2**20, _half_free(directory) or mib * 2**20))
 
     def open(
-        self, identity: dict[str, Any], previous_files: FileDigests | None, records: np.dtype, strings: bool = False,
-    ) -> ResidentShard | None:
-        """The shard's mirror of ``records``, one per key, locked for this attempt:
-        complete when its lineage is ``previous_files`` (or the shard starts empty), else
-        incomplete. None when another attempt holds it."""
-        return self._open(ResidentShard, identity, previous_files, records, strings)
-
-    def open_windows(
-        self, identity: dict[str, Any], previous_files: FileDigests | None, records: np.dtype, strings: bool = False,
-    ) -> ResidentWindows | None:
-        """As ``open``, for a window operator: every open window a row."""
-        return self._open(ResidentWindows, identity, previous_files, records, strings)
+        self, identity: dict[str, Any], previous_files: FileDigests | None, records: ResidentRecords,
+        strings: bool = False,
+    ) -> ResidentMirror | None:
+        """The shard's mirror of ``records`` (``ResidentShard``, or with ``records.windows``
+        ``ResidentWindows``), locked for this attempt: complete when its lineage is
+        ``previous_files`` (or the shard starts empty), else incomplete. None when another
+        attempt holds it."""
+        kind = ResidentWindows if records.windows else ResidentShard
+        return self._open(kind, identity, previous_files, records.dtype, strings)
 
     def _open(
         self, kind: type[_Mirror], identity: dict[str, Any], previous_files: FileDigests | None, records: np.dtype,
@@ -321,6 +318,16 @@ class ResidentMirror:
     def _unstamp(self) -> None:
         (self.path / _LINEAGE).unlink(missing_ok=True)
 
+    def _insert(self, keys: np.ndarray, values: np.ndarray, names: pa.Array | None, at: np.ndarray,
+                added: MirrorKeys, rows: np.ndarray) -> None:
+        """The mirror becomes ``keys``/``values``/``names`` with ``added`` and their
+        ``rows`` inserted at ``at`` (``np.insert`` positions), the strings moved alike."""
+        self.keys = np.insert(keys, at, added.order)
+        self.values = np.insert(values, at, rows)
+        if names is not None and added.names is not None:
+            self.names = pa.concat_arrays([names, added.names]).take(pa.array(_merged_order(at, len(keys))))
+        self._rewrite = True
+
 
 class ResidentShard(ResidentMirror):
     """A running aggregate's mirror: one state record per key."""
@@ -368,13 +375,8 @@ class ResidentShard(ResidentMirror):
         if added.clash():
             self.discard()
             return
-        at = idx[new][order]
-        old = len(self.keys)
-        self.keys = np.insert(np.asarray(self.keys), at, added.order)
-        self.values = np.insert(np.asarray(self.values), at, states[new][order])
-        if self.names is not None and added.names is not None:
-            self.names = pa.concat_arrays([self.names, added.names]).take(pa.array(_merged_order(at, old)))
-        self._rewrite = True
+        self._insert(np.asarray(self.keys), np.asarray(self.values), self.names, idx[new][order], added,
+                     states[new][order])
 
     def remove(self, keys: MirrorKeys) -> None:
         """Drop these keys (expired): the state no longer holds them."""
@@ -424,16 +426,12 @@ class ResidentWindows(ResidentMirror):
         assert self.keys is not None and self.values is not None
         drop = np.zeros(len(self.keys), dtype=bool)
         drop[_expand(*ranges)[0]] = True
-        kept_keys, kept_values = np.asarray(self.keys)[~drop], np.asarray(self.values)[~drop]
+        kept_keys = np.asarray(self.keys)[~drop]
+        kept_names = self.names.filter(pa.array(~drop)) if self.names is not None else None
         order = np.argsort(keys.order[row_key], kind="stable")  # by key, each key's rows in their order
         added = keys[row_key[order]]
-        at = np.searchsorted(kept_keys, added.order)
-        self.keys = np.insert(kept_keys, at, added.order)
-        self.values = np.insert(kept_values, at, rows[order])
-        if self.names is not None and added.names is not None:
-            kept_names = self.names.filter(pa.array(~drop))
-            self.names = pa.concat_arrays([kept_names, added.names]).take(pa.array(_merged_order(at, len(kept_keys))))
-        self._rewrite = True
+        self._insert(kept_keys, np.asarray(self.values)[~drop], kept_names, np.searchsorted(kept_keys, added.order),
+                     added, rows[order])
 
     def _ranges(self, keys: MirrorKeys) -> tuple[np.ndarray, np.ndarray] | None:
         """Each key's rows ``[lo, hi)``; None (and the mirror dropped) on a hash clash."""
