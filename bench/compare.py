@@ -2,7 +2,7 @@
 ``Trigger.AvailableNow``, ``foreachBatch`` into Delta) on the same files, in one run.
 
     ./dev bench compare [--records 10000000] [--keys 1000000] [--epochs 10] [--shards 4]
-                        [--workloads A,As,B,C,D,DB] [--modes warm,cold] [--cold-epochs 3]
+                        [--workloads A,As,B,C,D,DB,DP,DBP] [--modes warm,cold] [--cold-epochs 3]
                         [--state-keys 10000000] [--touched 100000] [--zipf 1.3]
 
 The workloads are in ``bench/workloads.py`` (``As`` is A keyed by strings, ours
@@ -12,8 +12,11 @@ in one long-lived Spark; cold starts a process, and so Spark, per epoch, as a pl
 Dagster run does. Both engines' Delta tables are checked against a reference
 computed from the files. A's and B's floors (D, DB) are also timed right after each
 of their epochs, in the same process: the target ratios are the medians of those
-pairs, which the machine's drift within a run does not skew. Prints a table; writes
-``bench/results/compare.json``.
+pairs, which the machine's drift within a run does not skew. DP and DBP are D's and
+DB's aggregations through A's and B's plans and one Python task per shard that hands
+its rows back unchanged, each paired with its floor: what a state stage in the Python
+workers pays before any state work.
+Prints a table; writes ``bench/results/compare.json``.
 """
 
 from __future__ import annotations
@@ -171,17 +174,21 @@ def run_peer(w: Workload, work: Path, indices: list[int]) -> dict[str, Any]:
             "driver_peak_rss_mib": jvm_peak_rss_mib() + self_peak_rss_mib(), "delta_uri": result["delta_uri"]}
 
 
-FLOOR_OF = {"A": "D", "B": "DB"}  # a workload's stateless floor, also timed beside each of its epochs
+FLOOR_OF = {"A": "D", "B": "DB", "DP": "D", "DBP": "DB"}  # a workload's floor, also timed beside each of its epochs
 
 
-def floor_epoch(spark, floor: str, file: Path) -> float:
+def floor_epoch(spark, floor: str, file: Path, shards: int = 4) -> float:
     """Seconds of one epoch's floor: D, a stateless Spark batch doing A's aggregation
-    over the epoch's file; DB, B's, a groupBy of (merchant, 1-minute window) over all its events."""
+    over the epoch's file; DB, B's, a groupBy of (merchant, 1-minute window) over all its
+    events; DP and DBP, D's and DB's aggregations in A's and B's plans, handed to one
+    Python task per shard and back unchanged (``python_handover``)."""
     from pyspark.sql import functions as F
 
     t = time.perf_counter()
     events = spark.read.parquet(str(file))
-    if floor == "DB":
+    if floor in ("DP", "DBP"):
+        python_handover(events, shards, windowed=floor == "DBP").toArrow()
+    elif floor == "DB":
         (events.groupBy("merchant_id", F.window("event_time", "1 minute"))
          .agg(F.count(F.lit(1)).alias("events"), F.sum("amount").alias("total"), F.max("amount").alias("largest"))
          .toArrow())
@@ -191,10 +198,44 @@ def floor_epoch(spark, floor: str, file: Path) -> float:
     return time.perf_counter() - t
 
 
+def python_handover(events, shards: int, windowed: bool):
+    """A's (or B's) state stage with no state: the same shuffle into shard partitions,
+    the same partials per key (and window), one ``per_shard`` Python task per shard
+    that returns its rows as they came. What a state kept in the Python workers
+    (rocksdict) pays before its first lookup, on top of the stateless floor."""
+    from pyspark.sql import functions as F
+
+    from volley_dagster import columns
+    from volley_dagster.spark.partitioning import ROUTING_COLUMNS, per_shard, to_shards
+    from volley_dagster.state.keys import ShardLayout
+
+    keyed = events.withColumnRenamed("merchant_id", columns.KEY)
+    if windowed:
+        window = F.window("event_time", "1 minute")
+        keyed = (keyed.withColumn(columns.WINDOW_START, F.unix_micros(window.start))
+                 .withColumn(columns.WINDOW_END, F.unix_micros(window.end)))
+        by = [columns.WINDOW_START, columns.WINDOW_END]
+        values = {"events": F.count(F.lit(1)), "total": F.sum("amount"), "largest": F.max("amount")}
+    else:
+        keyed, by = keyed.where("status = 'active'"), []
+        values = {"total": F.sum("amount"), "events": F.count(F.lit(1))}
+    grouped = (to_shards(keyed, ShardLayout(shards)).groupBy(*ROUTING_COLUMNS, columns.KEY, *by)
+               .agg(*(value.alias(name) for name, value in values.items())))
+    returned = [columns.KEY, *by, *values]
+    rows = grouped.select(*returned, columns.SHARD)
+    return per_shard(rows, lambda table: table.select(returned), rows.drop(columns.SHARD).schema)
+
+
 def run_floor(w: Workload, indices: list[int]) -> dict[str, Any]:
+    """A floor's epochs; DP's and DBP's each paired with D's or DB's right after it, as A's and B's are."""
     spark = spark_session(w.shards)
-    batches = [{"epoch": i + 1, "records": w.records(i), "seconds": floor_epoch(spark, w.name, w.events / w.files[i]),
-                "phases": {}} for i in indices]
+    paired = FLOOR_OF.get(w.name)
+    batches = []
+    for i in indices:
+        file = w.events / w.files[i]
+        seconds = floor_epoch(spark, w.name, file, w.shards)
+        batches.append({"epoch": i + 1, "records": w.records(i), "seconds": seconds, "phases": {},
+                        "floor_s": floor_epoch(spark, paired, file) if paired else None})
     return {"batches": batches, "driver_peak_rss_mib": jvm_peak_rss_mib() + self_peak_rss_mib()}
 
 
@@ -291,7 +332,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     log_arguments(parser)
     parser.add_argument("--zipf", type=float, default=None, help="Zipf exponent for skewed keys (default uniform)")
-    parser.add_argument("--workloads", default="A,As,B,C,D,DB")
+    parser.add_argument("--workloads", default="A,As,B,C,D,DB,DP,DBP")
     parser.add_argument("--modes", default="warm,cold")
     parser.add_argument("--engines", default="volley,peer")
     parser.add_argument("--cold-epochs", type=int, default=3)
@@ -340,7 +381,7 @@ def main() -> None:
                 if "empty_epoch_s" in result:
                     summary["empty_epoch_median_s"] = statistics.median(result["empty_epoch_s"])
                 record(name, engine, mode, summary, check)
-    for floor in [n for n in ("D", "DB") if n in workloads]:
+    for floor in [n for n in ("D", "DB", "DP", "DBP") if n in workloads]:
         w = Workload(floor, work / "events", ab, args.shards)
         result = spawn("floor", w, work / f"{floor}-floor", list(range(args.epochs)))
         record(floor, "spark", "warm", summarize(result), "-")
@@ -379,6 +420,13 @@ def print_targets(report: dict[str, Any]) -> None:
         if ours and floor:
             lines.append(f"{name} / {FLOOR_OF[name]}: {ours['median_s'] / floor['median_s']:.2f}x, median against "
                          "median of the floor's own process")
+    for name, floor, workload, ours in (("DP", "D", "A", a), ("DBP", "DB", "B", b)):
+        handover = res.get((name, "spark", "warm"))
+        if handover and handover.get("paired_floor_ratio"):
+            lines.append(f"{name} / {floor}: handing {floor}'s partials to one Python task per shard and back, and "
+                         f"nothing else, takes {handover['paired_floor_ratio']:.2f}x {floor} (median of pairs)")
+        if handover and ours:
+            lines.append(f"{workload} / {name}: {ours['median_s'] / handover['median_s']:.2f}x, median against median")
     strings = res.get(("As", "volley", "warm"))
     if a and strings:
         lines.append(f"As / A: string keys take {strings['median_s'] / a['median_s']:.2f}x the int keys' epoch time "
