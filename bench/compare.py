@@ -15,8 +15,7 @@ of their epochs, in the same process: the target ratios are the medians of those
 pairs, which the machine's drift within a run does not skew. DP and DBP are D's and
 DB's aggregations through A's and B's plans and one Python task per shard that hands
 its rows back unchanged, each paired with its floor: what a state stage in the Python
-workers pays before any state work.
-Prints a table; writes ``bench/results/compare.json``.
+workers pays before any state work. Prints a table; writes ``bench/results/compare.json``.
 """
 
 from __future__ import annotations
