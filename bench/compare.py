@@ -181,20 +181,25 @@ def floor_epoch(spark, floor: str, file: Path, shards: int = 4) -> float:
     over the epoch's file; DB, B's, a groupBy of (merchant, 1-minute window) over all its
     events; DP and DBP, D's and DB's aggregations in A's and B's plans, handed to one
     Python task per shard and back unchanged (``python_handover``)."""
-    from pyspark.sql import functions as F
-
     t = time.perf_counter()
     events = spark.read.parquet(str(file))
     if floor in ("DP", "DBP"):
         python_handover(events, shards, windowed=floor == "DBP").toArrow()
-    elif floor == "DB":
-        (events.groupBy("merchant_id", F.window("event_time", "1 minute"))
-         .agg(F.count(F.lit(1)).alias("events"), F.sum("amount").alias("total"), F.max("amount").alias("largest"))
-         .toArrow())
     else:
-        (events.where("status = 'active'").groupBy("merchant_id")
-         .agg(F.sum("amount").alias("total"), F.count(F.lit(1)).alias("events")).toArrow())
+        rows, window, values = floor_aggregation(events, windowed=floor == "DB")
+        rows.groupBy("merchant_id", *window).agg(*values).toArrow()
     return time.perf_counter() - t
+
+
+def floor_aggregation(events, windowed: bool):
+    """D's (or DB's) rows, window column (none for D) and named aggregates, as A's
+    (or B's) pipeline in ``bench/workloads.py`` computes them."""
+    from pyspark.sql import functions as F
+
+    if windowed:
+        return events, [F.window("event_time", "1 minute")], [
+            F.count(F.lit(1)).alias("events"), F.sum("amount").alias("total"), F.max("amount").alias("largest")]
+    return events.where("status = 'active'"), [], [F.sum("amount").alias("total"), F.count(F.lit(1)).alias("events")]
 
 
 def python_handover(events, shards: int, windowed: bool):
@@ -208,36 +213,30 @@ def python_handover(events, shards: int, windowed: bool):
     from volley_dagster.spark.partitioning import ROUTING_COLUMNS, per_shard, to_shards
     from volley_dagster.state.keys import ShardLayout
 
-    keyed = events.withColumnRenamed("merchant_id", columns.KEY)
-    if windowed:
-        window = F.window("event_time", "1 minute")
-        keyed = (keyed.withColumn(columns.WINDOW_START, F.unix_micros(window.start))
-                 .withColumn(columns.WINDOW_END, F.unix_micros(window.end)))
+    rows, window, values = floor_aggregation(events.withColumnRenamed("merchant_id", columns.KEY), windowed)
+    by: list[str] = []
+    if window:  # as B's plan carries a window: its bounds in microseconds
         by = [columns.WINDOW_START, columns.WINDOW_END]
-        values = {"events": F.count(F.lit(1)), "total": F.sum("amount"), "largest": F.max("amount")}
-    else:
-        keyed, by = keyed.where("status = 'active'"), []
-        values = {"total": F.sum("amount"), "events": F.count(F.lit(1))}
-    grouped = (to_shards(keyed, ShardLayout(shards)).groupBy(*ROUTING_COLUMNS, columns.KEY, *by)
-               .agg(*(value.alias(name) for name, value in values.items())))
-    returned = [columns.KEY, *by, *values]
-    rows = grouped.select(*returned, columns.SHARD)
-    return per_shard(rows, lambda table: table.select(returned), rows.drop(columns.SHARD).schema)
+        rows = (rows.withColumn(columns.WINDOW_START, F.unix_micros(window[0].getField("start")))
+                .withColumn(columns.WINDOW_END, F.unix_micros(window[0].getField("end"))))
+    partials = to_shards(rows, ShardLayout(shards)).groupBy(*ROUTING_COLUMNS, columns.KEY, *by).agg(*values)
+    returned = [c for c in partials.columns if c not in ROUTING_COLUMNS]
+    routed = partials.select(*returned, columns.SHARD)
+    return per_shard(routed, lambda table: table.select(returned), partials.select(*returned).schema)
 
 
 def run_floor(w: Workload, indices: list[int]) -> dict[str, Any]:
     """A floor's epochs; DP's and DBP's each paired with D's or DB's over the same file,
-    which goes first taking turns (the second read of a file leans fast)."""
+    the two taking turns to go first (the second read of a file leans fast)."""
     spark = spark_session(w.shards)
     paired = FLOOR_OF.get(w.name)
     batches = []
     for i in indices:
         file = w.events / w.files[i]
-        floor_s = floor_epoch(spark, paired, file) if paired and i % 2 else None
-        seconds = floor_epoch(spark, w.name, file, w.shards)
-        if paired and floor_s is None:
-            floor_s = floor_epoch(spark, paired, file)
-        batches.append({"epoch": i + 1, "records": w.records(i), "seconds": seconds, "phases": {}, "floor_s": floor_s})
+        order = [w.name, paired] if i % 2 == 0 else [paired, w.name]
+        seconds = {name: floor_epoch(spark, name, file, w.shards) for name in order if name}
+        batches.append({"epoch": i + 1, "records": w.records(i), "seconds": seconds[w.name], "phases": {},
+                        "floor_s": seconds.get(paired) if paired else None})
     return {"batches": batches, "driver_peak_rss_mib": jvm_peak_rss_mib() + self_peak_rss_mib()}
 
 

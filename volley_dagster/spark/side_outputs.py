@@ -59,23 +59,32 @@ def collect_side_outputs(plan: PlannedEpoch, pipeline: Pipeline, rng: EpochRange
     return SideOutputs(dead, late, latest.get[_MAX_EVENT])
 
 
-def _bad_reason(plan: PlannedEpoch, pipeline: Pipeline, bound: int | None) -> Column:
-    """Why a parsed record cannot reach state, its first reason only (null: it can;
-    ``valid_rows`` are exactly those)."""
+def _bad_records(plan: PlannedEpoch, pipeline: Pipeline, bound: int | None) -> list[tuple[Column, str]]:
+    """What makes a parsed record unfit for state, and the reason it is given, in the
+    order checked: the one definition behind both the dead letters and ``valid_rows``."""
     null_key = (plan.operator.dedup.describe_null() if isinstance(plan.operator, ResolvedUniqueRecords)
                 else f"null key: {pipeline.key_column!r} is null")
-    reason = F.when(F.col(columns.KEY).isNull(), F.lit(null_key))
+    bad = [(F.col(columns.KEY).isNull(), null_key)]
     if plan.dedup is not None:
-        reason = reason.when(F.col(columns.DEDUP_KEY).isNull(), F.lit(plan.dedup.describe_null()))
+        bad.append((F.col(columns.DEDUP_KEY).isNull(), plan.dedup.describe_null()))
     clock = plan.event_time
     if clock is not None:
         column = clock.time_column
-        reason = reason.when(F.col(column).isNull(), F.lit(f"null event time: {column!r} is null"))
+        bad.append((F.col(column).isNull(), f"null event time: {column!r} is null"))
         if bound is not None:
-            reason = reason.when(clock.event_us() > F.lit(bound), F.lit(
-                f"event time beyond max_event_time_skew: {column!r} is later than {describe_event_time(bound)} "
-                "(the watermark or the epoch's cut time plus the skew)"))
-    return reason
+            bad.append((clock.event_us() > F.lit(bound),
+                        f"event time beyond max_event_time_skew: {column!r} is later than {describe_event_time(bound)} "
+                        "(the watermark or the epoch's cut time plus the skew)"))
+    return bad
+
+
+def _bad_reason(plan: PlannedEpoch, pipeline: Pipeline, bound: int | None) -> Column:
+    """Why a parsed record cannot reach state, its first reason only (null: it can)."""
+    (first, reason), *rest = _bad_records(plan, pipeline, bound)
+    case = F.when(first, F.lit(reason))
+    for condition, later in rest:
+        case = case.when(condition, F.lit(later))
+    return case
 
 
 def _dead_letter_frame(plan: PlannedEpoch, pipeline: Pipeline, bound: int | None = None,
@@ -99,16 +108,12 @@ def _dead_letter_frame(plan: PlannedEpoch, pipeline: Pipeline, bound: int | None
     return parse_errors.unionByName(bad)
 
 
-def valid_rows(plan: PlannedEpoch, bound: int | None = None) -> DataFrame:
-    """The rows state sees: keyed and, with event time, with a believable one."""
-    valid = plan.keyed.where(F.col(columns.KEY).isNotNull())
-    if plan.dedup is not None:
-        valid = valid.where(F.col(columns.DEDUP_KEY).isNotNull())
-    clock = plan.event_time
-    if clock is not None:
-        valid = valid.where(F.col(clock.time_column).isNotNull())
-        if bound is not None:
-            valid = valid.where(clock.event_us() <= F.lit(bound))
+def valid_rows(plan: PlannedEpoch, pipeline: Pipeline, bound: int | None = None) -> DataFrame:
+    """The rows state sees: none of ``_bad_records``. One filter per condition, which
+    Spark pushes into a Parquet scan (``NOT isnull`` becomes ``isnotnull``)."""
+    valid = plan.keyed
+    for condition, _ in _bad_records(plan, pipeline, bound):
+        valid = valid.where(~condition)
     return valid
 
 

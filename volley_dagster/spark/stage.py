@@ -124,7 +124,7 @@ def run_stage(
             partials = _shard_partials(plan.keyed, plan.running.partial_exprs(), layout)
         else:
             bound = clock.event_time_bound(watermark, rng.cut_at_us) if clock is not None else None
-            rows = valid_rows(plan, bound)
+            rows = valid_rows(plan, pipeline, bound)
             kept = None
             if plan.dedup is not None:  # duplicates never reach windows, late records or state
                 probe = DuplicateProbe(merge.previous, merge.rocksdb, merge.verify_checksums, merge.remote, merge.cache_root)
