@@ -8,8 +8,10 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from dagster import ConfigurableResource
+from pydantic import field_validator
 from pyspark.sql import SparkSession
 
+from volley_dagster.checkpoint.epoch_log import local_root
 from volley_dagster.checkpoint.s3_snapshots import S3SnapshotStore
 from volley_dagster.deploy import TableSettings
 from volley_dagster.io.s3 import S3Endpoint
@@ -74,7 +76,8 @@ class S3Resource(ConfigurableResource):
 
 class CheckpointResource(ConfigurableResource):
     """Where a pipeline's epoch log and snapshots live (``<root>/<pipeline>``), how
-    many snapshots to keep and how large an epoch may be. ``snapshot_store_uri``
+    many snapshots to keep and how large an epoch may be. ``root`` is a local or
+    shared POSIX path (a URI is a ``ConfigError``); ``snapshot_store_uri``
     (``s3://bucket/prefix``) also keeps every shard snapshot on S3, incrementally,
     for executors that do not share the root's disk (``<uri>/<pipeline>``)."""
 
@@ -86,6 +89,14 @@ class CheckpointResource(ConfigurableResource):
     lease_wait_s: float = 120.0  # how long a run waits for another run of the pipeline to give up its lease
     resident_state_mib: Optional[int] = None  # shard state kept in memory between epochs: None = the
     # environment's VOLLEY_RESIDENT_STATE_MIB (default 1024), 0 = off (docs/architecture.md)
+
+    @field_validator("root")
+    @classmethod
+    def _root_is_a_path(cls, root: str) -> str:
+        """Refused when the resource is built (an ``EnvVar`` once resolved, at a run's or a
+        tick's resource init), before anything writes to ``./s3:``."""
+        local_root(root)
+        return root
 
     def resident_state(self) -> Optional[ResidentStateCache]:
         return ResidentStateCache.from_env(self.resident_state_mib)

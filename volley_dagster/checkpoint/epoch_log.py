@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import re
 import shutil
 import uuid
 from dataclasses import dataclass, field
@@ -40,7 +41,7 @@ from typing import Any
 from volley_dagster import faults
 from volley_dagster.checkpoint.manifest import ShardSnapshot
 from volley_dagster.dimensions.base import TablePin
-from volley_dagster.errors import EpochNotCutError, EpochOrderError, StateLayoutError
+from volley_dagster.errors import ConfigError, EpochNotCutError, EpochOrderError, StateLayoutError
 from volley_dagster.io.atomic import create_json_exclusive, read_json
 from volley_dagster.result import EpochResult
 from volley_dagster.sinks.lineage import Lineage, SinkBinding
@@ -48,6 +49,25 @@ from volley_dagster.sources.offsets import EpochRange
 from volley_dagster.state.keys import ShardLayout
 
 LAYOUT_VERSION = 1
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]+:$")  # "s3:" is what pathlib leaves of "s3://bucket"
+
+
+def local_root(root: str | os.PathLike[str]) -> Path:
+    """The checkpoint root as an absolute local path; ``ConfigError`` for a URI. The
+    epoch log relies on exclusive creates, renames and ``flock`` (the lease), which
+    only a local or shared POSIX filesystem gives: ``s3://...`` would silently become
+    a local folder named ``s3:``. A URI whose ``//`` a ``Path`` join already
+    collapsed (``s3:/bucket/...``) is caught by its first component."""
+    text = os.fspath(root)
+    first = Path(text).parts[0] if Path(text).parts else ""
+    if "://" in text or _SCHEME.match(first):
+        raise ConfigError(
+            f"checkpoint root {text!r} is a URI, but the epoch log (offsets, manifests, the lease) must be on a "
+            "local or shared POSIX filesystem: set VOLLEY_CHECKPOINTS (CheckpointResource.root, EpochRunner's "
+            "checkpoint_root) to a path, and keep the shard snapshots on S3 with VOLLEY_SNAPSHOT_STORE "
+            "(CheckpointResource.snapshot_store_uri, EpochRunner(snapshot_store=S3SnapshotStore(...)))"
+        )
+    return Path(text).absolute()
 
 
 def epoch_key(epoch: int) -> str:
@@ -103,8 +123,8 @@ class LayoutChange:
 
 
 class EpochLog:
-    def __init__(self, root: str | Path) -> None:
-        self.root = Path(root).absolute()
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = local_root(root)  # a URI is refused here, whoever opens the log
 
     # -- paths ---------------------------------------------------------------------
 
