@@ -8,9 +8,10 @@ Layout under the checkpoint root::
     layouts/0000000001.json            a committed rescale: epochs from N on run with S shards
     epochs/0000000007/offsets.json     the range, written once before the first attempt
     epochs/0000000007/manifest.json    the commit point, written last
-    epochs/0000000007/dead_letters.parquet
+    epochs/0000000007/dead_letters.parquet   the side outputs: kept as long as the epoch's snapshots
     epochs/0000000007/late_records.parquet   windows: records whose window had closed
     epochs/0000000007/duplicates.parquet     deduplication (write_duplicates): the records dropped
+    retention.json                     the epoch up to which retention removed side outputs
     snapshots/0000000007/rescale-0001-<attempt>/shard-0005/   epoch 7's state rewritten by a rescale
     snapshots/0000000007/shard-0003-<attempt>/   the attempt the manifest names (losers are pruned)
     work/0000000007/shard-0003-<attempt>/  a task attempt's writable DB (deleted after)
@@ -42,7 +43,7 @@ from volley_dagster import faults
 from volley_dagster.checkpoint.manifest import ShardSnapshot
 from volley_dagster.dimensions.base import TablePin
 from volley_dagster.errors import ConfigError, EpochNotCutError, EpochOrderError, StateLayoutError
-from volley_dagster.io.atomic import create_json_exclusive, read_json
+from volley_dagster.io.atomic import create_json_exclusive, read_json, write_json_atomic
 from volley_dagster.result import EpochResult
 from volley_dagster.sinks.lineage import Lineage, SinkBinding
 from volley_dagster.sources.offsets import EpochRange
@@ -146,6 +147,10 @@ class EpochLog:
 
     def duplicates_path(self, epoch: int) -> Path:
         return self.epoch_dir(epoch) / "duplicates.parquet"
+
+    def side_output_paths(self, epoch: int) -> tuple[Path, ...]:
+        """Where an epoch's side outputs are, if it wrote them (retention removes them)."""
+        return self.dead_letter_path(epoch), self.late_records_path(epoch), self.duplicates_path(epoch)
 
     def layout_path(self, sequence: int) -> Path:
         return self.root / "layouts" / f"{sequence:010d}.json"
@@ -378,10 +383,14 @@ class EpochLog:
     # -- retention -----------------------------------------------------------------
 
     def prune(self, committed: int, keep: int) -> list[int]:
-        """Delete snapshots older than the last ``keep`` committed epochs, the attempts
-        of retained epochs that lost (no manifest or layout record names them), and the
+        """Delete snapshots older than the last ``keep`` committed epochs, and those
+        epochs' side outputs (dead letters, late records, duplicates: record contents,
+        which must not outlive the retention, nor fill the disk); the attempts of
+        retained epochs that lost (no manifest or layout record names them); and the
         working directories of dead attempts up to ``committed``. Offsets and manifests
-        stay: they are the history the UI shows."""
+        stay: they are the history the UI shows (a manifest still names a pruned side
+        output's path and count). Returns the epochs whose snapshots were deleted."""
+        self._prune_side_outputs(committed - keep)
         removed = []
         snaps = self.root / "snapshots"
         if snaps.is_dir():
@@ -400,6 +409,27 @@ class EpochLog:
                 if p.name.isdigit() and int(p.name) <= committed:
                     _remove_dead_attempts(p)
         return removed
+
+    def side_outputs_pruned_through(self) -> int:
+        """The epoch up to which retention removed the side outputs (0: never)."""
+        path = self.root / "retention.json"
+        return int(read_json(path)["side_outputs_through"]) if path.exists() else 0
+
+    def _prune_side_outputs(self, through: int) -> None:
+        """Remove the side outputs of the epochs up to ``through`` that the last prune did
+        not reach: from ``retention.json``'s mark on, so one prune costs the epochs it
+        newly expires, not the age of the pipeline (the first on a root written before
+        side outputs were pruned sweeps its whole history, once). The mark moves only
+        after the files are gone, so a crash in between redoes the same deletions. It
+        is a mark, not the snapshots' listing: a root whose executors keep snapshots
+        only on S3 may hold no snapshot folder of an epoch whose side outputs it holds."""
+        start = self.side_outputs_pruned_through()
+        if through <= start:
+            return
+        for epoch in range(start + 1, through + 1):
+            for path in self.side_output_paths(epoch):
+                path.unlink(missing_ok=True)
+        write_json_atomic(self.root / "retention.json", {"side_outputs_through": through})
 
     def _remove_lost_attempts(self, epoch: int, snapshots: Path) -> None:
         """A committed epoch's snapshot directories that no record names: attempts that
