@@ -3,7 +3,6 @@ partitioned by epoch. A thin layer: every decision is the engine's."""
 
 import time
 from collections.abc import Iterator
-from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -15,7 +14,6 @@ from dagster import (
     AssetSpec,
     BackfillPolicy,
     DagsterInstance,
-    DagsterRunStatus,
     DataVersion,
     DynamicPartitionsDefinition,
     Failure,
@@ -37,7 +35,7 @@ from assets.metadata import (
     state_key,
     state_preview,
 )
-from assets.runs import MAX_RECOVERY_REQUESTS, PIPELINE_TAG, pipeline_pool, pool_runs
+from assets.runs import FAILURE_KIND, PIPELINE_TAG, pipeline_pool, recovery_decision
 from resources import CheckpointResource, SparkResource, TablesResource
 from volley_dagster import ConfigError, EpochRunner
 from volley_dagster.checkpoint.epoch_log import epoch_key
@@ -45,11 +43,10 @@ from volley_dagster.deploy import Deployment, TableSettings
 from volley_dagster.errors import is_retryable
 from volley_dagster.verify import CheckOutcome, check_freshness, check_latest_snapshot, check_sink
 
-# A failed epoch retried inside its run (a lost executor, S3 unreachable, a lost commit
-# race or lease): this many times, this far apart. A killed run is retried as a new run
-# (dagster.yaml's run_retries).
-STEP_RETRIES = 3
-STEP_RETRY_WAIT_S = 5
+# A failed epoch is retried inside its run (a lost executor, S3 unreachable, a lost
+# commit race or lease) ``backoff.retries_in_run`` times, after the deployment's backoff;
+# then the sensor or schedule requests it again, after the same backoff
+# (volley_dagster/recovery.py). A killed run is retried as a new run (dagster.yaml's run_retries).
 # The same on the pipeline's own jobs, for an instance whose dagster.yaml sets no defaults
 # (run_retries must still be enabled there): a run whose process died is re-run; a failed
 # step already had its retries.
@@ -197,9 +194,11 @@ def epoch_assets(deployment: Deployment, spec_settings: TableSettings) -> list:
                                      f"{result.records_out} out")
                 checks = list(check_results(context.instance, runner, deployment))
         except Exception as exc:
-            if not is_retryable(exc):
-                raise Failure(description=f"{type(exc).__name__}: {exc}", allow_retries=False) from exc
-            raise RetryRequested(max_retries=STEP_RETRIES, seconds_to_wait=STEP_RETRY_WAIT_S) from exc
+            if not is_retryable(exc):  # the sensor and schedule read FAILURE_KIND and stop requesting
+                raise Failure(description=f"{type(exc).__name__}: {exc}", allow_retries=False,
+                              metadata={FAILURE_KIND: "permanent", "error": type(exc).__name__}) from exc
+            wait = deployment.backoff.delay_s(context.retry_number + 1, salt=context.run_id)
+            raise RetryRequested(max_retries=deployment.backoff.retries_in_run, seconds_to_wait=wait) from exc
         yield from checks
 
     return [source, epochs, *dimensions]
@@ -212,7 +211,7 @@ SINK_CHECKS = ("recorded_epoch", "no_duplicate_epochs", "row_counts")
 def check_results(instance: DagsterInstance, runner: EpochRunner, deployment: Deployment) -> Iterator[AssetCheckResult]:
     """Every check of the pipeline, as of now: the state's, then each table's."""
     state = state_key(runner.pipeline)
-    outcomes = [check_latest_snapshot(runner), check_progress(instance, runner),
+    outcomes = [check_latest_snapshot(runner), check_progress(instance, runner, deployment),
                 check_freshness(runner, deployment.freshness_bound_s, time.time())]
     for outcome in outcomes:
         yield AssetCheckResult(asset_key=state, **check_fields(outcome))
@@ -227,23 +226,18 @@ def check_fields(outcome: CheckOutcome) -> dict[str, Any]:
             "metadata": outcome.metadata}
 
 
-def check_progress(instance: DagsterInstance, runner: EpochRunner) -> CheckOutcome:
-    """Fails when the earliest uncommitted epoch failed in more runs than the sensor's
-    recovery allows since the epoch before it committed: a person must act."""
+def check_progress(instance: DagsterInstance, runner: EpochRunner, deployment: Deployment) -> CheckOutcome:
+    """Fails when the earliest uncommitted epoch failed permanently (a person must act),
+    or transiently in ``backoff.alert_after`` runs since the last commit (retries go on)."""
     committed, cut = runner.committed_epoch(), runner.log.last_cut()
     if committed == cut:
         return CheckOutcome("epochs_progress", True, f"every cut epoch is committed (the last is {committed})",
                             {"committed_epoch": committed, "failed_runs": 0})
-    since = runner.result(committed).committed_at if committed else None
-    after = datetime.fromisoformat(since).timestamp() if since else None
-    failed = pool_runs(instance, runner.pipeline.name, [DagsterRunStatus.FAILURE], created_after=after)
-    stuck = len(failed) > MAX_RECOVERY_REQUESTS
-    last = f"; the last failed run is {failed[0].dagster_run.run_id}" if failed else ""
-    verdict = ("recovery is exhausted: fix the cause that run names, then backfill the uncommitted epochs"
-               if stuck else "the sensor keeps requesting it")
+    decision = recovery_decision(instance, runner, deployment)
     return CheckOutcome(
-        "epochs_progress", not stuck,
-        f"epoch {committed + 1} (of {cut} cut) is not committed; {len(failed)} run(s) failed since epoch "
-        f"{committed} committed{last}: {verdict}",
-        {"committed_epoch": committed, "last_cut_epoch": cut, "failed_runs": len(failed)},
+        "epochs_progress", not decision.alert,
+        f"epoch {committed + 1} (of {cut} cut) is not committed; {decision.reason}",
+        {"committed_epoch": committed, "last_cut_epoch": cut, "failed_runs": decision.failures,
+         "stopped": decision.stopped,
+         **({"next_request_at": MetadataValue.timestamp(decision.next_at)} if decision.next_at else {})},
     )

@@ -1,16 +1,20 @@
 """A pipeline's runs in Dagster: its concurrency pool, and what the runs in it say
-about progress. Shared by the sensor (when to request) and the asset checks."""
+about progress. Shared by the sensor and schedule (when to request) and the asset checks."""
 
 import time
 from datetime import datetime, timezone
 from typing import Optional
 
-from dagster import DagsterInstance, DagsterRunStatus, DefaultRunLauncher, RunRecord, RunsFilter
+from dagster import DagsterEventType, DagsterInstance, DagsterRunStatus, DefaultRunLauncher, RunRecord, RunsFilter
 
 from launcher.workers import worker_gone
+from volley_dagster import EpochRunner
+from volley_dagster.deploy import Deployment
+from volley_dagster.recovery import FailedRun, RecoveryDecision, decide
 
 PIPELINE_TAG = "volley/pipeline"  # the run tag of a pipeline's jobs
-MAX_RECOVERY_REQUESTS = 3  # the sensor's requests of one epoch after its first, each after a failed run
+FAILURE_KIND = "volley/failure"  # metadata of a step that failed permanently: "permanent"
+FAILED_RUNS_READ = 100  # consecutive failures counted for the backoff: past this the wait is at its cap anyway
 IN_PROGRESS = [DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED, DagsterRunStatus.STARTING,
                DagsterRunStatus.STARTED, DagsterRunStatus.CANCELING]
 RETRY_GRACE_S = 60  # a failed run whose automatic retry has not been created yet counts as in flight
@@ -49,6 +53,41 @@ def run_in_flight(instance: DagsterInstance, pipeline: str) -> Optional[str]:
         if not retried and time.time() - ended < RETRY_GRACE_S:
             return f"run {run_id[:8]} failed and Dagster is about to retry it"
     return None
+
+
+def failed_runs_since(instance: DagsterInstance, pipeline: str, since: Optional[float]) -> list[FailedRun]:
+    """The pipeline's failed runs created after ``since`` (its last commit), newest
+    first; the newest says whether it failed permanently (its step's ``Failure``
+    metadata, set by the epochs op from ``errors.is_retryable``). A run killed, or failed
+    before its step ran, is transient. Reads a bounded number of runs and one run's
+    failure events: O(1) in the pipeline's age."""
+    records = pool_runs(instance, pipeline, [DagsterRunStatus.FAILURE], limit=FAILED_RUNS_READ, created_after=since)
+    runs = [FailedRun(r.dagster_run.run_id, (r.end_time or r.update_timestamp.timestamp())) for r in records]
+    if runs:
+        runs[0] = FailedRun(runs[0].run_id, runs[0].ended_at, permanent_failure(instance, runs[0].run_id))
+    return runs
+
+
+def permanent_failure(instance: DagsterInstance, run_id: str) -> Optional[str]:
+    """The named error of a run whose step failed permanently, else None."""
+    for entry in instance.all_logs(run_id, of_type=DagsterEventType.STEP_FAILURE):
+        event = entry.dagster_event
+        data = event.step_failure_data if event is not None else None
+        failure = data.user_failure_data if data is not None else None
+        if failure is not None and getattr(failure.metadata.get(FAILURE_KIND), "value", None) == "permanent":
+            return failure.description or "a permanent error"
+    return None
+
+
+def recovery_decision(instance: DagsterInstance, runner: EpochRunner, deployment: Deployment,
+                      now: Optional[float] = None) -> RecoveryDecision:
+    """Whether to request the uncommitted epochs now (``volley_dagster/recovery.py``),
+    from the runs that failed since the last commit."""
+    committed = runner.committed_epoch()
+    since = runner.result(committed).committed_at if committed else None
+    after = datetime.fromisoformat(since).timestamp() if since else None
+    return decide(failed_runs_since(instance, deployment.name, after), time.time() if now is None else now,
+                  deployment.backoff, committed + 1, runner.log.last_cut(), salt=deployment.name)
 
 
 def pool_limits_ensured(instance: DagsterInstance, pipelines: list[str]) -> None:

@@ -2,18 +2,23 @@
 
 The epoch log is the source of truth. A tick first marks failed the pipeline's runs
 shown as started whose process is gone (``assets/runs.fail_orphaned_runs``), so that
-Dagster retries them; it cuts new epochs when records wait, then
-requests one run of every epoch cut but not committed, from the earliest, but only
-while no run of the pipeline is queued, running or about to be retried: so a run
-never starts on an epoch whose predecessor is not committed, and an epoch whose run
-crashed or failed is requested again by the next tick (a new run key each time), up
-to ``MAX_RECOVERY_REQUESTS`` times; then the tick says that recovery is exhausted and
-reports the pipeline's ``epochs_progress`` check failed. Every tick also observes the
-source (records and files waiting, the oldest file's age) and reports the ``freshness``
-check when its verdict changes; runs report both after their epochs. The cursor holds
-since when records have waited, how often the earliest uncommitted epoch was
-requested and the last freshness verdict, so a restarted daemon neither skips nor
-repeats an epoch.
+Dagster retries them; it cuts new epochs (the sensor when records wait, the schedule
+on each tick), then requests one run of every epoch cut but not committed, from the
+earliest, but only while no run of the pipeline is queued, running or about to be
+retried: so a run never starts on an epoch whose predecessor is not committed. An
+epoch whose run failed is requested again by a later tick, with a new run key, after
+an exponential backoff with jitter (``volley_dagster/recovery.py``: the deployment's
+``backoff``); that goes on until it commits, which resets the budget. A run that
+failed permanently (configuration, lineage, a corrupt snapshot) stops the requests:
+the tick names the error and the ``epochs_progress`` check fails, saying what to do.
+The sensor and the schedule share this (``request_uncommitted``), so a schedule-only
+deployment heals as a sensor one does. Every tick also observes the source (records
+and files waiting, the oldest file's age) and reports the ``freshness`` and
+``epochs_progress`` checks when their verdicts change. The cursor holds since when
+records have waited and the last verdicts, so a restarted daemon neither skips nor
+repeats an epoch; the backoff is read from the instance's runs, not the cursor.
+A source or checkpoint root that cannot be read (a missing folder, a hand-broken
+``pipeline.json``) skips the tick naming it, instead of crashing the sensor.
 """
 
 import json
@@ -44,11 +49,12 @@ from assets.epochs import (
     partitions_name,
 )
 from assets.metadata import source_key, source_observation, state_key
-from assets.runs import MAX_RECOVERY_REQUESTS, fail_orphaned_runs, pool_limits_ensured, run_in_flight
+from assets.runs import fail_orphaned_runs, pool_limits_ensured, recovery_decision, run_in_flight
 from resources import CheckpointResource, TablesResource
 from volley_dagster import EpochRunner
 from volley_dagster.checkpoint.epoch_log import epoch_key
 from volley_dagster.deploy import Deployment
+from volley_dagster.errors import VolleyError
 from volley_dagster.verify import CheckOutcome, check_freshness
 
 MAX_CUTS_PER_TICK = 10
@@ -79,6 +85,39 @@ def check_evaluation(runner: EpochRunner, outcome: CheckOutcome) -> AssetCheckEv
     return AssetCheckEvaluation(asset_key=state_key(runner.pipeline), **check_fields(outcome))
 
 
+def unregistered_partitions(instance, deployment: Deployment, last_cut: int) -> list[str]:
+    """Keys of the cut epochs not yet dynamic partitions: walked back from the last cut
+    to the newest registered one, so a tick costs what was cut since, not the history."""
+    name, keys = partitions_name(deployment), []
+    for epoch in range(last_cut, 0, -1):
+        if instance.has_dynamic_partition(name, epoch_key(epoch)):
+            break
+        keys.append(epoch_key(epoch))
+    return keys[::-1]
+
+
+def request_uncommitted(instance, runner: EpochRunner, deployment: Deployment, now: float):
+    """(run requests, skip reason, the recovery decision or None): one run over every
+    epoch cut but not committed, unless one is in flight, the last failure was
+    permanent, or the backoff after a transient one has not passed."""
+    first, last = runner.committed_epoch() + 1, runner.log.last_cut()
+    if first > last:
+        return [], "no epoch to run: every cut epoch is committed", None
+    if (busy := run_in_flight(instance, deployment.name)) is not None:
+        return [], f"epochs {first}..{last} wait: {busy}", None
+    decision = recovery_decision(instance, runner, deployment, now)
+    if not decision.request:
+        return [], decision.reason, decision
+    key = f"{deployment.name}-{first}-{last}-r{decision.failures}"  # new after each failure: never deduped away
+    return [range_request(deployment, first, last, run_key=key)], None, decision
+
+
+def _progress_event(instance, runner: EpochRunner, deployment: Deployment, reported: Optional[bool]):
+    """The epochs_progress check, when its verdict changed since ``reported``."""
+    progress = check_progress(instance, runner, deployment)
+    return progress.passed, ([check_evaluation(runner, progress)] if progress.passed != reported else [])
+
+
 def epoch_sensor(deployment: Deployment, job):
     partitions = epochs_partitions(deployment)
 
@@ -89,52 +128,39 @@ def epoch_sensor(deployment: Deployment, job):
         default_status=DefaultSensorStatus.RUNNING if deployment.sensor_running else DefaultSensorStatus.STOPPED,
         description=f"Cuts an epoch of {deployment.name!r} when {deployment.min_records}+ records wait"
         + (f" or records waited {deployment.max_wait_s:.0f}s" if deployment.max_wait_s else "")
-        + "; runs uncommitted epochs in order, one run at a time, and requests a failed epoch again",
+        + "; runs uncommitted epochs in order, one run at a time, and requests a failed epoch again with backoff",
     )
     def new_data(context: SensorEvaluationContext, checkpoints: CheckpointResource, tables: TablesResource):
-        cursor = {"waiting_since": None, "recovering": 0, "requests": 0, "fresh": None,
-                  **(json.loads(context.cursor or "{}"))}
+        cursor = {"waiting_since": None, "fresh": None, "progress": None, **(json.loads(context.cursor or "{}"))}
         pool_limits_ensured(context.instance, [deployment.name])
         for run_id in fail_orphaned_runs(context.instance, deployment.name):
             context.log.warning(f"run {run_id} showed as started but its process is gone: marked failed, to be retried")
-        runner = make_runner(deployment, checkpoints, tables)
-        waiting_since = cursor["waiting_since"]
-        for _ in range(MAX_CUTS_PER_TICK):
-            cut, waiting_since = _should_cut(runner, deployment, waiting_since, time.time())
-            if not cut:
-                break
-            runner.cut_next()
-        now, backlog = time.time(), runner.backlog()  # listed once for the observation and the freshness check
+        try:
+            runner = make_runner(deployment, checkpoints, tables)
+            waiting_since = cursor["waiting_since"]
+            for _ in range(MAX_CUTS_PER_TICK):
+                cut, waiting_since = _should_cut(runner, deployment, waiting_since, time.time())
+                if not cut:
+                    break
+                runner.cut_next()
+            now, backlog = time.time(), runner.backlog()  # listed once for the observation and the freshness check
+        except VolleyError as exc:
+            context.log.error(f"{deployment.name}: {type(exc).__name__}: {exc}")
+            return SkipReason(f"cannot cut epochs of {deployment.name!r}: {type(exc).__name__}: {exc}")
         events: list = [AssetObservation(asset_key=source_key(runner.pipeline),
                                          metadata=source_observation(runner, backlog, now))]
-        known = set(context.instance.get_dynamic_partitions(partitions_name(deployment)))
-        new_keys = [epoch_key(e) for e in runner.log.epochs_cut() if epoch_key(e) not in known]
+        new_keys = unregistered_partitions(context.instance, deployment, runner.log.last_cut())
         add = [partitions.build_add_request(new_keys)] if new_keys else []
 
-        first, last = runner.committed_epoch() + 1, runner.log.last_cut()
-        requests, skip = [], None
-        recovering, count = first, cursor["requests"] if cursor["recovering"] == first else 0
-        if first > last:
-            skip = "no epoch to run: every cut epoch is committed"
-        elif (busy := run_in_flight(context.instance, deployment.name)) is not None:
-            skip = f"epochs {first}..{last} wait: {busy}"
-        elif count > MAX_RECOVERY_REQUESTS:
-            skip = (f"recovery exhausted: epoch {first} failed in {count} runs; fix the cause named in the last "
-                    f"failed run, then launch a backfill of epochs {first}..{last}")
-            if count == MAX_RECOVERY_REQUESTS + 1:  # once: the epochs_progress check says so too
-                events.append(check_evaluation(runner, check_progress(context.instance, runner)))
-                count += 1
-        else:
-            count += 1
-            requests.append(range_request(deployment, first, last, run_key=f"{deployment.name}-{first}-{last}-{count}"))
-            if count > 1:
-                context.log.info(f"epoch {first} is not committed after a failed run: requesting it again ({count - 1}"
-                                 f" of {MAX_RECOVERY_REQUESTS})")
+        requests, skip, decision = request_uncommitted(context.instance, runner, deployment, now)
+        if decision is not None and decision.failures and requests:
+            context.log.info(decision.reason)
+        progress, reported = _progress_event(context.instance, runner, deployment, cursor["progress"])
+        events += reported
         freshness = check_freshness(runner, deployment.freshness_bound_s, now, backlog)
         if freshness.passed != cursor["fresh"]:
             events.append(check_evaluation(runner, freshness))
-        new_cursor = json.dumps({"waiting_since": waiting_since, "recovering": recovering, "requests": count,
-                                 "fresh": freshness.passed})
+        new_cursor = json.dumps({"waiting_since": waiting_since, "fresh": freshness.passed, "progress": progress})
         if not requests and not add:
             return SensorResult(skip_reason=SkipReason(skip), cursor=new_cursor, asset_events=events)
         return SensorResult(run_requests=requests, dynamic_partitions_requests=add, cursor=new_cursor,
@@ -152,14 +178,25 @@ def epoch_schedule(deployment: Deployment, job):
         cron_schedule=deployment.cron,
         job=job,
         default_status=DefaultScheduleStatus.RUNNING if deployment.schedule_running else DefaultScheduleStatus.STOPPED,
+        description=f"Cuts an epoch of {deployment.name!r} on a clock; runs uncommitted epochs in order, and "
+                    "requests a failed epoch again with backoff, as the sensor does",
     )
     def clock(context: ScheduleEvaluationContext, checkpoints: CheckpointResource, tables: TablesResource):
-        runner = make_runner(deployment, checkpoints, tables)
-        rng = runner.cut_next()
-        if rng is None:
-            return SkipReason("no new records in the source")
-        # A schedule cannot return partition requests: add the partition directly.
-        context.instance.add_dynamic_partitions(partitions_name(deployment), [epoch_key(rng.epoch)])
-        return range_request(deployment, rng.epoch, rng.epoch, run_key=f"{deployment.name}-{epoch_key(rng.epoch)}")
+        instance = context.instance
+        pool_limits_ensured(instance, [deployment.name])
+        for run_id in fail_orphaned_runs(instance, deployment.name):
+            context.log.warning(f"run {run_id} showed as started but its process is gone: marked failed, to be retried")
+        try:
+            runner = make_runner(deployment, checkpoints, tables)
+            runner.cut_next()
+        except VolleyError as exc:
+            context.log.error(f"{deployment.name}: {type(exc).__name__}: {exc}")
+            return SkipReason(f"cannot cut epochs of {deployment.name!r}: {type(exc).__name__}: {exc}")
+        # A schedule cannot return partition requests: add the partitions directly.
+        new_keys = unregistered_partitions(instance, deployment, runner.log.last_cut())
+        if new_keys:
+            instance.add_dynamic_partitions(partitions_name(deployment), new_keys)
+        requests, skip, _ = request_uncommitted(instance, runner, deployment, time.time())
+        return requests or SkipReason(skip)
 
     return clock

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from volley_dagster.pipeline import Pipeline
+from volley_dagster.recovery import Backoff
 from volley_dagster.sinks.lineage import ForeignLineage
 
 
@@ -28,7 +29,9 @@ class Deployment:
     fails once a record has waited more than ``freshness_bound_s`` to be committed.
     The sensor's daemon loops every 5 s: an interval under 5 s means every loop.
     ``state_preview_by`` names an output column: each epoch's state materialization
-    then previews the top keys by it (one Spark job over the state: off by default)."""
+    then previews the top keys by it (one Spark job over the state: off by default).
+    ``backoff``: how long the sensor and schedule wait before requesting an epoch
+    whose runs failed transiently again (``volley_dagster/recovery.py``)."""
 
     name: str
     build: Callable[[TableSettings], Pipeline]
@@ -40,3 +43,4 @@ class Deployment:
     sensor_interval_s: int = 30
     freshness_bound_s: float = 300.0
     state_preview_by: str | None = None  # the state asset shows its top keys by this output column
+    backoff: Backoff = Backoff()

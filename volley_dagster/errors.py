@@ -117,9 +117,14 @@ class DimensionVersionLostError(DimensionTableError):
     epoch cannot be reproduced from it."""
 
 
-# Errors that name bad input or a setting: the same run fails the same way, so a retry
-# only hides them. Everything else (a killed executor, S3 unreachable, a lost lease or
-# commit race, a full disk) may pass on its own, and a retry of an epoch is always safe.
+# The one place that classifies failures. Permanent: errors that name bad input, a
+# setting, a lineage, a schema or a corrupt snapshot: the same run fails the same way,
+# so a retry only hides them and a person must act. Transient: everything else. Named
+# ones: S3 5xx, throttling, timeouts and refused connections (SnapshotStorageError,
+# SourceUnavailableError), a lost executor, a catalog lock or commit conflict
+# (SinkCommitError), the lease being busy or lost (PipelineBusyError, FencedError), a
+# full disk; an error of no known class is transient too, since a retry of an epoch is
+# always safe (it commits at most once).
 _PERMANENT = (ConfigError, EpochOrderError, SourceError, MalformedRecordError, StateLayoutError, SinkLineageError,
               AggregateOverflowError, DimensionVersionLostError)
 

@@ -13,9 +13,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from harness.processes import free_port
 from tests.conftest import BUCKET
 from volley_dagster.demo.events import generate
-from volley_dagster.errors import SourceChangedError, SourceError
+from volley_dagster.errors import SourceChangedError, SourceError, SourceUnavailableError, is_retryable
 from volley_dagster.sources import formats
 from volley_dagster.sources.base import Source
 from volley_dagster.sources.file_log import FileLog
@@ -184,6 +185,27 @@ def test_an_object_re_put_at_the_same_size_is_refused_on_s3(seaweedfs):
     with pytest.raises(SourceChangedError, match=r"epoch 3: source file s3://\S+/events-000000\.json changed after "
                                                  r"the epoch was cut \(rewritten: its first \d+ bytes"):
         log.read_segment(rng.segments[0], SCHEMA, 3)  # a JSON-lines range pins its bytes: never the new ones
+
+
+def test_an_s3_outage_while_reading_the_source_is_retried_and_a_missing_bucket_is_not(seaweedfs):
+    """Connection refused (the S3 endpoint down) is an outage: retried with backoff. A
+    bucket that does not exist is the source's answer: named, permanent."""
+    prefix = f"s3://{BUCKET}/outage-{uuid.uuid4().hex[:8]}"
+    up = FileLog(prefix, format="json", schema=SCHEMA, storage_options=seaweedfs.s3.boto3_options())
+    up.storage.write("events-000000.json", json_bytes([f'{{"k": "a", "v": {i}}}' for i in range(5)]))
+    rng = up.cut(1, {}, None)
+    down_options = {**seaweedfs.s3.boto3_options(), "endpoint_url": f"http://127.0.0.1:{free_port()}"}  # nothing listens
+    down = FileLog(prefix, format="json", schema=SCHEMA, storage_options=down_options)
+    for call, what in ((lambda: down.cut(1, {}, None), "cannot list"), (lambda: down.verify(rng), "cannot stat"),
+                       (lambda: down.read_segment(rng.segments[0], SCHEMA, 1), "cannot read")):
+        with pytest.raises(SourceUnavailableError, match=rf"{what} s3://\S+: S3 is unreachable or overloaded") as err:
+            call()
+        assert is_retryable(err.value)
+    missing = FileLog(f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/x", format="json", schema=SCHEMA,
+                      storage_options=seaweedfs.s3.boto3_options())
+    with pytest.raises(SourceError, match="cannot list s3://no-such-bucket-") as err:
+        missing.cut(1, {}, None)
+    assert not is_retryable(err.value)
 
 
 def test_a_file_removed_while_listing_is_skipped_not_fatal(tmp_path):

@@ -51,6 +51,38 @@ def s3_client(options: dict[str, Any] | None = None, *, max_attempts: int = 5, m
     return boto3.session.Session().client("s3", **{"config": config, **(options or {})})
 
 
+_MISSING_CODES = frozenset({"404", "NoSuchKey", "NotFound", "NoSuchBucket"})
+_TRANSIENT_CODES = frozenset({
+    "SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "RequestTimeout", "RequestTimeTooSkewed",
+    "InternalError", "ServiceUnavailable", "503", "500", "502", "504",
+})
+
+
+def s3_error_code(exc: BaseException) -> str:
+    """The S3 error code of a botocore ``ClientError`` ("" for other errors)."""
+    response = getattr(exc, "response", None)
+    return str(response.get("Error", {}).get("Code", "")) if isinstance(response, dict) else ""
+
+
+def is_missing(exc: BaseException) -> bool:
+    """The object or bucket does not exist: an answer, not an outage."""
+    return s3_error_code(exc) in _MISSING_CODES
+
+
+def is_transient(exc: BaseException) -> bool:
+    """An S3 outage rather than an answer: a refused or reset connection, a timeout,
+    5xx or throttling (botocore's own retries are spent when this reaches us)."""
+    from botocore.exceptions import BotoCoreError, ConnectionError, HTTPClientError
+
+    if isinstance(exc, (ConnectionError, HTTPClientError)):  # refused, reset, read and connect timeouts
+        return True
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict):
+        status = int(response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
+        return status >= 500 or s3_error_code(exc) in _TRANSIENT_CODES
+    return isinstance(exc, (BotoCoreError, OSError, TimeoutError))
+
+
 @dataclass(frozen=True)
 class S3Endpoint:
     endpoint_url: str

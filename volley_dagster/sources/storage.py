@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from volley_dagster.errors import ConfigError, SourceChangedError, SourceError
-from volley_dagster.io.s3 import S3Location, s3_client
+from volley_dagster.errors import ConfigError, SourceChangedError, SourceError, SourceUnavailableError, VolleyError
+from volley_dagster.io.s3 import S3Location, is_missing, is_transient, s3_client, s3_error_code
 
 
 @dataclass(frozen=True)
@@ -133,7 +133,7 @@ class S3Storage(Storage):
                     out.append(FileInfo(obj["Key"][len(base):], int(obj["Size"]), obj.get("ETag", "").strip('"'),
                                         _timestamp(obj.get("LastModified"))))
         except Exception as exc:
-            raise SourceError(f"cannot list {self.uri}: {exc}") from exc
+            raise _source_error(f"cannot list {self.uri}", exc) from exc
         return sorted(out, key=lambda f: f.path)
 
     def read(self, path: str, version: str = "") -> bytes:
@@ -142,26 +142,35 @@ class S3Storage(Storage):
         try:
             extra = {"IfMatch": f'"{version}"'} if version else {}
             return self.client.get_object(Bucket=self.bucket, Key=self._key(path), **extra)["Body"].read()
-        except self.client.exceptions.NoSuchKey:
-            raise SourceError(f"source file {self.uri}/{path} is missing") from None
         except Exception as exc:
-            if getattr(exc, "response", {}).get("Error", {}).get("Code") in ("412", "PreconditionFailed"):
+            if is_missing(exc):
+                raise SourceError(f"source file {self.uri}/{path} is missing") from None
+            if s3_error_code(exc) in ("412", "PreconditionFailed"):
                 raise SourceChangedError(f"source file {self.uri}/{path} was rewritten after it was listed (ETag "
                                          f"{version} no longer matches); log files must not be rewritten") from None
-            raise
+            raise _source_error(f"cannot read {self.uri}/{path}", exc) from exc
 
     def stat(self, path: str) -> FileInfo | None:
         try:
             head = self.client.head_object(Bucket=self.bucket, Key=self._key(path))
         except Exception as exc:
-            if getattr(exc, "response", {}).get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+            if is_missing(exc):
                 return None
-            raise SourceError(f"cannot stat {self.uri}/{path}: {exc}") from exc
+            raise _source_error(f"cannot stat {self.uri}/{path}", exc) from exc
         return FileInfo(path, int(head["ContentLength"]), head.get("ETag", "").strip('"'),
                         _timestamp(head.get("LastModified")))
 
     def write(self, path: str, data: bytes) -> None:
         self.client.put_object(Bucket=self.bucket, Key=self._key(path), Body=data)
+
+
+def _source_error(what: str, exc: BaseException) -> VolleyError:
+    """An S3 outage is retried (``SourceUnavailableError``); any other answer is the
+    source's own (``SourceError``: a denied access, a missing bucket)."""
+    if is_transient(exc):
+        return SourceUnavailableError(f"{what}: S3 is unreachable or overloaded ({type(exc).__name__}: {exc}); "
+                                      "the epoch is retried with backoff")
+    return SourceError(f"{what}: {exc}")
 
 
 def storage_for(uri: str | os.PathLike[str], options: dict[str, Any] | None = None) -> Storage:
