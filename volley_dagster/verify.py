@@ -21,21 +21,27 @@ class CheckOutcome:
     metadata: dict[str, Any] = field(default_factory=dict)
 
 
-def check_sink(runner: EpochRunner, sink: Sink) -> list[CheckOutcome]:
-    """The sink holds this lineage's last committed epoch, each epoch once, with the
-    manifest's row count."""
+ROW_COUNT_WINDOW = 32  # the last committed epochs ``check_sink`` compares by default
+
+
+def check_sink(runner: EpochRunner, sink: Sink, epochs: range | None = None) -> list[CheckOutcome]:
+    """The sink holds this lineage's last committed epoch, and each epoch of ``epochs``
+    (default: the last ``ROW_COUNT_WINDOW`` committed) once, with the manifest's row
+    count. Only those epochs' manifests and the sink's history back to them are read,
+    so a check costs the same at any age of the pipeline. Epochs before the sink's own
+    retained history (Delta log cleanup, Iceberg snapshot expiry) are not compared;
+    the metadata says where that history begins (``history_truncated``)."""
     pipeline = runner.pipeline.name
     committed = runner.committed_epoch()
     mark = sink.committed_mark(pipeline)
     held: int | None = None
-    whose, history = "", {}
-    if committed:
-        lineage = runner.log.lineage()
-        if mark is not None and lineage.owns(mark):
+    whose = ""
+    lineage = runner.log.lineage() if committed else None
+    if lineage is not None and mark is not None:
+        if lineage.owns(mark):
             held = lineage.epoch_of(mark)
-        elif mark is not None:
+        else:
             whose = f" (it holds {mark.describe()}, not this lineage's)"
-        history = sink.epoch_history(pipeline, lineage)
     outcomes = [
         CheckOutcome(
             "recorded_epoch",
@@ -44,32 +50,61 @@ def check_sink(runner: EpochRunner, sink: Sink) -> list[CheckOutcome]:
             {"sink_epoch": held if held is not None else 0, "committed_epoch": committed},
         )
     ]
+    window = epochs if epochs is not None else range(max(1, committed - ROW_COUNT_WINDOW + 1), committed + 1)
+    window = range(max(1, window.start), min(window.stop, committed + 1))
+    history: dict[int, list[int]] = {}
+    first_held: int | None = None
+    complete = True
+    if lineage is not None and window:
+        binding = runner.log.sink_binding(sink.name)
+        if binding is not None:  # this lineage's epochs before it met the sink's choice are not in it
+            window = range(max(window.start, binding.first_epoch), window.stop)
+        offset = binding.offset if binding is not None else 0
+        retained = sink.history_from(pipeline, window.start + offset)
+        complete = retained.complete
+        for commit in retained.commits:
+            if lineage.owns(commit.mark) and (epoch := lineage.epoch_of(commit.mark)) in window:
+                history.setdefault(epoch, []).append(commit.rows)
+        first_held = min(history, default=None)
     duplicated = sorted(e for e, commits in history.items() if len(commits) > 1)
     outcomes.append(
         CheckOutcome(
             "no_duplicate_epochs",
             not duplicated,
-            f"epochs committed more than once: {duplicated}" if duplicated else f"{len(history)} epochs, each once",
+            f"epochs committed more than once: {duplicated}" if duplicated
+            else f"{len(history)} epochs of {_span(window)}, each once",
             {"duplicated_epochs": len(duplicated)},
         )
     )
+    # without its older history, the sink's record of the window begins at its oldest commit held
+    checked = window if complete else range(first_held if first_held is not None else window.stop, window.stop)
     mismatched: list[str] = []
-    for epoch in range(1, committed + 1):
+    for epoch in checked:
         manifest = runner.log.committed_manifest(epoch)
         commits = history.get(epoch)
         if commits is None:
             mismatched.append(f"epoch {epoch}: missing")
         elif commits != [manifest.records_out]:
             mismatched.append(f"epoch {epoch}: {commits} rows, manifest says {manifest.records_out}")
+    unchecked = len(window) - len(checked)
+    truncation = (f"; epochs {_span(range(window.start, checked.start))} are no longer in the sink's own history "
+                  "(its retention removed them) and were not compared" if unchecked else "")
     outcomes.append(
         CheckOutcome(
             "row_counts",
             not mismatched,
-            "; ".join(mismatched[:5]) if mismatched else f"row counts of {committed} epochs match their manifests",
-            {"mismatched_epochs": len(mismatched)},
+            ("; ".join(mismatched[:5]) if mismatched
+             else f"row counts of {len(checked)} epochs ({_span(checked)}) match their manifests") + truncation,
+            {"mismatched_epochs": len(mismatched), "epochs_checked": len(checked),
+             "first_checked_epoch": checked.start if checked else 0, "last_checked_epoch": checked.stop - 1 if checked else 0,
+             "history_truncated": not complete, "epochs_not_in_sink_history": unchecked},
         )
     )
     return outcomes
+
+
+def _span(epochs: range) -> str:
+    return "none" if not epochs else str(epochs.start) if len(epochs) == 1 else f"{epochs.start}..{epochs.stop - 1}"
 
 
 def check_latest_snapshot(runner: EpochRunner) -> CheckOutcome:

@@ -72,6 +72,22 @@ class SinkCommitResult:
 
 
 @dataclass(frozen=True)
+class SinkHistory:
+    """A pipeline's commits that a sink's own history holds from one sink epoch on,
+    oldest first. ``complete``: the history reaches back that far (a commit before it,
+    the table's creation, or a replacing commit was found); otherwise the sink's own
+    retention (Delta log cleanup, Iceberg snapshot expiry, topic retention) removed
+    the older commits, and the oldest commit here is where its history begins."""
+
+    commits: list[SinkCommit]
+    complete: bool
+
+    def first_epoch(self) -> int | None:
+        """The sink epoch of the oldest commit held (None: none)."""
+        return self.commits[0].mark.epoch if self.commits else None
+
+
+@dataclass(frozen=True)
 class SinkLocation:
     """Where a sink's table lives, as an orchestrator shows it: its kind ("delta",
     "iceberg", ...), a URI or a catalog table name, and its write mode."""
@@ -102,6 +118,15 @@ class Sink(ABC):
     def commits(self, pipeline: str) -> list[SinkCommit]:
         """Every commit of ``pipeline`` the sink's own history still holds, oldest first
         (after a ``replace``, only those since)."""
+
+    def history_from(self, pipeline: str, sink_epoch: int) -> SinkHistory:
+        """The commits of ``pipeline`` numbered ``sink_epoch`` or later. Table sinks read
+        their history newest first and stop there, so the cost is the epochs asked for;
+        this default reads ``commits`` and takes the oldest commit held as the start of
+        the retained history."""
+        commits = self.commits(pipeline)
+        return SinkHistory([c for c in commits if c.mark.epoch >= sink_epoch],
+                           complete=bool(commits) and commits[0].mark.epoch <= sink_epoch)
 
     def committed_epoch(self, pipeline: str) -> int | None:
         """The sink's own number of the latest epoch of ``pipeline`` it holds."""

@@ -25,12 +25,13 @@ from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundErr
 
 from volley_dagster.io.paths import table_uri
 from volley_dagster.io.s3 import S3Endpoint
-from volley_dagster.sinks.base import CommitContext, SinkLocation, commit_tags
+from volley_dagster.sinks.base import CommitContext, SinkHistory, SinkLocation, commit_tags
 from volley_dagster.sinks.lineage import ForeignLineage, SinkCommit, SinkMark
 from volley_dagster.sinks.table import Mode, TableSink
 
 SCHEMA_CHANGE = "volley.schema_change"  # commit info of a rewrite that only changed the schema
 _DELETE = "_volley_delete"  # a MERGE source row that deletes its key's row
+_HISTORY_PAGE = 64  # commit infos read at first when walking the history back
 
 
 def _quote(column: str) -> str:
@@ -175,14 +176,33 @@ class DeltaSink(TableSink[DeltaTable]):
 
     def commits(self, pipeline: str) -> list[SinkCommit]:
         """From the table's commit infos; after a replacing overwrite, only those since."""
+        return self.history_from(pipeline, 0).commits
+
+    def history_from(self, pipeline: str, sink_epoch: int) -> SinkHistory:
+        """The commit infos newest first, read in growing pages (``history(limit)`` reads
+        the newest ``limit`` commits), until a commit of this app before ``sink_epoch``,
+        a replacing overwrite or version 0: complete. Running out of commits before
+        that means log cleanup removed the older ones (Delta keeps commit infos for
+        ``delta.logRetentionDuration``, 30 days by default, once a checkpoint covers them)."""
         table = self._load()
-        commits: list[SinkCommit] = []
-        for info in table.history() if table is not None else []:  # newest first
-            if info.get("volley.pipeline") == pipeline and "volley.epoch" in info and _same_app(info, self.app_id(pipeline)):
-                commits.append(SinkCommit(SinkMark.from_tags(info), int(info.get("volley.rows", -1))))
-            if info.get("operation") in ("WRITE", "CREATE OR REPLACE TABLE") and _overwrote(info):
-                break
-        return commits[::-1]
+        if table is None:
+            return SinkHistory([], complete=True)
+        app_id, limit = self.app_id(pipeline), _HISTORY_PAGE
+        while True:
+            infos = table.history(limit)  # newest first
+            commits: list[SinkCommit] = []
+            for info in infos:
+                if info.get("volley.pipeline") == pipeline and "volley.epoch" in info and _same_app(info, app_id):
+                    mark = SinkMark.from_tags(info)
+                    if mark.epoch < sink_epoch:
+                        return SinkHistory(commits[::-1], complete=True)
+                    commits.append(SinkCommit(mark, int(info.get("volley.rows", -1))))
+                if (info.get("operation") in ("WRITE", "CREATE OR REPLACE TABLE") and _overwrote(info)) \
+                        or info.get("version") == 0:
+                    return SinkHistory(commits[::-1], complete=True)
+            if len(infos) < limit:
+                return SinkHistory(commits[::-1], complete=False)
+            limit *= 4
 
     def read(self) -> pa.Table:
         table = self._load()

@@ -31,11 +31,12 @@ from pyiceberg.expressions import (
     LessThanOrEqual,
 )
 from pyiceberg.table import Table, Transaction
+from pyiceberg.table.snapshots import Snapshot
 from sqlalchemy.exc import SQLAlchemyError
 
 from volley_dagster.errors import ConfigError
 from volley_dagster.io.s3 import S3Endpoint
-from volley_dagster.sinks.base import CommitContext, SinkLocation, commit_tags
+from volley_dagster.sinks.base import CommitContext, SinkHistory, SinkLocation, commit_tags
 from volley_dagster.sinks.lineage import ForeignLineage, SinkCommit, SinkMark
 from volley_dagster.sinks.table import Mode, TableSink
 
@@ -246,17 +247,33 @@ class IcebergSink(TableSink[Table]):
     def commits(self, pipeline: str) -> list[SinkCommit]:
         """One APPEND snapshot per commit (an upsert's DELETE snapshot shares its tags),
         since the last replacing commit."""
+        return self.history_from(pipeline, 0).commits
+
+    def history_from(self, pipeline: str, sink_epoch: int) -> SinkHistory:
+        """The current snapshot's ancestry, newest first, until a commit before
+        ``sink_epoch``, a replacing commit, or the table's first snapshot: complete. An
+        oldest snapshot that is not the table's first (its parent is gone, or pyiceberg's
+        ``expire_snapshots`` cleared the reference) means expiry removed the older ones."""
         table = self.table()
+        snapshot = table.current_snapshot() if table is not None else None
+        if table is None or snapshot is None:
+            return SinkHistory([], complete=True)
+        by_id = {s.snapshot_id: s for s in table.snapshots()}
         commits: list[SinkCommit] = []
-        for snap in table.snapshots() if table is not None else []:
-            props = snap.summary.additional_properties if snap.summary else {}
-            if props.get("volley.pipeline") != pipeline or "volley.epoch" not in props:
-                continue
-            if props.get("volley.replaced") == "true":
-                commits = []
-            if snap.summary is not None and snap.summary.operation.value == "append":
-                commits.append(SinkCommit(SinkMark.from_tags(props), int(props.get("volley.rows", -1))))
-        return commits
+        while True:
+            props = snapshot.summary.additional_properties if snapshot.summary else {}
+            if props.get("volley.pipeline") == pipeline and "volley.epoch" in props:
+                mark = SinkMark.from_tags(props)
+                if mark.epoch < sink_epoch:
+                    return SinkHistory(commits[::-1], complete=True)
+                if snapshot.summary is not None and snapshot.summary.operation.value == "append":
+                    commits.append(SinkCommit(mark, int(props.get("volley.rows", -1))))
+                if props.get("volley.replaced") == "true":
+                    return SinkHistory(commits[::-1], complete=True)
+            parent = by_id.get(snapshot.parent_snapshot_id) if snapshot.parent_snapshot_id is not None else None
+            if parent is None:
+                return SinkHistory(commits[::-1], complete=_first_snapshot(snapshot))
+            snapshot = parent
 
     def read(self) -> pa.Table:
         table = self.table()
@@ -283,6 +300,12 @@ def _key_range(output: pa.Table, keys: tuple[str, ...]) -> BooleanExpression:
         at_least, at_most = GreaterThanOrEqual(key, low), LessThanOrEqual(key, high)  # type: ignore[call-arg,arg-type,misc]
         condition = And(condition, And(at_least, at_most))
     return condition
+
+
+def _first_snapshot(snapshot: Snapshot) -> bool:
+    """Whether a snapshot without a parent is the table's first: in a v2 table its
+    sequence number is 1 (a v1 table numbers none, and counts as first)."""
+    return snapshot.parent_snapshot_id is None and (snapshot.sequence_number or 0) <= 1
 
 
 def _snapshot_id(table: Table) -> int | None:
