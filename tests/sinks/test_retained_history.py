@@ -11,7 +11,10 @@ read only the log, the manifests and the tables."""
 
 from __future__ import annotations
 
+import json
+import shutil
 import time
+from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -21,11 +24,13 @@ from deltalake import DeltaTable
 from tests.sinks.commit_worker import epoch_output
 from tests.sinks.helpers import KEY, PIPELINE
 from volley_dagster import EpochRunner, FileLog, Pipeline, sum_
+from volley_dagster.errors import SinkLineageError
 from volley_dagster.io.atomic import write_bytes_atomic
 from volley_dagster.result import EpochResult
 from volley_dagster.sinks.base import CommitContext
 from volley_dagster.sinks.delta import DeltaSink
 from volley_dagster.sinks.iceberg import IcebergSink
+from volley_dagster.sinks.lineage import SinkBinding, SinkMark
 from volley_dagster.sinks.table import TableSink
 from volley_dagster.sources.offsets import EpochRange
 from volley_dagster.verify import ROW_COUNT_WINDOW, CheckOutcome, check_sink
@@ -36,7 +41,7 @@ def rows_of(epoch: int) -> int:
 
 
 def runner_for(tmp_path: Path, sink: TableSink) -> EpochRunner:
-    (tmp_path / "events").mkdir(exist_ok=True)
+    (tmp_path / "events").mkdir(parents=True, exist_ok=True)
     pipeline = Pipeline(PIPELINE).source(FileLog(tmp_path / "events")).key_by("merchant_id") \
         .aggregate(total=sum_("amount")).sink(sink)
     runner = EpochRunner(pipeline, tmp_path / "state")
@@ -45,14 +50,19 @@ def runner_for(tmp_path: Path, sink: TableSink) -> EpochRunner:
     return runner
 
 
+def context(runner: EpochRunner, sink: TableSink, epoch: int) -> CommitContext:
+    """The runner's context of an epoch's commit: this root's lineage, the range's
+    digest and the sink's recorded choice, if any."""
+    rng = runner.log.record_offsets(EpochRange(epoch, {}, {}))
+    return CommitContext(PIPELINE, epoch, KEY, runner.log.lineage(), rng.digest(), runner.log.sink_binding(sink.name))
+
+
 def commit(runner: EpochRunner, sink: TableSink, epochs: range) -> None:
-    """Each epoch as the runner commits it: offsets, the sink's commit (this root's
-    lineage, the range's digest), the manifest with the rows it wrote."""
-    lineage = runner.log.lineage()
+    """Each epoch as the runner commits it: offsets, the sink's commit, the manifest
+    with the rows it wrote."""
     for epoch in epochs:
-        rng = runner.log.record_offsets(EpochRange(epoch, {}, {}))
         output = epoch_output(epoch, rows_of(epoch))
-        result = sink.commit(output, CommitContext(PIPELINE, epoch, KEY, lineage, rng.digest()))
+        result = sink.commit(output, context(runner, sink, epoch))
         assert not result.skipped, f"epoch {epoch}"
         n = output.num_rows
         assert runner.log.write_manifest(EpochResult(PIPELINE, epoch, {}, n, n, 0, n, n, 0, 0, 0, {},
@@ -149,3 +159,62 @@ def test_an_epoch_missing_from_a_complete_history_is_still_red(tmp_path: Path, k
     # an explicit range of epochs (those a run committed) is all that is compared
     assert outcomes(runner, sink, range(2, 5))["row_counts"].metadata["epochs_checked"] == 3
     assert outcomes(runner, sink, range(2, 5))["row_counts"].passed
+
+
+@pytest.mark.parametrize("kind", ["delta", "iceberg"])
+def test_a_pipeline_paused_past_the_tables_retention_is_still_recognised(tmp_path: Path, kind: str) -> None:
+    """The mark (lineage, its epoch, the range digest) outlives the commit infos and
+    snapshots: Delta keeps it as txns in its checkpoints, Iceberg in table properties."""
+    sink = make_sink(kind, tmp_path)
+    runner = runner_for(tmp_path, sink)
+    commit(runner, sink, range(1, 6))
+    lineage, digest = runner.log.lineage(), runner.log.offsets(5).digest()
+    clean_up(kind, sink)
+
+    fresh = make_sink(kind, tmp_path)  # a new process: nothing cached
+    assert fresh.committed_mark(PIPELINE) == SinkMark(5, lineage.id, 5, digest)
+    commit(runner, fresh, range(6, 9))  # no SinkLineageError asking a person to choose
+    again = fresh.commit(epoch_output(8, rows_of(8)), context(runner, fresh, 8))
+    assert again.skipped and again.held_epoch == 8
+    clean_up(kind, fresh)
+    with pytest.raises(SinkLineageError, match="over another source range"):  # the range survived too
+        fresh.commit(epoch_output(8, rows_of(8)), replace(context(runner, fresh, 8), range_digest="0" * 32))
+
+    checks = outcomes(runner, fresh)
+    assert all_pass(checks), {n: o.description for n, o in checks.items()}
+    assert checks["recorded_epoch"].metadata == {"sink_epoch": 8, "committed_epoch": 8}
+    commit(runner, fresh, range(9, 12))  # the epochs after the cleanup are compared again
+    checks = outcomes(runner, fresh)
+    assert all_pass(checks) and checks["row_counts"].metadata["epochs_checked"] >= 3
+    wrong = runner.log.committed_manifest(10)
+    wrong.records_out += 1
+    write_bytes_atomic(runner.log.epoch_dir(10) / "manifest.json", json.dumps(wrong.to_manifest()).encode())
+    checks = outcomes(runner, fresh)
+    assert not checks["row_counts"].passed
+    assert f"epoch 10: [{rows_of(10)}] rows, manifest says {rows_of(10) + 1}" in checks["row_counts"].description
+
+    # another root over the same table is told whose epochs it holds, by the lineage's id
+    shutil.rmtree(tmp_path / "state")
+    other = runner_for(tmp_path, make_sink(kind, tmp_path))
+    with pytest.raises(SinkLineageError, match=f"holds epoch 11 of lineage {lineage.id} "):
+        commit(other, other.pipeline.sinks[0], range(1, 2))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("kind", ["delta", "iceberg"])
+def test_a_lineage_that_continued_after_another_keeps_its_numbering_past_the_retention(tmp_path: Path,
+                                                                                       kind: str) -> None:
+    sink = make_sink(kind, tmp_path)
+    first = runner_for(tmp_path / "a", sink)
+    commit(first, sink, range(1, 4))
+    held = sink.committed_mark(PIPELINE)
+    assert held is not None
+    second = runner_for(tmp_path / "b", sink)
+    second.log.record_sink_binding(SinkBinding(sink.name, "continue", held, first_epoch=1))
+    commit(second, sink, range(1, 3))  # sink epochs 4 and 5
+    clean_up(kind, sink)
+    fresh = make_sink(kind, tmp_path)
+    assert fresh.committed_mark(PIPELINE) == SinkMark(5, second.log.lineage().id, 2, second.log.offsets(2).digest())
+    commit(second, fresh, range(3, 4))
+    checks = outcomes(second, fresh)
+    assert all_pass(checks), {n: o.description for n, o in checks.items()}
+    assert checks["recorded_epoch"].metadata == {"sink_epoch": 3, "committed_epoch": 3}

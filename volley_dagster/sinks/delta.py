@@ -11,11 +11,18 @@ and the shared loop (``sinks/table.py``) re-reads the txn version and decides ag
 
 The txn says which epoch number the table holds; the commit info of the commit
 that set it (``volley.lineage``, ``volley.range``: ``sinks/lineage.py``) says whose.
+Commit infos go with the log's cleanup (``delta.logRetentionDuration``, 30 days by
+default, once a checkpoint covers them), but a checkpoint keeps the latest txn of
+every app id. So each commit also writes the rest of its mark as txns of their own
+(``<app id>#lineage.0..2`` and ``#range.0..2``: the 128-bit lineage and range digest
+in 44-bit parts, ``#lineage_epoch``, and ``#marked``: the epoch they describe), and a
+pipeline paused past the log's retention is still recognised as the table's writer.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 import pyarrow as pa
@@ -32,6 +39,9 @@ from volley_dagster.sinks.table import Mode, TableSink
 SCHEMA_CHANGE = "volley.schema_change"  # commit info of a rewrite that only changed the schema
 _DELETE = "_volley_delete"  # a MERGE source row that deletes its key's row
 _HISTORY_PAGE = 64  # commit infos read at first when walking the history back
+_RECENT = 8  # commit infos searched for the mark's own before its txns
+_HEX128 = re.compile(r"^[0-9a-f]{32}$")
+_PARTS = ((0, 11), (11, 22), (22, 32))  # hex digits of a 128-bit id per txn version (< 2**44, never negative)
 
 
 def _quote(column: str) -> str:
@@ -120,7 +130,7 @@ class DeltaSink(TableSink[DeltaTable]):
                keys: tuple[str, ...], expired: pa.Table) -> tuple[dict[str, int], dict[str, Any]]:
         app_id = self.app_id(ctx.pipeline)
         props = CommitProperties(
-            app_transactions=[Transaction(app_id=app_id, version=ctx.sink_epoch)],
+            app_transactions=[Transaction(app_id=app_id, version=ctx.sink_epoch), *_mark_transactions(app_id, ctx.mark)],
             custom_metadata={**commit_tags(ctx, output.num_rows + expired.num_rows), "volley.app_id": app_id},
             max_commit_retries=0,
         )
@@ -233,14 +243,61 @@ def _overwrote(info: dict[str, Any]) -> bool:
 
 
 def _mark(table: DeltaTable, app_id: str, pipeline: str) -> SinkMark | None:
-    """The txn version, with the lineage of the commit that set it: the newest commit
-    of this app carrying that version (found within the log's retained history)."""
+    """The txn version, with the lineage of the commit that set it: from that commit's
+    info while the log still has it among the latest commits, else from the mark's own
+    txns (kept by checkpoints). Only a table last written before those were kept has
+    its whole retained history searched, as it was before."""
     version = table.transaction_version(app_id)
     if version is None:
         return None
-    for limit in (8, None):
-        for info in table.history(limit):
-            if (info.get("volley.pipeline") == pipeline and info.get("volley.epoch") == str(version)
-                    and _same_app(info, app_id)):
-                return SinkMark.from_tags(info, epoch=version)
+    recent = _from_history(table.history(_RECENT), app_id, pipeline, version)
+    if recent is not None:
+        return recent
+    kept = _kept_mark(table, app_id, version)
+    if kept is not None:
+        return kept
+    if table.transaction_version(f"{app_id}#marked") is None:  # written before marks were kept as txns
+        return _from_history(table.history(), app_id, pipeline, version) or SinkMark(version)
     return SinkMark(version)
+
+
+def _from_history(infos: list[dict[str, Any]], app_id: str, pipeline: str, version: int) -> SinkMark | None:
+    for info in infos:
+        if info.get("volley.pipeline") == pipeline and info.get("volley.epoch") == str(version) and _same_app(info, app_id):
+            return SinkMark.from_tags(info, epoch=version)
+    return None
+
+
+def _mark_transactions(app_id: str, mark: SinkMark) -> list[Transaction]:
+    """The txns that keep ``mark`` in the table's checkpoints. All or none: a mark
+    without a 128-bit hex lineage and range (only tests and roots from before lineages
+    make one) writes none, and ``#marked`` left at an older epoch says so."""
+    if mark.lineage_epoch is None or not all(v is not None and _HEX128.match(v) for v in (mark.lineage, mark.range_digest)):
+        return []
+    assert mark.lineage is not None and mark.range_digest is not None
+    return [*_hex_transactions(f"{app_id}#lineage", mark.lineage), *_hex_transactions(f"{app_id}#range", mark.range_digest),
+            Transaction(app_id=f"{app_id}#lineage_epoch", version=mark.lineage_epoch),
+            Transaction(app_id=f"{app_id}#marked", version=mark.epoch)]
+
+
+def _hex_transactions(name: str, value: str) -> list[Transaction]:
+    return [Transaction(app_id=f"{name}.{i}", version=int(value[a:b], 16)) for i, (a, b) in enumerate(_PARTS)]
+
+
+def _read_hex(table: DeltaTable, name: str) -> str | None:
+    parts = [table.transaction_version(f"{name}.{i}") for i in range(len(_PARTS))]
+    if any(p is None for p in parts):
+        return None
+    return "".join(f"{p:0{b - a}x}" for p, (a, b) in zip(parts, _PARTS, strict=True))
+
+
+def _kept_mark(table: DeltaTable, app_id: str, version: int) -> SinkMark | None:
+    """The mark of sink epoch ``version`` from its txns; None when they describe
+    another epoch (a commit that kept no mark came since) or are absent."""
+    if table.transaction_version(f"{app_id}#marked") != version:
+        return None
+    lineage, digest = _read_hex(table, f"{app_id}#lineage"), _read_hex(table, f"{app_id}#range")
+    lineage_epoch = table.transaction_version(f"{app_id}#lineage_epoch")
+    if lineage is None or digest is None or lineage_epoch is None:
+        return None
+    return SinkMark(version, lineage, lineage_epoch, digest)

@@ -13,6 +13,12 @@ the first commit, "continue" keeps them. Either way this lineage's epochs then
 number after the old ones *in that sink*, as recorded once in the root's
 ``sinks/<name>.json`` (a ``SinkBinding``), so the sink's own epoch numbers (Delta
 txn versions, Iceberg properties, file names) keep growing.
+
+The latest mark must outlive the table's own retention, or a pipeline paused longer
+than it would find its table foreign: Delta keeps it as txn actions, which its
+checkpoints keep (the latest per app id) when log cleanup removes the commit infos;
+Iceberg keeps it in table properties set in the epoch's own commit, which snapshot
+expiry leaves alone.
 """
 
 from __future__ import annotations
