@@ -61,6 +61,13 @@ class SinkCommitError(VolleyError):
     lost every commit race; nothing of the epoch is in that table, so a retry is safe."""
 
 
+class SinkOutcomeUnknownError(VolleyError):
+    """An epoch's commit may or may not have happened, and the sink's system could not be
+    asked (a Kafka transaction whose commit timed out, the brokers then unreachable): a
+    retry is safe, since the next attempt settles the transaction and reads the mark
+    back before it writes anything."""
+
+
 class AggregateOverflowError(VolleyError):
     """An integer aggregate left int64 for some key: state never wraps, so the epoch
     fails naming the aggregate, the keys and the epoch."""

@@ -36,7 +36,10 @@ POINTS = (
     "rescale_after_shard",  # a rescale wrote some new shards, no layout record
     "rescale_before_commit",  # every new shard written, no layout record
     "rescale_after_commit",  # the layout record written, nothing after it
+    "kafka_before_commit",  # a Kafka sink's epoch produced in its transaction, not committed
 )
+# Pause points (fault_pause): "shard_after_snapshot", "kafka_before_produce" (a Kafka sink
+# decided to write the epoch, nothing produced yet).
 
 
 def fault_point(name: str, epoch: int, *, pid: int | None = None, shard: int | None = None) -> None:

@@ -30,12 +30,12 @@ from typing import Any
 import pyarrow as pa
 
 from volley_dagster import faults
-from volley_dagster.errors import ConfigError, SinkCommitError, VolleyError
+from volley_dagster.errors import ConfigError, SinkCommitError, SinkOutcomeUnknownError
 from volley_dagster.io import kafka
 from volley_dagster.sinks.base import CommitContext, Sink, SinkCommitResult, SinkLocation, commit_tags
 from volley_dagster.sinks.lineage import ForeignLineage, SinkCommit, SinkMark, check_choice
 
-__all__ = ["KafkaSink", "SinkOutcomeUnknownError"]
+__all__ = ["KafkaSink"]
 
 MARKER = "volley.marker"
 MARKER_PARTITION = 0
@@ -44,12 +44,6 @@ TIMEOUT_S = 30.0
 RETRY_S = 0.1  # between retries of a retriable commit error
 BEFORE_PRODUCE = "kafka_before_produce"  # pause point: the attempt decided to write the epoch
 BEFORE_COMMIT = "kafka_before_commit"  # kill point: the epoch produced in its transaction, not committed
-
-
-class SinkOutcomeUnknownError(VolleyError):
-    """An epoch's transaction may or may not have committed, and the brokers could not
-    be asked: a retry is safe, since the next attempt settles the transaction
-    (``init_transactions``) and reads the marker back before it writes anything."""
 
 
 class KafkaSink(Sink):
