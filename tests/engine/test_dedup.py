@@ -41,7 +41,8 @@ def check_epoch(runner: EpochRunner, result, expected: pd.DataFrame, dropped: li
 def test_duplicates_are_dropped_as_the_reference_and_the_tables_hold_the_kept_records(spark, tmp_path):
     logs = write_dedup_log(tmp_path / "events", FILES)
     runner = EpochRunner(dedup_pipeline(tmp_path / "events", tmp_path / "out", tables=tmp_path / "tables"),
-                         tmp_path / "state", spark=spark, max_records_per_epoch=ROWS)
+                         tmp_path / "state", spark=spark, max_records_per_epoch=ROWS,
+                         keep_epochs=FILES)  # every epoch's duplicates are read afterwards
     results = runner.run_available()
     assert [r.epoch for r in results] == list(range(1, FILES + 1))
     reference = DedupReference()
@@ -211,7 +212,8 @@ def test_a_pipeline_that_only_deduplicates_gives_its_sinks_the_kept_records(spar
     its row), Iceberg appends every kept record; the state is the remembered ids."""
     logs = write_dedup_log(tmp_path / "events", FILES)
     runner = EpochRunner(unique_pipeline(tmp_path / "events", tmp_path / "out", tables=tmp_path / "tables"),
-                         tmp_path / "state", spark=spark, max_records_per_epoch=ROWS)
+                         tmp_path / "state", spark=spark, max_records_per_epoch=ROWS,
+                         keep_epochs=FILES)  # every epoch's duplicates are read afterwards
     results = runner.run_available()
     reference = DedupReference()
     for result, records in zip(results, logs, strict=True):

@@ -21,7 +21,8 @@ def run_windows(spark, base, windows, max_pending=None, ntz=False):
     files = generate(base / "events", FILES, PER_FILE, KEYS, events_per_second=10, disorder_s=30)
     pipeline = window_pipeline(base / "events", base / "out", windows, delay=DELAY, lateness=LATENESS,
                                max_pending=max_pending, ntz=ntz)
-    runner = EpochRunner(pipeline, base / "state", spark=spark, max_records_per_epoch=PER_FILE)
+    # every epoch's late records are read afterwards: keep them all (retention removes side outputs)
+    runner = EpochRunner(pipeline, base / "state", spark=spark, max_records_per_epoch=PER_FILE, keep_epochs=FILES + 1)
     results = runner.run_available()
     results += runner.flush()  # end of stream: an empty final epoch fires what is still open
     ref = reference([base / "events" / f for f in files], windows, 5_000_000, 2_000_000, end_of_stream=False)
