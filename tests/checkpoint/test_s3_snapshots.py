@@ -19,8 +19,13 @@ import rocksdict
 from harness.processes import free_ports
 from harness.seaweedfs import SeaweedFS, start_seaweedfs
 from tests.conftest import BUCKET
+from volley_dagster.checkpoint.epoch_log import EpochLog
+from volley_dagster.checkpoint.lease import PipelineLease
+from volley_dagster.checkpoint.manifest import ShardEntry, ShardSnapshot
 from volley_dagster.checkpoint.s3_snapshots import S3SnapshotStore, SnapshotManifest
-from volley_dagster.errors import SnapshotError, SnapshotStorageError
+from volley_dagster.errors import FencedError, SnapshotError, SnapshotStorageError
+from volley_dagster.result import EpochResult
+from volley_dagster.sources.offsets import EpochRange
 from volley_dagster.state.options import RocksDBOptions, write_options
 from volley_dagster.state.store import ShardStore, open_snapshot_read_only, sha256_file
 
@@ -348,3 +353,90 @@ def test_the_restore_cache_must_be_private_and_is_hashed_after_laying_out(store,
     again = store.restore(1, 0, cache)
     assert read_all(again.path) == expected
     assert again.files_downloaded == 1
+
+
+def three_snapshots(tmp_path: Path) -> list[Path]:
+    """Checkpoints of one DB after each of three writes, a full compaction before the
+    last: the first two share SSTs the third does not name."""
+    db = open_db(tmp_path / "db")
+    paths = []
+    for i in range(3):
+        write(db, {key(k): bytes([i]) * 20 for k in range(i * 500, i * 500 + 1_000)})
+        if i == 2:
+            db.compact_range(None, None)
+        paths.append(checkpoint(db, tmp_path / f"cp{i}"))
+    db.close()
+    return paths
+
+
+def test_a_stale_view_never_deletes_newer_epochs_than_it_keeps(store, seaweedfs, tmp_path):
+    """A holder that paused with its view at epoch 4 (keeping 2..4) resumes while a newer
+    holder has written epochs 5 and 6: those stay whole and restorable."""
+    cps = three_snapshots(tmp_path)
+    for epoch, cp in zip(range(1, 7), [cps[0], cps[0], cps[1], cps[1], cps[2], cps[2]], strict=True):
+        store.upload(epoch, 0, cp, attempt=f"a{epoch}")
+    newer = objects(seaweedfs, store, "epochs/0000000005/") | objects(seaweedfs, store, "epochs/0000000006/")
+    result = store.prune([2, 3, 4], {(e, 0): f"a{e}" for e in (2, 3, 4)})
+    assert result.epochs_removed == [1]
+    assert store.epochs() == [2, 3, 4, 5, 6]
+    assert newer <= objects(seaweedfs, store, "epochs/")
+    assert read_all(store.restore(6, 0, tmp_path / "cache", attempt="a6").path) == read_all(cps[2])
+
+
+def test_an_sst_a_manifest_names_after_the_view_was_taken_is_kept(store, seaweedfs, tmp_path):
+    """While a prune runs (its view read), another upload reuses SSTs only the dropped
+    epochs named and commits its manifest: the prune reads manifests again before the
+    SSTs go, and the new epoch restores."""
+    cps = three_snapshots(tmp_path)
+    store.upload(1, 0, cps[0], attempt="a1")
+    store.upload(2, 0, cps[2], attempt="a2")  # compacted: none of epoch 1's SSTs
+    only_epoch_1 = {f.key for f in store.manifest(1, 0, "a1").files if f.key.startswith("sst/")}
+    assert only_epoch_1.isdisjoint(f.key for f in store.manifest(2, 0, "a2").files)
+    batches: list[str] = []
+
+    def meanwhile(what: str) -> None:
+        if not batches:  # the view is read; an upload of epoch 3 finds epoch 1's SSTs stored and reuses them
+            reused = store.upload(3, 0, cps[0], attempt="b3")
+            assert reused.files_reused == len(only_epoch_1) and reused.bytes_uploaded < reused.total_bytes
+        batches.append(what)
+
+    result = store.prune([2], {(2, 0): "a2"}, before_delete=meanwhile)
+    assert result.epochs_removed == [1] and result.ssts_deleted == 0
+    assert [b.split(" ", 2)[2].split(" under")[0] for b in batches] == ["manifests", "small files"]
+    assert only_epoch_1 <= objects(seaweedfs, store, "sst/")
+    assert read_all(store.restore(3, 0, tmp_path / "cache", attempt="b3").path) == read_all(cps[0])
+    # once no manifest names them, the next prune removes them
+    assert store.prune([2, 3], {(2, 0): "a2", (3, 0): "b3"}).ssts_deleted == 0
+    assert store.prune([3], {(3, 0): "b3"}).epochs_removed == [2]
+
+
+def test_a_holder_fenced_off_deletes_nothing(store, seaweedfs, tmp_path):
+    cps = three_snapshots(tmp_path)
+    for epoch, cp in enumerate(cps, start=1):
+        store.upload(epoch, 0, cp, attempt=f"a{epoch}")
+    before = objects(seaweedfs, store, "")
+    paused = PipelineLease(tmp_path / "root", owner="paused", wait_s=0.5).acquire()
+    fence = paused.fence
+    paused.release()
+    PipelineLease(tmp_path / "root", owner="newer", wait_s=0.5).acquire()  # takes token 2
+    with pytest.raises(FencedError, match=r"deleting \d+ manifests under s3://\S+: stopped, the lease of"):
+        store.prune([3], {(3, 0): "a3"}, before_delete=fence.check)
+    assert objects(seaweedfs, store, "") == before
+
+
+def test_retention_from_the_roots_manifests_keeps_their_winners(store, seaweedfs, tmp_path):
+    """``retain_committed`` takes the kept epochs and their winning attempts from the
+    root's manifests as they are at prune time."""
+    log = EpochLog(tmp_path / "root")
+    cps = three_snapshots(tmp_path)
+    for epoch, cp in enumerate(cps, start=1):
+        store.upload(epoch, 0, cp, attempt=f"a{epoch}")
+        store.upload(epoch, 0, cp, attempt=f"bb{epoch}")  # a twin whose epoch manifest never named it
+        log.record_offsets(EpochRange(epoch, {}, {}))
+        entry = ShardEntry(0, ShardSnapshot(f"snapshots/{epoch:010d}/shard-0000-a{epoch}", {}, 0, f"a{epoch}", True), "scan")
+        assert log.write_manifest(EpochResult("p", epoch, {}, 1, 1, 0, 1, 1, 0, 0, 0, {0: entry}, {}, {"total": 1.0}))
+    result = store.retain_committed(log, 3, 2)
+    assert result.epochs_removed == [1] and result.manifests_deleted == 4  # epoch 1's two, and the losers of 2 and 3
+    assert {k.rsplit("/", 1)[1] for k in objects(seaweedfs, store, "epochs/") if k.count("/") == 2} == \
+        {"shard-0000-a2.json", "shard-0000-a3.json"}  # the manifests left: the winners of the kept epochs
+    assert read_all(store.restore(3, 0, tmp_path / "cache", attempt="a3").path) == read_all(cps[2])

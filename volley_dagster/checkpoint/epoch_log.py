@@ -447,7 +447,7 @@ class EpochLog:
     def retained_epochs(self, committed: int, keep: int) -> list[int]:
         """The committed epochs whose snapshots retention keeps after ``committed``, from
         the manifests: what the snapshot store keeps, whatever this machine's disk holds."""
-        return [e for e in self.epochs_cut() if committed - keep < e <= committed and self.is_committed(e)]
+        return [e for e in range(max(1, committed - keep + 1), committed + 1) if self.is_committed(e)]
 
     def retained_snapshots(self) -> list[int]:
         snaps = self.root / "snapshots"

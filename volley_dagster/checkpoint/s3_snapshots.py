@@ -16,9 +16,13 @@ the attempt that won, and retention deletes the others.
 
 A (epoch, shard) snapshot exists exactly when its manifest does. ``prune``
 deletes manifests before the SSTs only they referenced, so a crash in between
-leaves garbage, never a dangling reference. ``prune`` must not run while an
-upload to the same store is in flight (the runner prunes between epochs): it
-would delete SSTs that upload is about to reference.
+leaves garbage, never a dangling reference. The runner prunes between epochs,
+under its lease, checking its fence before each batch of deletions; ``prune``
+never touches epochs newer than the newest it keeps, nor SSTs uploaded after it
+listed them or named by a manifest written while it ran (a holder that lost its
+lease mid-prune must not delete the new holder's epochs). What remains is the
+instant between the fence check and a deletion; ``retain_committed`` re-reads the
+committed manifests of the root at prune time.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from typing import Any, Callable, Iterable, Mapping, TypeVar
 
 from botocore.exceptions import BotoCoreError, ClientError
 
-from volley_dagster.checkpoint.epoch_log import epoch_key
+from volley_dagster.checkpoint.epoch_log import EpochLog, epoch_key
 from volley_dagster.errors import ConfigError, SnapshotError, SnapshotStorageError
 from volley_dagster.io.atomic import private_dir
 from volley_dagster.io.s3 import S3Endpoint, S3Location, s3_client
@@ -258,20 +262,26 @@ class S3SnapshotStore:
     def manifest(self, epoch: int, shard: int, attempt: str | None = None) -> SnapshotManifest:
         """The committed manifest; SnapshotError when the snapshot was never committed or was pruned."""
         key = self.manifest_key(epoch, shard, attempt)
-        try:
-            data = self.client.get_object(Bucket=self.bucket, Key=self._full(key))["Body"].read()
-        except ClientError as exc:
-            if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
-                raise SnapshotError(f"epoch {epoch} shard {shard} has no snapshot: manifest {self._url(key)} "
-                                    "does not exist (never committed, or pruned)") from None
-            raise SnapshotStorageError(f"epoch {epoch} shard {shard}: reading {self._url(key)} failed: {exc}") from exc
-        except BotoCoreError as exc:
-            raise SnapshotStorageError(f"epoch {epoch} shard {shard}: reading {self._url(key)} failed: {exc}") from exc
+        data = self._read_manifest(key, f"epoch {epoch} shard {shard}")
+        if data is None:
+            raise SnapshotError(f"epoch {epoch} shard {shard} has no snapshot: manifest {self._url(key)} "
+                                "does not exist (never committed, or pruned)")
         manifest = SnapshotManifest.from_json(data)
         if (manifest.epoch, manifest.shard) != (epoch, shard):
             raise SnapshotError(f"{self._url(key)} describes epoch {manifest.epoch} shard {manifest.shard}, "
                                 f"not epoch {epoch} shard {shard}")
         return manifest
+
+    def _read_manifest(self, key: str, where: str) -> bytes | None:
+        """A manifest's bytes; None when it does not exist."""
+        try:
+            return bytes(self.client.get_object(Bucket=self.bucket, Key=self._full(key))["Body"].read())
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                return None
+            raise SnapshotStorageError(f"{where}: reading {self._url(key)} failed: {exc}") from exc
+        except BotoCoreError as exc:
+            raise SnapshotStorageError(f"{where}: reading {self._url(key)} failed: {exc}") from exc
 
     def restore(self, epoch: int, shard: int, cache_dir: Path, *, attempt: str | None = None) -> RestoreResult:
         """A new directory under ``cache_dir/restores`` that RocksDB opens as the
@@ -365,41 +375,70 @@ class S3SnapshotStore:
         """Epochs with at least one committed shard snapshot, ascending."""
         return sorted({int(m.group(1)) for k in self._list("epochs/") if (m := _MANIFEST_KEY.match(k))})
 
+    def retain_committed(self, log: EpochLog, committed: int, keep: int,
+                         before_delete: Callable[[str], None] | None = None) -> PruneResult:
+        """Keep what the root keeps after ``committed``: the last ``keep`` committed epochs
+        and, within them, the attempts their manifests name, read now from the root's
+        manifests (``EpochLog.retained_epochs``: never from a listing of this machine's
+        disk, nor from a view taken before)."""
+        retained = log.retained_epochs(committed, keep)
+        winners = {(e, s): entry.snapshot.attempt for e in retained for s, entry in log.committed_manifest(e).shards.items()}
+        return self.prune(retained, winners, before_delete=before_delete)
+
     def retain(self, last_k: int) -> PruneResult:
         """Keep the snapshots of the last ``last_k`` committed epochs."""
         if last_k < 1:
             raise ConfigError(f"retain(last_k={last_k}): keep at least the last committed epoch")
         return self.prune(self.epochs()[-last_k:])
 
-    def prune(self, keep_epochs: Iterable[int], winners: Mapping[tuple[int, int], str | None] | None = None) -> PruneResult:
-        """Delete every epoch not in ``keep_epochs``: its manifests first, then its
-        small files, then the SSTs no remaining manifest references. ``winners`` maps
-        a kept (epoch, shard) to the attempt its epoch manifest names: the manifests
-        of the other attempts (retries and racers that lost) go too."""
+    def prune(self, keep_epochs: Iterable[int], winners: Mapping[tuple[int, int], str | None] | None = None, *,
+              before_delete: Callable[[str], None] | None = None) -> PruneResult:
+        """Delete the epochs older than the newest of ``keep_epochs`` that it does not
+        hold: their manifests first, then their small files, then the SSTs no remaining
+        manifest references. ``winners`` maps a kept (epoch, shard) to the attempt its
+        epoch manifest names: the manifests of the other attempts (retries and racers
+        that lost) go too.
+
+        The view is never trusted past what it saw: epochs newer than every kept one
+        are another holder's, or uploads in flight, and are never touched; the SSTs
+        are listed before the manifests are read, so one uploaded meanwhile is no
+        candidate; and right before the SSTs go, the manifests are listed again and
+        those written since the view are read, so an SST a newer manifest names stays.
+        ``before_delete(what)`` runs before each batch of deletions (the runner checks
+        its fence there: a holder whose lease was taken stops before deleting)."""
         keep = set(keep_epochs)
         winners = winners or {}
+        horizon = max(keep, default=0)  # nothing newer than the newest kept epoch is this view's to judge
+        ssts = self._list("sst/")  # first: an SST uploaded after this listing is never a candidate
         listing = self._list("epochs/")
         manifests = {k: (int(m.group(1)), int(m.group(2))) for k in listing if (m := _MANIFEST_KEY.match(k))}
         attempts = {k: m.group(3) for k in manifests if (m := _MANIFEST_KEY.match(k))}
-        drop = {e for e, _ in manifests.values() if e not in keep}
+        drop = {e for e, _ in manifests.values() if e not in keep and e < horizon}
         lost = [k for k, sid in manifests.items() if sid[0] in keep and sid in winners and attempts[k] != winners[sid]]
         dropped_manifests = [k for k, (e, _) in manifests.items() if e in drop] + lost
         remaining = [(*sid, attempts[k]) for k, sid in manifests.items() if sid[0] not in drop and k not in lost]
         kept = self._parallel([partial(self.manifest, *s) for s in remaining], what="reading kept manifests")
         referenced = {f.key for m in kept for f in m.files}  # a carried-forward epoch names an older one's files
-        self._delete(dropped_manifests, what="manifests")
+        self._delete(dropped_manifests, what="manifests", before=before_delete)
         # Attempts that never committed left small files too; those of epochs
         # newer than every kept one may belong to an upload in flight.
-        horizon = max(keep, default=max(drop, default=-1))
         committed = {e for e, _ in manifests.values()}
         garbage = [k for k in listing if k not in manifests and k not in referenced and (m := _EPOCH_OBJECT.match(k))
-                   and ((e := int(m.group(1))) in drop or (e not in committed and e <= horizon))]
-        self._delete(garbage, what="small files")
+                   and ((e := int(m.group(1))) in drop or (e not in committed and e < horizon))]
+        self._delete(garbage, what="small files", before=before_delete)
 
-        orphans = [k for k in self._list("sst/") if k not in referenced]
-        self._delete(orphans, what="unreferenced SSTs")
+        newer = [k for k in self._list("epochs/") if (m := _MANIFEST_KEY.match(k)) and k not in manifests]
+        written_since = self._parallel([partial(self._manifest_at, k) for k in newer], what="reading newer manifests")
+        referenced |= {f.key for m in written_since if m is not None for f in m.files}
+        orphans = [k for k in ssts if k not in referenced]
+        self._delete(orphans, what="unreferenced SSTs", before=before_delete)
         self._known_ssts.difference_update(k[len("sst/"):-len(".sst")] for k in orphans)
         return PruneResult(sorted(drop), len(dropped_manifests), len(garbage), len(orphans))
+
+    def _manifest_at(self, key: str) -> SnapshotManifest | None:
+        """The manifest under ``key``; None when it is gone again since it was listed."""
+        data = self._read_manifest(key, "retention")
+        return None if data is None else SnapshotManifest.from_json(data)
 
     def _list(self, under: str) -> list[str]:
         base = f"{self.prefix}/" if self.prefix else ""
@@ -411,9 +450,11 @@ class S3SnapshotStore:
             raise SnapshotStorageError(f"listing {self._url(under)} failed: {exc}") from exc
         return keys
 
-    def _delete(self, keys: list[str], what: str) -> None:
+    def _delete(self, keys: list[str], what: str, before: Callable[[str], None] | None = None) -> None:
         for i in range(0, len(keys), 1000):
             batch = keys[i:i + 1000]
+            if before is not None:
+                before(f"deleting {len(batch)} {what} under {self.uri}")
             try:
                 resp = self.client.delete_objects(
                     Bucket=self.bucket, Delete={"Objects": [{"Key": self._full(k)} for k in batch], "Quiet": True})
