@@ -147,7 +147,8 @@ class Sink(ABC):
     def commit_of(self, pipeline: str, sink_epoch: int) -> SinkMark | None:
         """The mark of the commit the sink numbers ``sink_epoch`` (None if its history
         no longer has it)."""
-        return next((c.mark for c in reversed(self.commits(pipeline)) if c.mark.epoch == sink_epoch), None)
+        commits = self.history_from(pipeline, sink_epoch).commits  # read back no further than that epoch
+        return next((c.mark for c in reversed(commits) if c.mark.epoch == sink_epoch), None)
 
     def row_count(self) -> int | None:
         """The rows the table holds now, from its own metadata (None: unknown or no table)."""
