@@ -219,13 +219,19 @@ def inspect_root(args: argparse.Namespace) -> int:
 
 def rescale_root(args: argparse.Namespace) -> int:
     """Rewrite the last committed epoch's state into ``--shards`` shards, from the
-    checkpoint root alone (no pipeline code, no Spark)."""
+    checkpoint root alone (no pipeline code, no Spark), holding the pipeline's lease:
+    it waits up to ``--wait`` seconds for a run to finish, and no run commits meanwhile."""
+    from volley_dagster.checkpoint.lease import PipelineLease
     from volley_dagster.checkpoint.rescale import rescale
     from volley_dagster.errors import VolleyError
 
     root = Path(args.checkpoint_root).absolute()
     try:
-        result = rescale(EpochLog(root), args.shards)
+        log = EpochLog(root)
+        name = log.identity().get("pipeline", "") if log.has_identity() else ""
+        with PipelineLease(root, owner=f"volley rescale (pid {os.getpid()})", wait_s=args.wait, pipeline=name,
+                           on_wait=lambda message: print(f"volley rescale: {message}", file=sys.stderr)) as lease:
+            result = rescale(log, args.shards, lease)
     except VolleyError as exc:
         print(f"volley rescale: {exc}", file=sys.stderr)
         return 1
@@ -351,6 +357,8 @@ def main(argv: list[str] | None = None) -> int:
                                       "the next epoch runs with them")
     r.add_argument("checkpoint_root")
     r.add_argument("--shards", type=int, required=True, help="the new number of shards (1..key groups)")
+    r.add_argument("--wait", type=float, default=120.0,
+                   help="seconds to wait for the pipeline's lease while a run holds it (default 120)")
     r.set_defaults(func=rescale_root)
     m = sub.add_parser("migrate", help="rewrite a checkpoint root's last committed state for a changed pipeline; "
                                        "the next epoch runs it")

@@ -169,7 +169,8 @@ class EpochRunner:
         return self._lease.fence
 
     def _check_fence(self, what: str) -> None:
-        self._fence().check(what)
+        assert self._lease is not None, "epochs run, and retention prunes, under the lease"
+        self._lease.check(what)
 
     # -- cutting -------------------------------------------------------------------
 
@@ -445,11 +446,12 @@ class EpochRunner:
 
     def rescale(self, num_shards: int) -> RescaleResult:
         """Rewrite the last committed epoch's state into ``num_shards`` shards; the epochs
-        after it run with them (``checkpoint/rescale.py``; needs no Spark). Refused while
-        an epoch is cut but not committed; the current shard count is a no-op."""
-        with self.lease():
-            return rescale_state(self.log, num_shards, self.rocksdb, self.verify_checksums,
-                                 before_commit=lambda: self._check_fence(f"rescaling to {num_shards} shards"))
+        after it run with them (``checkpoint/rescale.py``; needs no Spark), those cut but
+        not committed too (a sensor keeps cutting while a rescale waits for the lease),
+        unless a sink already holds one. The current shard count is a no-op."""
+        with self.lease() as lease:
+            self._refuse_held_uncommitted(self.log.last_committed())
+            return rescale_state(self.log, num_shards, lease, self.rocksdb, self.verify_checksums, uncommitted_ok=True)
 
     def migrate(self, pipeline: Pipeline, *, renames: Mapping[str, str] | None = None,
                 initial: Mapping[str, float | None] | None = None, num_shards: int | None = None) -> MigrationResult:
@@ -466,16 +468,15 @@ class EpochRunner:
         if pipeline.name != self.pipeline.name:
             raise ConfigError(f"migrate: pipeline {pipeline.name!r} is not {self.pipeline.name!r}, whose state "
                               f"{self.log.root} holds")
-        with self.lease():
+        with self.lease() as lease:
             committed = self.log.last_committed()
             if committed == 0:
                 raise EpochOrderError(f"nothing to migrate in {self.log.root}: no epoch is committed; run the new pipeline")
             self._refuse_held_uncommitted(committed)
             # planned, not run: resolves the new operator against the source's columns
             plan = plan_epoch(self.spark, pipeline, self.log.offsets(committed))
-            result = migrate_state(self.log, identity_of(pipeline, plan.state_operator, plan.key_kind), renames, initial,
-                                   num_shards, self.rocksdb, self.verify_checksums,
-                                   before_commit=lambda: self._check_fence("migrating the state"), uncommitted_ok=True)
+            result = migrate_state(self.log, identity_of(pipeline, plan.state_operator, plan.key_kind), lease, renames,
+                                   initial, num_shards, self.rocksdb, self.verify_checksums, uncommitted_ok=True)
         self.pipeline = pipeline
         return result
 

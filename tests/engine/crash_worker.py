@@ -1,6 +1,7 @@
 """Runs a pipeline to the end in its own process, for kill -9 tests:
 ``python -m tests.engine.crash_worker BASE MAX_RECORDS KEEP [payments|payments_json|payments_enriched|windows|ttl|dedup|unique|payments_kafka]``
-(``payments_kafka`` reads the topic ``VOLLEY_TEST_KAFKA_TOPIC`` at ``VOLLEY_TEST_KAFKA``).
+(``payments_kafka`` reads the topic ``VOLLEY_TEST_KAFKA_TOPIC`` at ``VOLLEY_TEST_KAFKA``;
+``VOLLEY_TEST_LEASE_TTL`` sets the runner's lease ttl in seconds).
 
 ``python -m tests.engine.crash_worker --spare`` starts Spark first, prints ``ready``,
 then reads one JSON line ``{"args": [...], "env": {...}}`` from stdin and runs as
@@ -38,8 +39,9 @@ def main(argv: list[str]) -> int:
              "ttl": ttl_pipeline, "dedup": dedup_pipeline, "unique": unique_pipeline,
              "payments_kafka": partial(payments_on_kafka, bootstrap_servers=os.environ.get("VOLLEY_TEST_KAFKA", ""),
                                        topic=os.environ.get("VOLLEY_TEST_KAFKA_TOPIC", ""))}[kind]
+    ttl = {"lease_ttl_s": float(os.environ["VOLLEY_TEST_LEASE_TTL"])} if os.environ.get("VOLLEY_TEST_LEASE_TTL") else {}
     runner = EpochRunner(build(base / "events", base / "out", tables=base / "tables"), base / "state", spark=spark,
-                         max_records_per_epoch=max_records, keep_epochs=keep)
+                         max_records_per_epoch=max_records, keep_epochs=keep, **ttl)
     for result in runner.run_available():
         print("committed", result.epoch, flush=True)
     return 0

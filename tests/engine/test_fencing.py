@@ -4,6 +4,7 @@ the same epoch, and ``kill -9``."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -108,6 +109,50 @@ def test_a_paused_attempt_cannot_touch_what_another_runner_committed(spark, tmp_
             os.killpg(first.pid, signal.SIGKILL)  # the frozen JVM and anything left of the first runner
         except ProcessLookupError:
             pass
+
+
+def test_a_holder_paused_past_its_lease_stops_before_its_next_write(spark, tmp_path):
+    """The runner's driver is frozen (SIGSTOP: a long GC pause, a suspended VM) mid-epoch
+    for longer than its lease's ttl. Nobody took the lease over, so its token is still
+    the newest; yet when it wakes it writes nothing more of the epoch: no sink commit, no
+    manifest. The next runner commits the epoch, once."""
+    generate(tmp_path / "events", FILES, PER_FILE, KEYS)
+    pause = tmp_path / "pause"
+    pause.mkdir()
+    (pause / "shard_after_snapshot-2-1.armed").touch()
+    marker = pause / "shard_after_snapshot-2-1"
+    ttl = 3.0
+    env = {**os.environ, "PYTHONPATH": str(ROOT), PAUSE_DIR_ENV: str(pause), PAUSE_MAX_ENV: "300",
+           "VOLLEY_TEST_LEASE_TTL": str(ttl)}
+    first = subprocess.Popen(
+        [sys.executable, "-m", "tests.engine.crash_worker", str(tmp_path), str(MAX), str(KEEP)],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    pipeline = payments(tmp_path / "events", tmp_path / "out", tables=tmp_path / "tables")
+    state = tmp_path / "state"
+    try:
+        wait_for(marker.exists, 180, "shard 1 of epoch 2 to pause after its snapshot", first)
+        os.kill(first.pid, signal.SIGSTOP)  # the driver freezes, heartbeat and all
+        time.sleep(ttl + 1.5)
+        marker.unlink()  # the stage finishes while the driver is frozen
+        os.kill(first.pid, signal.SIGCONT)
+        _, err = first.communicate(timeout=120)
+        assert first.returncode != 0
+        assert "FencedError" in err and "lease of" in err and "lapsed" in err, err[-3000:]
+        assert newest_token(state) == 1  # nobody took over: the holder fenced itself
+        assert not (state / "epochs" / f"{2:010d}" / "manifest.json").exists()
+        for sink in pipeline.sinks:
+            assert sink.committed_epoch("payments") == 1  # no sink got epoch 2 from the frozen holder
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(first.pid, signal.SIGKILL)
+
+    second = EpochRunner(pipeline, state, spark=spark, max_records_per_epoch=MAX, keep_epochs=KEEP)
+    assert [r.epoch for r in second.run_available()] == [2, 3, 4]
+    records = log_records(FILES, PER_FILE, KEYS)
+    assert_state_equal(second.read_state(), reference_state(records))
+    records_in = {e: second.result(e).records_in for e in range(1, FILES + 1)}
+    assert_epoch_outputs(read_sink(tmp_path / "out"), records, records_in)
 
 
 def test_speculative_shard_tasks_are_refused(tmp_path):

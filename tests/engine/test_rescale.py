@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pandas as pd
@@ -18,8 +19,8 @@ from tests.engine.test_windows import check_against_reference
 from tests.helpers import assert_epoch_outputs, assert_state_equal, log_records, payments, read_sink, reference_state
 from tests.window_reference import reference, window_pipeline
 from volley_dagster import ConfigError, EpochOrderError, EpochRunner, SnapshotError, StateLayoutError, session, sliding
-from volley_dagster.demo.events import generate
 from volley_dagster.checkpoint.manifest import ShardSnapshot
+from volley_dagster.demo.events import generate
 from volley_dagster.operators.window_state import META_NS, PENDING_NS
 from volley_dagster.state.keys import ShardLayout, namespace_prefix
 from volley_dagster.state.pending_index import PendingIndex, PendingMeta
@@ -151,9 +152,11 @@ def test_windows_fire_as_reference_across_rescales(spark, tmp_path, windows, max
         assert all(s.operator.figures["pending_resident"] <= max_pending for r in results for s in r.shards.values())
 
 
-def test_rescale_is_refused_until_every_cut_epoch_committed(spark, tmp_path):
-    """Ranges do not depend on the layout, but an attempt of a cut epoch may be running
-    (or have left snapshots) in the old one: a rescale waits until it committed."""
+def test_a_rescale_takes_the_epochs_cut_but_not_committed_along(spark, tmp_path):
+    """Ranges do not depend on the layout, and under the lease no attempt of a cut epoch
+    runs meanwhile: a sensor that keeps cutting never blocks a rescale. Only the CLI,
+    which has no pipeline code to ask the sinks whether one holds such an epoch, waits
+    until it committed."""
     generate(tmp_path / "events", 2, 300, 100)
     runner = EpochRunner(payments(tmp_path / "events", tmp_path / "out", shards=3), tmp_path / "state", spark=spark,
                          max_records_per_epoch=300)
@@ -161,16 +164,38 @@ def test_rescale_is_refused_until_every_cut_epoch_committed(spark, tmp_path):
         runner.rescale(5)
     runner.run_next()
     runner.cut_next()
-    with pytest.raises(EpochOrderError, match="epoch 2 is cut but not committed .* Run it, then rescale"):
-        runner.rescale(5)
+    refused = volley("rescale", str(tmp_path / "state"), "--shards", "5")
+    assert refused.returncode == 1 and "epoch 2 is cut but not committed" in refused.stderr and "Run it, then rescale" in refused.stderr
     assert runner.log.layout_changes() == [] and not (tmp_path / "state" / "layouts").exists()
     for bad in (0, 257):
         with pytest.raises(ConfigError, match="num_shards must be in 1..num_key_groups"):
             runner.rescale(bad)
-    assert len(runner.run(2).shards) == 3  # the cut epoch ran in the layout it was cut in
     assert runner.rescale(3).noop
     assert runner.rescale(5).new_shards == 5
+    assert len(runner.run(2).shards) == 5  # the cut epoch runs in the new layout
     assert_state_equal(runner.read_state(), reference_state(log_records(2, 300, 100)))
+
+
+def test_the_rescale_cli_waits_for_the_lease_of_a_running_pipeline(spark, tmp_path):
+    """``volley rescale`` while a run holds the pipeline's lease: it waits, writes nothing
+    meanwhile, and rescales once the run lets go."""
+    generate(tmp_path / "events", 1, 300, 100)
+    state = tmp_path / "state"
+    runner = EpochRunner(payments(tmp_path / "events", tmp_path / "out", shards=3), state, spark=spark)
+    runner.run_next()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    with runner.lease(owner="a run"):
+        busy = subprocess.run([sys.executable, "-m", "volley_dagster.cli", "rescale", str(state), "--shards", "5",
+                               "--wait", "1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        assert busy.returncode == 1 and "pipeline 'payments' is busy" in busy.stderr and "(a run)" in busy.stderr
+        waiting = subprocess.Popen([sys.executable, "-m", "volley_dagster.cli", "rescale", str(state), "--shards", "5"],
+                                   cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(3)
+        assert waiting.poll() is None and runner.log.layout_changes() == []  # waits, writes nothing
+    out, err = waiting.communicate(timeout=120)
+    assert waiting.returncode == 0, err
+    assert "waiting for the lease of 'payments'" in err
+    assert runner.layout() == ShardLayout(5)
 
 
 def volley(*args: str, kill_at: str | None = None, shard: int | None = None) -> subprocess.CompletedProcess:

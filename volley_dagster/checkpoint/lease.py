@@ -23,6 +23,21 @@ driver. A holder that lost the lease (its heartbeat stalled past ``ttl_s`` and a
 machine took over) then stops with ``FencedError`` before writing. Cutting a range
 takes no lease: a range is created exclusively, so of two cutters one wins and the
 other reads the recorded range back.
+
+Self-fencing: on the driver, ``PipelineLease.check`` also refuses once the holder's own
+lease is within ``margin_s`` of its expiry, and a heartbeat that wakes to a lapsed
+lease stops renewing it: a holder paused past its lease (a long GC pause, a suspended
+VM) stops before its next write even before anyone took over. A taker on another
+machine waits ``margin_s`` past the expiry (clock skew between the machines), so the
+two never both believe they hold it. What this leaves open is a write already past
+its check when the pause begins: the window between one check and the write after it
+(manifests, layout records and attempt directories are created exclusively; Delta
+and Iceberg commits are optimistic; Kafka fences at the broker).
+
+Executors whose disk does not hold the checkpoint root (a snapshot store on S3, no
+shared disk) find no token records: they carry the driver's token without checking
+it. Their writes are attempt-scoped (nothing names them until a manifest does), and
+the driver checks the fence before every write that makes them visible.
 """
 
 from __future__ import annotations
@@ -84,7 +99,7 @@ class LeaseRecord:
             return False
         if self.on_this_machine():
             return is_alive(self.pid, self.pid_ticks)
-        return now < self.expires_at
+        return now < self.expires_at + clock_margin_s(self.expires_at - self.renewed_at)
 
     def describe(self) -> str:
         owner = f" ({self.owner})" if self.owner else ""
@@ -101,12 +116,21 @@ class Fence:
     token: int
 
     def check(self, what: str) -> None:
-        newest = newest_token(Path(self.root))
+        root = Path(self.root)
+        if not _tokens_dir(root).is_dir():
+            return  # an executor without the root's disk: the driver fences (module docstring)
+        newest = newest_token(root)
         if newest != self.token:
             raise FencedError(
                 f"{what}: stopped, the lease of {self.root} moved on to token {newest} (this runner holds {self.token}); "
                 "another runner took the pipeline over, so nothing more is written by this one"
             )
+
+
+def clock_margin_s(ttl_s: float) -> float:
+    """How far two machines' clocks may disagree: a holder stops this long before its
+    lease expires, a taker waits this long after."""
+    return min(5.0, ttl_s / 6)
 
 
 def _tokens_dir(root: Path) -> Path:
@@ -166,6 +190,7 @@ class PipelineLease:
         self._fd: int | None = None
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
+        self._lapsed_at: float | None = None
 
     @property
     def held(self) -> bool:
@@ -176,6 +201,24 @@ class PipelineLease:
         if self.record is None:
             raise FencedError(f"the lease of {self.root} is not held")
         return Fence(str(self.root), self.record.token)
+
+    def check(self, what: str) -> None:
+        """Before a write that makes work visible, on the driver: the lease has not
+        lapsed under this holder (``Fence.check`` cannot tell: the token may still be
+        the newest) and no one took it over."""
+        record = self.record
+        if record is None:
+            raise FencedError(f"{what}: the lease of {self.root} is not held")
+        now = _now()
+        if self._lapsed_at is not None or now >= record.expires_at - clock_margin_s(self.ttl_s):
+            self._lapsed_at = self._lapsed_at or now
+            raise FencedError(
+                f"{what}: stopped, this runner's lease of {self.root} (token {record.token}) lapsed: it was due "
+                f"{_iso(record.expires_at)} and it is {_iso(now)}; the process was paused or its heartbeat could not "
+                "write for longer than the lease's ttl, so another runner may hold it now. Nothing more is written "
+                "by this one; a retry takes a new lease"
+            )
+        self.fence.check(what)
 
     # -- taking and giving back ------------------------------------------------------------
 
@@ -195,6 +238,7 @@ class PipelineLease:
         self._fd = fd
         self.waited_s = time.monotonic() - started
         self._prune_records()
+        self._lapsed_at = None
         self._stop.clear()
         self._heartbeat = threading.Thread(target=self._renew_until_stopped, name="volley-lease", daemon=True)
         self._heartbeat.start()
@@ -264,6 +308,9 @@ class PipelineLease:
             if record is None or newest_token(self.root) != record.token:
                 return  # taken over: the fence stops this holder's writes
             now = _now()
+            if now >= record.expires_at - clock_margin_s(self.ttl_s):
+                self._lapsed_at = now  # paused past the lease: renewing now would hide it; check() stops the holder
+                return
             renewed = replace(record, renewed_at=now, expires_at=now + self.ttl_s)
             with contextlib.suppress(OSError):  # a missed beat only shortens the lease
                 write_json_atomic(_record_path(self.root, record.token), asdict(renewed))

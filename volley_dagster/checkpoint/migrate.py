@@ -24,11 +24,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, NoReturn
+from typing import Any, Literal, NoReturn
 
 import numpy as np
 
 from volley_dagster.checkpoint.epoch_log import EpochLog
+from volley_dagster.checkpoint.lease import PipelineLease
 from volley_dagster.checkpoint.rescale import RescaleResult, rescale
 from volley_dagster.errors import ConfigError, EpochOrderError, StateLayoutError
 from volley_dagster.operators import recorded_operator, without_dedup
@@ -175,14 +176,14 @@ def plan_migration(recorded: dict[str, Any], proposed: dict[str, Any], renames: 
 
 
 def migrate(
-    log: EpochLog, proposed: dict[str, Any], renames: Mapping[str, str] | None = None,
+    log: EpochLog, proposed: dict[str, Any], lease: PipelineLease, renames: Mapping[str, str] | None = None,
     initial: Mapping[str, float | None] | None = None, num_shards: int | None = None,
-    rocksdb: RocksDBOptions | None = None, verify_checksums: bool = False,
-    before_commit: Callable[[], None] | None = None, uncommitted_ok: bool = False,
+    rocksdb: RocksDBOptions | None = None, verify_checksums: bool = False, uncommitted_ok: bool = False,
 ) -> MigrationResult:
     """Rewrite the last committed epoch's state for the ``proposed`` pipeline identity
-    (and ``num_shards``); refused before the first epoch, and while an epoch is cut but
-    not committed unless ``uncommitted_ok`` (``rescale``'s rules)."""
+    (and ``num_shards``), under the pipeline's ``lease``; refused before the first
+    epoch, and while an epoch is cut but not committed unless ``uncommitted_ok``
+    (``rescale``'s rules)."""
     if not log.has_identity() or log.last_committed() == 0:
         raise EpochOrderError(f"nothing to migrate in {log.root}: no epoch is committed; run the new pipeline")
     recorded = log.identity()
@@ -190,11 +191,11 @@ def migrate(
     assert current is not None
     shards = num_shards or current.num_shards
     if _without_layout(recorded) == _without_layout(proposed):  # already migrated (a re-run): renames are history
-        return MigrationResult([], rescale(log, shards, rocksdb, verify_checksums, before_commit,
+        return MigrationResult([], rescale(log, shards, lease, rocksdb, verify_checksums,
                                            uncommitted_ok=uncommitted_ok))
     migration = plan_migration(recorded, proposed, renames or {}, initial or {})
     conversion = migration if migration.changes else None
-    return MigrationResult(migration.changes, rescale(log, shards, rocksdb, verify_checksums, before_commit, conversion,
+    return MigrationResult(migration.changes, rescale(log, shards, lease, rocksdb, verify_checksums, conversion,
                                                       uncommitted_ok))
 
 

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from itertools import islice
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Protocol, cast
+from typing import Any, Iterable, Iterator, Protocol, cast
 
 import numpy as np
 import pyarrow as pa
@@ -50,8 +50,9 @@ import rocksdict
 
 from volley_dagster import faults
 from volley_dagster.checkpoint.epoch_log import EpochLog, LayoutChange
+from volley_dagster.checkpoint.lease import PipelineLease
 from volley_dagster.checkpoint.manifest import ShardSnapshot
-from volley_dagster.errors import EpochOrderError, StateLayoutError
+from volley_dagster.errors import EpochOrderError, FencedError, StateLayoutError
 from volley_dagster.operators import recorded_namespaces
 from volley_dagster.operators.base import StateNamespaces
 from volley_dagster.state.keys import PREFIX_BYTES, ShardLayout, namespace_prefix
@@ -103,17 +104,20 @@ class ValueConversion(Protocol):
 
 
 def rescale(
-    log: EpochLog, num_shards: int, rocksdb: RocksDBOptions | None = None, verify_checksums: bool = False,
-    before_commit: Callable[[], None] | None = None, conversion: ValueConversion | None = None,
-    uncommitted_ok: bool = False,
+    log: EpochLog, num_shards: int, lease: PipelineLease, rocksdb: RocksDBOptions | None = None,
+    verify_checksums: bool = False, conversion: ValueConversion | None = None, uncommitted_ok: bool = False,
 ) -> RescaleResult:
     """Rewrite the last committed epoch's state into ``num_shards`` shards (and with a
     ``conversion``, into another operator's layout) and record the layout for the
-    epochs after it. ``before_commit`` runs just before the layout record is written
-    (the runner checks its lease there). ``uncommitted_ok``: the caller holds the
-    pipeline's lease and checked that no sink holds an epoch cut after the last
-    committed one, so no attempt of those epochs runs or has written anything that
-    stays: they run in the new layout."""
+    epochs after it. Only under the pipeline's ``lease``, held by the caller, which is
+    checked just before the layout record is written: no runner commits an epoch in
+    the old layout meanwhile, and a holder that lost or outlived its lease writes
+    nothing. ``uncommitted_ok``: the caller checked that no sink holds an epoch cut
+    after the last committed one, so no attempt of those epochs has written anything
+    that stays: they run in the new layout."""
+    if not lease.held or lease.root != log.root.absolute():
+        raise FencedError(f"rescaling {log.root}: the caller must hold the pipeline's lease of that root "
+                          f"({'held for ' + str(lease.root) if lease.held else 'not held'})")
     t0 = time.perf_counter()
     options = rocksdb or RocksDBOptions()
     epoch = log.last_committed()
@@ -175,8 +179,7 @@ def rescale(
         aggregate=conversion.aggregate if conversion is not None else None,
     )
     faults.fault_point("rescale_before_commit", epoch)
-    if before_commit is not None:
-        before_commit()
+    lease.check(f"rescaling {log.root} to {num_shards} shards")
     if not log.record_layout_change(change):
         raise StateLayoutError(
             f"another rescale of {log.root} committed layout record {sequence} first; nothing was changed by this one"
