@@ -55,17 +55,27 @@ def run_in_flight(instance: DagsterInstance, pipeline: str) -> Optional[str]:
     return None
 
 
-def failed_runs_since(instance: DagsterInstance, pipeline: str, since: Optional[float]) -> list[FailedRun]:
-    """The pipeline's failed runs created after ``since`` (its last commit), newest
-    first; the newest says whether it failed permanently (its step's ``Failure``
-    metadata, set by the epochs op from ``errors.is_retryable``). A run killed, or failed
-    before its step ran, is transient. Reads a bounded number of runs and one run's
-    failure events: O(1) in the pipeline's age."""
+def failed_runs_since(instance: DagsterInstance, pipeline: str, since: Optional[float], first_epoch: int) -> list[FailedRun]:
+    """The pipeline's failed epoch runs created after ``since`` (its last commit) that
+    covered ``first_epoch`` (the earliest uncommitted one), newest first: a run of a
+    later epoch launched by hand, refused for its order, or a failed rescale says
+    nothing about it. The newest says whether it failed permanently (its step's
+    ``Failure`` metadata, set by the epochs op from ``errors.is_retryable``); a run
+    killed, or failed before its step ran, is transient. Reads a bounded number of runs
+    and one run's failure events: O(1) in the pipeline's age."""
     records = pool_runs(instance, pipeline, [DagsterRunStatus.FAILURE], limit=FAILED_RUNS_READ, created_after=since)
-    runs = [FailedRun(r.dagster_run.run_id, (r.end_time or r.update_timestamp.timestamp())) for r in records]
+    runs = [FailedRun(r.dagster_run.run_id, (r.end_time or r.update_timestamp.timestamp())) for r in records
+            if (start := _first_epoch_of(r)) is not None and start <= first_epoch]
     if runs:
         runs[0] = FailedRun(runs[0].run_id, runs[0].ended_at, permanent_failure(instance, runs[0].run_id))
     return runs
+
+
+def _first_epoch_of(record: RunRecord) -> Optional[int]:
+    """The first epoch an epochs run covers (its partition, or its range's start)."""
+    tags = record.dagster_run.tags
+    key = tags.get("dagster/partition") or tags.get("dagster/asset_partition_range_start")
+    return int(key) if key is not None and key.isdigit() else None
 
 
 def permanent_failure(instance: DagsterInstance, run_id: str) -> Optional[str]:
@@ -86,8 +96,38 @@ def recovery_decision(instance: DagsterInstance, runner: EpochRunner, deployment
     committed = runner.committed_epoch()
     since = runner.result(committed).committed_at if committed else None
     after = datetime.fromisoformat(since).timestamp() if since else None
-    return decide(failed_runs_since(instance, deployment.name, after), time.time() if now is None else now,
+    return decide(failed_runs_since(instance, deployment.name, after, committed + 1), time.time() if now is None else now,
                   deployment.backoff, committed + 1, runner.log.last_cut(), salt=deployment.name)
+
+
+PRUNED_PER_TICK = 200  # partitions, and runs, removed by one tick at most: a first tick on an old instance stays short
+
+
+def prune_history(instance: DagsterInstance, runner: EpochRunner, deployment: Deployment,
+                  partitions_name: str) -> tuple[int, int]:
+    """Remove the dynamic partitions of committed epochs older than the last
+    ``deployment.partitions_kept``, and the pipeline's ended runs created before the
+    newest removed epoch committed (their materializations belong to removed partitions);
+    at most ``PRUNED_PER_TICK`` of each per call. (partitions removed, runs removed)."""
+    committed = runner.committed_epoch()
+    oldest_kept = committed - deployment.partitions_kept + 1
+    if oldest_kept <= 1:
+        return 0, 0
+    keys = instance.get_dynamic_partitions(partitions_name)  # bounded by the retention itself
+    doomed = [k for k in keys if k.isdigit() and int(k) < oldest_kept][:PRUNED_PER_TICK]
+    for key in doomed:
+        instance.delete_dynamic_partition(partitions_name, key)
+    kept_since = datetime.fromisoformat(runner.result(oldest_kept - 1).committed_at)  # later runs touched kept epochs
+    ended = [DagsterRunStatus.SUCCESS, DagsterRunStatus.FAILURE, DagsterRunStatus.CANCELED]
+    runs: dict[str, RunRecord] = {}
+    for tags in ({f".dagster/pool/{pipeline_pool(deployment.name)}": "true"}, {PIPELINE_TAG: deployment.name}):
+        for record in instance.get_run_records(RunsFilter(tags=tags, statuses=ended, created_before=kept_since),
+                                               limit=PRUNED_PER_TICK, ascending=True):
+            runs[record.dagster_run.run_id] = record
+    doomed_runs = list(runs)[:PRUNED_PER_TICK]
+    for run_id in doomed_runs:
+        instance.delete_run(run_id)
+    return len(doomed), len(doomed_runs)
 
 
 def pool_limits_ensured(instance: DagsterInstance, pipelines: list[str]) -> None:

@@ -12,15 +12,18 @@ an exponential backoff with jitter (``volley_dagster/recovery.py``: the deployme
 failed permanently (configuration, lineage, a corrupt snapshot) stops the requests:
 the tick names the error and the ``epochs_progress`` check fails, saying what to do.
 The sensor and the schedule share this (``request_uncommitted``), so a schedule-only
-deployment heals as a sensor one does. Every tick also observes the source (records
-and files waiting, the oldest file's age) and reports the ``freshness`` and
+deployment heals as a sensor one does. A tick also observes the source (records and
+files waiting, the oldest file's age) when that changed, and reports the ``freshness`` and
 ``epochs_progress`` checks when their verdicts change. The cursor holds since when
 records have waited and the last verdicts, so a restarted daemon neither skips nor
 repeats an epoch; the backoff is read from the instance's runs, not the cursor.
+Each tick also keeps the instance's history bounded (``assets/runs.prune_history``):
+partitions of old committed epochs and old ended runs are removed.
 A source or checkpoint root that cannot be read (a missing folder, a hand-broken
 ``pipeline.json``) skips the tick naming it, instead of crashing the sensor.
 """
 
+import hashlib
 import json
 import time
 from typing import Optional
@@ -49,7 +52,7 @@ from assets.epochs import (
     partitions_name,
 )
 from assets.metadata import source_key, source_observation, state_key
-from assets.runs import fail_orphaned_runs, pool_limits_ensured, recovery_decision, run_in_flight
+from assets.runs import fail_orphaned_runs, pool_limits_ensured, prune_history, recovery_decision, run_in_flight
 from resources import CheckpointResource, TablesResource
 from volley_dagster import EpochRunner
 from volley_dagster.checkpoint.epoch_log import epoch_key
@@ -83,6 +86,21 @@ def _should_cut(runner: EpochRunner, deployment: Deployment, waiting_since: Opti
 def check_evaluation(runner: EpochRunner, outcome: CheckOutcome) -> AssetCheckEvaluation:
     """A state check's result reported by the sensor, between the runs that also report it."""
     return AssetCheckEvaluation(asset_key=state_key(runner.pipeline), **check_fields(outcome))
+
+
+def _prune(context, runner: EpochRunner, deployment: Deployment) -> None:
+    partitions, runs = prune_history(context.instance, runner, deployment, partitions_name(deployment))
+    if partitions or runs:
+        context.log.info(f"{deployment.name}: removed {partitions} partition(s) of epochs older than the last "
+                         f"{deployment.partitions_kept} committed, and {runs} run(s) of them (the epoch log and the "
+                         "tables keep their history)")
+
+
+def _observation_digest(metadata: dict) -> str:
+    """What an observation says, but the waiting file's age (which changes every tick):
+    the sensor writes an observation only when the source or the backlog changed."""
+    said = {k: getattr(v, "value", v) for k, v in metadata.items() if k != "oldest_waiting_file_age_s"}
+    return hashlib.sha256(json.dumps(said, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def unregistered_partitions(instance, deployment: Deployment, last_cut: int) -> list[str]:
@@ -147,20 +165,24 @@ def epoch_sensor(deployment: Deployment, job):
         except VolleyError as exc:
             context.log.error(f"{deployment.name}: {type(exc).__name__}: {exc}")
             return SkipReason(f"cannot cut epochs of {deployment.name!r}: {type(exc).__name__}: {exc}")
-        events: list = [AssetObservation(asset_key=source_key(runner.pipeline),
-                                         metadata=source_observation(runner, backlog, now))]
+        observed = source_observation(runner, backlog, now)
+        seen = _observation_digest(observed)
+        events: list = ([AssetObservation(asset_key=source_key(runner.pipeline), metadata=observed)]
+                        if seen != cursor.get("observed") else [])
         new_keys = unregistered_partitions(context.instance, deployment, runner.log.last_cut())
         add = [partitions.build_add_request(new_keys)] if new_keys else []
 
         requests, skip, decision = request_uncommitted(context.instance, runner, deployment, now)
         if decision is not None and decision.failures and requests:
             context.log.info(decision.reason)
+        _prune(context, runner, deployment)
         progress, reported = _progress_event(context.instance, runner, deployment, cursor["progress"])
         events += reported
         freshness = check_freshness(runner, deployment.freshness_bound_s, now, backlog)
         if freshness.passed != cursor["fresh"]:
             events.append(check_evaluation(runner, freshness))
-        new_cursor = json.dumps({"waiting_since": waiting_since, "fresh": freshness.passed, "progress": progress})
+        new_cursor = json.dumps({"waiting_since": waiting_since, "fresh": freshness.passed, "progress": progress,
+                                 "observed": seen})
         if not requests and not add:
             return SensorResult(skip_reason=SkipReason(skip), cursor=new_cursor, asset_events=events)
         return SensorResult(run_requests=requests, dynamic_partitions_requests=add, cursor=new_cursor,
@@ -197,6 +219,7 @@ def epoch_schedule(deployment: Deployment, job):
         if new_keys:
             instance.add_dynamic_partitions(partitions_name(deployment), new_keys)
         requests, skip, _ = request_uncommitted(instance, runner, deployment, time.time())
+        _prune(context, runner, deployment)
         return requests or SkipReason(skip)
 
     return clock

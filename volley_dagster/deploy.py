@@ -31,7 +31,12 @@ class Deployment:
     ``state_preview_by`` names an output column: each epoch's state materialization
     then previews the top keys by it (one Spark job over the state: off by default).
     ``backoff``: how long the sensor and schedule wait before requesting an epoch
-    whose runs failed transiently again (``volley_dagster/recovery.py``)."""
+    whose runs failed transiently again (``volley_dagster/recovery.py``).
+    History kept in the Dagster instance, so that a tick and the UI cost the same at
+    any age of the pipeline: the last ``partitions_kept`` committed epochs stay
+    partitions (older ones are removed; the epoch log and the tables keep their
+    history), and the pipeline's ended runs created before the newest removed epoch
+    committed are deleted with them."""
 
     name: str
     build: Callable[[TableSettings], Pipeline]
@@ -44,3 +49,4 @@ class Deployment:
     freshness_bound_s: float = 300.0
     state_preview_by: str | None = None  # the state asset shows its top keys by this output column
     backoff: Backoff = Backoff()
+    partitions_kept: int = 10_000  # committed epochs kept as dynamic partitions (Dagster suggests < 25,000)
