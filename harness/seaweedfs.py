@@ -43,6 +43,15 @@ class SeaweedFS:
     log: Path
     ports: tuple[int, ...] = ()
     buckets: set[str] = field(default_factory=set)
+    args: tuple[str, ...] = ()
+
+    def restart(self, timeout: float = 60.0) -> None:
+        """Start it again on the same data, ports and credentials, as a server that
+        came back after an outage: clients configured before it went down reach it
+        again unchanged."""
+        self.stop()
+        self.proc = _launch(self.root, list(self.args), self.log)
+        _wait_serving(self, timeout)
 
     def boto3(self) -> Any:
         import boto3
@@ -108,21 +117,33 @@ def start_seaweedfs(root: Path, bucket: str = "volley", timeout: float = 60.0) -
         "-webdav=false",
     ]
     log = root / "weed.log"
-    with open(log, "wb") as fh:
-        # TMPDIR: weed puts its gRPC unix sockets in the temp dir; keep them in ours.
-        proc = subprocess.Popen(args, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                cwd=root, start_new_session=True, env={**os.environ, "TMPDIR": str(root)})
     master_url = f"http://127.0.0.1:{master}"
     endpoint = S3Endpoint(f"http://127.0.0.1:{s3}", access_key, secret_key, region="us-east-1")
-    server = SeaweedFS(root, master_url, endpoint, proc, log, tuple(ports))
+    server = SeaweedFS(root, master_url, endpoint, _launch(root, args, log), log, tuple(ports), args=tuple(args))
+    server.buckets.add(bucket)
+    _wait_serving(server, timeout)
+    return server
+
+
+def _launch(root: Path, args: list[str], log: Path) -> subprocess.Popen[bytes]:
+    with open(log, "ab") as fh:
+        # TMPDIR: weed puts its gRPC unix sockets in the temp dir; keep them in ours.
+        return subprocess.Popen(args, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                cwd=root, start_new_session=True, env={**os.environ, "TMPDIR": str(root)})
+
+
+def _wait_serving(server: SeaweedFS, timeout: float) -> None:
+    """Until the master assigns a file id and the S3 gateway accepts an authenticated
+    creation of each of the server's buckets."""
     try:
         def assigned() -> bool:
-            with urllib.request.urlopen(f"{master_url}/dir/assign", timeout=2) as resp:
+            with urllib.request.urlopen(f"{server.master_url}/dir/assign", timeout=2) as resp:
                 return bool(json.load(resp).get("fid"))
 
-        wait_ready(assigned, timeout, "SeaweedFS master (file id assignment)", proc, log)
-        wait_ready(lambda: server.create_bucket(bucket) == bucket, timeout, "SeaweedFS S3 gateway", proc, log)
+        wait_ready(assigned, timeout, "SeaweedFS master (file id assignment)", server.proc, server.log)
+        for bucket in sorted(server.buckets):
+            wait_ready(lambda b=bucket: server.create_bucket(b) == b, timeout, "SeaweedFS S3 gateway", server.proc,
+                       server.log)
     except BaseException:
         server.stop()
         raise
-    return server

@@ -2,15 +2,20 @@
 is stopped, so that only the test launches runs, unless ``VOLLEY_TEST_SENSOR`` is
 set: then it runs as in production, ticking every few seconds and cutting an epoch
 as soon as any record waits. Runs use a local Spark each, unless ``VOLLEY_TEST_WARM``
-is set: then the warm Spark, as ``./dev dagster`` does by default."""
+is set: then the warm Spark, as ``./dev dagster`` does by default.
+``VOLLEY_TEST_SNAPSHOT_STORE`` (``s3://...``, with ``VOLLEY_TEST_S3_ENDPOINT``,
+``AWS_ACCESS_KEY_ID`` and ``AWS_SECRET_ACCESS_KEY``) keeps the snapshots on S3 too;
+``VOLLEY_TEST_BACKOFF`` (``first_s,max_s,retries_in_run``) scales the recovery
+backoff, unset: the shipped defaults."""
 
 import os
 from dataclasses import replace
 from pathlib import Path
 
 from assets.location import build_definitions
-from resources import CheckpointResource, SparkResource, TablesResource
+from resources import CheckpointResource, S3Resource, SparkResource, TablesResource
 from volley_dagster.demo.payments import payments_deployment
+from volley_dagster.recovery import Backoff
 
 BASE = Path(os.environ["VOLLEY_TEST_BASE"])
 SENSOR = bool(os.environ.get("VOLLEY_TEST_SENSOR"))
@@ -19,10 +24,17 @@ WARM = bool(os.environ.get("VOLLEY_TEST_WARM"))
 deployment = replace(payments_deployment(BASE / "events"), sensor_running=SENSOR)
 if SENSOR:
     deployment = replace(deployment, min_records=1, max_wait_s=None, sensor_interval_s=2)
+if os.environ.get("VOLLEY_TEST_BACKOFF"):
+    first_s, max_s, retries_in_run = os.environ["VOLLEY_TEST_BACKOFF"].split(",")
+    deployment = replace(deployment, backoff=Backoff(float(first_s), float(max_s), retries_in_run=int(retries_in_run)))
+STORE = os.environ.get("VOLLEY_TEST_SNAPSHOT_STORE")
+S3 = S3Resource(endpoint_url=os.environ["VOLLEY_TEST_S3_ENDPOINT"], access_key_id=os.environ["AWS_ACCESS_KEY_ID"],
+                secret_access_key=os.environ["AWS_SECRET_ACCESS_KEY"]) if STORE else None
 
 defs = build_definitions(
     [deployment],
-    checkpoints=CheckpointResource(root=str(BASE / "state"), max_records_per_epoch=1_500),
+    checkpoints=CheckpointResource(root=str(BASE / "state"), max_records_per_epoch=1_500, snapshot_store_uri=STORE,
+                                   s3=S3),
     tables=TablesResource(warehouse=str(BASE / "tables")),
     spark=SparkResource() if WARM else SparkResource(master="local[2]"),
 )
