@@ -192,7 +192,10 @@ def epoch_assets(deployment: Deployment, spec_settings: TableSettings) -> list:
                     verb = "was already committed" if result.already_committed else "committed"
                     context.log.info(f"epoch {result.epoch} {verb}: {result.records_in} records in, "
                                      f"{result.records_out} out")
-                checks = list(check_results(context.instance, runner, deployment))
+                ran = sorted(parse_epoch(k) for k in context.partition_keys)
+                committed = runner.committed_epoch()
+                window = range(ran[0], min(ran[-1], committed) + 1) if ran and ran[0] <= committed else None
+                checks = list(check_results(context.instance, runner, deployment, window))
         except Exception as exc:
             if not is_retryable(exc):  # the sensor and schedule read FAILURE_KIND and stop requesting
                 raise Failure(description=f"{type(exc).__name__}: {exc}", allow_retries=False,
@@ -208,15 +211,19 @@ STATE_CHECKS = ("snapshot_checksums", "epochs_progress", "freshness")
 SINK_CHECKS = ("recorded_epoch", "no_duplicate_epochs", "row_counts")
 
 
-def check_results(instance: DagsterInstance, runner: EpochRunner, deployment: Deployment) -> Iterator[AssetCheckResult]:
-    """Every check of the pipeline, as of now: the state's, then each table's."""
+def check_results(instance: DagsterInstance, runner: EpochRunner, deployment: Deployment,
+                  epochs: Optional[range] = None) -> Iterator[AssetCheckResult]:
+    """Every check of the pipeline, as of now: the state's, then each table's. ``epochs``:
+    what the run committed, so that the checks cost what it changed (the files new since
+    the epoch before them, those epochs' rows in each table); None: the latest epoch's."""
     state = state_key(runner.pipeline)
-    outcomes = [check_latest_snapshot(runner), check_progress(instance, runner, deployment),
+    since = epochs.start - 1 if epochs else None
+    outcomes = [check_latest_snapshot(runner, since=since), check_progress(instance, runner, deployment),
                 check_freshness(runner, deployment.freshness_bound_s, time.time())]
     for outcome in outcomes:
         yield AssetCheckResult(asset_key=state, **check_fields(outcome))
     for sink in runner.pipeline.sinks:
-        for outcome in check_sink(runner, sink):
+        for outcome in check_sink(runner, sink, epochs=epochs):
             yield AssetCheckResult(asset_key=sink_key(runner.pipeline, sink), **check_fields(outcome))
 
 

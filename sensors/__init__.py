@@ -88,6 +88,19 @@ def check_evaluation(runner: EpochRunner, outcome: CheckOutcome) -> AssetCheckEv
     return AssetCheckEvaluation(asset_key=state_key(runner.pipeline), **check_fields(outcome))
 
 
+def _heal_orphans(context, deployment: Deployment) -> None:
+    """Pool limits first, then the runs shown as started whose process is gone."""
+    pool_limits_ensured(context.instance, [deployment.name])
+    for run_id in fail_orphaned_runs(context.instance, deployment.name):
+        context.log.warning(f"run {run_id} showed as started but its process is gone: marked failed, to be retried")
+
+
+def _cannot_cut(context, deployment: Deployment, exc: VolleyError) -> SkipReason:
+    """A source or checkpoint root that cannot be read: the tick names it and skips."""
+    context.log.error(f"{deployment.name}: {type(exc).__name__}: {exc}")
+    return SkipReason(f"cannot cut epochs of {deployment.name!r}: {type(exc).__name__}: {exc}")
+
+
 def _prune(context, runner: EpochRunner, deployment: Deployment) -> None:
     partitions, runs = prune_history(context.instance, runner, deployment, partitions_name(deployment))
     if partitions or runs:
@@ -150,9 +163,7 @@ def epoch_sensor(deployment: Deployment, job):
     )
     def new_data(context: SensorEvaluationContext, checkpoints: CheckpointResource, tables: TablesResource):
         cursor = {"waiting_since": None, "fresh": None, "progress": None, **(json.loads(context.cursor or "{}"))}
-        pool_limits_ensured(context.instance, [deployment.name])
-        for run_id in fail_orphaned_runs(context.instance, deployment.name):
-            context.log.warning(f"run {run_id} showed as started but its process is gone: marked failed, to be retried")
+        _heal_orphans(context, deployment)
         try:
             runner = make_runner(deployment, checkpoints, tables)
             waiting_since = cursor["waiting_since"]
@@ -163,8 +174,7 @@ def epoch_sensor(deployment: Deployment, job):
                 runner.cut_next()
             now, backlog = time.time(), runner.backlog()  # listed once for the observation and the freshness check
         except VolleyError as exc:
-            context.log.error(f"{deployment.name}: {type(exc).__name__}: {exc}")
-            return SkipReason(f"cannot cut epochs of {deployment.name!r}: {type(exc).__name__}: {exc}")
+            return SensorResult(skip_reason=_cannot_cut(context, deployment, exc), cursor=context.cursor)
         observed = source_observation(runner, backlog, now)
         seen = _observation_digest(observed)
         events: list = ([AssetObservation(asset_key=source_key(runner.pipeline), metadata=observed)]
@@ -205,15 +215,12 @@ def epoch_schedule(deployment: Deployment, job):
     )
     def clock(context: ScheduleEvaluationContext, checkpoints: CheckpointResource, tables: TablesResource):
         instance = context.instance
-        pool_limits_ensured(instance, [deployment.name])
-        for run_id in fail_orphaned_runs(instance, deployment.name):
-            context.log.warning(f"run {run_id} showed as started but its process is gone: marked failed, to be retried")
+        _heal_orphans(context, deployment)
         try:
             runner = make_runner(deployment, checkpoints, tables)
             runner.cut_next()
         except VolleyError as exc:
-            context.log.error(f"{deployment.name}: {type(exc).__name__}: {exc}")
-            return SkipReason(f"cannot cut epochs of {deployment.name!r}: {type(exc).__name__}: {exc}")
+            return _cannot_cut(context, deployment, exc)
         # A schedule cannot return partition requests: add the partitions directly.
         new_keys = unregistered_partitions(instance, deployment, runner.log.last_cut())
         if new_keys:

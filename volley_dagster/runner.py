@@ -45,6 +45,7 @@ from volley_dagster.errors import (
     DimensionPinRejectedError,
     EpochOrderError,
     MalformedRecordError,
+    SnapshotError,
     StateLayoutError,
     StorageFullError,
     VolleyError,
@@ -98,7 +99,7 @@ class EpochRunner:
         - ``scan_fraction``: above this share of a shard's keys touched, read the shard
           with one scan instead of ``multi_get``.
         - ``verify_checksums``: hash every file of N-1's snapshots before restoring them
-          (default: sizes only; the asset check hashes the latest in full).
+          (default: sizes only; the asset check hashes the files each run made new).
         - ``snapshot_store``: also keep every shard snapshot on S3, incrementally (only
           new SSTs upload); a task whose machine lacks N-1's snapshot restores it from
           there into ``snapshot_cache`` (default: this user's folder under the system
@@ -390,11 +391,8 @@ class EpochRunner:
         """Retention after a commit: old epochs, and the attempts that lost."""
         self._check_fence(f"pruning after epoch {committed}")
         self.log.prune(committed, self.keep_epochs)
-        if self.snapshot_store is not None:
-            retained = self.log.retained_epochs(committed, self.keep_epochs)  # never from a local listing
-            winners = {(e, s): entry.snapshot.attempt
-                       for e in retained for s, entry in self.log.committed_manifest(e).shards.items()}
-            self.snapshot_store.prune(retained, winners)
+        if self.snapshot_store is not None:  # from the root's manifests at prune time, fenced before each delete
+            self.snapshot_store.retain_committed(self.log, committed, self.keep_epochs, before_delete=self._check_fence)
 
     def _write_side_output(self, table: pa.Table | None, path: Path) -> str | None:
         """Dead letters, late records, duplicates: one Parquet file per epoch, before the commit."""
@@ -407,13 +405,22 @@ class EpochRunner:
 
     def late_records(self, epoch: int) -> pa.Table | None:
         """A committed epoch's late-records output (None when it had none)."""
-        path = self.result(epoch).late_records_path
-        return pq.read_table(self.log.root / path) if path else None
+        return self._side_output(epoch, "late records", self.result(epoch).late_records_path)
 
     def duplicate_records(self, epoch: int) -> pa.Table | None:
         """A committed epoch's duplicates side output (None when it had none, or it was off)."""
-        path = self.result(epoch).duplicates_path
-        return pq.read_table(self.log.root / path) if path else None
+        return self._side_output(epoch, "duplicates", self.result(epoch).duplicates_path)
+
+    def _side_output(self, epoch: int, what: str, path: str | None) -> pa.Table | None:
+        if not path:
+            return None
+        if not (self.log.root / path).exists() and epoch <= self.log.side_outputs_pruned_through():
+            raise SnapshotError(
+                f"epoch {epoch}'s {what} ({self.log.root / path}) were removed by retention with its snapshots "
+                f"(keep_epochs={self.keep_epochs}); the manifest still gives their count. Keep more epochs, or copy "
+                "side outputs elsewhere after each epoch, to read them later"
+            )
+        return pq.read_table(self.log.root / path)
 
     def _commit_sinks(self, output: pa.Table, rng: EpochRange) -> dict[str, dict[str, Any]]:
         """Each sink in turn: skip what it holds of this lineage, refuse (or, by the

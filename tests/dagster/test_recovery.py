@@ -186,3 +186,21 @@ def test_a_range_run_that_fails_at_epoch_k_keeps_the_epochs_before_it(location):
     committed = [m.partition for m in (r.asset_materialization for r in
                  instance.fetch_materializations(STATE, limit=10, ascending=True).records)]
     assert committed == [key(1), key(2)]
+
+
+def test_a_missing_source_folder_and_a_hand_broken_pipeline_json_are_named_not_crashes(fast_backoff):
+    defs, instance, base = fast_backoff
+    missing = tick(defs, instance)  # no events folder yet
+    assert not missing.run_requests
+    assert "cannot cut epochs of 'payments': SourceError: source directory" in missing.skip_reason.skip_message
+    assert "does not exist" in missing.skip_reason.skip_message
+    generate(base / "events", 1, 1_000, 300)
+    first = tick(defs, instance, missing.cursor)
+    assert run(defs, instance, first.run_requests[0]).success
+    (base / "state" / "payments" / "pipeline.json").write_text('{"pipeline": "payments", "lay')  # cut short
+    generate(base / "events", 1, 1_000, 300, first_file=1)
+    request = tick(defs, instance, first.cursor).run_requests[0]
+    failed = run(defs, instance, request)
+    assert "StateLayoutError" in failure_of(failed) and "pipeline.json is not valid JSON" in failure_of(failed)
+    stopped = tick(defs, instance, first.cursor).skip_reason.skip_message
+    assert "failed permanently" in stopped and "pipeline.json is not valid JSON" in stopped

@@ -37,7 +37,7 @@ import shutil
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from volley_dagster import faults
 from volley_dagster.checkpoint.manifest import ShardSnapshot
@@ -181,7 +181,26 @@ class EpochLog:
         return frozenset(set().union(*names[:-1]) - names[-1]) if names else frozenset()
 
     def _recorded(self) -> dict[str, Any]:
-        return read_json(self.root / "pipeline.json")
+        """``pipeline.json``, checked: a file edited by hand or cut short is named, with
+        what to do, instead of failing later on a missing key."""
+        path = self.root / "pipeline.json"
+        try:
+            recorded = read_json(path)
+        except ValueError as exc:
+            raise StateLayoutError(
+                f"{path} is not valid JSON ({exc}): it was edited by hand or cut short. It records the layout the "
+                "state was written with; restore it from a copy of the checkpoint root (nothing was run)"
+            ) from None
+        missing = [key for key in _IDENTITY_KEYS if key not in recorded] if isinstance(recorded, dict) else list(_IDENTITY_KEYS)
+        layout = recorded.get("layout") if isinstance(recorded, dict) else None
+        if not missing and not (isinstance(layout, dict) and {"num_shards", "num_key_groups"} <= set(layout)):
+            missing = ["layout.num_shards", "layout.num_key_groups"]
+        if missing:
+            raise StateLayoutError(
+                f"{path} lacks {missing}: it was edited by hand. It records the layout the state was written with; "
+                "restore it from a copy of the checkpoint root (nothing was run)"
+            )
+        return recorded
 
     def has_identity(self) -> bool:
         return (self.root / "pipeline.json").exists()
@@ -300,14 +319,10 @@ class EpochLog:
         return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit() and (p / "offsets.json").exists())
 
     def last_cut(self) -> int:
-        cut = self.epochs_cut()
-        return cut[-1] if cut else 0
+        return _last_where(lambda epoch: (self.epoch_dir(epoch) / "offsets.json").exists())
 
     def last_committed(self) -> int:
-        for epoch in reversed(self.epochs_cut()):
-            if self.is_committed(epoch):
-                return epoch
-        return 0
+        return _last_where(self.is_committed)
 
     def record_offsets(self, rng: EpochRange) -> EpochRange:
         """Write the range unless the epoch was cut already; the recorded one wins."""
@@ -457,6 +472,25 @@ class EpochLog:
 def _without_shards(identity: dict[str, Any]) -> dict[str, Any]:
     layout = {k: v for k, v in identity.get("layout", {}).items() if k != "num_shards"}
     return {**identity, "layout": layout}
+
+
+_IDENTITY_KEYS = ("pipeline", "key_column", "layout", "aggregate")
+
+
+def _last_where(present: Callable[[int], bool]) -> int:
+    """The last epoch for which ``present`` holds, where it holds for epochs 1..k and for
+    none after them: epochs are cut in order, and each commits only after the one before
+    it. About 2 log2(k) probes (galloping, then bisecting), so the head of a log of half
+    a million epochs costs what one of a thousand does, not a listing of the folder."""
+    if not present(1):
+        return 0
+    low, high = 1, 2
+    while present(high):
+        low, high = high, high * 2
+    while high - low > 1:  # present(low), not present(high)
+        mid = (low + high) // 2
+        low, high = (mid, high) if present(mid) else (low, mid)
+    return low
 
 
 def _remove_dead_attempts(epoch_work: Path) -> None:
