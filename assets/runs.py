@@ -9,6 +9,7 @@ from dagster import DagsterEventType, DagsterInstance, DagsterRunStatus, Default
 
 from launcher.workers import worker_gone
 from volley_dagster import EpochRunner
+from volley_dagster.checkpoint.epoch_log import epoch_key
 from volley_dagster.deploy import Deployment
 from volley_dagster.recovery import FailedRun, RecoveryDecision, decide
 
@@ -111,8 +112,8 @@ def prune_history(instance: DagsterInstance, runner: EpochRunner, deployment: De
     at most ``PRUNED_PER_TICK`` of each per call. (partitions removed, runs removed)."""
     committed = runner.committed_epoch()
     oldest_kept = committed - deployment.partitions_kept + 1
-    if oldest_kept <= 1:
-        return 0, 0
+    if oldest_kept <= 1 or not instance.has_dynamic_partition(partitions_name, epoch_key(oldest_kept - 1)):
+        return 0, 0  # the newest epoch to remove is gone already: so are the older ones (one lookup per idle tick)
     keys = instance.get_dynamic_partitions(partitions_name)  # bounded by the retention itself
     doomed = [k for k in keys if k.isdigit() and int(k) < oldest_kept][:PRUNED_PER_TICK]
     for key in doomed:

@@ -49,4 +49,4 @@ class Deployment:
     freshness_bound_s: float = 300.0
     state_preview_by: str | None = None  # the state asset shows its top keys by this output column
     backoff: Backoff = Backoff()
-    partitions_kept: int = 10_000  # committed epochs kept as dynamic partitions (Dagster suggests < 25,000)
+    partitions_kept: int = 1_000  # committed epochs kept as dynamic partitions: the UI's partition page costs the same at any age

@@ -33,6 +33,7 @@ POINTS = (
     "after_sink_<name>",  # that sink committed, the ones after it not yet
     "after_sinks",  # every sink committed, no manifest
     "during_retention",  # manifest written, old snapshots half deleted
+    "during_compaction",  # an archive of old epochs written, their folders not yet removed
     "rescale_after_shard",  # a rescale wrote some new shards, no layout record
     "rescale_before_commit",  # every new shard written, no layout record
     "rescale_after_commit",  # the layout record written, nothing after it

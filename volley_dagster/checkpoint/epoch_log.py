@@ -11,6 +11,7 @@ Layout under the checkpoint root::
     epochs/0000000007/dead_letters.parquet   the side outputs: kept as long as the epoch's snapshots
     epochs/0000000007/late_records.parquet   windows: records whose window had closed
     epochs/0000000007/duplicates.parquet     deduplication (write_duplicates): the records dropped
+    epochs/archive/0000000001-0000010000.zip  epochs past retention, their folders compacted (epoch_archive.py)
     retention.json                     the epoch up to which retention removed side outputs
     snapshots/0000000007/rescale-0001-<attempt>/shard-0005/   epoch 7's state rewritten by a rescale
     snapshots/0000000007/shard-0003-<attempt>/   the attempt the manifest names (losers are pruned)
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
 import re
 import shutil
@@ -40,6 +42,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from volley_dagster import faults
+from volley_dagster.checkpoint.epoch_archive import DEFAULT_SPAN, EpochArchives
 from volley_dagster.checkpoint.manifest import ShardSnapshot
 from volley_dagster.dimensions.base import TablePin
 from volley_dagster.errors import ConfigError, EpochNotCutError, EpochOrderError, StateLayoutError
@@ -124,8 +127,10 @@ class LayoutChange:
 
 
 class EpochLog:
-    def __init__(self, root: str | os.PathLike[str]) -> None:
+    def __init__(self, root: str | os.PathLike[str], archive_span: int = DEFAULT_SPAN) -> None:
         self.root = local_root(root)  # a URI is refused here, whoever opens the log
+        self.archives = EpochArchives(self.root / "epochs", archive_span)
+        self._heads = {"cut": 0, "committed": 0}  # the last heads found: where the next search starts
 
     # -- paths ---------------------------------------------------------------------
 
@@ -313,16 +318,31 @@ class EpochLog:
     # -- offsets -------------------------------------------------------------------
 
     def epochs_cut(self) -> list[int]:
+        """Every cut epoch, archived ones included: a listing, for inspection only."""
         d = self.root / "epochs"
         if not d.is_dir():
             return []
-        return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit() and (p / "offsets.json").exists())
+        archived = self.archives.through()
+        return list(range(1, archived + 1)) + sorted(
+            int(p.name) for p in d.iterdir() if p.name.isdigit() and int(p.name) > archived and (p / "offsets.json").exists())
 
     def last_cut(self) -> int:
-        return _last_where(lambda epoch: (self.epoch_dir(epoch) / "offsets.json").exists())
+        return self._head("cut", lambda epoch: (self.epoch_dir(epoch) / "offsets.json").exists())
 
     def last_committed(self) -> int:
-        return _last_where(self.is_committed)
+        return self._head("committed", lambda epoch: (self.epoch_dir(epoch) / "manifest.json").exists())
+
+    def _head(self, which: str, present: Callable[[int], bool]) -> int:
+        """The last epoch ``present`` (or archived: every archived epoch committed),
+        searched from the last head found: two probes while nothing moved."""
+        hint = self._heads[which]
+        if hint and present(hint):
+            head = _last_where(present, start=hint)
+        else:
+            archived = self.archives.through()
+            head = _last_where(lambda epoch: epoch <= archived or present(epoch), start=max(archived, 1))
+        self._heads[which] = head
+        return head
 
     def record_offsets(self, rng: EpochRange) -> EpochRange:
         """Write the range unless the epoch was cut already; the recorded one wins."""
@@ -342,7 +362,10 @@ class EpochLog:
 
     def dimension_pin(self, epoch: int, table: str) -> TablePin | None:
         path = self._pin_path(epoch, table)
-        return TablePin.from_dict(read_json(path)) if path.exists() else None
+        if path.exists():
+            return TablePin.from_dict(read_json(path))
+        archived = self.archives.read(epoch, f"dimensions/{table}.json")
+        return TablePin.from_dict(json.loads(archived)) if archived is not None else None
 
     def drop_dimension_pin(self, epoch: int, table: str, version: str) -> None:
         """Set aside the pin of ``version`` (not another one recorded meanwhile), which
@@ -361,11 +384,16 @@ class EpochLog:
         try:
             return (self.epoch_dir(epoch) / "offsets.json").stat().st_mtime
         except FileNotFoundError:
+            archived = self.archives.read(epoch, "cut_at")
+            if archived is not None:
+                return float(archived)
             self.offsets(epoch)  # EpochNotCutError, naming the last cut epoch
             raise
 
     def offsets(self, epoch: int) -> EpochRange:
         path = self.epoch_dir(epoch) / "offsets.json"
+        if not path.exists() and (archived := self.archives.read(epoch, "offsets.json")) is not None:
+            return EpochRange.from_dict(json.loads(archived))
         if not path.exists():
             last = self.last_cut()
             raise EpochNotCutError(
@@ -377,12 +405,15 @@ class EpochLog:
     # -- commits -------------------------------------------------------------------
 
     def is_committed(self, epoch: int) -> bool:
-        return (self.epoch_dir(epoch) / "manifest.json").exists()
+        return (self.epoch_dir(epoch) / "manifest.json").exists() or 1 <= epoch <= self.archives.through()
 
     def manifest(self, epoch: int) -> EpochResult | None:
         """A committed epoch's recorded result (without its output); None if not committed."""
         path = self.epoch_dir(epoch) / "manifest.json"
-        return EpochResult.from_manifest(read_json(path)) if path.exists() else None
+        if path.exists():
+            return EpochResult.from_manifest(read_json(path))
+        archived = self.archives.read(epoch, "manifest.json")
+        return EpochResult.from_manifest(json.loads(archived)) if archived is not None else None
 
     def committed_manifest(self, epoch: int) -> EpochResult:
         """The manifest of an epoch that must be committed (``EpochOrderError`` if not)."""
@@ -406,6 +437,7 @@ class EpochLog:
         stay: they are the history the UI shows (a manifest still names a pruned side
         output's path and count). Returns the epochs whose snapshots were deleted."""
         self._prune_side_outputs(committed - keep)
+        self._compact(committed - keep)
         removed = []
         snaps = self.root / "snapshots"
         if snaps.is_dir():
@@ -424,6 +456,38 @@ class EpochLog:
                 if p.name.isdigit() and int(p.name) <= committed:
                     _remove_dead_attempts(p)
         return removed
+
+    def _compact(self, through: int) -> None:
+        """Move the folders of whole blocks of epochs up to ``through`` (past retention:
+        nothing writes them again) into archives (``epoch_archive.py``). The archive is
+        written whole first, then the folders go, so a crash between leaves both; the
+        next prune removes the folders it left."""
+        newest = self.archives.last_block()
+        archived = newest[1] if newest else 0
+        if newest and self.epoch_dir(archived).exists():  # a crash after the archive, before all folders went
+            self._remove_epoch_dirs(*newest)
+        span = self.archives.span
+        for _ in range(_BLOCKS_PER_PRUNE):  # an old root catches up over a few prunes, each kept short
+            if archived + span > through:
+                break
+            first, last = archived + 1, archived + span
+            members: dict[str, bytes] = {}
+            for epoch in range(first, last + 1):
+                folder = self.epoch_dir(epoch)
+                if not (folder / "manifest.json").exists():
+                    raise EpochOrderError(f"cannot archive epoch {epoch} of {self.root}: it is not committed")
+                key = epoch_key(epoch)
+                members[f"{key}/cut_at"] = repr((folder / "offsets.json").stat().st_mtime).encode()
+                for path in folder.rglob("*.json"):
+                    members[f"{key}/{path.relative_to(folder).as_posix()}"] = path.read_bytes()
+            self.archives.write(first, last, members)
+            faults.fault_point("during_compaction", last)
+            self._remove_epoch_dirs(first, last)
+            archived = last
+
+    def _remove_epoch_dirs(self, first: int, last: int) -> None:
+        for epoch in range(first, last + 1):
+            shutil.rmtree(self.epoch_dir(epoch), ignore_errors=True)
 
     def side_outputs_pruned_through(self) -> int:
         """The epoch up to which retention removed the side outputs (0: never)."""
@@ -474,19 +538,22 @@ def _without_shards(identity: dict[str, Any]) -> dict[str, Any]:
     return {**identity, "layout": layout}
 
 
+_BLOCKS_PER_PRUNE = 2
 _IDENTITY_KEYS = ("pipeline", "key_column", "layout", "aggregate")
 
 
-def _last_where(present: Callable[[int], bool]) -> int:
+def _last_where(present: Callable[[int], bool], start: int = 1) -> int:
     """The last epoch for which ``present`` holds, where it holds for epochs 1..k and for
     none after them: epochs are cut in order, and each commits only after the one before
-    it. About 2 log2(k) probes (galloping, then bisecting), so the head of a log of half
-    a million epochs costs what one of a thousand does, not a listing of the folder."""
-    if not present(1):
-        return 0
-    low, high = 1, 2
+    it. From ``start`` (a known head, or 1), galloping, then bisecting: about 2 log2 of
+    the distance in probes, so the head of a log of half a million epochs costs what one
+    of a thousand does, not a listing of the folder; two probes when nothing moved."""
+    if not present(start):
+        return 0 if start == 1 else _last_where(present)
+    low, high, step = start, start + 1, 1
     while present(high):
-        low, high = high, high * 2
+        low, step = high, step * 2
+        high = low + step
     while high - low > 1:  # present(low), not present(high)
         mid = (low + high) // 2
         low, high = (mid, high) if present(mid) else (low, mid)
