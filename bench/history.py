@@ -12,7 +12,8 @@ the UI's partition query cost. What is synthesised, and what is not, is printed.
 
 The history is grown in place from one size to the next:
 
-- the epoch log: ``epochs/<key>/offsets.json`` and ``manifest.json`` of every epoch,
+- the epoch log: ``epochs/<key>/offsets.json`` and ``manifest.json`` of every epoch
+  (then compacted into ``epochs/archive/`` as retention would have done),
   copies of a real committed EMPTY epoch (cut with nothing new and run: its shards
   carried forward) with the epoch number, cut and commit times (one epoch per 5 s,
   ending now) and snapshot paths rewritten; every range starts and ends at the real
@@ -230,6 +231,11 @@ class Bench:
             if p.name.isdigit() and int(p.name) < snapshot_from:
                 shutil.rmtree(p)
         write_json_atomic(self.log.root / "retention.json", {"side_outputs_through": n - keep})
+        while True:  # what retention has done by then: the folders past it compacted into archives
+            archived = self.log.archives.through()
+            self.log.prune(n, keep)
+            if self.log.archives.through() == archived:
+                break
 
     def _snapshots(self, epoch: int) -> None:
         """Hardlinks of the template's snapshot files, as a carried-forward epoch has them."""
@@ -460,7 +466,8 @@ def main() -> None:
 def _synthesised_note(bench: Bench, materialize: str) -> str:
     assets = "per asset" if materialize == "all" else "of the state asset only (--materialize state)"
     return (
-        "synthesised per size (not run): epochs/<key>/offsets.json + manifest.json for every epoch (copies of the real "
+        "synthesised per size (not run): epochs/<key>/offsets.json + manifest.json for every epoch, then compacted by "
+        "retention into epochs/archive/ (copies of the real "
         f"empty epoch {bench.template_epoch}, epoch, times and snapshot paths rewritten; empty ranges at the source's real "
         f"end); snapshots of the last {bench.checkpoints.keep_epochs} epochs (hardlinks) and retention.json; one empty "
         f"commit per table for each of the last {ROW_COUNT_WINDOW} epochs; dynamic partitions of the last "
