@@ -72,9 +72,8 @@ def range_request(deployment: Deployment, first: int, last: int, run_key: Option
                                                            "dagster/asset_partition_range_end": epoch_key(last)})
 
 
-def _should_cut(runner: EpochRunner, deployment: Deployment, waiting_since: Optional[float], now: float):
-    """(cut now?, waiting_since to remember)."""
-    waiting = runner.records_waiting()
+def _should_cut(waiting: int, deployment: Deployment, waiting_since: Optional[float], now: float):
+    """(cut now?, waiting_since to remember), with ``waiting`` records in the source."""
     if waiting == 0:
         return False, None
     if waiting >= deployment.min_records:
@@ -166,13 +165,14 @@ def epoch_sensor(deployment: Deployment, job):
         _heal_orphans(context, deployment)
         try:
             runner = make_runner(deployment, checkpoints, tables)
-            waiting_since = cursor["waiting_since"]
+            waiting_since, backlog = cursor["waiting_since"], runner.backlog()  # an idle tick lists the source once
             for _ in range(MAX_CUTS_PER_TICK):
-                cut, waiting_since = _should_cut(runner, deployment, waiting_since, time.time())
+                cut, waiting_since = _should_cut(backlog.records, deployment, waiting_since, time.time())
                 if not cut:
                     break
                 runner.cut_next()
-            now, backlog = time.time(), runner.backlog()  # listed once for the observation and the freshness check
+                backlog = runner.backlog()  # for the next cut, the observation and the freshness check
+            now = time.time()
         except VolleyError as exc:
             return SensorResult(skip_reason=_cannot_cut(context, deployment, exc), cursor=context.cursor)
         observed = source_observation(runner, backlog, now)
