@@ -65,7 +65,7 @@ def test_the_head_probes_log_n_files_not_the_folder(tmp_path: Path, monkeypatch:
 @pytest.mark.parametrize("text, named", [
     ('{"pipeline": "payments", "key_column"', "is not valid JSON"),
     ('{"pipeline": "payments", "key_column": "k", "aggregate": {}}', "lacks ['layout']"),
-    ('{"pipeline": "payments", "key_column": "k", "aggregate": {}, "layout": {"num_shards": 4}}', "lacks ['layout.num_shards'"),
+    ('{"pipeline": "payments", "key_column": "k", "aggregate": {}, "layout": {"shards": 4}}', "lacks ['layout.num_shards']"),
     ("[]", "lacks ['pipeline'"),
 ])
 def test_a_hand_broken_pipeline_json_is_named_with_what_to_do(tmp_path: Path, text: str, named: str) -> None:

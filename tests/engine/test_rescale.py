@@ -132,7 +132,8 @@ def test_windows_fire_as_reference_across_rescales(spark, tmp_path, windows, max
     files = generate(tmp_path / "events", WINDOW_FILES, WINDOW_PER_FILE, WINDOW_KEYS, events_per_second=10, disorder_s=30)
     pipeline = window_pipeline(tmp_path / "events", tmp_path / "out", windows, delay="5 seconds", lateness="2 seconds",
                                max_pending=max_pending, shards=4)
-    runner = EpochRunner(pipeline, tmp_path / "state", spark=spark, max_records_per_epoch=WINDOW_PER_FILE)
+    runner = EpochRunner(pipeline, tmp_path / "state", spark=spark, max_records_per_epoch=WINDOW_PER_FILE,
+                         keep_epochs=WINDOW_FILES + 2)  # every epoch's late records are read back at the end
     results = runner.run_available(max_epochs=3)
     for shards, run_after in ((7, 3), (2, 3)):
         open_before = runner.read_state()

@@ -198,8 +198,8 @@ class EpochLog:
             ) from None
         missing = [key for key in _IDENTITY_KEYS if key not in recorded] if isinstance(recorded, dict) else list(_IDENTITY_KEYS)
         layout = recorded.get("layout") if isinstance(recorded, dict) else None
-        if not missing and not (isinstance(layout, dict) and {"num_shards", "num_key_groups"} <= set(layout)):
-            missing = ["layout.num_shards", "layout.num_key_groups"]
+        if not missing and not (isinstance(layout, dict) and "num_shards" in layout):
+            missing = ["layout.num_shards"]
         if missing:
             raise StateLayoutError(
                 f"{path} lacks {missing}: it was edited by hand. It records the layout the state was written with; "
@@ -539,7 +539,7 @@ def _without_shards(identity: dict[str, Any]) -> dict[str, Any]:
 
 
 _BLOCKS_PER_PRUNE = 2
-_IDENTITY_KEYS = ("pipeline", "key_column", "layout", "aggregate")
+_IDENTITY_KEYS = ("pipeline", "layout")  # what every root has recorded since the first release
 
 
 def _last_where(present: Callable[[int], bool], start: int = 1) -> int:

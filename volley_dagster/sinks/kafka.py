@@ -128,12 +128,11 @@ class KafkaSink(Sink):
             producer.flush(self.timeout_s)
         except (KafkaException, BufferError) as exc:  # never committed, so it cannot commit
             aborted = False
-            if isinstance(exc, KafkaException) and exc.args[0].txn_requires_abort():
-                try:
-                    producer.abort_transaction(self.timeout_s)
-                    aborted = True
-                except KafkaException:
-                    pass  # the next init_transactions aborts it
+            try:  # whichever error surfaced first (an earlier delivery's, or the _STATE that follows it)
+                producer.abort_transaction(self.timeout_s)
+                aborted = True
+            except KafkaException:
+                pass  # the next init_transactions aborts it
             raise SinkCommitError(f"sink {self.name!r}: epoch {ctx.epoch} to kafka topic {self.topic!r}: {exc}; the "
                                   f"transaction was {'aborted' if aborted else 'not committed'}, the epoch will be "
                                   "tried again") from exc
