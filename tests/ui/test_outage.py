@@ -17,7 +17,7 @@ RUN_S = 30.0  # a run's launch and its epochs on the warm Spark, with margin for
 
 
 def test_an_s3_outage_longer_than_the_old_budget_heals_without_anyone(tmp_path):
-    report = run_outage(tmp_path, land_every_s=8.0, backoff=f"0.5,{MAX_S},0", until_failed_runs=OLD_BUDGET_RUNS + 2,
+    report = run_outage(tmp_path, land_every_s=12.0, backoff=f"0.5,{MAX_S},0", until_failed_runs=OLD_BUDGET_RUNS + 1,
                         max_outage_s=240, heal_within_s=240)
     print(report.describe())
     assert report.failed_runs > OLD_BUDGET_RUNS  # the old recovery had stopped for good after its fourth
