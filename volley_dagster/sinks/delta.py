@@ -160,7 +160,9 @@ class DeltaSink(TableSink[DeltaTable]):
             # an epoch without rows is an append of nothing: a commit that carries the txn.
             write_deltalake(table, output, mode="append", commit_properties=props)
             return {"inserted": output.num_rows, "updated": 0}
-        predicate = " AND ".join(f"target.{_quote(k)} = source.{_quote(k)}" for k in keys)
+        # null-safe, as dedup keys compare (a null component equals a null); parenthesised,
+        # or DataFusion reads ``a IS NOT DISTINCT FROM b AND c`` as ``a IS NOT DISTINCT FROM (b AND c)``
+        predicate = " AND ".join(f"(target.{_quote(k)} IS NOT DISTINCT FROM source.{_quote(k)})" for k in keys)
         if not expired.num_rows:
             merge = table.merge(output, predicate, source_alias="source", target_alias="target",
                                 commit_properties=props).when_matched_update_all().when_not_matched_insert_all()

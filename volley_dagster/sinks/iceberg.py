@@ -18,6 +18,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from pyiceberg.catalog import Catalog, load_catalog
@@ -28,7 +29,9 @@ from pyiceberg.expressions import (
     And,
     BooleanExpression,
     GreaterThanOrEqual,
+    IsNull,
     LessThanOrEqual,
+    Or,
 )
 from pyiceberg.table import Table, Transaction
 from pyiceberg.table.snapshots import Snapshot
@@ -196,15 +199,18 @@ class IcebergSink(TableSink[Table]):
 
         Upsert = ``Transaction.overwrite`` with an ``overwrite_filter``: delete, then
         append, in the same transaction. The filter is the epoch's key *range*
-        (min..max per key column), and the rows of that range whose key the epoch
-        does not carry are written back (found with a vectorised anti-join). Not
-        ``IN (keys)``: pyiceberg binds an IN list key by key in Python, several
-        times per commit (about 9 s at 100k keys); and not pyiceberg 0.12's
-        ``Transaction.upsert``, which builds that same IN list and then compares
-        every matched row in a Python loop. Keys match by SQL equality (a null key
-        never matches), as in Delta's MERGE. Expired keys (state TTL) are in the range
-        and not written back: deleted in the same commit. They widen the range, and so
-        the rows rewritten: with keys that grow over time, the oldest expire."""
+        (min..max per key column, and its nulls when the epoch has a null there), and
+        the rows of that range whose key the epoch does not carry are written back
+        (found with a vectorised join). Not ``IN (keys)``: pyiceberg binds an IN list
+        key by key in Python, several times per commit (about 9 s at 100k keys); and
+        not pyiceberg 0.12's ``Transaction.upsert``, which builds that same IN list and
+        then compares every matched row in a Python loop. Keys match null-safely (a
+        null equals a null), as in our Delta MERGE. The range is read with every table
+        column: rows written back keep the columns the output lacks (another writer's),
+        and an updated row takes them from the row it replaces, as Delta's MERGE keeps
+        them. Expired keys (state TTL) are in the range and not written back: deleted
+        in the same commit. They widen the range, and so the rows rewritten: with keys
+        that grow over time, the oldest expire."""
         if replace:
             summary = {**summary, "volley.replaced": "true"}
             with warnings.catch_warnings():
@@ -218,12 +224,9 @@ class IcebergSink(TableSink[Table]):
         condition = _key_range(epoch_keys, keys)
         rows, kept = output, 0
         if table.current_snapshot() is not None and not isinstance(condition, AlwaysFalse):
-            selected = table.scan(row_filter=condition, selected_fields=tuple(output.column_names)).to_arrow()
+            selected = table.scan(row_filter=condition).to_arrow()  # every column: others' too
             if selected.num_rows:
-                survivors = selected.join(epoch_keys, keys=list(keys), join_type="left anti")
-                kept = survivors.num_rows
-                if kept:
-                    rows = pa.concat_tables([output, survivors.select(output.column_names).cast(output.schema)])
+                rows, kept = _merged(output, selected, epoch_keys, keys)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Delete operation did not match any records")
             txn.overwrite(rows, overwrite_filter=condition, snapshot_properties=summary)
@@ -289,17 +292,65 @@ class IcebergSink(TableSink[Table]):
 
 
 def _key_range(output: pa.Table, keys: tuple[str, ...]) -> BooleanExpression:
-    """``min(k) <= k <= max(k)`` for every key column of ``output``."""
+    """``min(k) <= k <= max(k)`` for every key column of ``output``, or ``k IS NULL``
+    where ``output`` has a null in ``k`` (a null key component matches a null)."""
+    if output.num_rows == 0:
+        return AlwaysFalse()
     condition: BooleanExpression = AlwaysTrue()
     for key in keys:
-        bounds = pc.min_max(output.column(key))
+        column = output.column(key)
+        bounds = pc.min_max(column)
         low, high = bounds["min"].as_py(), bounds["max"].as_py()
-        if low is None:  # no non-null key: nothing to replace
-            return AlwaysFalse()
-        # pyiceberg's predicates are pydantic models whose explicit __init__ mypy does not see
-        at_least, at_most = GreaterThanOrEqual(key, low), LessThanOrEqual(key, high)  # type: ignore[call-arg,arg-type,misc]
-        condition = And(condition, And(at_least, at_most))
+        matches: list[BooleanExpression] = []
+        if low is not None:
+            # pyiceberg's predicates are pydantic models whose explicit __init__ mypy does not see
+            at_least, at_most = GreaterThanOrEqual(key, low), LessThanOrEqual(key, high)  # type: ignore[call-arg,arg-type,misc]
+            matches.append(And(at_least, at_most))
+        if column.null_count:
+            matches.append(IsNull(key))  # type: ignore[arg-type,misc]
+        condition = And(condition, matches[0] if len(matches) == 1 else Or(*matches))
     return condition
+
+
+def _merged(output: pa.Table, selected: pa.Table, epoch_keys: pa.Table, keys: tuple[str, ...]) -> tuple[pa.Table, int]:
+    """The rows that replace ``selected`` (the range's rows, every table column): the
+    output's, with the columns only the table has taken from the row each replaces
+    (null for a new key), then the rows of keys the epoch does not carry (``epoch_keys``:
+    the output's and the expired ones), unchanged; and how many of those there are."""
+    old, new = _null_safe(selected, epoch_keys, keys), _null_safe(epoch_keys, epoch_keys, keys)
+    on = old.column_names
+    old = old.append_column("old", pa.array(np.arange(old.num_rows)))
+    survivors = selected.take(old.join(new, keys=on, join_type="left anti").column("old"))
+    extra = [n for n in selected.column_names if n not in output.column_names]
+    if extra:
+        pairs = old.join(new.slice(0, output.num_rows).append_column("new", pa.array(np.arange(output.num_rows))),
+                         keys=on, join_type="inner")
+        matched = pairs.group_by("new").aggregate([("old", "min")])
+        source = np.full(output.num_rows, -1, dtype=np.int64)  # the row each output row replaces, -1: none
+        source[matched.column("new").to_numpy()] = matched.column("old_min").to_numpy()
+        taken = pa.array(source, mask=source < 0)
+        output = pa.table([*output.columns, *(selected.column(n).take(taken) for n in extra)],
+                          names=output.column_names + extra)
+    if not survivors.num_rows:
+        return output, 0
+    return pa.concat_tables([output, survivors.select(output.column_names).cast(output.schema)]), survivors.num_rows
+
+
+def _null_safe(rows: pa.Table, epoch_keys: pa.Table, keys: tuple[str, ...]) -> pa.Table:
+    """``rows``' key columns as join columns on which a null equals a null: where the
+    epoch's keys hold a null, a flag for it and the value with nulls filled by the
+    epoch's least value (only the flag when the epoch has no other value there)."""
+    columns: dict[str, pa.ChunkedArray] = {}
+    for i, key in enumerate(keys):
+        column = rows.column(key)
+        if not epoch_keys.column(key).null_count:
+            columns[f"k{i}"] = column
+            continue
+        columns[f"null{i}"] = pc.is_null(column)
+        fill = pc.min_max(epoch_keys.column(key))["min"]
+        if fill.is_valid:
+            columns[f"k{i}"] = pc.fill_null(column, fill.cast(column.type))
+    return pa.table(columns)
 
 
 def _first_snapshot(snapshot: Snapshot) -> bool:

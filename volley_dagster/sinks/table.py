@@ -16,7 +16,8 @@ away), since its rows are the state and that state no longer exists. The attempt
 then decides again on the changed table, as after a lost race. The change is
 idempotent, so a crash between it and the rows leaves a schema the retry finds. An
 append table keeps every column (its old rows hold them) and new rows get nulls; a
-column someone else added to a table is never dropped.
+column someone else added to a table is never dropped, and an upsert keeps its values
+(in the rows it updates too: each format's ``_write`` carries them over).
 """
 
 from __future__ import annotations
