@@ -39,6 +39,8 @@ Measured at each size, median of ``--repeat``:
   job's ``execute_in_process`` (no Spark job: shards carried forward, empty sink
   commits, then the run's checks); and the no-op re-run of an already committed epoch;
 - the asset checks (``assets/epochs.check_results``);
+- the backlog of a local file log read through its N-th file, one file waiting (what a
+  tick lists: from the read position on);
 - the UI's partition query (``assetNodeOrError { partitionKeys assetPartitionStatuses }``
   for the state asset) against a real ``dagster dev`` over the same instance.
 
@@ -51,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import functools
 import io
 import os
 import pstats
@@ -78,6 +81,8 @@ from volley_dagster.checkpoint.epoch_log import epoch_key  # noqa: E402
 from volley_dagster.demo.events import generate  # noqa: E402
 from volley_dagster.io.atomic import dump_json, read_json, write_json_atomic  # noqa: E402
 from volley_dagster.sinks.base import CommitContext  # noqa: E402
+from volley_dagster.sources.file_log import FileLog  # noqa: E402
+from volley_dagster.sources.offsets import Position  # noqa: E402
 from volley_dagster.spark.session import get_or_create_spark  # noqa: E402
 from volley_dagster.verify import ROW_COUNT_WINDOW  # noqa: E402
 
@@ -96,6 +101,7 @@ FIGURES = [
     ("run_noop_s", "run re-running a committed epoch"),
     ("checks_s", "asset checks (check_results)"),
     ("graphql_partitions_s", "UI partition query (GraphQL)"),
+    ("source_backlog_s", "source backlog, log read through N"),
 ]
 
 
@@ -333,6 +339,26 @@ class Bench:
         self.run_range(self.log.last_committed())
         return time.perf_counter() - t
 
+    def source_backlog(self, n: int) -> float:
+        """The backlog of a file log read through its n-th file, one new file waiting: what
+        a tick lists. The n - 1 files before the read position are empty files, as a
+        listing from the position only reads their names."""
+        folder = self.base / "long-source"
+        folder.mkdir(exist_ok=True)
+        have = sum(1 for _ in os.scandir(folder))
+        for i in range(max(0, have - 2), n - 1):
+            (folder / f"f-{i:09d}.parquet").write_bytes(b"")
+        for i in (n - 1, n):
+            generate(folder, 1, self.records, self.keys, first_file=0)
+            os.replace(folder / "events-000000.parquet", folder / f"f-{i:09d}.parquet")
+        log = FileLog(folder)
+        after = {"": Position(f"f-{n - 1:09d}.parquet", n - 1, self.records)}
+        t = time.perf_counter()
+        backlog = log.backlog(after)
+        spent = time.perf_counter() - t
+        assert (backlog.records, backlog.files) == (self.records, 1), backlog
+        return spent
+
     def checks(self) -> float:
         runner = make_runner(self.deployment, self.checkpoints, self.tables)
         t = time.perf_counter()
@@ -442,6 +468,7 @@ def main() -> None:
             row["run_noop_s"], row["run_noop_all"] = median_of(args.repeat, bench.run_noop)
             bench.tick_idle()
             row["tick_new_file_s"], row["tick_new_file_all"] = median_of(args.repeat, bench.tick_new_file)
+            row["source_backlog_s"], row["source_backlog_all"] = median_of(args.repeat, functools.partial(bench.source_backlog, n))
             row["epochs_at_end"] = bench.log.last_committed()
             row["partitions"] = len(instance.get_dynamic_partitions(bench.partitions))
             row["epoch_folders"] = sum(1 for _ in (bench.log.root / "epochs").iterdir())
@@ -473,7 +500,9 @@ def _synthesised_note(bench: Bench, materialize: str) -> str:
         f"commit per table for each of the last {ROW_COUNT_WINDOW} epochs; dynamic partitions of the last "
         f"{bench.deployment.partitions_kept:,} epochs and one runless materialization {assets} per kept partition.\n"
         "NOT synthesised: the tables' history before the last 32 epochs, Dagster runs and their event logs, check "
-        "evaluations, sensor ticks; the source holds only the real files. Measured epochs and runs are real."
+        "evaluations, sensor ticks; the source holds only the real files. Measured epochs and runs are real. "
+        "The source backlog figure reads a second local file log of N files (N - 1 empty ones before the read "
+        "position), as a tick lists it."
     )
 
 

@@ -19,7 +19,7 @@ from volley_dagster.demo.events import generate
 from volley_dagster.errors import SourceChangedError, SourceError, SourceUnavailableError, is_retryable
 from volley_dagster.sources import formats
 from volley_dagster.sources.base import Source
-from volley_dagster.sources.file_log import FileLog
+from volley_dagster.sources.file_log import FULL_LISTING_EVERY, FileLog
 from volley_dagster.sources.offsets import Backlog, EpochRange, Position, fair_shares
 
 
@@ -231,3 +231,57 @@ def test_a_file_removed_while_listing_is_skipped_not_fatal(tmp_path):
     finally:
         stop.set()
         thread.join()
+
+
+def _two_partitions(log: FileLog, files: int) -> None:
+    for part in ("a", "b"):
+        for i in range(files):
+            buf = io.BytesIO()
+            pq.write_table(pa.table({"k": [f"{part}{i}", f"{part}{i}"], "v": [i, i]}), buf)
+            log.storage.write(f"{part}/f-{i:04d}.parquet", buf.getvalue())
+
+
+def _land_before(log: FileLog, part: str, name: str) -> None:
+    buf = io.BytesIO()
+    pq.write_table(pa.table({"k": ["late"], "v": [0]}), buf)
+    log.storage.write(f"{part}/{name}", buf.getvalue())
+
+
+def test_a_cut_lists_a_partition_from_its_last_file_read_and_still_refuses_a_file_landing_before_it(tmp_path):
+    """A log read to file 40 of 50 stats 10 files per listing, not 50, and cuts the same
+    range a whole listing cuts; the names before the mark are still counted locally."""
+    log = FileLog(tmp_path)
+    _two_partitions(log, 50)
+    first = log.cut(1, {}, 160)  # 80 records per partition: files 0..39
+    assert first.end == {"a": Position("f-0039.parquet", 39, 2), "b": Position("f-0039.parquet", 39, 2)}
+    listing = log.storage.list({"a": "f-0039.parquet", "b": "f-0039.parquet"})
+    assert [f.path for f in listing.files][:2] == ["a/f-0039.parquet", "a/f-0040.parquet"]
+    assert len(listing.files) == 22 and {k: len(v or []) for k, v in listing.earlier.items()} == {"a": 39, "b": 39}
+    second = log.cut(2, first.end, None)
+    whole = log.cut(FULL_LISTING_EVERY, first.end, None)
+    assert second.segments == whole.segments and second.end == whole.end
+    assert second.records == 40 and log.backlog(first.end).records == 40 and log.backlog(second.end).records == 0
+    _land_before(log, "b", "f-0000a.parquet")
+    with pytest.raises(SourceError, match=r"partition 'b' has 1 new file\(s\) sorting before 'f-0049.parquet'"):
+        log.cut(3, second.end, None)
+
+
+def test_on_s3_a_cut_lists_from_the_last_file_read_and_every_full_listing_finds_a_file_landing_before_it(seaweedfs):
+    """S3 lists a partition from its mark (StartAfter), which cannot see an earlier
+    name: a file landing before it is refused at the next whole listing, named."""
+    log = FileLog(f"s3://{BUCKET}/tail-{uuid.uuid4().hex[:8]}", storage_options=seaweedfs.s3.boto3_options())
+    _two_partitions(log, 6)
+    first = log.cut(1, {}, 8)
+    listing = log.storage.list({"a": first.end["a"].file, "b": first.end["b"].file})
+    assert [f.path for f in listing.files] == ["a/f-0001.parquet", *[f"a/f-{i:04d}.parquet" for i in range(2, 6)],
+                                               "b/f-0001.parquet", *[f"b/f-{i:04d}.parquet" for i in range(2, 6)]]
+    assert listing.earlier == {"a": None, "b": None}
+    second = log.cut(2, first.end, None)
+    assert second.segments == log.cut(FULL_LISTING_EVERY, first.end, None).segments and second.records == 16
+    _land_before(log, "a", "f-0000a.parquet")
+    assert log.cut(3, second.end, None).records == 0  # not seen from the mark
+    with pytest.raises(SourceError, match=r"partition 'a' has 1 new file\(s\) sorting before 'f-0005.parquet'"):
+        log.cut(2 * FULL_LISTING_EVERY, second.end, None)
+    log.storage.client.delete_object(Bucket=BUCKET, Key=log.storage._key("a/f-0005.parquet"))
+    with pytest.raises(SourceError, match=r"partition 'a' (no longer has 'f-0005.parquet'|was read before and has)"):
+        log.cut(4, second.end, None)

@@ -38,7 +38,7 @@ class ParquetDimension(DimensionTable):
 
     def pin(self) -> TablePin:
         try:
-            listing = self.storage.list()
+            listing = self.storage.list().files
         except SourceError as exc:
             raise DimensionTableError(f"dimension table {self.name!r}: {exc}") from exc
         files = tuple(PinnedFile(f.path, f.size, f.version) for f in listing if _data_file(f.path))

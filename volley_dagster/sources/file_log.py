@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
@@ -24,6 +25,9 @@ from volley_dagster.sources.offsets import Backlog, EpochRange, Position, Segmen
 from volley_dagster.sources.storage import FileInfo, LocalStorage, Storage, storage_for
 
 DEFAULT_PARTITION = ""
+# Every this many epochs a cut lists the whole log: on S3 the cuts between list only
+# from the last file read, which cannot see a file landing before it.
+FULL_LISTING_EVERY = 1000
 
 
 class FileLog(Source):
@@ -64,12 +68,14 @@ class FileLog(Source):
     # -- listing -------------------------------------------------------------------
 
     def partitions(self) -> dict[str, list[FileInfo]]:
-        """Name-sorted data files per partition."""
-        suffixes = formats.FORMATS[self.format]
+        """Name-sorted data files per partition (the whole log)."""
+        return self._data_files(self.storage.list().files)
+
+    def _data_files(self, files: list[FileInfo]) -> dict[str, list[FileInfo]]:
         parts: dict[str, list[FileInfo]] = {}
-        for info in self.storage.list():
+        for info in files:
             pieces = info.path.split("/")
-            if any(p.startswith(("_", ".")) for p in pieces) or not pieces[-1].endswith(suffixes):
+            if any(p.startswith(("_", ".")) for p in pieces) or not pieces[-1].endswith(self._suffixes):
                 continue
             if len(pieces) > 2:
                 raise SourceError(
@@ -79,6 +85,33 @@ class FileLog(Source):
         if DEFAULT_PARTITION in parts and len(parts) > 1:
             raise SourceError(f"{self.uri}: has files both in the root and in partition folders; use one or the other")
         return parts
+
+    @property
+    def _suffixes(self) -> tuple[str, ...]:
+        return formats.FORMATS[self.format]
+
+    def _unread(self, after: Mapping[str, SourcePosition], full: bool = False) -> dict[str, _Tail]:
+        """Each partition's files from its read position's file on: the listing a cut and
+        the backlog need, whose cost is what landed since, not the log's age. ``full``
+        lists everything, which also checks what a listing from S3's mark cannot see."""
+        positions = {name: self._position(after, name) for name in after}
+        marks = {} if full else {name: pos.file for name, pos in positions.items() if pos.file is not None}
+        listing = self.storage.list(marks)
+        tails: dict[str, _Tail] = {}
+        for name, files in self._data_files(listing.files).items():
+            pos = positions.get(name, Position())
+            if name in marks:
+                earlier = listing.earlier.get(name)
+                before = None if earlier is None else len(
+                    [n for n in earlier if n.endswith(self._suffixes) and not n.startswith(("_", "."))])
+                tails[name] = _Tail(files, pos.file_index, before)
+            else:
+                before = sum(1 for f in files if _base(f.path) < pos.file) if pos.file is not None else 0
+                tails[name] = _Tail(files, 0, before)
+        for name in marks:  # a partition read up to a file that is gone from the listing
+            if name not in tails and listing.earlier.get(name):
+                tails[name] = _Tail([], positions[name].file_index, len(listing.earlier[name] or []))
+        return tails
 
     def schema(self) -> pa.Schema:
         """The declared schema, or the first Parquet file's (the log's first file never changes)."""
@@ -113,28 +146,28 @@ class FileLog(Source):
     def cut(self, epoch: int, after: Mapping[str, SourcePosition], max_records: int | None, final: bool = False) -> EpochRange:
         """The range from ``after`` to what is available now, at most ``max_records`` long,
         shared fairly between partitions. ``final``: the stream ends here, so a last line
-        without its newline is a record too."""
-        available: dict[str, list[tuple[FileInfo, int, int, int]]] = {}
-        listed = self.partitions()
-        for name, files in sorted(listed.items()):
-            available[name] = self._pending(name, files, self._position(after, name), final)
+        without its newline is a record too. Every ``FULL_LISTING_EVERY``-th cut lists the
+        whole log, to find a file that landed sorting before one already read on S3."""
+        unread = self._unread(after, full=epoch % FULL_LISTING_EVERY == 0)
+        available = {name: self._pending(name, unread[name], self._position(after, name), final)
+                     for name in sorted(unread)}
         for name in after:
             if name not in available:
                 raise SourceError(f"{self.uri}: partition {name!r} was read before and has disappeared")
-        quota = fair_shares({p: sum(c for *_, c in segs) for p, segs in available.items()}, max_records)
+        quota = fair_shares({p: sum(w.count for w in waiting) for p, waiting in available.items()}, max_records)
 
         segments: list[Segment] = []
         end: dict[str, SourcePosition] = {}
         for name, pending in available.items():
             pos = self._position(after, name)
             left = quota[name]
-            for info, index, first, count in pending:
-                take = min(left, count)
+            for w in pending:
+                take = min(left, w.count)
                 if take <= 0:
                     break
-                _, size, version = self._scan(info, newest=not final and index == len(listed[name]) - 1)
-                segments.append(Segment(len(segments), name, info.path, first, first + take, size, version))
-                pos = Position(_base(info.path), index, first + take)
+                _, size, version = self._scan(w.info, newest=w.newest and not final)
+                segments.append(Segment(len(segments), name, w.info.path, w.first, w.first + take, size, version))
+                pos = Position(_base(w.info.path), w.index, w.first + take)
                 left -= take
             end[name] = pos
         start: dict[str, SourcePosition] = {name: self._position(after, name) for name in available}
@@ -143,12 +176,11 @@ class FileLog(Source):
     def backlog(self, after: Mapping[str, SourcePosition]) -> Backlog:
         """The records beyond ``after``, the files that hold them, and the oldest one's age."""
         records, files, oldest = 0, 0, None
-        for name, listed in self.partitions().items():
-            for info, _, _, count in self._pending(name, listed, self._position(after, name)):
-                if count > 0:
-                    records, files = records + count, files + 1
-                    if info.modified and (oldest is None or info.modified < oldest):
-                        oldest = info.modified
+        for name, tail in self._unread(after).items():
+            for w in self._pending(name, tail, self._position(after, name)):
+                records, files = records + w.count, files + 1
+                if w.info.modified and (oldest is None or w.info.modified < oldest):
+                    oldest = w.info.modified
         return Backlog(records, files, oldest)
 
     def _position(self, after: Mapping[str, SourcePosition], partition: str) -> Position:
@@ -158,29 +190,29 @@ class FileLog(Source):
                               "source; a checkpoint root reads one source: start a new one for this log")
         return pos
 
-    def _pending(self, partition: str, files: list[FileInfo], pos: Position,
-                 final: bool = False) -> list[tuple[FileInfo, int, int, int]]:
-        """(file, index, first unread record, unread count) from ``pos`` on."""
-        names = [_base(f.path) for f in files]
-        index = pos.file_index
+    def _pending(self, partition: str, tail: _Tail, pos: Position, final: bool = False) -> list[_Waiting]:
+        """The files with unread records from ``pos`` on, after checking that the files
+        already read are all still there, in their places, and none was added among them."""
+        at = pos.file_index - tail.offset if pos.file is not None else 0
         if pos.file is not None:
-            before = sum(1 for n in names if n < pos.file)
-            if before > index:
+            if tail.before is not None and tail.before > pos.file_index:
                 raise SourceError(
-                    f"{self.uri}: partition {partition!r} has {before - index} new file(s) sorting before "
+                    f"{self.uri}: partition {partition!r} has {tail.before - pos.file_index} new file(s) sorting before "
                     f"{pos.file!r}, which was already read; the log is append-only, so name new files to sort last"
                 )
-            if before < index or index >= len(names) or names[index] != pos.file:
+            if ((tail.before is not None and tail.before < pos.file_index) or not 0 <= at < len(tail.files)
+                    or _base(tail.files[at].path) != pos.file):
                 raise SourceError(
-                    f"{self.uri}: partition {partition!r} no longer has {pos.file!r} at position {index}: "
+                    f"{self.uri}: partition {partition!r} no longer has {pos.file!r} at position {pos.file_index}: "
                     "a file that was read has been removed or renamed"
                 )
         out = []
-        for i in range(index, len(files)):
-            first = pos.record if (pos.file is not None and i == index) else 0
-            count = self.record_count(files[i], newest=not final and i == len(files) - 1) - first
+        last = len(tail.files) - 1
+        for i in range(at, len(tail.files)):
+            first = pos.record if (pos.file is not None and i == at) else 0
+            count = self.record_count(tail.files[i], newest=not final and i == last) - first
             if count > 0:
-                out.append((files[i], i, first, count))
+                out.append(_Waiting(tail.files[i], tail.offset + i, first, count, i == last))
         return out
 
     # -- reading -------------------------------------------------------------------
@@ -245,6 +277,27 @@ class FileLog(Source):
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_counts": {}, "_native_ok": {}}
+
+
+@dataclass(frozen=True)
+class _Tail:
+    """A partition's data files from index ``offset`` of its whole name-sorted listing
+    on, and how many sort before the read position's file (None: not known)."""
+
+    files: list[FileInfo]
+    offset: int
+    before: int | None
+
+
+@dataclass(frozen=True)
+class _Waiting:
+    """Unread records ``first..first+count`` of a file at ``index`` of its partition."""
+
+    info: FileInfo
+    index: int
+    first: int
+    count: int
+    newest: bool  # the partition's last file, which may still be written
 
 
 def _base(path: str) -> str:

@@ -6,8 +6,10 @@ open clients lazily in the process that uses them.
 
 from __future__ import annotations
 
+import builtins
 import os
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,20 @@ class FileInfo:
     modified: float = field(default=0.0, compare=False)  # Unix time it was written (0: unknown)
 
 
+@dataclass(frozen=True)
+class Listing:
+    """A listing of a storage root, or of what a reader has not passed yet.
+
+    With marks (folder -> file name), a marked folder lists only its files named at or
+    after its mark, so a log read to its end costs what landed since, not its age. The
+    names before a mark are still counted where that is cheap (a local folder's names
+    come without a stat each), so a file that lands sorting before the mark is noticed;
+    ``earlier`` is None for a folder where it is not (S3 lists from ``StartAfter``)."""
+
+    files: list[FileInfo]  # sorted by path
+    earlier: dict[str, list[str] | None] = field(default_factory=dict)  # marked folder -> names before its mark
+
+
 def _timestamp(when: Any) -> float:
     """S3's LastModified (a datetime from boto3) as Unix time; 0 when absent."""
     return when.timestamp() if when is not None else 0.0
@@ -39,8 +55,9 @@ class Storage(ABC):
     uri: str
 
     @abstractmethod
-    def list(self) -> list[FileInfo]:
-        """Every file under the root (any depth), sorted by path."""
+    def list(self, start_at: Mapping[str, str] | None = None) -> Listing:
+        """Every file under the root (any depth), sorted by path; in a folder named in
+        ``start_at`` ("" is the root), only the files named at or after its mark."""
 
     @abstractmethod
     def read(self, path: str, version: str = "") -> bytes:
@@ -61,19 +78,28 @@ class LocalStorage(Storage):
         self.root = Path(root).absolute()
         self.uri = str(self.root)
 
-    def list(self) -> list[FileInfo]:
+    def list(self, start_at: Mapping[str, str] | None = None) -> Listing:
+        """Names come from the directory without a stat each; only files at or after a
+        folder's mark are stat-ed (the cost of a listing that grows with the log)."""
         if not self.root.is_dir():
             raise SourceError(f"source directory {self.root} does not exist")
+        marks = dict(start_at or {})
         out = []
+        earlier: dict[str, list[str] | None] = {folder: [] for folder in marks}
         for dirpath, _, files in os.walk(self.root):
+            folder = Path(dirpath).relative_to(self.root).as_posix()
+            folder = "" if folder == "." else folder
+            mark = marks.get(folder)
+            if mark is not None:
+                earlier[folder] = [name for name in files if name < mark]
+                files = [name for name in files if name >= mark]
             for name in files:
-                full = Path(dirpath) / name
                 try:
-                    st = full.stat()
+                    st = os.stat(os.path.join(dirpath, name))
                 except FileNotFoundError:  # renamed or removed while listing: the next listing sees it as it is
                     continue
-                out.append(FileInfo(full.relative_to(self.root).as_posix(), st.st_size, _local_version(st), st.st_mtime))
-        return sorted(out, key=lambda f: f.path)
+                out.append(FileInfo(f"{folder}/{name}" if folder else name, st.st_size, _local_version(st), st.st_mtime))
+        return Listing(sorted(out, key=lambda f: f.path), earlier)
 
     def read(self, path: str, version: str = "") -> bytes:
         try:
@@ -124,17 +150,47 @@ class S3Storage(Storage):
     def _key(self, path: str) -> str:
         return self.location.key(path)
 
-    def list(self) -> list[FileInfo]:
-        out = []
+    def list(self, start_at: Mapping[str, str] | None = None) -> Listing:
+        """A marked folder is listed from its mark on (``StartAfter``, plus a HEAD of the
+        mark itself), so its cost is what landed since; the names before the mark are
+        not seen (``earlier`` None). Without marks, one paginated listing of the prefix."""
+        marks = dict(start_at or {})
         base = f"{self.prefix}/" if self.prefix else ""
+        out: list[FileInfo] = []
         try:
-            for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=base):
-                for obj in page.get("Contents", []):
-                    out.append(FileInfo(obj["Key"][len(base):], int(obj["Size"]), obj.get("ETag", "").strip('"'),
-                                        _timestamp(obj.get("LastModified"))))
+            if not marks:
+                out += self._objects(base, base)
+            elif "" in marks:
+                out += self._objects(base, base, marks[""])
+            else:
+                folders: list[str] = []
+                for page in self._pages(Prefix=base, Delimiter="/"):
+                    out += [self._info(obj, base) for obj in page.get("Contents", [])]
+                    folders += [p["Prefix"][len(base):].rstrip("/") for p in page.get("CommonPrefixes", [])]
+                for folder in folders:
+                    out += self._objects(f"{base}{folder}/", base, marks.get(folder))
+        except VolleyError:
+            raise
         except Exception as exc:
             raise _source_error(f"cannot list {self.uri}", exc) from exc
-        return sorted(out, key=lambda f: f.path)
+        return Listing(sorted(out, key=lambda f: f.path), {folder: None for folder in marks})
+
+    def _pages(self, **kwargs: Any) -> Any:
+        return self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, **kwargs)
+
+    def _objects(self, prefix: str, base: str, mark: str | None = None) -> builtins.list[FileInfo]:
+        """The objects under ``prefix`` (paths relative to ``base``), from ``mark`` on."""
+        extra = {"StartAfter": f"{prefix}{mark}"} if mark else {}
+        found = [self._info(obj, base) for page in self._pages(Prefix=prefix, **extra) for obj in page.get("Contents", [])]
+        if mark:
+            at = self.stat(f"{prefix}{mark}"[len(base):])
+            found += [at] if at is not None else []
+        return found
+
+    @staticmethod
+    def _info(obj: dict[str, Any], base: str) -> FileInfo:
+        return FileInfo(obj["Key"][len(base):], int(obj["Size"]), obj.get("ETag", "").strip('"'),
+                        _timestamp(obj.get("LastModified")))
 
     def read(self, path: str, version: str = "") -> bytes:
         """With ``version``, the read itself is conditional (``If-Match`` on the ETag): a
