@@ -114,7 +114,7 @@ class Pipeline:
         return [t for t in self.transforms if isinstance(t, Enrichment)]
 
     def deduplicate(self, *, on: str | list[str], within: Duration, event_time: str,
-                    write_duplicates: bool = False) -> Pipeline:
+                    write_duplicates: bool = False, max_event_time_skew: Duration | None = None) -> Pipeline:
         """Drop a record whose ``on`` columns repeat a record kept earlier, while that
         one's key is remembered: until the watermark passes its ``event_time`` plus
         ``within`` (Spark's ``dropDuplicatesWithinWatermark``). It applies to the
@@ -123,10 +123,14 @@ class Pipeline:
         one (a window's or an event-time TTL's, on the same column), else the latest
         event time. With no ``key_by``/``aggregate`` after it, the sinks get the kept
         records themselves (an upsert sink keys them by ``on``). Duplicates are counted per epoch; ``write_duplicates`` also
-        writes them, with where they are, to the epoch's side output. The rules:
+        writes them, with where they are, to the epoch's side output.
+        ``max_event_time_skew``: a record dated further than this past the wall clock
+        of its epoch's cut is a bad record, as for ``window``: one record stamped 2099
+        would otherwise move the watermark past every key's deadline. The rules:
         ``volley_dagster.operators.dedup``."""
         columns_on = (on,) if isinstance(on, str) else tuple(on)
-        dedup = Deduplication(columns_on, duration_us(within, "deduplicate(within=...)"), EventTime(event_time),
+        skew = None if max_event_time_skew is None else duration_us(max_event_time_skew, "max_event_time_skew")
+        dedup = Deduplication(columns_on, duration_us(within, "deduplicate(within=...)"), EventTime(event_time, 0, skew),
                               write_duplicates)
         return replace(self, dedup=dedup)
 
@@ -181,8 +185,8 @@ class Pipeline:
         fires once the watermark passes its end plus ``allowed_lateness``.
         ``max_pending_windows`` bounds the in-memory pending-window index per shard
         (the rest is evicted to RocksDB). ``max_event_time_skew``: a record whose event
-        time lies further than this past the watermark, or past the wall clock when its
-        epoch was cut, is a bad record (dead letter, or the epoch fails, per
+        time lies further than this past the wall clock when its epoch was cut is a bad
+        record (dead letter, or the epoch fails, per
         ``on_bad_records``) instead of moving the watermark. The rules:
         ``volley_dagster.operators.window``."""
         windowing = Windowing(
@@ -218,6 +222,12 @@ class Pipeline:
                 f"pipeline {self.name!r}: deduplicate(event_time={self.dedup.event_time.time_column!r}) and the "
                 f"{'window' if self.windowing is not None else 'state TTL'} (on {clock.time_column!r}) must share "
                 "one event time: the pipeline has one watermark")
+        skew = self.dedup.event_time.max_skew_us
+        if clock is not None and skew is not None and skew != clock.max_skew_us:
+            raise ConfigError(
+                f"pipeline {self.name!r}: deduplicate(max_event_time_skew=...) differs from the "
+                f"{'window' if self.windowing is not None else 'state TTL'}'s: the pipeline has one event-time clock; "
+                "give max_event_time_skew to the window or aggregate only")
 
     def expiry_column(self) -> str | None:
         """The output column that marks a key's expiry (with a state TTL): upsert sinks delete its row."""

@@ -277,3 +277,42 @@ def test_a_kill_9_mid_state_stage_of_a_pipeline_that_only_deduplicates(spark, tm
                                   kept_records(pd.concat(reference.kept)), check_dtype=False)
     for table in (delta, iceberg):
         assert all(len(rows) == 1 for rows in table.epoch_history("unique").values())
+
+
+def test_one_record_stamped_2099_is_refused_and_later_re_sends_stay_duplicates(spark, tmp_path):
+    """Issue 31 (F3): a dedup-only pipeline (``within="60 minutes"``) reads 100 records,
+    then one stamped 2099, then the same 100 ids again three minutes later. Without a
+    skew guard the 2099 record moved the watermark past every deadline and all 100
+    re-sends were kept (201 rows); with ``max_event_time_skew`` it is a dead letter and
+    the re-sends are duplicates: 100 rows."""
+    from volley_dagster.demo.events import EVENT_SCHEMA
+
+    events = tmp_path / "events"
+    events.mkdir()
+    now_us = int(pd.Timestamp.now(tz="UTC").value // 1000)
+    t0 = now_us - 3_600_000_000
+
+    def batch(i: int, ids: list[int], at: list[int]) -> None:
+        pq.write_table(pa.table({
+            ID: pa.array(ids, pa.int64()), KEY: pa.array([n % 7 for n in ids], pa.int64()),
+            "amount": pa.array([1.0] * len(ids)), "status": pa.array(["active"] * len(ids)),
+            "event_time": pa.array(at, pa.int64()).cast(pa.timestamp("us", tz="UTC"))}, schema=EVENT_SCHEMA),
+            events / f"events-{i:06d}.parquet")
+
+    pipeline = (Pipeline("resends").source(FileLog(events, format="parquet"))
+                .deduplicate(on=ID, within="60 minutes", event_time="event_time", max_event_time_skew="1 hour")
+                .sink(ParquetSink(tmp_path / "out")).on_bad_records("dead_letter"))
+    runner = EpochRunner(pipeline, tmp_path / "state", spark=spark)
+    batch(0, list(range(100)), [t0 + i * 1_000_000 for i in range(100)])
+    batch(1, [1000], [int(pd.Timestamp("2099-01-01", tz="UTC").value // 1000)])
+    batch(2, list(range(100)), [t0 + 180_000_000 + i * 1_000_000 for i in range(100)])
+    results = [runner.run_next() for _ in range(3)]
+    assert [r.records_out for r in results] == [100, 0, 0]
+    assert [r.dead_letters for r in results] == [0, 1, 0]
+    assert [r.duplicates for r in results] == [0, 0, 100]
+    assert pq.read_table(tmp_path / "out").num_rows == 100
+    with pytest.raises(ConfigError, match=r"max_event_time_skew=\.\.\.\) differs from the window's"):
+        (Pipeline("two_clocks").source(FileLog(events, format="parquet"))
+         .deduplicate(on=ID, within="60 minutes", event_time="event_time", max_event_time_skew="1 hour")
+         .key_by(KEY).window(tumbling("1 minute"), on="event_time", max_event_time_skew="2 hours")
+         .aggregate(n=count()).stateful_operator())

@@ -1,6 +1,6 @@
 """Evolving a pipeline at an epoch boundary on real Spark and RocksDB: accumulators
 added (with their declared initial values), removed and renamed, and the shard count
-changed, in one migration, against a reference; a window's allowed lateness changed
+changed, in one migration, against a reference; a window's allowed lateness lowered (raising it is refused)
 and a window accumulator renamed; the refusals and their options; ``volley migrate``
 killed with ``kill -9`` at each point leaves the old layout or the new, whole."""
 
@@ -170,29 +170,32 @@ def test_an_upsert_table_drops_the_retired_columns_and_an_append_table_keeps_the
     assert appended["n_events"].notna().sum() == third.records_out
 
 
-def test_a_windows_lateness_and_a_renamed_window_accumulator(spark, tmp_path):
+def test_a_windows_lateness_lowered_not_raised_and_a_renamed_window_accumulator(spark, tmp_path):
     generate(tmp_path / "events", 2, PER_FILE, 100)
     windows = tumbling("10 seconds")
     build = lambda lateness, pipeline=None: pipeline or window_pipeline(  # noqa: E731
         tmp_path / "events", tmp_path / "out", windows, delay="2 seconds", lateness=lateness)
-    runner = EpochRunner(build("0 seconds"), tmp_path / "state", spark=spark, max_records_per_epoch=PER_FILE)
+    runner = EpochRunner(build("5 seconds"), tmp_path / "state", spark=spark, max_records_per_epoch=PER_FILE)
     runner.run_available(max_epochs=1)
     open_windows = runner.read_state()
     assert open_windows.num_rows > 0
-    later = build("5 seconds")
-    result = runner.migrate(later)
-    assert result.changes == ["allowed lateness 0 s -> 5 s"]
+    sooner = build("0 seconds")
+    result = runner.migrate(sooner)
+    assert result.changes == ["allowed lateness 5 s -> 0 s"]
     assert runner.read_state().equals(open_windows)  # the same open windows, nothing fired or lost
-    bounded = window_pipeline(tmp_path / "events", tmp_path / "out", windows, delay="2 seconds", lateness="5 seconds",
+    with pytest.raises(StateLayoutError, match=r"cannot migrate: the window's allowed lateness would grow \(0 s -> "
+                                               r"5 s\): windows already fired .* fire a second time"):
+        runner.migrate(build("5 seconds"))  # issue 31: it would re-fire emitted windows
+    bounded = window_pipeline(tmp_path / "events", tmp_path / "out", windows, delay="2 seconds", lateness="0 seconds",
                               max_pending=10)
     assert runner.migrate(bounded).noop  # the pending-window bound may change at any epoch: nothing to rewrite
     wider = window_pipeline(tmp_path / "events", tmp_path / "out", tumbling("20 seconds"), delay="2 seconds",
-                            lateness="5 seconds")
+                            lateness="0 seconds")
     with pytest.raises(StateLayoutError, match="cannot migrate: the window's windows changed .*Options: start a new"):
         runner.migrate(wider)
     renamed = Pipeline("windows").source(FileLog(tmp_path / "events", format="parquet")).where("status != 'failed'") \
         .key_by("merchant_id").window(windows, on="event_time", max_out_of_orderness="2 seconds",
-                                      allowed_lateness="5 seconds") \
+                                      allowed_lateness="0 seconds") \
         .aggregate(n=count(), total=sum_("amount"), largest=max_("amount"), last_event=last("event_id")) \
         .sink(ParquetSink(tmp_path / "out")).with_shards(2)
     result = runner.migrate(renamed, renames={"events": "n"})

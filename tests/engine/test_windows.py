@@ -122,6 +122,37 @@ def test_session_windows_on_a_timestamp_ntz_column(spark, tmp_path):
     check_against_reference(runner, results, ref)
 
 
+def test_a_stream_that_resumes_after_a_pause_longer_than_the_skew_is_on_time(spark, tmp_path):
+    """Issue 31: with ``max_event_time_skew="10 minutes"``, a stream quiet for two hours
+    of event time (a night) resumes on time, every record in a window, nothing a bad
+    record; a lone record a day past the wall clock of its cut is still refused. The
+    skew is judged against that wall clock, not the watermark."""
+    now = dt.datetime.now(dt.timezone.utc)
+    t0 = (now - dt.timedelta(hours=5)).replace(second=0, microsecond=0)
+    after = t0 + dt.timedelta(hours=2)  # two hours of silence, twelve times the skew
+    batches = [[(1, t0), (2, t0 + dt.timedelta(seconds=30))],
+               [(1, after), (2, after + dt.timedelta(seconds=40))],
+               [(1, after + dt.timedelta(minutes=3)), (2, now + dt.timedelta(days=1))]]  # the lone broken clock
+    events = tmp_path / "events"
+    events.mkdir()
+    runner = EpochRunner(window_pipeline(events, tmp_path / "out", tumbling("1 minute"), delay="5 seconds",
+                                         lateness="0 s", skew="10 minutes").on_bad_records("dead_letter"),
+                         tmp_path / "state", spark=spark)
+    results = []
+    for i, batch in enumerate(batches):
+        write_batch(events, i, batch)
+        results.append(runner.run_next())
+    us = lambda t: int(t.timestamp() * 1_000_000)  # noqa: E731
+    assert [r.dead_letters for r in results] == [0, 0, 1]
+    assert [r.late_records for r in results] == [0, 0, 0]
+    assert [r.watermark for r in results] == [us(t0) + 25_000_000, us(after) + 35_000_000,
+                                              us(after) + 175_000_000]
+    fired = [{(k, s) for k, s, *_ in window_rows(r.output)} for r in results]
+    assert fired == [set(), {(1, us(t0)), (2, us(t0))}, {(1, us(after)), (2, us(after))}]
+    dead = pq.read_table(runner.log.root / results[2].dead_letter_path).to_pylist()
+    assert len(dead) == 1 and "max_event_time_skew" in dead[0]["reason"] and "wall clock" in dead[0]["reason"]
+
+
 def test_a_record_from_the_far_future_is_a_dead_letter_not_the_watermark(spark, tmp_path):
     """One event time in year 9999 (a broken clock) would move the watermark for good and
     make every later record late; with ``max_event_time_skew`` it is a dead letter."""

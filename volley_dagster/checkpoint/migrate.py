@@ -211,6 +211,14 @@ def _windowing_changes(old: dict[str, Any] | None, new: dict[str, Any] | None) -
         if old[field] != new[field]:
             _refuse(f"the window's {field.replace('_', ' ')} changed ({old[field]} -> {new[field]}): open windows "
                     "and their pending entries were cut by the old one")
+    if new["lateness_us"] > old["lateness_us"]:
+        # A window fired under the old lateness (end + old <= watermark) would take
+        # records again under the new one and fire a second time: a duplicate row on an
+        # append sink, a partial one over the complete one on an upsert sink.
+        _refuse(f"the window's allowed lateness would grow ({old['lateness_us'] / 1e6:g} s -> "
+                f"{new['lateness_us'] / 1e6:g} s): windows already fired under the old lateness would take their late "
+                "records again and fire a second time. Lowering it is allowed; to wait longer for late records, "
+                "keep the lateness and send them to the late-records output, or start a new checkpoint root")
     if old["lateness_us"] != new["lateness_us"]:
         return (f"allowed lateness {old['lateness_us'] / 1e6:g} s -> {new['lateness_us'] / 1e6:g} s",)
     return ()

@@ -1,8 +1,21 @@
-"""Event time and the watermark it drives, shared by windows and state TTL.
+"""The pipeline's one event-time clock, shared by windows, event-time TTL and
+deduplication (a pipeline has one: ``Pipeline._check_clock``).
 
-The watermark after epoch N is ``max(W[N-1], latest believable event time of
-epoch N - max_out_of_orderness)``: it never moves back, it is stored in the
-epoch's manifest, and a re-run of the epoch computes the same one.
+The rules, for every operator that uses event time:
+
+- **Watermark.** After epoch N it is ``max(W[N-1], latest believable event time of
+  epoch N - max_out_of_orderness)``: it never moves back, it is stored in the
+  epoch's manifest, and a re-run of the epoch computes the same one.
+- **Skew guard.** With ``max_event_time_skew``, an event time later than the wall
+  clock when the epoch was cut plus the skew is not believed: the record is a bad
+  record (dead letter, or the epoch fails), and never moves the watermark. The cut
+  time is recorded with the range, so every attempt decides the same; a pause in
+  the stream longer than the skew is not a reason (the guard is the wall clock, not
+  the watermark), and old data replayed lies before the wall clock.
+- **Late.** A record is late when what it belongs to had closed when its epoch
+  began, judged against ``W[N-1]``: a window whose end plus ``allowed_lateness`` is
+  at or before it (``operators.window``); dedup and TTL deadlines likewise compare
+  with the watermark (``operators.dedup``, ``operators.ttl``).
 """
 
 from __future__ import annotations
@@ -55,19 +68,12 @@ def duration_us(value: Duration, what: str) -> int:
 @dataclass(frozen=True)
 class EventTime:
     """The timestamp column ``time_column`` and the watermark policy over it.
-    ``max_skew_us``: how far past the watermark (or the wall clock of the cut) an
-    event time is believed; None believes any."""
+    ``max_skew_us``: how far past the wall clock of the cut an event time is
+    believed; None believes any."""
 
     time_column: str
     out_of_orderness_us: int = 0
     max_skew_us: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.max_skew_us is not None and self.max_skew_us <= self.out_of_orderness_us:
-            raise ConfigError(
-                f"max_event_time_skew ({self.max_skew_us} us) must exceed max_out_of_orderness "
-                f"({self.out_of_orderness_us} us): the newest on-time record is that far past the watermark"
-            )
 
     def check(self, schema: T.StructType, what: str) -> None:
         column = self.time_column
@@ -83,14 +89,18 @@ class EventTime:
         return F.unix_micros(F.col(self.time_column).cast("timestamp"))
 
     def event_time_bound(self, watermark: int | None, cut_at_us: int | None) -> int | None:
-        """The latest event time an epoch believes: ``max_event_time_skew`` past the
-        watermark it starts from and past the wall clock when it was cut (recorded, so
-        a retry decides the same). Later ones are dead letters: one record from the
-        far future would otherwise move the watermark for good."""
+        """The latest event time an epoch believes: ``max_event_time_skew`` past the wall
+        clock when it was cut (recorded with the range, so a retry decides the same).
+        Later ones are bad records: one record from the far future would otherwise move
+        the watermark for good. Not the watermark plus the skew: a stream that resumes
+        after a pause longer than the skew (a night, a weekend) would then be refused
+        whole, every epoch again, and which records pass would depend on the cuts.
+        Backfills of old data lie before the wall clock and pass. Only a range cut
+        before its cut time was recorded falls back to the watermark."""
         if self.max_skew_us is None:
             return None
-        bounds = [t + self.max_skew_us for t in (watermark, cut_at_us) if t is not None]
-        return min(bounds) if bounds else None
+        anchor = cut_at_us if cut_at_us is not None else watermark
+        return None if anchor is None else anchor + self.max_skew_us
 
     def advance(self, previous: int | None, max_event_us: int | None) -> int | None:
         """The watermark after an epoch whose latest event time is ``max_event_us``."""

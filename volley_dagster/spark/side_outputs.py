@@ -74,7 +74,7 @@ def _bad_records(plan: PlannedEpoch, pipeline: Pipeline, bound: int | None) -> l
         if bound is not None:
             bad.append((clock.event_us() > F.lit(bound),
                         f"event time beyond max_event_time_skew: {column!r} is later than {describe_event_time(bound)} "
-                        "(the watermark or the epoch's cut time plus the skew)"))
+                        "(the wall clock when the epoch was cut plus the skew)"))
     return bad
 
 
