@@ -303,10 +303,12 @@ def test_one_record_stamped_2099_is_refused_and_later_re_sends_stay_duplicates(s
                 .deduplicate(on=ID, within="60 minutes", event_time="event_time", max_event_time_skew="1 hour")
                 .sink(ParquetSink(tmp_path / "out")).on_bad_records("dead_letter"))
     runner = EpochRunner(pipeline, tmp_path / "state", spark=spark)
-    batch(0, list(range(100)), [t0 + i * 1_000_000 for i in range(100)])
-    batch(1, [1000], [int(pd.Timestamp("2099-01-01", tz="UTC").value // 1000)])
-    batch(2, list(range(100)), [t0 + 180_000_000 + i * 1_000_000 for i in range(100)])
-    results = [runner.run_next() for _ in range(3)]
+    results = []
+    for i, (ids, at) in enumerate([(list(range(100)), [t0 + i * 1_000_000 for i in range(100)]),
+                                   ([1000], [int(pd.Timestamp("2099-01-01", tz="UTC").value // 1000)]),
+                                   (list(range(100)), [t0 + 180_000_000 + i * 1_000_000 for i in range(100)])]):
+        batch(i, ids, at)
+        results.append(runner.run_next())
     assert [r.records_out for r in results] == [100, 0, 0]
     assert [r.dead_letters for r in results] == [0, 1, 0]
     assert [r.duplicates for r in results] == [0, 0, 100]
