@@ -7,6 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from volley_dagster.operators.accumulators import StateOverflow, count, first, last, max_, mean, min_, sum_
 from volley_dagster.operators.aggregate import STATE_FORMAT, Aggregate, ResolvedAggregate
@@ -72,6 +74,49 @@ def test_a_key_without_values_stays_null_not_zero():
     outputs = dict(zip([n for n, _ in ACCUMULATORS], aggregate.outputs(state), strict=True))
     assert outputs["total"].to_pylist() == [None] and outputs["n"].to_pylist() == [0]
     assert outputs["avg"].to_pylist() == [None] and outputs["first_x"].to_pylist() == [None]
+
+
+def spark_min_max(values: list[float | None]) -> tuple[float | None, float | None]:
+    """Spark's min and max of a column: nulls skipped, NaN above every number."""
+    xs = np.array([v for v in values if v is not None], dtype=np.float64)
+    if not len(xs):
+        return None, None
+    nan = np.isnan(xs)
+    low = float(xs[~nan].min()) if not nan.all() else float("nan")
+    return low, float("nan") if nan.any() else float(xs.max())
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    values=st.lists(st.one_of(st.none(), st.just(float("nan")), st.floats(allow_nan=False, width=64)), max_size=30),
+    cuts=st.lists(st.integers(0, 30), max_size=6),
+    data=st.data(),
+)
+def test_float_min_max_fold_any_epoch_cuts_to_sparks_single_aggregate(values, cuts, data):
+    """NaN and epoch cuts: folding each epoch's partials (in any order, as window and
+    session merges may) gives the min/max of one Spark aggregate over all the values."""
+    aggregate = ResolvedAggregate((("low", min_("x")), ("high", max_("x"))), ("float", "float"), 1)
+    bounds = [0, *sorted(min(c, len(values)) for c in cuts), len(values)]
+    epochs = [values[a:b] for a, b in zip(bounds, bounds[1:])]
+    loaded = []
+    for epoch, part in enumerate(epochs, start=1):
+        low, high = spark_min_max(part)
+        rows = aggregate.blank_rows(1)
+        aggregate.load(rows, pa.table({"low:v": pa.array([low], pa.float64()),
+                                       "high:v": pa.array([high], pa.float64())}), epoch)
+        loaded.append(rows)
+    state = aggregate.blank_rows(1)
+    for i in data.draw(st.permutations(range(len(loaded)))):
+        aggregate.combine(state, loaded[i])
+    got = tuple(array.to_pylist()[0] for array in aggregate.outputs(state))
+    assert [_same(g, e) for g, e in zip(got, spark_min_max(values), strict=True)] == [True, True], got
+
+
+def _same(got: float | None, expected: float | None) -> bool:
+    """Equal, NaN equal to NaN, null only to null."""
+    if got is None or expected is None:
+        return got is expected
+    return got == expected or (np.isnan(got) and np.isnan(expected))
 
 
 def test_an_int64_sum_that_would_wrap_names_its_rows():

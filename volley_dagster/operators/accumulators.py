@@ -226,7 +226,8 @@ class Min(_Reducing):
         return F.min(value)
 
     def _combine(self, old, old_ok, new, new_ok):
-        return np.where(new_ok & (~old_ok | (new < old)), new, old)
+        # Spark orders NaN above every number: the min is NaN only when both sides are
+        return np.where(old_ok & new_ok, np.fmin(old, new), np.where(new_ok, new, old))
 
 
 @dataclass(frozen=True)
@@ -235,7 +236,8 @@ class Max(_Reducing):
         return F.max(value)
 
     def _combine(self, old, old_ok, new, new_ok):
-        return np.where(new_ok & (~old_ok | (new > old)), new, old)
+        # Spark orders NaN above every number: the max is NaN when either side is
+        return np.where(old_ok & new_ok, np.maximum(old, new), np.where(new_ok, new, old))
 
 
 @dataclass(frozen=True)
