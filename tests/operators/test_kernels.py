@@ -97,7 +97,7 @@ def test_float_min_max_fold_any_epoch_cuts_to_sparks_single_aggregate(values, cu
     session merges may) gives the min/max of one Spark aggregate over all the values."""
     aggregate = ResolvedAggregate((("low", min_("x")), ("high", max_("x"))), ("float", "float"), 1)
     bounds = [0, *sorted(min(c, len(values)) for c in cuts), len(values)]
-    epochs = [values[a:b] for a, b in zip(bounds, bounds[1:])]
+    epochs = [values[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
     loaded = []
     for epoch, part in enumerate(epochs, start=1):
         low, high = spark_min_max(part)

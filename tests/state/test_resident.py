@@ -225,6 +225,65 @@ def test_two_strings_of_one_hash_never_share_a_state(cache):
     assert not cache.open(IDENTITY, FILES_1, RECORDS, strings=True).complete
 
 
+# Real 64-bit FNV-1a clashes (crafted with a lattice: equal hashes, different strings)
+CLASH = ("dnXsmIDUZQkkSXK0KM", "dnXsd2PNqHrnW7xLBU")
+CLASH_2 = ("ciOx9gD50HdSMkHJrL", "ciOx9hYNYCxVJ5Z10R")
+
+
+def test_removing_a_key_that_only_shares_a_mirrored_keys_hash_drops_the_mirror(cache):
+    a, b = mirror_keys(list(CLASH)), mirror_keys(list(CLASH_2))
+    assert a.order[0] == a.order[1] and b.order[0] == b.order[1]
+    shard = cache.open(IDENTITY, None, RECORDS, strings=True)
+    shard.update(mirror_keys([CLASH[0], CLASH_2[0], "other"]), states(np.array([1, 2, 3])))
+    shard.remove(mirror_keys([CLASH_2[0]]))  # the key itself: removed
+    assert shard.complete and sorted(shard.names.to_pylist()) == sorted([CLASH[0], "other"])
+    shard.remove(mirror_keys(["absent", CLASH[1]]))  # CLASH[1] was never stored, CLASH[0] was
+    assert not shard.complete  # not CLASH[0]'s row deleted in its place: RocksDB answers
+    shard.commit(FILES_1)
+    shard.release()
+    assert not cache.open(IDENTITY, FILES_1, RECORDS, strings=True).complete
+
+
+def test_new_keys_of_one_hash_one_kept_one_expired_lose_no_state(cache, tmp_path):
+    """The review's case (F9), through the running aggregate on a real RocksDB: two new
+    keys of one FNV-1a hash in one epoch, the first kept and the second expired at once
+    (event-time TTL). The next epoch still finds the first key's count."""
+    import rocksdict
+
+    from volley_dagster import columns
+    from volley_dagster.operators.accumulators import count
+    from volley_dagster.operators.aggregate import Aggregate
+    from volley_dagster.operators.base import ShardStep
+    from volley_dagster.operators.event_time import EventTime
+    from volley_dagster.operators.ttl import TOUCHED_PARTIAL, StateTtl
+    from volley_dagster.state.options import RocksDBOptions
+    from volley_dagster.state.transaction import ShardTransaction
+
+    ttl = StateTtl(duration_us=50, event_time=EventTime("t"))
+    aggregate = Aggregate((("n", count()),), ttl=ttl).recorded(
+        {"namespace": 1, "accumulators": [{"kind": None}], "ttl": ttl.layout()})
+    db = rocksdict.Rdict(str(tmp_path / "db"), RocksDBOptions().build())
+
+    def epoch(number: int, keys: list[str], times: list[int], files_before: dict | None, files: dict) -> dict:
+        shard = cache.open(IDENTITY, files_before, aggregate.resident_records, strings=True)
+        ones = np.ones(len(keys), np.int64)
+        data = pa.table({columns.KEY_GROUP: pa.array([0] * len(keys), pa.int64()), columns.KEY: pa.array(keys),
+                         columns.ROWS: ones, "n:n": ones, TOUCHED_PARTIAL: pa.array(times, pa.int64())})
+        txn = ShardTransaction(db, resident=shard)
+        out, _ = aggregate.apply(txn, data, ShardStep(number, "str", expire_limit=max(times)))
+        txn.flush()
+        shard.commit(files)
+        shard.release()
+        return {k: (n, gone) for k, n, gone in zip(*(a.to_pylist() for a in out), strict=True)}
+
+    try:
+        kept, expired = CLASH
+        assert epoch(1, [kept, expired], [100, 10], None, FILES_1) == {kept: (1, False), expired: (1, True)}
+        assert epoch(2, [kept], [110], FILES_1, FILES_2) == {kept: (2, False)}
+    finally:
+        db.close()
+
+
 def test_keys_too_long_to_hash_quickly_are_left_to_rocksdb():
     assert mirror_keys(["k" * 1_025, "short"]).too_long
     assert not mirror_keys(["k" * 1_024, "short"]).too_long and not mirror_keys(np.arange(3)).too_long

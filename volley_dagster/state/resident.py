@@ -379,7 +379,8 @@ class ResidentShard(ResidentMirror):
                      states[new][order])
 
     def remove(self, keys: MirrorKeys) -> None:
-        """Drop these keys (expired): the state no longer holds them."""
+        """Drop these keys (expired): the state no longer holds them. A key that only shares
+        a mirrored key's hash drops the mirror, never that key's row."""
         if not self.holds(keys):
             return
         assert self.keys is not None and self.values is not None
@@ -387,8 +388,12 @@ class ResidentShard(ResidentMirror):
             return
         self._unstamp()
         idx = np.minimum(self._positions(keys), len(self.keys) - 1)
+        found = self.keys[idx] == keys.order
+        if keys.names is not None and not self._same_names(idx[found], keys[found]):
+            self.discard()  # an expired key with the hash of a mirrored one: RocksDB answers
+            return
         keep = np.ones(len(self.keys), dtype=bool)
-        keep[idx[self.keys[idx] == keys.order]] = False
+        keep[idx[found]] = False
         self.keys, self.values, self._rewrite = np.asarray(self.keys)[keep], np.asarray(self.values)[keep], True
         if self.names is not None:
             self.names = self.names.filter(pa.array(keep))
