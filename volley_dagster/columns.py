@@ -2,7 +2,7 @@
 collide with a user's columns, and user transforms should keep them
 (``where``/``withColumn`` do; a ``select`` must list them)."""
 
-POS = "_volley_pos"  # event position in the log: segment id << 40 | record offset
+POS = "_volley_pos"  # event position in the epoch: segment id << 40 | the record's offset from the segment's start
 ERROR = "_volley_error"  # why a record could not be parsed (null when it parsed)
 RAW = "_volley_raw"  # the record's original text, kept for the dead-letter output
 KEY = "_volley_key"
@@ -11,7 +11,8 @@ SHARD = "_volley_shard"
 STATS = "_volley_stats"  # one JSON row per shard task with its statistics
 ROWS = "_volley_rows"  # records folded into a key's partial aggregate
 
-POS_OFFSET_BITS = 40
+POS_OFFSET_BITS = 40  # an epoch reads fewer than 2^40 records of a segment
+POS_SEGMENT_BITS = 23  # and has fewer than 2^23 segments: positions stay non-negative int64s
 WINDOW_START = "_volley_ws"  # window bounds in microseconds since the Unix epoch
 WINDOW_END = "_volley_we"
 MARKER = "_volley_marker"  # one row per shard, so every shard task runs

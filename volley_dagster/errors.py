@@ -25,6 +25,12 @@ class EpochNotCutError(EpochOrderError):
     """An epoch has no recorded offset range, so there is nothing defined to run."""
 
 
+class EpochTooLargeError(ConfigError):
+    """A cut too large for event positions to tell its records apart (2^40 records or more
+    of one file or partition, or 2^23 files or more): nothing was cut; a smaller
+    ``max_records_per_epoch`` cuts the same records into several epochs."""
+
+
 class SourceError(VolleyError):
     """The source log cannot provide exactly the recorded range."""
 

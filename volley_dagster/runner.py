@@ -190,6 +190,7 @@ class EpochRunner:
                                            final=end_of_stream)
         if rng.records == 0 and not (allow_empty or end_of_stream):
             return None
+        rng.check_positions()
         cut_at_us = time.time_ns() // 1000
         recorded = self.log.record_offsets(replace(rng, end_of_stream=end_of_stream, cut_at_us=cut_at_us))
         self._dimension_pins(recorded.epoch)

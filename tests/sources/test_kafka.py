@@ -11,6 +11,7 @@ import time
 import uuid
 from collections import Counter
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
@@ -18,13 +19,16 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 
 from tests.engine.test_crash_recovery import run_until_killed
 from tests.helpers import assert_state_equal, log_records, payments, payments_on_kafka, read_sink, reference_state
-from volley_dagster import ConfigError, EpochRunner, SourceDataLostError, SourceError
-from volley_dagster.columns import ERROR, POS, POS_OFFSET_BITS
+from volley_dagster import ConfigError, EpochRunner, EpochTooLargeError, SourceDataLostError, SourceError
+from volley_dagster.columns import ERROR, POS, POS_OFFSET_BITS, POS_SEGMENT_BITS, RAW
 from volley_dagster.demo.events import EVENT_SCHEMA
 from volley_dagster.demo.kafka import produce_events
+from volley_dagster.errors import is_retryable
 from volley_dagster.sinks.kafka import KafkaSink
+from volley_dagster.sources import formats
 from volley_dagster.sources.kafka import KafkaSource, Watermarks, plan_cut
-from volley_dagster.sources.offsets import EpochRange, Offset
+from volley_dagster.sources.offsets import EpochRange, Offset, Segment
+from volley_dagster.spark.side_outputs import _resolve_dead_letters
 
 BATCHES, PER_BATCH, KEYS = 3, 1_000, 200
 
@@ -68,6 +72,44 @@ def test_a_kafka_sink_refuses_to_replace_another_lineages_records():
         KafkaSink("totals", "127.0.0.1:9", on_foreign_lineage="replace")
 
 
+def test_offsets_past_2_40_keep_positions_distinct_and_resolve_back():
+    """A partition past offset 2^40 beside one at low offsets, in one epoch: positions hold
+    each offset from its segment's start, so none coincide and each names its offset."""
+    big = 1 << POS_OFFSET_BITS
+    rng = plan_cut("t", 7, {"0": Offset(big - 3)}, {"0": Watermarks(0, big + 5), "1": Watermarks(0, 8)}, None)
+    assert [(s.partition, s.start, s.end) for s in rng.segments] == [("0", big - 3, big + 5), ("1", 0, 8)]
+    rng.check_positions()
+    schema = pa.schema([("n", pa.int64())])
+    tables = []
+    for seg in rng.segments:
+        offsets = np.arange(seg.start, seg.end, dtype=np.int64)
+        values = [None if o == big + 1 else json.dumps({"n": int(o)}).encode() for o in offsets]  # a tombstone
+        tables.append(formats.decode_json_values(values, offsets, schema, seg.position_base()))
+    table = pa.concat_tables(tables)
+    positions = table.column(POS).to_pylist()
+    assert len(set(positions)) == 16 and min(positions) >= 0
+    good = table.filter(table.column(ERROR).is_null())
+    resolved = [(seg.partition, offset) for seg, offset in map(rng.segment_of, good.column(POS).to_pylist())]
+    assert len(resolved) == 15 and resolved == [("0" if n >= big - 3 else "1", n) for n in good.column("n").to_pylist()]
+    bad = table.filter(table.column(ERROR).is_valid()).select([POS, ERROR, RAW]).rename_columns([POS, "reason", "raw"])
+    dead = _resolve_dead_letters(bad, rng)
+    assert dead.select(["partition", "file", "offset"]).to_pylist() == [{"partition": "0", "file": "t", "offset": big + 1}]
+
+
+def test_a_cut_too_large_for_event_positions_is_refused_by_name():
+    big = 1 << POS_OFFSET_BITS
+    plan_cut("t", 4, {}, {"0": Watermarks(5, 5 + big - 1)}, None).check_positions()  # 2^40 - 1 records fit
+    too_long = plan_cut("t", 4, {}, {"0": Watermarks(0, 3), "1": Watermarks(5, 5 + big)}, None)
+    with pytest.raises(EpochTooLargeError, match=rf"epoch 4: partition 1 \(t\) would give it {big} records "
+                                                 rf"\(offsets 5\.\.{big + 4}\).*Set max_records_per_epoch") as refused:
+        too_long.check_positions()
+    assert not is_retryable(refused.value)
+    files = (Segment(0, "2", "events-000001.parquet", 0, 1, 10),) * (1 << POS_SEGMENT_BITS)  # one record a file
+    with pytest.raises(EpochTooLargeError, match=rf"epoch 4: the cut has {1 << POS_SEGMENT_BITS} segments "
+                                                 rf"\(partition 2 alone {1 << POS_SEGMENT_BITS} files\)"):
+        EpochRange(4, {}, {}, files).check_positions()
+
+
 # -- reading from a broker -------------------------------------------------------------
 
 def test_each_recorded_range_reads_exactly_its_offsets(kafka):
@@ -84,7 +126,7 @@ def test_each_recorded_range_reads_exactly_its_offsets(kafka):
     assert [t.num_rows for t in tables] == [600, 400]
     for rng, table in zip((first, second), tables, strict=True):
         assert table.column(ERROR).null_count == table.num_rows
-        offsets = pc.bit_wise_and(table.column(POS), (1 << POS_OFFSET_BITS) - 1).to_pylist()
+        offsets = [rng.segment_of(pos)[1] for pos in table.column(POS).to_pylist()]
         expected = sorted(o for s in rng.segments for o in range(s.start, s.end))
         assert sorted(offsets) == expected  # every offset once: positions name (segment, offset)
     both = pa.concat_tables(tables)

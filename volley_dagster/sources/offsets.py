@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any, Union
 
-from volley_dagster.columns import POS_OFFSET_BITS
+from volley_dagster.columns import POS_OFFSET_BITS, POS_SEGMENT_BITS
+from volley_dagster.errors import EpochTooLargeError
 
 
 @dataclass(frozen=True)
@@ -88,7 +90,10 @@ class Segment:
         return self.end - self.start
 
     def position_base(self) -> int:
-        return self.id << POS_OFFSET_BITS
+        """What a record's offset adds up to for its event position (``columns.POS``): the
+        segment in the high bits and the offset *from the segment's start* in the low ones,
+        since a Kafka offset itself may pass 2^40."""
+        return (self.id << POS_OFFSET_BITS) - self.start
 
 
 @dataclass(frozen=True)
@@ -107,9 +112,25 @@ class EpochRange:
         return sum(s.records for s in self.segments)
 
     def segment_of(self, pos: int) -> tuple[Segment, int]:
-        """The segment and file record index of an event position."""
+        """The segment and file record index (or Kafka offset) of an event position."""
         seg = self.segments[pos >> POS_OFFSET_BITS]
-        return seg, pos & ((1 << POS_OFFSET_BITS) - 1)
+        return seg, seg.start + (pos & ((1 << POS_OFFSET_BITS) - 1))
+
+    def check_positions(self) -> None:
+        """Refuse a cut whose records' event positions could not tell apart (``columns.POS``):
+        a segment of 2^40 records or more, or 2^23 segments or more."""
+        if len(self.segments) >= 1 << POS_SEGMENT_BITS:
+            partition, count = Counter(s.partition for s in self.segments).most_common(1)[0]
+            raise EpochTooLargeError(
+                f"epoch {self.epoch}: the cut has {len(self.segments)} segments (partition {partition} alone "
+                f"{count} files), and an epoch holds fewer than 2^23; nothing was cut. Set max_records_per_epoch "
+                "lower (e.g. 1,000,000) so each epoch takes fewer files")
+        for seg in self.segments:
+            if seg.records >= 1 << POS_OFFSET_BITS:
+                raise EpochTooLargeError(
+                    f"epoch {self.epoch}: partition {seg.partition} ({seg.file}) would give it {seg.records} records "
+                    f"(offsets {seg.start}..{seg.end - 1}), and an epoch reads fewer than 2^40 of one segment; nothing "
+                    "was cut. Set max_records_per_epoch (e.g. 1,000,000): it bounds each partition's share")
 
     def to_dict(self) -> dict[str, Any]:
         return {

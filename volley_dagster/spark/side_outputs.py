@@ -135,11 +135,13 @@ def _side_output_frame(plan: PlannedEpoch, pipeline: Pipeline, assigned: DataFra
 
 def _positions(table: pa.Table, rng: EpochRange) -> list[pa.Array]:
     """Event positions back as partition, file and record offset, in bulk (late records
-    can be many): segment = position >> 40, offset = the low 40 bits."""
+    can be many): segment = position >> 40, offset = the segment's start + the low 40 bits."""
     pos = table.column(columns.POS).combine_chunks().cast(pa.int64())
     segment = pc.shift_right(pos, POS_OFFSET_BITS)
     by_segment = [pa.array([getattr(s, a) for s in rng.segments], pa.string()) for a in ("partition", "file")]
-    return [pc.take(values, segment) for values in by_segment] + [pc.bit_wise_and(pos, (1 << POS_OFFSET_BITS) - 1)]
+    starts = pa.array([s.start for s in rng.segments], pa.int64())
+    offsets = pc.add(pc.take(starts, segment), pc.bit_wise_and(pos, (1 << POS_OFFSET_BITS) - 1))
+    return [pc.take(values, segment) for values in by_segment] + [offsets]
 
 
 def _resolve_dead_letters(table: pa.Table, rng: EpochRange) -> pa.Table:
