@@ -130,6 +130,30 @@ def test_parquet_null_keys_in_a_single_job_epoch(spark, tmp_path, policy):
     assert runner.read_state().to_pylist() == [{"user": "a", "total": 6.0, "n": 2}, {"user": "b", "total": 3.0, "n": 1}]
 
 
+@pytest.mark.parametrize("fmt", ["json", "parquet"])
+def test_dead_letters_of_epochs_cut_mid_file_name_their_offsets_in_the_file(spark, tmp_path, fmt):
+    """An event position holds a record's offset from its segment's start: dead letters
+    add the start back, after a Python-decoded read and after Spark's own Parquet scan."""
+    if fmt == "json":
+        write_lines(tmp_path / "log" / "a-0001.jsonl", BAD_LINES)
+        pipeline, budget, expected = json_pipeline(tmp_path, "dead_letter"), 3, [[1, 2], [3, 5], []]
+    else:
+        (tmp_path / "log").mkdir()
+        pq.write_table(pa.table({"user": ["a", None, "b", None, "a"], "amount": [1.0, 2.0, 3.0, 4.0, 5.0],
+                                 "ts": pa.array([0] * 5, pa.timestamp("us", tz="UTC"))}, schema=SCHEMA),
+                       tmp_path / "log" / "f-1.parquet")
+        pipeline = (Pipeline("pq_mid").source(FileLog(tmp_path / "log")).key_by("user").aggregate(n=count())
+                    .sink(MemorySink()).on_bad_records("dead_letter").with_shards(2))
+        budget, expected = 2, [[1], [3], []]
+    runner = EpochRunner(pipeline, tmp_path / "state", spark=spark, max_records_per_epoch=budget)
+    offsets = []
+    for _ in expected:
+        result = runner.run_next()
+        dead = pq.read_table(runner.log.root / result.dead_letter_path).to_pylist() if result.dead_letters else []
+        offsets.append([d["offset"] for d in dead])
+    assert offsets == expected
+
+
 def test_missing_source_file_of_a_cut_range_is_an_error(spark, tmp_path):
     generate(tmp_path / "events", 2, 500, 50)
     runner = EpochRunner(payments(tmp_path / "events", tmp_path / "out"), tmp_path / "state", spark=spark)
