@@ -93,10 +93,10 @@ def run_until_killed(
     ("point", "epoch", "shard", "committed_after_crash"),
     [
         ("segment_read", 2, None, 1),
-        ("shard_after_snapshot", 2, 1, 1),
-        ("after_snapshot", 2, None, 1),
+        pytest.param("shard_after_snapshot", 2, 1, 1, marks=pytest.mark.deep),  # also windows' and enrichment's
+        pytest.param("after_snapshot", 2, None, 1, marks=pytest.mark.deep),
         ("after_sink_delta", 2, None, 1),
-        ("after_sinks", 2, None, 1),
+        pytest.param("after_sinks", 2, None, 1, marks=pytest.mark.deep),  # also the Kafka source's
         ("during_retention", 3, None, 3),
     ],
 )
@@ -158,7 +158,7 @@ def test_kill_and_resume_equals_clean_run(spark, tmp_path, point, epoch, shard, 
     # after_sinks (every sink holds the epoch, no manifest) is the payments cases' job: for
     # windows it adds only what after_sink_delta already covers (a resumed epoch 3 whose
     # state is restored from epoch 2 while some sinks hold it)
-    ("point", "shard"), [("shard_after_snapshot", 1), ("after_sink_delta", None)]
+    ("point", "shard"), [("shard_after_snapshot", 1), pytest.param("after_sink_delta", None, marks=pytest.mark.deep)]
 )
 def test_kill_window_pipeline_and_resume_equals_reference(spark, tmp_path, point, shard):
     """Sessions merge across epochs, so a resumed epoch must restore window state and

@@ -52,7 +52,8 @@ def combined(*parts: pd.DataFrame) -> pd.DataFrame:
                          "region": g["region"].last()}).reset_index()
 
 
-@pytest.mark.parametrize(("point", "shard"), [("shard_after_snapshot", 1), ("after_sink_delta", None)])
+@pytest.mark.parametrize(("point", "shard"), [("shard_after_snapshot", 1),
+                                             pytest.param("after_sink_delta", None, marks=pytest.mark.deep)])
 def test_a_retry_after_kill_9_reads_the_pinned_version_and_the_next_epoch_the_new_one(spark, tmp_path, point, shard):
     """Killed with epoch 2's shard 1 snapshotted (nothing committed), or with its Delta
     sink committed: either way the retry reads the version epoch 2 pinned."""

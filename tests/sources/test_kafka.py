@@ -232,7 +232,8 @@ def test_a_pipeline_on_a_topic_equals_the_reference_and_re_runs_as_no_ops(spark,
         group.close()
 
 
-@pytest.mark.parametrize("point", ["segment_read", "after_sink_iceberg", "after_sinks"])
+@pytest.mark.parametrize("point", [pytest.param("segment_read", marks=pytest.mark.deep),
+                                   pytest.param("after_sink_iceberg", marks=pytest.mark.deep), "after_sinks"])
 def test_kill_9_and_resume_reads_the_same_offsets_and_writes_each_epoch_once(spark, kafka, tmp_path, point):
     """Killed while reading epoch 2's offsets, after every sink but the Kafka one
     committed it, or after every sink (the Kafka transaction included) committed it
