@@ -243,6 +243,7 @@ def state_command(args: argparse.Namespace) -> int:
     """``volley state show|diff|export``: the state at a retained epoch, read by Spark tasks."""
     from pyspark.sql import functions as F
 
+    from volley_dagster.checkpoint.state_reader import ReadSettings
     from volley_dagster.errors import VolleyError
     from volley_dagster.spark.delta_export import export_to_delta
     from volley_dagster.spark.session import get_or_create_spark
@@ -250,7 +251,7 @@ def state_command(args: argparse.Namespace) -> int:
 
     try:
         spark = get_or_create_spark(remote=os.environ.get("VOLLEY_SPARK_REMOTE") or None)
-        tables = StateTables(spark, Path(args.checkpoint_root))
+        tables = StateTables(spark, Path(args.checkpoint_root), ReadSettings(verify_checksums=args.verify_checksums))
         pending = getattr(args, "pending", False)
         epoch = args.to_epoch if args.action == "diff" else args.epoch or tables.log.last_committed()
         keys = tables.keys(epoch)
@@ -377,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
     for p in (show, diff, export):
         p.add_argument("checkpoint_root")
         p.add_argument("--key", help="only this key")
+        p.add_argument("--verify-checksums", action="store_true",
+                       help="hash every snapshot file against its manifest's SHA-256 (default: sizes only)")
         p.set_defaults(func=state_command)
     show.add_argument("--pending", action="store_true", help="a window operator's pending entries (a state TTL's: each key's next look) instead")
     diff.add_argument("from_epoch", type=int, metavar="N")

@@ -24,6 +24,7 @@ from tests.engine.test_crash_recovery import run_until_killed
 from tests.ttl_reference import same_rows
 from volley_dagster import ConfigError, EpochRunner, FileLog, ParquetSink, Pipeline, count, sum_, tumbling
 from volley_dagster.checkpoint.migrate import plan_migration
+from volley_dagster.cli import main as volley
 from volley_dagster.errors import MalformedRecordError, StateLayoutError
 
 FILES, ROWS = 5, 400  # file 4 (epoch 4) repeats ids past the bound, file 5 a reused id again
@@ -236,7 +237,7 @@ def test_a_pipeline_that_only_deduplicates_gives_its_sinks_the_kept_records(spar
     assert rng is not None and runner.run(rng.epoch).output.column_names == [ID, KEY, "amount", "status", "event_time"]
 
 
-def test_a_key_over_several_columns_tells_microseconds_apart(spark, tmp_path):
+def test_a_key_over_several_columns_tells_microseconds_apart(spark, tmp_path, capsys):
     """``on=[id, event_time]``: the same id 1 µs apart is two events (Spark's default
     JSON timestamp format would cut both to the millisecond, one key)."""
     t = pd.Timestamp("2026-01-01 00:00:00.000001", tz="UTC")
@@ -254,6 +255,11 @@ def test_a_key_over_several_columns_tells_microseconds_apart(spark, tmp_path):
     assert sorted(keys) == [f'{{"{ID}":1,"event_time":"2026-01-01T00:00:00.000001Z"}}',
                             f'{{"{ID}":1,"event_time":"2026-01-01T00:00:00.000002Z"}}',
                             f'{{"{ID}":2,"event_time":"2026-01-01T00:00:00.000001Z"}}']
+    # review F12a: the state commands key such a root by its dedup key, not the first `on` column
+    root = str(tmp_path / "state")
+    assert volley(["state", "show", root, "--key", keys[0], "--verify-checksums"]) == 0
+    shown = capsys.readouterr().out
+    assert "state at epoch 1 (1 rows)" in shown and keys[0] in shown
 
 
 def test_a_kill_9_mid_state_stage_of_a_pipeline_that_only_deduplicates(spark, tmp_path):

@@ -70,8 +70,10 @@ class StateTables:
     def keys(self, epoch: int | None = None) -> list[str]:
         """The columns that identify one state row: the key, and for windows the window."""
         reader = self.reader(epoch)
-        windowed = WINDOW_START in reader.schema("state").names
-        return [reader.key_name] + ([WINDOW_START] if windowed else [])
+        names = reader.schema("state").names
+        # the decoded key column: the recorded key, or a dedup key over several columns (``dedup_key``)
+        key = reader.key_name if reader.key_name in names else names[0]
+        return [key] + ([WINDOW_START] if WINDOW_START in names else [])
 
     def at(self, epoch: int | None = None, view: StateView = "state") -> DataFrame:
         """The state as of committed epoch ``epoch`` (default: the last committed): one
