@@ -120,6 +120,7 @@ def epoch_metadata(pipeline: Pipeline, result: EpochResult,
         state["keys_expired"] = MetadataValue.int(result.keys_expired)
     if pipeline.dedup is not None:  # deduplication: records dropped, and where they are when written
         state["duplicates"] = MetadataValue.int(result.duplicates)
+        state["dedup_late"] = MetadataValue.int(result.dedup_late)
         if result.duplicates_path is not None:
             state["duplicates_path"] = MetadataValue.path(result.duplicates_path)
     for name, read in result.enrichments.items():  # the version each dimension table was read at

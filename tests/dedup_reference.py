@@ -5,13 +5,19 @@ log order, then a running aggregate of the kept records.
 The log: file ``i`` covers the next 10 minutes of event time with fresh events, plus
 events sent again (same ``event_id`` and event time, another amount, so the totals
 tell which copy was kept):
-- a copy later in the same file (dropped);
-- a copy of one of the previous file's events (dropped: remembered for 15 minutes);
-- a copy of an event three files back, past the bound (kept, as a late record, and
-  then not remembered: its second copy in the same file is dropped, its deadline
-  having passed the watermark only at the end of the epoch);
+- a copy later in the same file (a duplicate);
+- a copy of one of the previous file's events (a duplicate: remembered for 15 minutes);
+- two copies of an event three files back (late: its event time plus 15 minutes is
+  at or before the watermark the epoch starts from, so both are dropped as late,
+  never counted again however often an old batch is replayed);
 - an old id reused with a new event time (kept, and remembered: its copy in the next
-  file is dropped)."""
+  file is a duplicate);
+- from file 2 on, events of their own that arrive a file late, dated in the second
+  half of file ``i - 2`` (not late for the deduplication: kept; a 10-minute window
+  over them has closed).
+
+``DedupReference.run`` decides an epoch against the watermark it starts from (the
+latest event time so far): late first, then duplicates among the others."""
 
 from __future__ import annotations
 
@@ -31,10 +37,12 @@ KEY, ID = "merchant_id", "event_id"
 WITHIN_US = 15 * 60 * 1_000_000
 FILE_SPAN_US = 600 * 1_000_000
 ROWS, MERCHANTS = 400, 50  # every file the same size: one file an epoch
+STRAGGLERS = 5  # events of their own a file late, from file 2 on
 
 
 def _fresh(index: int) -> pd.DataFrame:
-    copies = 20 + (20 if index >= 1 else 0) + (25 if index >= 3 else 0) + (5 if index >= 4 else 0)
+    copies = (20 + (20 if index >= 1 else 0) + (STRAGGLERS if index >= 2 else 0) + (25 if index >= 3 else 0)
+              + (5 if index >= 4 else 0))
     n = ROWS - copies
     rng = np.random.default_rng([29, index])
     return pd.DataFrame({
@@ -53,8 +61,13 @@ def dedup_file(index: int) -> pa.Table:
     parts = [fresh, fresh.sample(20, random_state=index)]  # copies later in this file
     if index >= 1:
         parts.append(_fresh(index - 1).tail(40).sample(20, random_state=index))  # within the bound
+    if index >= 2:  # their own ids, dated 400-404 s into file index - 2: on time here, their window closed
+        parts.append(pd.DataFrame({
+            ID: index * 10_000 + 9_000 + np.arange(STRAGGLERS, dtype=np.int64),
+            KEY: rng.integers(0, MERCHANTS, STRAGGLERS).astype(np.int64), "amount": 0.0, "status": "active",
+            "t": START_US + (index - 2) * FILE_SPAN_US + 400_000_000 + np.arange(STRAGGLERS) * 1_000_000}))
     if index >= 3:
-        past = _fresh(index - 3).head(10)  # 30+ minutes back: past the bound, kept (twice: once)
+        past = _fresh(index - 3).head(10)  # 30+ minutes back: late, both copies dropped
         parts += [past, past]
         reused = _fresh(index - 3).iloc[100:105].copy()  # an old id with a new event time: kept ...
         reused["t"] = START_US + index * FILE_SPAN_US + FILE_SPAN_US // 2
@@ -109,7 +122,9 @@ def unique_pipeline(events: Path, output: Path, *, shards: int = 2, tables: Path
 
 @dataclass
 class DedupReference:
-    """Remembered ids and their event time; the watermark is the latest event time so far."""
+    """Remembered ids and their event time; the watermark is the latest event time so far.
+    ``run`` returns an epoch's aggregate rows, the row numbers it dropped and, of
+    those, the ones dropped as late."""
 
     remembered: dict[int, int] = field(default_factory=dict)
     watermark: int | None = None
@@ -118,13 +133,18 @@ class DedupReference:
     watermarks: list[int | None] = field(default_factory=list)  # per epoch: the watermark it started from
     remembered_total: int = 0  # kept ids remembered past their epoch, over all epochs
 
-    def run(self, records: pa.Table) -> tuple[pd.DataFrame, list[int]]:
-        """One epoch: the aggregate's output rows (by key) and the row numbers dropped."""
+    def run(self, records: pa.Table) -> tuple[pd.DataFrame, list[int], list[int]]:
+        """One epoch: the aggregate's output rows (by key), the row numbers dropped
+        (duplicates and late, in log order) and those of them dropped as late."""
         df = records.to_pandas()
         times = records.column("event_time").cast(pa.int64()).to_numpy()
         kept_now: dict[int, int] = {}
-        dropped, touched = [], set()
+        dropped, late, touched = [], [], set()
         for row, (event, key, amount, t) in enumerate(zip(df[ID], df[KEY], df["amount"], times, strict=True)):
+            if self.watermark is not None and int(t) + WITHIN_US <= self.watermark:  # late: set aside first
+                dropped.append(row)
+                late.append(row)
+                continue
             if event in self.remembered or event in kept_now:
                 dropped.append(row)
                 continue
@@ -139,7 +159,7 @@ class DedupReference:
         self.remembered_total += sum(1 for t in kept_now.values() if t + WITHIN_US > self.watermark)
         self.remembered.update(kept_now)
         self.remembered = {e: t for e, t in self.remembered.items() if t + WITHIN_US > self.watermark}
-        return self._frame(touched), dropped
+        return self._frame(touched), dropped, late
 
     def current(self) -> pd.DataFrame:
         return self._frame(set(self.totals))

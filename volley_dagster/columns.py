@@ -19,4 +19,5 @@ MARKER = "_volley_marker"  # one row per shard, so every shard task runs
 PARTITION = "_volley_part"  # the Spark partition a shard's rows go to (spark/partitioning.py)
 DEDUP_KEY = "_volley_dkey"  # deduplication: a record's key over the ``on`` columns (int64 or string)
 DEDUP_TIME = "_volley_dtime"  # its event time in microseconds
-DUPLICATE = "_volley_dup"  # the probe's verdict: the record repeats a key already seen
+DUPLICATE = "_volley_dup"  # deduplication's verdict: the record repeats a key kept before it
+DEDUP_LATE = "_volley_dlate"  # and: the record is late (event time + within at or before the epoch's starting watermark)

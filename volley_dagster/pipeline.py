@@ -117,13 +117,17 @@ class Pipeline:
                     write_duplicates: bool = False, max_event_time_skew: Duration | None = None) -> Pipeline:
         """Drop a record whose ``on`` columns repeat a record kept earlier, while that
         one's key is remembered: until the watermark passes its ``event_time`` plus
-        ``within`` (Spark's ``dropDuplicatesWithinWatermark``). It applies to the
-        records after the transforms, before the aggregate or window; the first
+        ``within``; and drop as late a record whose own ``event_time`` plus ``within``
+        is at or before the watermark its epoch starts from (Spark's
+        ``dropDuplicatesWithinWatermark``), so a re-send is never kept twice. It
+        applies to the records after the transforms, before the aggregate or window; the first
         record of a key in the log is the one kept. The watermark is the pipeline's
         one (a window's or an event-time TTL's, on the same column), else the latest
         event time. With no ``key_by``/``aggregate`` after it, the sinks get the kept
-        records themselves (an upsert sink keys them by ``on``). Duplicates are counted per epoch; ``write_duplicates`` also
-        writes them, with where they are, to the epoch's side output.
+        records themselves (an upsert sink keys them by ``on``). Duplicates and late
+        records are counted per epoch (``duplicates``, ``dedup_late``);
+        ``write_duplicates`` also writes them, with where they are and why, to the
+        epoch's side output.
         ``max_event_time_skew``: a record dated further than this past the wall clock
         of its epoch's cut is a bad record, as for ``window``: one record stamped 2099
         would otherwise move the watermark past every key's deadline. The rules:

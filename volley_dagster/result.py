@@ -32,7 +32,8 @@ class EpochResult:
     late_records: int = 0  # windows: (record, window) pairs whose window had closed
     late_records_path: str | None = None
     duplicates: int = 0  # deduplication: records dropped because they repeat a remembered key
-    duplicates_path: str | None = None  # with write_duplicates: where they are
+    dedup_late: int = 0  # deduplication: records dropped as late (event time + within <= the starting watermark)
+    duplicates_path: str | None = None  # with write_duplicates: where both are
     end_of_stream: bool = False
     committed_at: str = ""
     fencing_token: int = 0  # the lease token of the runner that committed it (0: run without one)

@@ -369,6 +369,7 @@ class EpochRunner:
             late_records=stage.late.num_rows if stage.late is not None else 0,
             late_records_path=late_path,
             duplicates=stage.duplicates,
+            dedup_late=stage.dedup_late,
             duplicates_path=duplicates_path,
             end_of_stream=rng.end_of_stream,
             committed_at=datetime.now(timezone.utc).isoformat(),

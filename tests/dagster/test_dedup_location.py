@@ -1,6 +1,6 @@
 """A pipeline that deduplicates in the code location, on a real DagsterInstance: a
-backfill over its epochs reports the duplicates each epoch dropped and where they
-are written, as the engine recorded them, and the state holds the aggregate of the
+backfill over its epochs reports the duplicates (and late records) each epoch
+dropped and where they are written, as the engine recorded them, and the state holds the aggregate of the
 kept records."""
 
 from __future__ import annotations
@@ -28,9 +28,11 @@ def test_each_epoch_reports_the_duplicates_it_dropped(location_for, tmp_path):
     events = instance.fetch_materializations(STATE, limit=10).records[::-1]
     assert [e.partition_key for e in events] == keys
     reference = DedupReference()
-    dropped = [len(reference.run(records)[1]) for records in logs]
+    verdicts = [reference.run(records) for records in logs]
+    dropped = [len(d) - len(late) for _, d, late in verdicts]  # duplicates: the dropped records not late
     metadata = [e.asset_materialization.metadata for e in events]
     assert [m["duplicates"].value for m in metadata] == dropped
+    assert [m["dedup_late"].value for m in metadata] == [len(late) for _, _, late in verdicts]
     assert [runner.result(epoch).duplicates for epoch in range(1, 4)] == dropped and sum(dropped) > 0
     assert [m["duplicates_path"].value for m in metadata] == [runner.result(e).duplicates_path for e in range(1, 4)]
     same_rows(runner.read_state().to_pandas(), reference.current(), [KEY, "events", "total"])

@@ -1,8 +1,9 @@
 """Deduplication within a watermark on real Spark, RocksDB, Delta and Iceberg, against
 the reference in ``tests/dedup_reference.py``: copies within one epoch, across epochs
-and past the bound (kept); before a running aggregate and before a window; a
-``kill -9`` after the Delta commit of an epoch, whose re-run drops the same records;
-a rescale of the remembered keys."""
+and past the bound (late: dropped and counted apart); a replay of old batches after
+their keys were forgotten, which adds nothing; before a running aggregate and before
+a window; a ``kill -9`` after the Delta commit of an epoch, whose re-run drops the
+same records; a rescale of the remembered keys."""
 
 from __future__ import annotations
 
@@ -25,18 +26,29 @@ from tests.ttl_reference import same_rows
 from volley_dagster import ConfigError, EpochRunner, FileLog, ParquetSink, Pipeline, count, sum_, tumbling
 from volley_dagster.checkpoint.migrate import plan_migration
 from volley_dagster.cli import main as volley
+from volley_dagster.demo.events import write_events
 from volley_dagster.errors import MalformedRecordError, StateLayoutError
+from volley_dagster.sources.storage import storage_for
 
-FILES, ROWS = 5, 400  # file 4 (epoch 4) repeats ids past the bound, file 5 a reused id again
+FILES, ROWS = 5, 400  # file 4 (epoch 4) repeats ids past the bound (late), file 5 a reused id again
 VALUES = [KEY, "events", "total"]
 
 
-def check_epoch(runner: EpochRunner, result, expected: pd.DataFrame, dropped: list[int]) -> None:
-    same_rows(result.output.to_pandas(), expected, VALUES)
-    assert result.duplicates == len(dropped)
+def check_side_output(runner: EpochRunner, result, dropped: list[int], late: list[int]) -> None:
+    """The epoch's figures and its duplicates side output: every dropped record, in log
+    order, the late ones with reason ``late``, the others ``duplicate``."""
+    assert (result.duplicates, result.dedup_late) == (len(dropped) - len(late), len(late)), f"epoch {result.epoch}"
     side = runner.duplicate_records(result.epoch)
     offsets = [] if side is None else side.column("offset").to_pylist()
     assert offsets == dropped, f"epoch {result.epoch}: the duplicates side output differs from the reference"
+    reasons = [] if side is None else side.column("reason").to_pylist()
+    late_rows = set(late)
+    assert reasons == ["late" if row in late_rows else "duplicate" for row in dropped], f"epoch {result.epoch}"
+
+
+def check_epoch(runner: EpochRunner, result, expected: pd.DataFrame, dropped: list[int], late: list[int]) -> None:
+    same_rows(result.output.to_pandas(), expected, VALUES)
+    check_side_output(runner, result, dropped, late)
 
 
 def test_duplicates_are_dropped_as_the_reference_and_the_tables_hold_the_kept_records(spark, tmp_path):
@@ -49,14 +61,16 @@ def test_duplicates_are_dropped_as_the_reference_and_the_tables_hold_the_kept_re
     reference = DedupReference()
     for result, records in zip(results, logs, strict=True):
         check_epoch(runner, result, *reference.run(records))
-    assert all(r.records_aggregated == ROWS - r.duplicates for r in results)
-    # epoch 4 repeats file 1's first ten events twice, past the bound: the first copy is
-    # kept, the second dropped as a copy within the epoch
+    assert all(r.records_aggregated == ROWS - r.duplicates - r.dedup_late for r in results)
+    assert [r.dedup_late for r in results] == [0, 0, 0, 20, 20]
+    # epoch 4 repeats the first ten events of the first file twice, 30 minutes back:
+    # both copies are late (event time + 15 minutes <= the watermark epoch 4 starts from)
     side = runner.duplicate_records(4)
-    assert side is not None and side.column_names == ["partition", "file", "offset", ID, "event_time"]
+    assert side is not None and side.column_names == ["partition", "file", "offset", ID, "event_time", "reason"]
     assert set(side.column("file").to_pylist()) == {"events-000003.parquet"}
-    past = [i for i in side.column(ID).to_pylist() if i < 10]
-    assert sorted(past) == list(range(10))
+    past = [(i, r) for i, r in zip(side.column(ID).to_pylist(), side.column("reason").to_pylist(), strict=True)
+            if i < 10]
+    assert sorted(past) == [(i, "late") for i in range(10) for _ in range(2)]
     figures = [s.operator.figures for r in results for s in r.shards.values()]
     assert sum(f["dedup_keys_forgotten"] for f in figures) > 0  # memory is bounded by the watermark
     assert sum(f["dedup_keys_remembered"] for f in figures) == reference.remembered_total
@@ -68,6 +82,47 @@ def test_duplicates_are_dropped_as_the_reference_and_the_tables_hold_the_kept_re
     # an epoch without records carries its state forward; the next one still remembers
     rng = runner.cut_next(allow_empty=True)
     assert rng is not None and runner.run(rng.epoch).duplicates == 0
+
+
+def test_a_replay_of_old_batches_after_their_keys_were_forgotten_adds_nothing(spark, tmp_path):
+    """Issue 31 (F4): after five files, file 3 is sent again (its later events still
+    remembered, its earlier ones forgotten), then the first file twice (every key
+    long forgotten). Every replayed record is a duplicate or late, so the running
+    aggregate, its state and the Delta and Iceberg tables hold what they held after
+    five files, however often the old batch comes again; the late copies are counted
+    as ``dedup_late`` (not ``duplicates``) and named in the side output as ``late``.
+    Before, each replay of the first file was kept and counted again."""
+    logs = write_dedup_log(tmp_path / "events", FILES)
+    replays = [dedup_file(3), dedup_file(0), dedup_file(0)]
+    runner = EpochRunner(dedup_pipeline(tmp_path / "events", tmp_path / "out", tables=tmp_path / "tables"),
+                         tmp_path / "state", spark=spark, max_records_per_epoch=ROWS,
+                         keep_epochs=FILES + len(replays))  # the replays' side outputs are read afterwards
+    reference = DedupReference()
+    for result, records in zip(runner.run_available(), logs, strict=True):
+        check_epoch(runner, result, *reference.run(records))
+    before = reference.current()
+    same_rows(runner.read_state().to_pandas(), before, VALUES)
+    storage = storage_for(tmp_path / "events")
+    for i, table in enumerate(replays, start=FILES):
+        write_events(storage, f"events-{i:06d}.parquet", table)
+    results = runner.run_available()
+    assert [r.epoch for r in results] == [FILES + 1, FILES + 2, FILES + 3]
+    for result, records in zip(results, replays, strict=True):
+        expected, dropped, late = reference.run(records)
+        assert len(dropped) == ROWS and expected.empty  # the reference: nothing of a replay is kept
+        check_epoch(runner, result, expected, dropped, late)
+        assert (result.records_aggregated, result.records_out) == (0, 0)
+    assert results[0].duplicates > 0 and results[0].dedup_late > 0  # file 3: some keys remembered, some past
+    assert [(r.duplicates, r.dedup_late) for r in results[1:]] == [(0, ROWS), (0, ROWS)]  # the first file: all late
+    side = runner.duplicate_records(FILES + 3)
+    assert side is not None and side.num_rows == ROWS and set(side.column("reason").to_pylist()) == {"late"}
+    assert set(side.column("file").to_pylist()) == {f"events-{FILES + 2:06d}.parquet"}
+    # the counts did not inflate: state and tables are those after the five files
+    same_rows(runner.read_state().to_pandas(), before, VALUES)
+    for table in runner.pipeline.sinks[1:]:
+        same_rows(table.read().to_pandas(), before, VALUES)
+    figures = [s.operator.figures for r in results for s in r.shards.values()]
+    assert sum(f.get("dedup_keys_remembered", 0) for f in figures) == 0  # a late copy is never remembered
 
 
 def test_a_kill_9_after_the_delta_commit_re_runs_the_epoch_dropping_the_same_records(spark, tmp_path):
@@ -88,13 +143,13 @@ def test_a_kill_9_after_the_delta_commit_re_runs_the_epoch_dropping_the_same_rec
     assert results[0].sinks["delta"]["skipped"] and not results[0].sinks["iceberg"]["skipped"]
     reference = DedupReference()
     for epoch, records in enumerate(logs, start=1):
-        expected, dropped = reference.run(records)
+        expected, dropped, late = reference.run(records)
         if epoch == 3:
-            check_epoch(runner, results[0], expected, dropped)
+            check_epoch(runner, results[0], expected, dropped, late)
             same_rows(in_delta, reference.current(), VALUES)  # what the killed attempt committed ...
             rerun = results[0].output.to_pandas()  # ... is what the re-run emitted
             same_rows(in_delta[in_delta[KEY].isin(rerun[KEY])], rerun, VALUES)
-    check_epoch(runner, results[1], expected, dropped)
+    check_epoch(runner, results[1], expected, dropped, late)
     for table in (delta, iceberg):
         same_rows(table.read().to_pandas(), reference.current(), VALUES)
         assert all(len(rows) == 1 for rows in table.epoch_history("dedup").values())
@@ -121,10 +176,11 @@ def test_remembered_string_keys_move_with_a_rescale_and_a_migration(spark, tmp_p
     results += runner.run_available()
     reference = DedupReference()
     for result, records in zip(results, logs, strict=True):
-        expected, dropped = reference.run(records)
+        expected, dropped, late = reference.run(records)
         output = result.output.rename_columns([c if c != "spent" else "total" for c in result.output.column_names])
         same_rows(output.to_pandas(), expected, VALUES)
-        assert result.duplicates == len(dropped) > 0 and result.duplicates_path is None
+        assert result.duplicates == len(dropped) - len(late) > 0 and result.dedup_late == len(late)
+        assert result.duplicates_path is None
     assert [len(r.shards) for r in results] == [2, 2, 3, 3, 1]
     same_rows(runner.read_state().to_pandas().rename(columns={"spent": "total"}), reference.current(), VALUES)
 
@@ -143,7 +199,8 @@ def test_a_window_after_a_deduplication_counts_each_event_once(spark, tmp_path):
     on_time = []
     size = 600 * 1_000_000
     for result, records in zip(results, logs, strict=True):
-        reference.run(records)
+        _, _, dropped_late = reference.run(records)
+        assert result.dedup_late == len(dropped_late)  # late for the deduplication: never a window's late record
         kept, before = reference.kept[-1], reference.watermarks[-1]
         start = kept["t"] // size * size
         late = (start + size <= before) if before is not None else pd.Series(False, index=kept.index)
@@ -151,6 +208,7 @@ def test_a_window_after_a_deduplication_counts_each_event_once(spark, tmp_path):
         on_time.append(kept[~late].assign(window_start=start[~late]))
         assert result.watermark == reference.watermark
     assert sum(r.late_records for r in results) > 0 and sum(r.duplicates for r in results) > 0
+    assert sum(r.dedup_late for r in results) > 0
     fired = pa.concat_tables([r.output for r in results])
     fired = fired.set_column(fired.column_names.index("window_start"), "window_start",
                              fired.column("window_start").cast(pa.int64())).to_pandas()  # microseconds
@@ -209,8 +267,9 @@ def last_kept(reference: DedupReference) -> pd.DataFrame:
 
 def test_a_pipeline_that_only_deduplicates_gives_its_sinks_the_kept_records(spark, tmp_path):
     """No aggregate: the records go to the shard of their id, which decides, remembers
-    and emits them. Delta upserts by event id (an id kept again past the bound replaces
-    its row), Iceberg appends every kept record; the state is the remembered ids."""
+    and emits them. Delta upserts by event id (an id kept again, reused with a later
+    event time, replaces its row), Iceberg appends every kept record; the state is the
+    remembered ids. Late copies are dropped here too, counted apart in the side output."""
     logs = write_dedup_log(tmp_path / "events", FILES)
     runner = EpochRunner(unique_pipeline(tmp_path / "events", tmp_path / "out", tables=tmp_path / "tables"),
                          tmp_path / "state", spark=spark, max_records_per_epoch=ROWS,
@@ -218,14 +277,13 @@ def test_a_pipeline_that_only_deduplicates_gives_its_sinks_the_kept_records(spar
     results = runner.run_available()
     reference = DedupReference()
     for result, records in zip(results, logs, strict=True):
-        _, dropped = reference.run(records)
+        _, dropped, late = reference.run(records)
         got = result.output.to_pandas()
         assert list(got.columns) == [ID, KEY, "amount", "status", "event_time"]
         pd.testing.assert_frame_equal(kept_records(got), kept_records(reference.kept[-1]), check_dtype=False)
         assert result.records_out == len(got) == result.records_aggregated == ROWS - len(dropped)
-        assert result.duplicates == len(dropped)
-        side = runner.duplicate_records(result.epoch)
-        assert (side.column("offset").to_pylist() if side is not None else []) == dropped
+        check_side_output(runner, result, dropped, late)
+    assert sum(r.dedup_late for r in results) > 0
     delta, iceberg = runner.pipeline.sinks[1], runner.pipeline.sinks[2]
     pd.testing.assert_frame_equal(kept_records(delta.read().to_pandas()), last_kept(reference), check_dtype=False)
     pd.testing.assert_frame_equal(kept_records(iceberg.read().to_pandas()),

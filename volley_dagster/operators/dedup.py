@@ -1,17 +1,41 @@
 """Deduplication within a watermark: Spark's ``dropDuplicatesWithinWatermark``,
 decided so that a re-run of an epoch drops exactly the same records.
 
-The rules:
+The rule, for epoch N, with ``W[N-1]`` the watermark it starts from (the pipeline's
+one clock, ``operators.event_time``; the first epoch has none) and ``t`` a record's
+event time:
 
-- A record's deduplication key is its ``on`` columns. A record is a duplicate when
-  a record with the same key was kept before it, in an earlier epoch or earlier in
-  the log within this epoch (by log position), and that key is still remembered.
-- A kept record's key is remembered until the watermark passes its event time plus
-  ``within``: epoch N forgets every key whose deadline is at or before the watermark
-  after N. So a record that repeats a key once it is forgotten is kept, and starts
-  remembering it again.
-- Epoch N decides against the state epoch N-1 left (its snapshot, read-only) and
-  its own records, so every attempt of epoch N decides the same.
+- **Late.** A record with ``t + within <= W[N-1]`` is late: it is dropped, counted
+  (the epoch's ``dedup_late``) and, with ``write_duplicates``, written to the
+  duplicates side output with reason ``late``. It is not compared with the
+  remembered keys, not remembered, and makes no other record a duplicate.
+- **Duplicate.** A record that is not late is a duplicate when its key (its ``on``
+  columns) is remembered, or when a record of the same key that is not late comes
+  before it in this epoch (by log position): it is dropped, counted (``duplicates``)
+  and written with reason ``duplicate``. Any other record is kept.
+- **Memory.** A kept record's key is remembered until the watermark passes ``t +
+  within``: epoch N forgets every key whose deadline is at or before the watermark
+  after N, and does not remember a kept key whose deadline already is.
+
+So a re-send of a kept record (same key, same event time) is never kept again: while
+its key is remembered it is a duplicate, and once the watermark has passed its
+deadline (the key forgotten, or never remembered) it is late; a replay of an old
+batch adds nothing to what follows. Only a key that comes again with a later event
+time, one not late, is kept and remembered again.
+
+Late records are Spark's: its watermark is the latest event time less the delay, and
+a row at or before it (the previous batch's) is dropped before deduplicating and
+counted in ``numRowsDroppedByWatermark``. Here ``within`` plays the delay and the
+watermark is the pipeline's one (the latest event time, less a window's or an
+event-time TTL's ``max_out_of_orderness`` when they set the clock), so the same test
+reads ``t + within <= W[N-1]``. Spark keeps a key until its own watermark reaches
+``t + delay`` (the latest event time ``t + 2 * delay``), here until the watermark
+reaches ``t + within``: the two differ only for a key that comes again with a later
+event time, which Spark may still drop as a duplicate.
+
+Epoch N decides against ``W[N-1]`` (in N-1's manifest), the state epoch N-1 left (its
+snapshot, read-only) and its own records, so every attempt of epoch N decides the
+same.
 
 State (two namespaces of the shard that owns the key's key group, so rescaling moves
 them like any keyed state): the remembered keys (``key -> event time``), and the
@@ -53,7 +77,9 @@ from volley_dagster.state.transaction import ShardTransaction
 _EXACT_JSON = {"timestampFormat": "yyyy-MM-dd'T'HH:mm:ss.SSSSSSXXX", "timestampNTZFormat": "yyyy-MM-dd'T'HH:mm:ss.SSSSSS",
                "timeZone": "UTC", "ignoreNullFields": "false"}
 SEEN_NS, SEEN_BY_DEADLINE_NS = 7, 8  # ns | key group | key -> event time; ns | key group | deadline | key
-DUPLICATES = "duplicates"  # the epoch's figure: records dropped as duplicates
+DUPLICATES = "duplicates"  # the epoch's figures: records dropped as duplicates,
+DEDUP_LATE = "dedup_late"  # and as late (event time + within at or before the watermark the epoch starts from)
+REASON_DUPLICATE, REASON_LATE = "duplicate", "late"  # the duplicates side output's ``reason``
 _MAX = np.iinfo(np.int64).max
 
 
@@ -77,6 +103,17 @@ class Deduplication:
             raise ConfigError(f"deduplicate(on=...): {reserved} use the engine's reserved prefix _volley_")
         if self.within_us < 1:
             raise ConfigError("deduplicate(within=...) must be positive")
+
+    def deadlines(self, times: np.ndarray) -> np.ndarray:
+        """When keys kept with these event times are forgotten: ``t + within`` (saturated)."""
+        return np.minimum(times, _MAX - self.within_us) + self.within_us
+
+    def late(self, times: np.ndarray, watermark: int | None) -> np.ndarray:
+        """Which records are late against ``watermark``, the one the epoch starts from:
+        ``t + within <= W[N-1]`` (none before there is a watermark)."""
+        if watermark is None:
+            return np.zeros(len(times), dtype=bool)
+        return self.deadlines(times) <= watermark
 
     def layout(self) -> dict[str, Any]:
         """What must not change between epochs of one checkpoint root (the side output may)."""
@@ -141,6 +178,35 @@ def find_duplicates(reader: ShardTransaction | None, key_groups: np.ndarray, key
     return duplicate
 
 
+@dataclass(frozen=True)
+class Verdicts:
+    """One shard's decision over its records: which are duplicates, which are late
+    (never both); the rest are kept."""
+
+    duplicate: np.ndarray
+    late: np.ndarray
+
+    @property
+    def kept(self) -> np.ndarray:
+        return ~(self.duplicate | self.late)
+
+
+def decide(dedup: Deduplication, reader: ShardTransaction | None, key_groups: np.ndarray, keys: pa.Array,
+           positions: np.ndarray, times: np.ndarray, watermark: int | None) -> Verdicts:
+    """The rule over one shard's records, in bulk: the late ones (against ``watermark``,
+    the one the epoch starts from) are set aside first; the others are duplicates when
+    ``find_duplicates`` says so among themselves and against ``reader`` (N-1's state)."""
+    late = dedup.late(times, watermark)
+    duplicate = np.zeros(len(keys), dtype=bool)
+    on_time = np.flatnonzero(~late)
+    if len(on_time) == len(keys):
+        duplicate = find_duplicates(reader, key_groups, keys, positions) if len(keys) else duplicate
+    elif len(on_time):
+        duplicate[on_time] = find_duplicates(reader, key_groups[on_time], keys.take(pa.array(on_time)),
+                                             positions[on_time])
+    return Verdicts(duplicate, late)
+
+
 class SeenKeys:
     """One shard's remembered keys in one epoch: remember the kept ones, forget the due ones."""
 
@@ -149,7 +215,7 @@ class SeenKeys:
 
     def remember(self, key_groups: np.ndarray, keys: pa.Array, times: np.ndarray) -> int:
         """Remember kept keys that outlive this epoch's watermark; returns how many."""
-        deadlines = np.minimum(times, _MAX - self.dedup.within_us) + self.dedup.within_us
+        deadlines = self.dedup.deadlines(times)
         if self.step.watermark is not None:
             live = deadlines > self.step.watermark
             key_groups, keys, times, deadlines = key_groups[live], keys.filter(pa.array(live)), times[live], deadlines[live]
@@ -253,7 +319,8 @@ class UniqueRecords:
                                      schema[columns.KEY].dataType.simpleString())
 
 
-INTERNAL_OUT = (columns.POS, columns.DEDUP_KEY, columns.DEDUP_TIME, columns.DUPLICATE)  # write_duplicates only
+INTERNAL_OUT = (columns.POS, columns.DEDUP_KEY, columns.DEDUP_TIME, columns.DUPLICATE,  # write_duplicates only
+                columns.DEDUP_LATE)
 
 
 @dataclass(frozen=True)
@@ -288,7 +355,7 @@ class ResolvedUniqueRecords:
 
     def output_ddl(self) -> list[str]:
         internal = [f"`{columns.POS}` bigint", f"`{columns.DEDUP_KEY}` {self.key_type}",
-                    f"`{columns.DEDUP_TIME}` bigint", f"`{columns.DUPLICATE}` boolean"]
+                    f"`{columns.DEDUP_TIME}` bigint", f"`{columns.DUPLICATE}` boolean", f"`{columns.DEDUP_LATE}` boolean"]
         return list(self.ddl[1:]) + (internal if self.dedup.write_duplicates else [])
 
     def output_names(self) -> list[str]:
@@ -298,15 +365,18 @@ class ResolvedUniqueRecords:
         key_groups = data.column(columns.KEY_GROUP).to_numpy(zero_copy_only=False).astype(np.int64)
         keys = data.column(columns.KEY).combine_chunks()
         times = data.column(columns.DEDUP_TIME).to_numpy(zero_copy_only=False).astype(np.int64)
-        duplicate = find_duplicates(txn, key_groups, keys, data.column(columns.POS).to_numpy(zero_copy_only=False))
-        kept = ~duplicate
+        verdicts = decide(self.dedup, txn, key_groups, keys, data.column(columns.POS).to_numpy(zero_copy_only=False),
+                          times, step.watermark_before)
+        kept = verdicts.kept
         figures = SeenKeys(self.dedup, txn, step).settle(key_groups[kept], keys.filter(pa.array(kept)), times[kept])
         rows = data if self.dedup.write_duplicates else data.filter(pa.array(kept))
         outputs = [rows.column(c).combine_chunks() for c in self.columns]
         if self.dedup.write_duplicates:
-            outputs += [rows.column(columns.POS).combine_chunks(), keys, pa.array(times), pa.array(duplicate)]
+            outputs += [rows.column(columns.POS).combine_chunks(), keys, pa.array(times), pa.array(verdicts.duplicate),
+                        pa.array(verdicts.late)]
         return outputs, OperatorStats(int(kept.sum()), figures["dedup_keys_remembered"],
-                                      {DUPLICATES: int(duplicate.sum()), **figures},
+                                      {DUPLICATES: int(verdicts.duplicate.sum()), DEDUP_LATE: int(verdicts.late.sum()),
+                                       **figures},
                                       partial_records(data.filter(pa.array(kept))))
 
 

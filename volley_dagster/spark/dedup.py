@@ -1,13 +1,14 @@
 """Deduplication in an epoch's Spark work (the rules: ``operators/dedup.py``).
 
 One job routes each valid record's (deduplication key, log position, event time) to
-the shard that owns the key and runs ``DuplicateProbe`` there: it reads epoch N-1's
-snapshot of that shard read-only and marks the duplicates. Its result is cached and
-counted (or collected, for the duplicates side output) on the driver. The epoch's
-state stage then reads the records without the duplicates (an anti-join on the log
+the shard that owns the key and runs ``DuplicateProbe`` there: it marks the late
+records (against the watermark the epoch starts from), reads epoch N-1's snapshot of
+that shard read-only and marks the duplicates among the others. Its result is cached
+and counted (or collected, for the duplicates side output) on the driver. The epoch's
+state stage then reads the records without the dropped ones (an anti-join on the log
 position) and sends the kept keys to their shards, where ``Deduplicated`` remembers
 them in the shard's transaction. Every attempt of an epoch probes the same snapshot
-with the same records, so every attempt drops the same records.
+with the same records and the same watermark, so every attempt drops the same records.
 """
 
 from __future__ import annotations
@@ -18,12 +19,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from pyspark import StorageLevel
-from pyspark.sql import DataFrame
+from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 
 from volley_dagster import columns
 from volley_dagster.checkpoint.s3_snapshots import S3SnapshotStore
-from volley_dagster.operators.dedup import INTERNAL_OUT, Deduplication, ResolvedUniqueRecords, find_duplicates
+from volley_dagster.operators.dedup import INTERNAL_OUT, Deduplication, ResolvedUniqueRecords, decide
 from volley_dagster.spark.partitioning import partition_of_shard, per_shard, to_shards, with_shard
 from volley_dagster.spark.task_errors import engine_errors
 from volley_dagster.spark.tasks import PreviousSnapshot, previous_on_this_machine
@@ -34,12 +35,17 @@ from volley_dagster.state.transaction import ShardTransaction
 
 _PROBED = [columns.SHARD, columns.KEY_GROUP, columns.DEDUP_KEY, columns.DEDUP_TIME, columns.POS]
 KEPT_KEY_COLUMNS = [columns.DEDUP_KEY, columns.DEDUP_TIME]  # null on the records' rows
+_VERDICTS = [columns.DUPLICATE, columns.DEDUP_LATE]
+_DROPPED = [columns.POS, columns.DEDUP_KEY, columns.DEDUP_TIME, columns.DEDUP_LATE]  # the side output's columns
 
 
 @dataclass(frozen=True)
 class DuplicateProbe:
-    """Per shard (``per_shard``): which of its records repeat a key, against N-1's snapshot."""
+    """Per shard (``per_shard``): which of its records are late (against ``watermark``,
+    the one the epoch starts from) and which repeat a key, against N-1's snapshot."""
 
+    dedup: Deduplication
+    watermark: int | None
     previous: dict[int, PreviousSnapshot]
     rocksdb: RocksDBOptions
     verify_checksums: bool
@@ -51,18 +57,21 @@ class DuplicateProbe:
         key_groups = table.column(columns.KEY_GROUP).to_numpy(zero_copy_only=False).astype(np.int64)
         keys = table.column(columns.DEDUP_KEY).combine_chunks()
         positions = table.column(columns.POS).to_numpy(zero_copy_only=False)
+        times = table.column(columns.DEDUP_TIME).to_numpy(zero_copy_only=False).astype(np.int64)
         prev = self.previous.get(shard)
         with previous_on_this_machine(shard, prev, self.remote, self.cache_root) as (path, _):
             if path is None or prev is None:
-                duplicate = find_duplicates(None, key_groups, keys, positions)
+                verdicts = decide(self.dedup, None, key_groups, keys, positions, times, self.watermark)
             else:
                 verify_snapshot(path, prev.files, full=self.verify_checksums)
                 db = open_snapshot_read_only(path, self.rocksdb)
                 try:
-                    duplicate = find_duplicates(ShardTransaction(db), key_groups, keys, positions)
+                    verdicts = decide(self.dedup, ShardTransaction(db), key_groups, keys, positions, times,
+                                      self.watermark)
                 finally:
                     db.close()
-        return table.select(_PROBED).append_column(columns.DUPLICATE, pa.array(duplicate))
+        return (table.select(_PROBED).append_column(columns.DUPLICATE, pa.array(verdicts.duplicate))
+                .append_column(columns.DEDUP_LATE, pa.array(verdicts.late)))
 
 
 @dataclass
@@ -71,23 +80,28 @@ class ProbedEpoch:
 
     probed: DataFrame
     duplicates: int
-    dropped: pa.Table | None  # POS, DEDUP_KEY, DEDUP_TIME of each duplicate (when the side output is on)
+    late: int
+    dropped: pa.Table | None  # POS, DEDUP_KEY, DEDUP_TIME, DEDUP_LATE of each dropped record (side output on)
 
     def unique(self, rows: DataFrame) -> DataFrame:
-        """``rows`` without the duplicates."""
-        if not self.duplicates:
+        """``rows`` without the dropped ones (duplicates and late)."""
+        if not self.duplicates and not self.late:
             return rows
-        dropped = self.probed.where(F.col(columns.DUPLICATE)).select(columns.POS)
+        dropped = self.probed.where(_dropped()).select(columns.POS)
         return rows.join(dropped, columns.POS, "left_anti")
 
     def kept_keys(self) -> DataFrame:
         """One row per kept key, with its key group and shard, for ``to_shards(routed=...)``:
         they reach their shard task in the state stage's own exchange, grouped apart
         from the partials by ``KEPT_KEY_COLUMNS``."""
-        return self.probed.where(~F.col(columns.DUPLICATE)).drop(columns.DUPLICATE, columns.POS)
+        return self.probed.where(~_dropped()).drop(*_VERDICTS, columns.POS)
 
     def release(self) -> None:
         self.probed.unpersist()
+
+
+def _dropped() -> Column:
+    return F.col(columns.DUPLICATE) | F.col(columns.DEDUP_LATE)
 
 
 def probe_duplicates(rows: DataFrame, dedup: Deduplication, layout: ShardLayout, probe: DuplicateProbe) -> ProbedEpoch:
@@ -96,16 +110,18 @@ def probe_duplicates(rows: DataFrame, dedup: Deduplication, layout: ShardLayout,
     routed = with_shard(narrow, layout, columns.DEDUP_KEY).withColumn(columns.PARTITION, partition_of_shard(layout))
     key_type = rows.schema[columns.DEDUP_KEY].dataType.simpleString()
     schema = (f"`{columns.SHARD}` int, `{columns.KEY_GROUP}` int, `{columns.DEDUP_KEY}` {key_type}, "
-              f"`{columns.DEDUP_TIME}` bigint, `{columns.POS}` bigint, `{columns.DUPLICATE}` boolean")
+              f"`{columns.DEDUP_TIME}` bigint, `{columns.POS}` bigint, `{columns.DUPLICATE}` boolean, "
+              f"`{columns.DEDUP_LATE}` boolean")
     probed = per_shard(routed.repartition(layout.num_shards, columns.PARTITION), probe, schema)
     probed = probed.persist(StorageLevel.MEMORY_AND_DISK)
     try:
         with engine_errors():
-            duplicates = probed.where(F.col(columns.DUPLICATE))
             if dedup.write_duplicates:
-                dropped = duplicates.select(columns.POS, columns.DEDUP_KEY, columns.DEDUP_TIME).toArrow()
-                return ProbedEpoch(probed, dropped.num_rows, dropped)
-            return ProbedEpoch(probed, duplicates.count(), None)
+                dropped = probed.where(_dropped()).select(*_DROPPED).toArrow()
+                late = int(pc.sum(dropped.column(columns.DEDUP_LATE).cast(pa.int64())).as_py() or 0)
+                return ProbedEpoch(probed, dropped.num_rows - late, late, dropped)
+            counts = probed.agg(*[F.sum(F.col(c).cast("long")).alias(c) for c in _VERDICTS]).first()
+            return ProbedEpoch(probed, int(counts[0] or 0) if counts else 0, int(counts[1] or 0) if counts else 0, None)
     except BaseException:
         probed.unpersist()
         raise
@@ -122,9 +138,9 @@ def route_records(rows: DataFrame, unique: ResolvedUniqueRecords, layout: ShardL
 
 def split_duplicates(output: pa.Table, unique: ResolvedUniqueRecords) -> tuple[pa.Table, pa.Table | None]:
     """The shard tasks' rows as the kept records, and with ``write_duplicates`` the
-    dropped ones (position, key, event time) for the side output."""
+    dropped ones (position, key, event time, whether late) for the side output."""
     if not unique.dedup.write_duplicates:
         return output, None
-    flags = output.column(columns.DUPLICATE)
-    dropped = output.filter(flags).select([columns.POS, columns.DEDUP_KEY, columns.DEDUP_TIME])
+    flags = pc.or_(output.column(columns.DUPLICATE), output.column(columns.DEDUP_LATE))
+    dropped = output.filter(flags).select(_DROPPED)
     return output.filter(pc.invert(flags)).drop_columns(list(INTERNAL_OUT)), dropped

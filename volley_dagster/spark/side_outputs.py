@@ -19,7 +19,7 @@ from pyspark.sql import functions as F
 from volley_dagster import columns
 from volley_dagster.checkpoint.manifest import ShardEntry
 from volley_dagster.columns import POS_OFFSET_BITS
-from volley_dagster.operators.dedup import Deduplication, ResolvedUniqueRecords
+from volley_dagster.operators.dedup import REASON_DUPLICATE, REASON_LATE, Deduplication, ResolvedUniqueRecords
 from volley_dagster.operators.event_time import describe_event_time
 from volley_dagster.operators.window import ResolvedWindowAggregate
 from volley_dagster.pipeline import Pipeline
@@ -166,11 +166,14 @@ def _resolve_late(table: pa.Table, rng: EpochRange, pipeline: Pipeline, window: 
 
 
 def resolve_duplicates(dropped: pa.Table, rng: EpochRange, dedup: Deduplication) -> pa.Table:
-    """The duplicates side output: where each dropped record is, its key and event time, in log order."""
+    """The duplicates side output: where each dropped record is, its key and event time,
+    and why (``duplicate``, or ``late``: event time + within at or before the watermark
+    the epoch started from), in log order."""
     dropped = dropped.sort_by(columns.POS)
+    reason = pc.if_else(dropped.column(columns.DEDUP_LATE), pa.scalar(REASON_LATE), pa.scalar(REASON_DUPLICATE))
     cols = _positions(dropped, rng) + [dropped.column(columns.DEDUP_KEY),
-                                        dropped.column(columns.DEDUP_TIME).cast(pa.timestamp("us", tz="UTC"))]
-    return pa.table(cols, names=[f.name for f in _WHERE] + [dedup.key_name, dedup.event_time.time_column])
+                                        dropped.column(columns.DEDUP_TIME).cast(pa.timestamp("us", tz="UTC")), reason]
+    return pa.table(cols, names=[f.name for f in _WHERE] + [dedup.key_name, dedup.event_time.time_column, "reason"])
 
 
 def null_key_dead_letters(

@@ -1,5 +1,5 @@
 """One epoch's Spark work: the plan (``spark/plan.py``) -> cache -> [deduplication:
-the probe job, then the duplicates are left out (``spark/dedup.py``)] -> side outputs
+the probe job, then the duplicates and late records are left out (``spark/dedup.py``)] -> side outputs
 (bad records, late records, the epoch's latest event time: one job,
 ``spark/side_outputs.py``) -> [windows: assign, drop late] -> partial aggregate per
 key (or key and window) in the JVM -> key group and shard (Spark expressions) -> one
@@ -24,7 +24,7 @@ from volley_dagster import columns
 from volley_dagster.checkpoint.manifest import ShardEntry, ShardSnapshot
 from volley_dagster.errors import VolleyError
 from volley_dagster.operators.base import OperatorStats
-from volley_dagster.operators.dedup import DUPLICATES, ResolvedUniqueRecords
+from volley_dagster.operators.dedup import DEDUP_LATE, DUPLICATES, ResolvedUniqueRecords
 from volley_dagster.operators.ttl import NEXT_DUE
 from volley_dagster.pipeline import Pipeline
 from volley_dagster.sources.offsets import EpochRange
@@ -63,7 +63,8 @@ class StageResult:
     watermark: int | None = None  # windows, event-time TTL: after this epoch, microseconds
     enrichments: dict[str, dict[str, Any]] = field(default_factory=dict)  # per enrichment: version, unmatched records
     duplicates: int = 0  # deduplication: records dropped as duplicates
-    duplicate_records: pa.Table | None = None  # and, with its side output on, where they are
+    dedup_late: int = 0  # and as late (event time + within at or before the watermark the epoch started from)
+    duplicate_records: pa.Table | None = None  # and, with its side output on, where both are
 
 
 def _shard_partials(rows: DataFrame, partial_exprs: list, layout: ShardLayout, kept: DataFrame | None = None) -> DataFrame:
@@ -126,8 +127,9 @@ def run_stage(
             bound = clock.event_time_bound(watermark, rng.cut_at_us) if clock is not None else None
             rows = valid_rows(plan, pipeline, bound)
             kept = None
-            if plan.dedup is not None:  # duplicates never reach windows, late records or state
-                probe = DuplicateProbe(merge.previous, merge.rocksdb, merge.verify_checksums, merge.remote, merge.cache_root)
+            if plan.dedup is not None:  # duplicates (and late ones) never reach windows, late records or state
+                probe = DuplicateProbe(plan.dedup, watermark, merge.previous, merge.rocksdb, merge.verify_checksums,
+                                       merge.remote, merge.cache_root)
                 probed = probe_duplicates(rows, plan.dedup, layout, probe)
                 rows, kept = probed.unique(rows).drop(columns.DEDUP_KEY), probed.kept_keys()
             by = ROUTING_COLUMNS + (KEPT_KEY_COLUMNS if kept is not None else [])
@@ -166,19 +168,20 @@ def run_stage(
         if probed is not None:
             probed.release()
     output = out.filter(pc.invert(is_stats)).drop_columns([columns.STATS])
-    duplicates, duplicate_records = 0, None
+    duplicates, dedup_late, duplicate_records = 0, 0, None
     if probed is not None and plan.dedup is not None:
-        duplicates = probed.duplicates
+        duplicates, dedup_late = probed.duplicates, probed.late
         if probed.dropped is not None:
             duplicate_records = resolve_duplicates(probed.dropped, rng, plan.dedup)
     elif isinstance(plan.operator, ResolvedUniqueRecords):
         duplicates = sum(entry.operator.figures.get(DUPLICATES, 0) for entry in shards.values())
+        dedup_late = sum(entry.operator.figures.get(DEDUP_LATE, 0) for entry in shards.values())
         output, dropped = split_duplicates(output, plan.operator)
         if dropped is not None:
             duplicate_records = resolve_duplicates(dropped, rng, plan.operator.dedup)
     output = output.sort_by([(c, "ascending") for c in pipeline.output_keys()])
     return StageResult(output, dead, shards, t1 - t0, t2 - t1, late, new_watermark, plan.enrichment_figures(ran=True),
-                       duplicates, duplicate_records)
+                       duplicates, dedup_late, duplicate_records)
 
 
 def shard_entries(stats: list[str], epoch: int) -> dict[int, ShardEntry]:
