@@ -23,12 +23,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
 import pyarrow as pa
 
 from tests.helpers import with_tables
+from tests.ttl_reference import fold
 from volley_dagster import FileLog, ParquetSink, Pipeline, count, sum_
 from volley_dagster.demo.events import EVENT_SCHEMA, START_US, write_events
 from volley_dagster.sources.storage import storage_for
@@ -91,19 +93,23 @@ def write_dedup_log(events: Path, files: int, first_file: int = 0) -> list[pa.Ta
     return tables
 
 
-def dedup_pipeline(events: Path, output: Path, *, shards: int = 2, tables: Path | None = None, name: str = "dedup",
-                   string_ids: bool = False, write_duplicates: bool = True) -> Pipeline:
-    """Deduplicate on ``event_id`` (as ``e-<id>`` strings with ``string_ids``), then a running aggregate."""
+def dedup_pipeline(events: Path, output: Path | None, *, shards: int = 2, tables: Path | None = None,
+                   name: str = "dedup", string_ids: bool = False, write_duplicates: bool = True,
+                   on: tuple[str, ...] = (ID,), within: str = "15 minutes", skew: str | None = None) -> Pipeline:
+    """Deduplicate on ``on`` (``event_id`` as ``e-<id>`` strings with ``string_ids``),
+    then a running aggregate; ``output=None``: no Parquet sink."""
     pipeline = Pipeline(name).source(FileLog(events, format="parquet"))
     if string_ids:
         pipeline = pipeline.with_column(ID, f"concat('e-', {ID})")
     pipeline = (
-        pipeline.deduplicate(on=ID, within="15 minutes", event_time="event_time", write_duplicates=write_duplicates)
+        pipeline.deduplicate(on=list(on) if len(on) > 1 else on[0], within=within, event_time="event_time",
+                             write_duplicates=write_duplicates, max_event_time_skew=skew)
         .key_by(KEY)
         .aggregate(events=count(), total=sum_("amount"))
-        .sink(ParquetSink(output))
         .with_shards(shards)
     )
+    if output is not None:
+        pipeline = pipeline.sink(ParquetSink(output))
     return with_tables(pipeline, tables, delta_mode="upsert", iceberg_table=f"volley.{name}", iceberg_mode="upsert")
 
 
@@ -122,26 +128,45 @@ def unique_pipeline(events: Path, output: Path, *, shards: int = 2, tables: Path
 
 @dataclass
 class DedupReference:
-    """Remembered ids and their event time; the watermark is the latest event time so far.
-    ``run`` returns an epoch's aggregate rows, the row numbers it dropped and, of
-    those, the ones dropped as late."""
+    """Remembered keys (the ``on`` values) and their event time; the watermark is the
+    latest event time so far; the kept records feed the running aggregate's reference
+    (``tests.ttl_reference.fold``). ``run`` returns an epoch's aggregate rows, the row
+    numbers it dropped and, of those, the ones dropped as late."""
 
-    remembered: dict[int, int] = field(default_factory=dict)
+    remembered: dict[object, int] = field(default_factory=dict)
     watermark: int | None = None
-    totals: dict[int, tuple[int, float]] = field(default_factory=dict)
+    totals: dict[object, dict[str, object]] = field(default_factory=dict)  # per merchant: its aggregates
     kept: list[pd.DataFrame] = field(default_factory=list)  # per epoch: the records kept, ``t`` their event time
     watermarks: list[int | None] = field(default_factory=list)  # per epoch: the watermark it started from
     remembered_total: int = 0  # kept ids remembered past their epoch, over all epochs
+    on: tuple[str, ...] = (ID,)
+    within_us: int = WITHIN_US
+    dead_letters: list[list[int]] = field(default_factory=list)  # per epoch: the rows that were bad records
 
-    def run(self, records: pa.Table) -> tuple[pd.DataFrame, list[int], list[int]]:
+    def run(self, records: pa.Table, bound: int | None = None) -> tuple[pd.DataFrame, list[int], list[int]]:
         """One epoch: the aggregate's output rows (by key), the row numbers dropped
         (duplicates and late, in log order) and those of them dropped as late."""
+        touched, dropped, late = self.run_rows(records, bound)
+        return self._frame(set(touched)), dropped, late
+
+    def run_rows(self, records: pa.Table, bound: int | None = None
+                 ) -> tuple[dict[object, dict[str, object]], list[int], list[int]]:
+        """``run``, the rows as ``TtlReference.run_rows`` gives them. A bad record (a null
+        merchant, a null single ``on`` column, a null event time or one later than
+        ``bound``) is neither kept nor dropped: ``dead_letters``."""
         df = records.to_pandas()
-        times = records.column("event_time").cast(pa.int64()).to_numpy()
-        kept_now: dict[int, int] = {}
-        dropped, late, touched = [], [], set()
-        for row, (event, key, amount, t) in enumerate(zip(df[ID], df[KEY], df["amount"], times, strict=True)):
-            if self.watermark is not None and int(t) + WITHIN_US <= self.watermark:  # late: set aside first
+        times = records.column("event_time").cast(pa.int64()).to_pylist()
+        keys = list(zip(*(records.column(c).to_pylist() for c in self.on), strict=True))
+        kept_now: dict[object, int] = {}
+        dropped, late, dead, kept_rows, touched, latest = [], [], [], [], set(), None
+        for row, (on, key, amount, t) in enumerate(zip(keys, records.column(KEY).to_pylist(),
+                                                       records.column("amount").to_pylist(), times, strict=True)):
+            event = on[0] if len(on) == 1 else on
+            if key is None or event is None or t is None or (bound is not None and t > bound):
+                dead.append(row)
+                continue
+            latest = t if latest is None else max(latest, t)
+            if self.watermark is not None and t + self.within_us <= self.watermark:  # late: set aside first
                 dropped.append(row)
                 late.append(row)
                 continue
@@ -149,21 +174,24 @@ class DedupReference:
                 dropped.append(row)
                 continue
             kept_now[event] = int(t)
-            events, total = self.totals.get(key, (0, 0.0))
-            self.totals[key] = (events + 1, total + float(amount))
+            kept_rows.append(row)
+            self.totals[key] = fold(self.totals.get(key), amount)
             touched.add(key)
-        kept = df.drop(index=dropped).assign(t=np.delete(times, dropped))
-        self.kept.append(kept)
+        self.kept.append(df.iloc[kept_rows].assign(t=[times[r] for r in kept_rows]))
         self.watermarks.append(self.watermark)
-        self.watermark = max(self.watermark or -(2**62), int(times.max()))
-        self.remembered_total += sum(1 for t in kept_now.values() if t + WITHIN_US > self.watermark)
+        self.dead_letters.append(dead)
+        if latest is not None:  # the epoch's latest believable event time
+            self.watermark = latest if self.watermark is None else max(self.watermark, latest)
+        if self.watermark is None:
+            return {}, dropped, late
+        self.remembered_total += sum(1 for t in kept_now.values() if t + self.within_us > self.watermark)
         self.remembered.update(kept_now)
-        self.remembered = {e: t for e, t in self.remembered.items() if t + WITHIN_US > self.watermark}
-        return self._frame(touched), dropped, late
+        self.remembered = {e: t for e, t in self.remembered.items() if t + self.within_us > self.watermark}
+        return {k: dict(self.totals[k]) for k in touched}, dropped, late
 
     def current(self) -> pd.DataFrame:
         return self._frame(set(self.totals))
 
-    def _frame(self, keys: set[int]) -> pd.DataFrame:
-        rows = [{KEY: k, "events": self.totals[k][0], "total": self.totals[k][1]} for k in sorted(keys)]
+    def _frame(self, keys: set[Any]) -> pd.DataFrame:
+        rows = [{KEY: k, "events": self.totals[k]["events"], "total": self.totals[k]["total"]} for k in sorted(keys)]
         return pd.DataFrame(rows, columns=[KEY, "events", "total"])

@@ -4,8 +4,10 @@ checked against, computed straight from the source records with pyarrow/pandas."
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 import pyarrow as pa
@@ -181,3 +183,39 @@ def payments_on_kafka(events: Path, output: Path, tables: Path | None = None, *,
 
     source = KafkaSource(topic, bootstrap_servers, EVENT_SCHEMA)
     return payments(events, output, tables=tables, source=source).sink(KafkaSink(f"{topic}-totals", bootstrap_servers))
+
+
+# Spark's accumulators folded one value at a time (the references' rules): a null is
+# skipped, a sum or a min/max is null until a key has seen a value, a sum with NaN is NaN,
+# and Spark orders NaN above every number (a max is NaN when any value is, a min only
+# when every one is).
+
+def spark_sum(total: float | None, value: float | None) -> float | None:
+    if value is None:
+        return total
+    return value if total is None else total + value
+
+
+def spark_min(low: float | None, value: float | None) -> float | None:
+    if value is None or (low is not None and (math.isnan(value) or value >= low)):
+        return low
+    return value
+
+
+def spark_max(high: float | None, value: float | None) -> float | None:
+    if value is None or (high is not None and (math.isnan(high) or value <= high)):
+        return high
+    return value
+
+
+def same_value(got: Any, expected: Any) -> bool:
+    """One value of the engine's output against the reference's: a null only equals a
+    null, NaN only NaN, floats to a relative 1e-9 (sums folded in another order)."""
+    if got is None or expected is None:
+        return got is None and expected is None
+    if isinstance(got, float) or isinstance(expected, float):
+        got_f, expected_f = float(got), float(expected)
+        if math.isnan(got_f) or math.isnan(expected_f):
+            return math.isnan(got_f) and math.isnan(expected_f)
+        return math.isclose(got_f, expected_f, rel_tol=1e-9, abs_tol=1e-8)
+    return got == expected

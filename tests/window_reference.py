@@ -1,16 +1,18 @@
 """Window pipelines over generated logs, and their reference: the documented rule
 (``volley_dagster.operators.window``) applied epoch by epoch in plain Python,
-one record at a time, straight from the source files."""
+one record at a time, straight from the source files (or from any cut of the log
+into epochs: ``reference_epochs``)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tests.helpers import with_tables
+from tests.helpers import spark_max, spark_sum, with_tables
 from volley_dagster import FileLog, ParquetSink, Pipeline, count, first, last, max_, sum_
 from volley_dagster.operators.window import Windows
 
@@ -45,28 +47,37 @@ class _Acc:
     start: int
     end: int
     events: int = 0
-    total: float = 0.0
-    largest: float = float("-inf")
-    first: tuple = ((float("inf"), 0), None)  # ((epoch, offset), event_id)
+    total: float | None = None
+    largest: float | None = None
+    first: tuple = ((float("inf"), 0), None)  # ((epoch, index in the epoch), event_id)
     last: tuple = ((float("-inf"), 0), None)
 
-    def add(self, at: tuple, amount: float, event_id: int) -> None:
+    def add(self, at: tuple, amount: float | None, event_id: int) -> None:
         self.events += 1
-        self.total += amount
-        self.largest = max(self.largest, amount)
+        self.total = spark_sum(self.total, amount)
+        self.largest = spark_max(self.largest, amount)
         self.first = min(self.first, (at, event_id), key=lambda x: x[0])
         self.last = max(self.last, (at, event_id), key=lambda x: x[0])
 
     def absorb(self, other: _Acc) -> None:
         self.start, self.end = min(self.start, other.start), max(self.end, other.end)
         self.events += other.events
-        self.total += other.total
-        self.largest = max(self.largest, other.largest)
+        self.total = spark_sum(self.total, other.total)
+        self.largest = spark_max(self.largest, other.largest)
         self.first = min(self.first, other.first, key=lambda x: x[0])
         self.last = max(self.last, other.last, key=lambda x: x[0])
 
-    def row(self, key: int) -> tuple:
-        return (key, self.start, self.end, self.events, round(self.total, 6), self.largest, self.first[1], self.last[1])
+    def row(self, key: object) -> tuple:
+        return (key, self.start, self.end, self.events, _comparable(self.total, 6), _comparable(self.largest), self.first[1],
+                self.last[1])
+
+
+def _comparable(value: float | None, digits: int | None = None) -> object:
+    """A float as a row holds it for set comparison: NaN as the string "NaN" (NaN is
+    not equal to itself), a sum rounded (folded in another order)."""
+    if value is not None and math.isnan(value):
+        return "NaN"
+    return value if value is None or digits is None else round(value, digits)
 
 
 @dataclass
@@ -75,6 +86,7 @@ class Reference:
     late: dict[int, set[tuple]] = field(default_factory=dict)  # epoch -> (file, offset, window start)
     watermark: dict[int, int | None] = field(default_factory=dict)
     open: set[tuple] = field(default_factory=set)  # windows still open after the last epoch
+    dead: dict[int, set[tuple]] = field(default_factory=dict)  # epoch -> (file, offset) of its bad records
 
 
 def assigned_windows(windows: Windows, t: int) -> list[tuple[int, int]]:
@@ -87,32 +99,55 @@ def assigned_windows(windows: Windows, t: int) -> list[tuple[int, int]]:
 
 def reference(files: list[Path], windows: Windows, delay_us: int, lateness_us: int, end_of_stream: bool) -> Reference:
     """Each file is one epoch; the last one ends the stream when ``end_of_stream``."""
-    ref = Reference()
-    open_: dict[tuple[int, int], _Acc] = {}
-    watermark = None
-    for epoch, path in enumerate(files, start=1):
+    epochs = []
+    for path in files:
         table = pq.read_table(path)
+        epochs.append(table.append_column("file", pa.array([path.name] * table.num_rows, pa.string()))
+                      .append_column("offset", pa.array(range(table.num_rows), pa.int64())))
+    return reference_epochs(epochs, windows, delay_us, lateness_us, end_of_stream)
+
+
+def reference_epochs(epochs: list[pa.Table], windows: Windows, delay_us: int, lateness_us: int, end_of_stream: bool,
+                     bounds: list[int | None] | None = None) -> Reference:
+    """Each table is one epoch's records in log order, with ``file`` and ``offset``
+    columns saying where each is in the log; the last epoch ends the stream when
+    ``end_of_stream``. ``bounds``: per epoch, the latest event time believed
+    (``max_event_time_skew``). A record with a null key or event time, or one later
+    than its epoch's bound, is a bad record (``dead``), before any window sees it."""
+    ref = Reference()
+    open_: dict[tuple, _Acc] = {}
+    watermark = None
+    for epoch, table in enumerate(epochs, start=1):
+        bound = bounds[epoch - 1] if bounds is not None else None
         t_us = table.column("event_time").cast(pa.int64()).to_pylist()
-        late, latest, fresh = set(), None, {}
-        for offset, (row, t) in enumerate(zip(table.to_pylist(), t_us)):
+        late: set[tuple] = set()
+        dead: set[tuple] = set()
+        fresh: dict[tuple, _Acc] = {}
+        latest = None
+        for i, (row, t) in enumerate(zip(table.to_pylist(), t_us, strict=True)):
             if row["status"] == "failed":
+                continue
+            where = (row["file"], row["offset"])
+            if row[KEY] is None or t is None or (bound is not None and t > bound):
+                dead.add(where)
                 continue
             latest = t if latest is None else max(latest, t)
             for start, end in assigned_windows(windows, t):
                 if watermark is not None and end + lateness_us <= watermark:
-                    late.add((path.name, offset, start))
+                    late.add((*where, start))
                     continue
                 target = fresh if windows.kind == "session" else open_
-                acc = target.setdefault((row[KEY], start) if windows.kind != "session" else (row[KEY], start, offset), _Acc(start, end))
-                acc.add((epoch, offset), row["amount"], row["event_id"])
+                acc = target.setdefault((row[KEY], start) if windows.kind != "session" else (row[KEY], start, i), _Acc(start, end))
+                acc.add((epoch, i), row["amount"], row["event_id"])
         if windows.kind == "session":
             _merge_sessions(open_, fresh)
         if latest is not None:
             watermark = latest - delay_us if watermark is None else max(watermark, latest - delay_us)
-        final = end_of_stream and epoch == len(files)
+        final = end_of_stream and epoch == len(epochs)
         fire = [k for k, acc in open_.items() if final or (watermark is not None and acc.end + lateness_us <= watermark)]
         ref.fired[epoch] = {open_.pop(k).row(k[0]) for k in fire}
         ref.late[epoch] = late
+        ref.dead[epoch] = dead
         ref.watermark[epoch] = watermark
     ref.open = {acc.row(k[0]) for k, acc in open_.items()}
     return ref
@@ -141,7 +176,8 @@ def window_rows(table: pa.Table) -> set[tuple]:
     d = table.to_pydict()
     to_us = lambda col: table.column(col).cast(pa.int64()).to_pylist()  # noqa: E731
     return set(zip(d[KEY], to_us("window_start"), to_us("window_end"), d["events"],
-                   [round(x, 6) for x in d["total"]], d["largest"], d["first_event"], d["last_event"]))
+                   [_comparable(x, 6) for x in d["total"]], [_comparable(x) for x in d["largest"]], d["first_event"],
+                   d["last_event"], strict=True))
 
 
 def crash_window_pipeline(events: Path, output: Path, tables: Path | None = None) -> Pipeline:
