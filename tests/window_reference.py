@@ -68,8 +68,8 @@ class _Acc:
         self.last = max(self.last, other.last, key=lambda x: x[0])
 
     def row(self, key: object) -> tuple:
-        return (key, self.start, self.end, self.events, _comparable(self.total, 6), _comparable(self.largest), self.first[1],
-                self.last[1])
+        return (key, self.start, self.end, self.events, _comparable(self.total, 6), _comparable(self.largest),
+                self.first[1], self.last[1])
 
 
 def _comparable(value: float | None, digits: int | None = None) -> object:

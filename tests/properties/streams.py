@@ -53,6 +53,7 @@ HOUR = 60 * MINUTE
 FAR = "far"  # an event time two days past the wall clock
 SKEW = "10 minutes"  # every test's max_event_time_skew, when it sets one
 GAP = (15 * MINUTE, 70 * MINUTE)  # a pause in the stream: longer than SKEW
+DISORDER = 20 * SECOND  # how far an event time lies before the latest one
 MAX_RECORDS = 48 if DEEP else 20
 MAX_EPOCHS = 6 if DEEP else 4
 CRASH_POINTS = ("after_snapshot", "after_sink_delta", "after_sinks")
@@ -98,18 +99,12 @@ def _keys(kind: str) -> st.SearchStrategy[list[Any]]:
 
 
 @st.composite
-def streams(draw: st.DrawFn, key_kind: str, *, id_kind: str = "int", within_us: int | None = None,
-            disorder_us: int = 20 * SECOND, sources: bool = False, null_ids: bool = False,
-            min_records: int = 4) -> Stream:
-    """A random stream (see the module docstring). ``within_us``: deduplication's bound.
-    Then no record is ever older than the watermark less it (every record's event time
-    lies within ``disorder_us`` of the latest one before it, and a re-send repeats an
-    event time only while it is that recent): the streams stay out of the rules for
-    late copies, which are being changed (review F4). ``id_kind``: event ids as ints or
-    ``e-<n>`` strings; ``null_ids``: now and then a null one; ``sources``: a second key
-    column for deduplication, null now and then."""
-    if within_us is not None:
-        disorder_us = min(disorder_us, within_us // 2)
+def streams(draw: st.DrawFn, key_kind: str, *, id_kind: str = "int", new_amounts: bool = False,
+            sources: bool = False, null_ids: bool = False, min_records: int = 4) -> Stream:
+    """A random stream (see the module docstring). ``id_kind``: event ids as ints or
+    ``e-<n>`` strings; ``null_ids``: now and then a null one; ``new_amounts``: a re-send
+    carries another amount (so a total tells which copy was kept); ``sources``: a
+    second key column for deduplication, null now and then."""
     pool = draw(_keys(key_kind))
     n = draw(st.integers(min_records, MAX_RECORDS))
     records: list[Record] = []
@@ -118,14 +113,13 @@ def streams(draw: st.DrawFn, key_kind: str, *, id_kind: str = "int", within_us: 
         step = draw(st.sampled_from(["step"] * 15 + ["gap"]))
         clock += draw(st.integers(0, 4 * SECOND)) if step == "step" else draw(st.integers(*GAP))
         what = draw(st.sampled_from(["fresh"] * 6 + ["resend", "reuse"]))
-        recent = [r for r in records if isinstance(r.t, int) and (within_us is None or r.t + within_us > clock)]
-        if what == "resend" and recent:  # the same event again: its id and event time (another amount)
-            copy = draw(st.sampled_from(recent))
-            amount = copy.amount if within_us is None else draw(_amounts())
+        if what == "resend" and records:  # the same event again: its id and event time
+            copy = draw(st.sampled_from(records))
+            amount = draw(_amounts()) if new_amounts else copy.amount
             records.append(Record(copy.event_id, copy.key, amount, copy.t, copy.source))
             continue
         when = draw(st.sampled_from(["time"] * 20 + ["null", "far"]))
-        t: int | str | None = clock - draw(st.integers(0, disorder_us)) if when == "time" else (
+        t: int | str | None = clock - draw(st.integers(0, DISORDER)) if when == "time" else (
             None if when == "null" else FAR)
         key = draw(st.sampled_from(pool)) if draw(st.sampled_from(["key"] * 14 + ["null"])) == "key" else None
         event_id: int | str | None = i if id_kind == "int" else f"e-{i}"
@@ -199,7 +193,8 @@ def located(log: pa.Table, plan: Plan) -> pa.Table:
         files += [file_name(index)] * (end - first)
         offsets += list(range(end - first))
         first = end
-    return log.append_column("file", pa.array(files, pa.string())).append_column("offset", pa.array(offsets, pa.int64()))
+    return (log.append_column("file", pa.array(files, pa.string()))
+            .append_column("offset", pa.array(offsets, pa.int64())))
 
 
 class Crash(BaseException):
@@ -230,7 +225,7 @@ class Epoch:
     cut_at_us: int
     dead: set[tuple[str, int]] = field(default_factory=set)
     late: set[tuple[str, int, int]] = field(default_factory=set)  # (file, offset, window start)
-    duplicates: list[tuple[str, int]] = field(default_factory=list)
+    duplicates: list[tuple[str, int, str]] = field(default_factory=list)  # (file, offset, reason), in log order
 
 
 def run_plan(make_runner: Callable[[], EpochRunner], events: Path, log: pa.Table, plan: Plan,
@@ -272,6 +267,7 @@ def run_plan(make_runner: Callable[[], EpochRunner], events: Path, log: pa.Table
     for what, n in (("dead letters", sum(e.result.dead_letters for e in epochs)),
                     ("late records", sum(e.result.late_records for e in epochs)),
                     ("duplicates", sum(e.result.duplicates for e in epochs)),
+                    ("late copies", sum(e.result.dedup_late for e in epochs)),
                     ("expired keys", sum(e.result.keys_expired for e in epochs)),
                     ("empty epochs", sum(e.result.records_in == 0 for e in epochs))):
         if n:
@@ -291,7 +287,7 @@ def _epoch(runner: EpochRunner, result: EpochResult, records: pa.Table, cut_at_u
     duplicates = runner.duplicate_records(result.epoch)
     if duplicates is not None:
         epoch.duplicates = list(zip(duplicates.column("file").to_pylist(), duplicates.column("offset").to_pylist(),
-                                    strict=True))
+                                    duplicates.column("reason").to_pylist(), strict=True))
     return epoch
 
 

@@ -2,14 +2,10 @@
 string column) before a running aggregate, run through the engine over a random
 stream with re-sends, cut at random (``streams.py``), equals ``DedupReference`` of
 ``tests/dedup_reference.py`` on the same epochs: each epoch's output rows, duplicates
-(count, and which records by file and offset), dead letters and watermark; at the end
-``read_state()``, the Delta upsert table and how many keys were remembered. An epoch
-that crashes is run again by a new runner, to the same result.
-
-The streams hold no record older than the watermark less ``within`` (``streams``):
-how such late copies are treated is being changed (review F4), and every other rule
-holds either way. Far-future records are dead letters (``max_event_time_skew``), so
-they never move the watermark."""
+and late copies (counts, and which records by file, offset and reason), dead letters
+and watermark; at the end ``read_state()``, the Delta upsert table and how many keys
+were remembered. An epoch that crashes is run again by a new runner, to the same
+result. Far-future records are dead letters (``max_event_time_skew``)."""
 
 from __future__ import annotations
 
@@ -47,7 +43,7 @@ def test_deduplication_equals_the_reference(spark, tmp_path_factory, data):
     on = data.draw(st.sampled_from(sorted(KEYS)), label="on")
     within = data.draw(st.sampled_from(["30 seconds", "1 minute"]), label="within")
     within_us = duration_us(within, "within")
-    stream = data.draw(streams("int", id_kind="str" if on == "str" else "int", within_us=within_us,
+    stream = data.draw(streams("int", id_kind="str" if on == "str" else "int", new_amounts=True,
                                sources=on == "two_columns", null_ids=True), label="stream")
     plan = data.draw(plans(len(stream.records)), label="plan")
     base = tmp_path_factory.mktemp("dedup")
@@ -63,11 +59,13 @@ def test_deduplication_equals_the_reference(spark, tmp_path_factory, data):
     skew_us = duration_us(SKEW, "skew")
     for e in epochs:
         n = e.result.epoch
-        expected, dropped = reference.run_rows(e.records, e.cut_at_us + skew_us)
+        expected, dropped, late = reference.run_rows(e.records, e.cut_at_us + skew_us)
         assert e.result.records_in == e.records.num_rows
         same_values(e.result.output, expected, ["events", "total"])
-        assert e.result.duplicates == len(dropped)
-        assert e.duplicates == where(e.records, dropped), f"epoch {n}: the duplicates side output"
+        assert (e.result.duplicates, e.result.dedup_late) == (len(dropped) - len(late), len(late))
+        reasons = ["late" if row in late else "duplicate" for row in dropped]
+        assert e.duplicates == [(*at, why) for at, why in zip(where(e.records, dropped), reasons, strict=True)], (
+            f"epoch {n}: the duplicates side output")
         dead = reference.dead_letters[-1]
         assert e.dead == set(where(e.records, dead)), f"epoch {n}: dead letters"
         assert e.result.dead_letters == len(dead)
