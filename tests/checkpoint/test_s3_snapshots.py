@@ -26,8 +26,9 @@ from volley_dagster.checkpoint.s3_snapshots import S3SnapshotStore, SnapshotMani
 from volley_dagster.errors import FencedError, SnapshotError, SnapshotStorageError
 from volley_dagster.result import EpochResult
 from volley_dagster.sources.offsets import EpochRange
+from volley_dagster.state.digests import sha256_file
 from volley_dagster.state.options import RocksDBOptions, write_options
-from volley_dagster.state.store import ShardStore, open_snapshot_read_only, sha256_file
+from volley_dagster.state.store import ShardStore, open_snapshot_read_only
 
 
 @pytest.fixture

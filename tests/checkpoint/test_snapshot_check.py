@@ -15,8 +15,8 @@ from volley_dagster.checkpoint.epoch_log import EpochLog
 from volley_dagster.checkpoint.manifest import ShardEntry, ShardSnapshot
 from volley_dagster.result import EpochResult
 from volley_dagster.sources.offsets import EpochRange
+from volley_dagster.state.digests import sha256_file
 from volley_dagster.state.options import RocksDBOptions, write_options
-from volley_dagster.state.store import sha256_file
 from volley_dagster.verify import check_latest_snapshot
 
 SHARDS = 2

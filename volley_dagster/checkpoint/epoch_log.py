@@ -126,6 +126,23 @@ class LayoutChange:
                    d.get("aggregate"))
 
 
+@dataclass(frozen=True)
+class EpochStart:
+    """What one epoch starts from (``EpochLog.start_of``): the typed view its attempt
+    reads once instead of asking the log one thing at a time."""
+
+    epoch: int
+    previous: EpochResult | None  # N-1's manifest (None for epoch 1)
+    layout: ShardLayout | None  # the layout N runs with (None before the first epoch ran: the pipeline's)
+    shards: dict[int, ShardSnapshot]  # N-1's shard snapshots in that layout, paths relative to the root
+    pins: dict[str, TablePin]  # per dimension table: the version N reads
+
+    @property
+    def watermark(self) -> int | None:
+        """The event time N starts from (windows, event-time TTL, deduplication)."""
+        return self.previous.watermark if self.previous is not None else None
+
+
 class EpochLog:
     def __init__(self, root: str | os.PathLike[str], archive_span: int = DEFAULT_SPAN) -> None:
         self.root = local_root(root)  # a URI is refused here, whoever opens the log
@@ -279,8 +296,11 @@ class EpochLog:
     def layout_for(self, epoch: int) -> ShardLayout | None:
         """The layout epoch ``epoch`` runs with: the last rescale taking effect at or
         before it, else the initial layout (None before the first epoch ran)."""
-        changes = [c for c in self.layout_changes() if c.from_epoch <= epoch]
-        return changes[-1].layout if changes else self.initial_layout()
+        return self._layout_for(epoch, self.layout_changes())
+
+    def _layout_for(self, epoch: int, changes: list[LayoutChange]) -> ShardLayout | None:
+        effective = [c for c in changes if c.from_epoch <= epoch]
+        return effective[-1].layout if effective else self.initial_layout()
 
     def current_layout(self) -> ShardLayout | None:
         """The layout the next epoch runs with."""
@@ -305,11 +325,23 @@ class EpochLog:
         """A committed epoch's shard snapshots (paths relative to the root) in the newest
         layout they exist in: a rescale's rewrite of the epoch when there is one, else the
         epoch's own (``EpochOrderError`` if it is not committed)."""
-        manifest = self.committed_manifest(epoch)
-        rewrites = [c for c in self.layout_changes() if c.snapshot_epoch == epoch]
+        return self._state_shards(self.committed_manifest(epoch), self.layout_changes())
+
+    @staticmethod
+    def _state_shards(manifest: EpochResult, changes: list[LayoutChange]) -> dict[int, ShardSnapshot]:
+        rewrites = [c for c in changes if c.snapshot_epoch == manifest.epoch]
         if rewrites:
             return dict(rewrites[-1].shards)
         return {shard: entry.snapshot for shard, entry in manifest.shards.items()}
+
+    def start_of(self, epoch: int, pins: dict[str, TablePin]) -> EpochStart:
+        """What epoch ``epoch`` starts from, read once for its attempt: N-1's manifest and
+        shard snapshots (a rescale's rewrite when there is one), the layout N runs with,
+        and ``pins``, the dimension versions N reads (``EpochRunner`` records missing ones)."""
+        changes = self.layout_changes()
+        previous = self.committed_manifest(epoch - 1) if epoch > 1 else None
+        shards = self._state_shards(previous, changes) if previous is not None else {}
+        return EpochStart(epoch, previous, self._layout_for(epoch, changes), shards, pins)
 
     def record_layout_change(self, change: LayoutChange) -> bool:
         """Commit a rescale; False when another rescale took this sequence number first."""
@@ -422,8 +454,15 @@ class EpochLog:
             raise EpochOrderError(f"epoch {epoch} is not committed (the last committed epoch is {self.last_committed()})")
         return manifest
 
-    def write_manifest(self, result: EpochResult) -> bool:
-        """Commit the epoch; False when another attempt committed it first."""
+    def write_manifest(self, result: EpochResult, layout: ShardLayout | None = None) -> bool:
+        """Commit the epoch; False when another attempt committed it first. ``layout``:
+        the one the epoch ran with, refused (``StateLayoutError``) when a rescale
+        committed another for it meanwhile."""
+        if layout is not None and self.layout_for(result.epoch) != layout:
+            raise StateLayoutError(
+                f"epoch {result.epoch} ran with {layout.num_shards} shards, but a rescale committed meanwhile "
+                f"({self.describe_layouts()}); nothing was committed: run the epoch again"
+            )
         return create_json_exclusive(self.epoch_dir(result.epoch) / "manifest.json", result.to_manifest())
 
     # -- retention -----------------------------------------------------------------

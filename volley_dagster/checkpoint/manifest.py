@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from volley_dagster.operators.base import OperatorStats
-from volley_dagster.state.store import FileDigests, SnapshotInfo
+from volley_dagster.state.digests import FileDigests
+from volley_dagster.state.store import SnapshotInfo
 
 __all__ = ["ShardEntry", "ShardSnapshot", "SnapshotDownload", "SnapshotUpload"]
 

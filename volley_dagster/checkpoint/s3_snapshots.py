@@ -47,7 +47,7 @@ from volley_dagster.checkpoint.epoch_log import EpochLog, epoch_key
 from volley_dagster.errors import ConfigError, SnapshotError, SnapshotStorageError
 from volley_dagster.io.atomic import private_dir
 from volley_dagster.io.s3 import S3Endpoint, S3Location, s3_client
-from volley_dagster.state.store import sha256_file
+from volley_dagster.state.digests import sha256_file
 
 MANIFEST_VERSION = 1
 _MANIFEST_KEY = re.compile(r"^epochs/(\d{10})/shard-(\d{4})(?:-([0-9a-f]+))?\.json$")

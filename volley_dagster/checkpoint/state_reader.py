@@ -10,12 +10,9 @@ shard, and the driver's ``EpochRunner.read_state`` uses the same code.
 
 from __future__ import annotations
 
-import contextlib
-import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from itertools import islice
-from pathlib import Path
 from typing import Literal
 
 import numpy as np
@@ -23,13 +20,14 @@ import pyarrow as pa
 
 from volley_dagster.checkpoint.epoch_log import EpochLog
 from volley_dagster.checkpoint.s3_snapshots import S3SnapshotStore
-from volley_dagster.errors import ConfigError, SnapshotError
+from volley_dagster.checkpoint.snapshots import SnapshotRef, locate, on_this_machine
+from volley_dagster.errors import ConfigError
 from volley_dagster.operators import recorded_operator
 from volley_dagster.operators.base import StatefulOperator
 from volley_dagster.state.keys import decode_keys, key_columns, namespace_prefix
 from volley_dagster.state.options import RocksDBOptions
 from volley_dagster.state.pending_index import stored_entries
-from volley_dagster.state.store import FileDigests, open_snapshot_read_only, verify_snapshot
+from volley_dagster.state.store import open_snapshot_read_only, verify_snapshot
 from volley_dagster.state.transaction import scan_prefix
 
 StateView = Literal["state", "pending"]  # the operator's state rows, or its pending entries (windows, state TTL)
@@ -38,32 +36,12 @@ WINDOW_END, EVICTED = "window_end", "evicted"
 _TIMESTAMP = pa.timestamp("us", tz="UTC")
 
 
-@dataclass(frozen=True)
-class ShardToRead:
-    """One shard's snapshot of one epoch: on the checkpoint root, or in the snapshot store."""
-
-    shard: int
-    path: str
-    files: FileDigests
-    remote_epoch: int | None = None  # the epoch whose copy the snapshot store holds (None: no copy)
-    remote_attempt: str | None = None
-
-
-def shards_to_read(log: EpochLog, epoch: int, store: S3SnapshotStore | None) -> list[ShardToRead]:
+def shards_to_read(log: EpochLog, epoch: int, store: S3SnapshotStore | None) -> list[SnapshotRef]:
     """The shards of a committed epoch, each where a reader finds it; a shard neither on
     this machine nor in the store (retention removed it) is a ``SnapshotError`` here,
-    before any task starts."""
-    shards = []
-    for shard, snap in sorted(log.state_shards(epoch).items()):  # after a rescale of the epoch: its rewrite
-        path = log.root / snap.path
-        remote = store is not None and snap.stored_remotely
-        if not remote and not path.exists():
-            raise SnapshotError(
-                f"epoch {epoch}'s snapshot of shard {shard} ({path}) was removed by retention; "
-                f"retained epochs: {log.retained_snapshots()}: read one of those"
-            )
-        shards.append(ShardToRead(shard, str(path), snap.files, epoch if remote else None, snap.attempt))
-    return shards
+    before any task starts. After a rescale of the epoch: its rewrite."""
+    return list(locate(log.root, epoch, log.state_shards(epoch), store, verify=None,
+                       retained=log.retained_snapshots).values())
 
 
 @dataclass(frozen=True)
@@ -87,6 +65,16 @@ def recorded_reader(log: EpochLog, epoch: int, settings: ReadSettings | None = N
                        settings or ReadSettings())
 
 
+def read_state(log: EpochLog, epoch: int, settings: ReadSettings, keys: Sequence[str] | None) -> pa.Table:
+    """The full keyed state of a committed, retained epoch, read on the driver from its
+    snapshots, sorted by ``keys`` (None: the first column, a deduplication's key)."""
+    reader = recorded_reader(log, epoch, settings)
+    tables = [t for shard in shards_to_read(log, epoch, settings.store) for t in reader.read(shard, "state")]
+    table = pa.concat_tables(tables) if tables else reader.schema("state").empty_table()
+    table = table.drop_columns([KEY_GROUP, SHARD])
+    return table.sort_by([(c, "ascending") for c in (keys or table.column_names[:1])])
+
+
 @dataclass(frozen=True)
 class StateReader:
     """Decodes one operator's snapshots: picklable, so Spark tasks run it as it is."""
@@ -103,10 +91,11 @@ class StateReader:
         empty = self._state_rows([], [], 0) if view == "state" else self._pending_rows([], [], [], 0)
         return empty.schema
 
-    def read(self, shard: ShardToRead, view: StateView) -> Iterator[pa.Table]:
+    def read(self, shard: SnapshotRef, view: StateView) -> Iterator[pa.Table]:
         """The shard's rows of ``view``, a batch at a time."""
         self._check(view)
-        with self._local(shard) as path:
+        with on_this_machine(shard, self.settings.store, self.settings.cache_root) as (path, _):
+            assert path is not None
             verify_snapshot(path, shard.files, full=self.settings.verify_checksums)
             db = open_snapshot_read_only(path, self.settings.rocksdb)
             try:
@@ -144,25 +133,6 @@ class StateReader:
             when, name = when.cast(_TIMESTAMP), WINDOW_END if ttl is None else "expires_at"
         table = pa.table(front + [when, pa.array(evicted, pa.bool_())], names=names + [name, EVICTED])
         return _with_shard(table, shard)
-
-    @contextlib.contextmanager
-    def _local(self, shard: ShardToRead) -> Iterator[Path]:
-        """The snapshot on this machine: the checkpoint root's copy, or one restored from
-        the store into this user's snapshot cache and removed after the read."""
-        path = Path(shard.path)
-        store = self.settings.store
-        if path.exists() or store is None or shard.remote_epoch is None:
-            if not path.exists():
-                raise SnapshotError(f"snapshot {path} of shard {shard.shard} is not on this machine and the snapshot "
-                                    "store has no copy of it")
-            yield path
-            return
-        restored = store.restore(shard.remote_epoch, shard.shard, Path(self.settings.cache_root),
-                                 attempt=shard.remote_attempt).path
-        try:
-            yield restored
-        finally:
-            shutil.rmtree(restored, ignore_errors=True)
 
 
 def _with_shard(table: pa.Table, shard: int) -> pa.Table:

@@ -24,10 +24,10 @@ from pyspark.sql import functions as F
 
 from volley_dagster import columns
 from volley_dagster.checkpoint.s3_snapshots import S3SnapshotStore
+from volley_dagster.checkpoint.snapshots import SnapshotRef, on_this_machine
 from volley_dagster.operators.dedup import INTERNAL_OUT, Deduplication, ResolvedUniqueRecords, decide
 from volley_dagster.spark.partitioning import partition_of_shard, per_shard, to_shards, with_shard
 from volley_dagster.spark.task_errors import engine_errors
-from volley_dagster.spark.tasks import PreviousSnapshot, previous_on_this_machine
 from volley_dagster.state.keys import ShardLayout
 from volley_dagster.state.options import RocksDBOptions
 from volley_dagster.state.store import open_snapshot_read_only, verify_snapshot
@@ -46,7 +46,7 @@ class DuplicateProbe:
 
     dedup: Deduplication
     watermark: int | None
-    previous: dict[int, PreviousSnapshot]
+    previous: dict[int, SnapshotRef]
     rocksdb: RocksDBOptions
     verify_checksums: bool
     remote: S3SnapshotStore | None = None
@@ -59,7 +59,7 @@ class DuplicateProbe:
         positions = table.column(columns.POS).to_numpy(zero_copy_only=False)
         times = table.column(columns.DEDUP_TIME).to_numpy(zero_copy_only=False).astype(np.int64)
         prev = self.previous.get(shard)
-        with previous_on_this_machine(shard, prev, self.remote, self.cache_root) as (path, _):
+        with on_this_machine(prev, self.remote, self.cache_root) as (path, _):
             if path is None or prev is None:
                 verdicts = decide(self.dedup, None, key_groups, keys, positions, times, self.watermark)
             else:

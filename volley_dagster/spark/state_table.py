@@ -22,11 +22,11 @@ from pyspark.sql import functions as F
 from pyspark.sql.pandas.types import from_arrow_schema
 
 from volley_dagster.checkpoint.epoch_log import EpochLog
+from volley_dagster.checkpoint.snapshots import SnapshotRef
 from volley_dagster.checkpoint.state_reader import (
     KEY_GROUP,
     SHARD,
     ReadSettings,
-    ShardToRead,
     StateReader,
     StateView,
     recorded_reader,
@@ -44,7 +44,7 @@ class ShardStateScan:
     """``mapInArrow`` over one row per shard: each id reads that shard's snapshot."""
 
     reader: StateReader
-    shards: tuple[ShardToRead, ...]
+    shards: tuple[SnapshotRef, ...]
     view: StateView
 
     def __call__(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:

@@ -10,10 +10,8 @@ from __future__ import annotations
 import json
 import os
 import resource
-import shutil
 import time
 import uuid
-from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator
@@ -23,15 +21,16 @@ import pyarrow.compute as pc
 
 from volley_dagster import columns, faults
 from volley_dagster.checkpoint.lease import Fence
-from volley_dagster.checkpoint.manifest import ShardEntry, ShardSnapshot, SnapshotDownload, SnapshotUpload
+from volley_dagster.checkpoint.manifest import ShardEntry, ShardSnapshot, SnapshotUpload
 from volley_dagster.checkpoint.s3_snapshots import S3SnapshotStore, UploadResult
-from volley_dagster.errors import SnapshotError, StorageFullError, is_disk_full
+from volley_dagster.checkpoint.snapshots import SnapshotRef, on_this_machine
+from volley_dagster.errors import StorageFullError, is_disk_full
 from volley_dagster.operators.base import ShardStep, StatefulOperator
 from volley_dagster.sources.base import Source
 from volley_dagster.sources.offsets import Segment
 from volley_dagster.state.options import RocksDBOptions
 from volley_dagster.state.resident import ResidentMirror, ResidentStateCache
-from volley_dagster.state.store import FileDigests, ShardStore
+from volley_dagster.state.store import ShardStore
 
 
 @dataclass(frozen=True)
@@ -52,14 +51,6 @@ class SegmentReader:
                 yield from table.to_batches(max_chunksize=65536)
 
 
-@dataclass(frozen=True)
-class PreviousSnapshot:
-    path: str
-    files: FileDigests
-    remote_epoch: int | None = None  # the epoch whose copy in the snapshot store this is (None: no copy)
-    remote_attempt: str | None = None  # the attempt that uploaded it (None: a store written before attempts)
-
-
 def attempt_id() -> str:
     """Names one attempt's working directory, snapshot and S3 shard manifest, so two
     executions of one (epoch, shard) never write the same path."""
@@ -77,7 +68,7 @@ class ShardMerge:
     step: ShardStep
     key_column: str
     operator: StatefulOperator
-    previous: dict[int, PreviousSnapshot]
+    previous: dict[int, SnapshotRef]
     snapshot_root: str  # snapshots/<epoch>/
     work_root: str  # work/<epoch>/
     rocksdb: RocksDBOptions
@@ -122,11 +113,11 @@ class ShardMerge:
                 resident.release()
 
     def _merge_into(
-        self, shard: int, data: pa.Table, null_keys: int, prev: PreviousSnapshot | None,
+        self, shard: int, data: pa.Table, null_keys: int, prev: SnapshotRef | None,
         resident: ResidentMirror | None, t0: float,
     ) -> pa.Table:
         attempt = attempt_id()
-        with previous_on_this_machine(shard, prev, self.remote, self.cache_root) as (source, download):
+        with on_this_machine(prev, self.remote, self.cache_root) as (source, download):
             store = ShardStore.restore(  # an S3 restore is checkpointed into work/, then removed
                 source,
                 prev.files if prev else None,
@@ -182,7 +173,7 @@ class ShardMerge:
         if self.fence is not None:
             self.fence.check(what)
 
-    def _open_resident(self, shard: int, prev: PreviousSnapshot | None) -> ResidentMirror | None:
+    def _open_resident(self, shard: int, prev: SnapshotRef | None) -> ResidentMirror | None:
         records = self.operator.resident_records
         if self.resident is None or records is None:
             return None
@@ -196,33 +187,6 @@ class ShardMerge:
             [pa.nulls(1, arr.type) for arr in values] + [pa.array([json.dumps(entry.to_dict())], pa.string())], names=names
         )
         return pa.concat_tables([rows, stats_row])
-
-
-@contextmanager
-def previous_on_this_machine(shard: int, prev: PreviousSnapshot | None, remote: S3SnapshotStore | None,
-                             cache_root: str) -> Iterator[tuple[Path | None, SnapshotDownload | None]]:
-    """N-1's snapshot on this machine (None: no previous epoch) and what restoring it
-    cost: the shared checkpoint root's copy, or when it is not here, one restored from
-    the snapshot store into the local cache and removed when the block ends."""
-    path, download = _local_previous(shard, prev, remote, cache_root)
-    try:
-        yield path, download
-    finally:
-        if path is not None and prev is not None and str(path) != prev.path:
-            shutil.rmtree(path, ignore_errors=True)
-
-
-def _local_previous(shard: int, prev: PreviousSnapshot | None, remote: S3SnapshotStore | None,
-                    cache_root: str) -> tuple[Path | None, SnapshotDownload | None]:
-    if prev is None or Path(prev.path).exists() or remote is None:
-        return (Path(prev.path) if prev else None), None
-    if prev.remote_epoch is None:
-        raise SnapshotError(
-            f"snapshot {prev.path} is not on this machine and the snapshot store has no copy of it "
-            "(a rescale's rewrite is kept on the checkpoint root only)"
-        )
-    restored = remote.restore(prev.remote_epoch, shard, Path(cache_root), attempt=prev.remote_attempt)
-    return restored.path, SnapshotDownload(restored.bytes_downloaded, restored.seconds)
 
 
 def snapshot_upload(upload: UploadResult) -> SnapshotUpload:

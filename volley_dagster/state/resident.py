@@ -37,7 +37,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, TypeVar
+from typing import Any, Callable, TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -45,10 +45,8 @@ import pyarrow.compute as pc
 
 from volley_dagster.io.atomic import private_dir, write_json_atomic
 from volley_dagster.process import boot_id
+from volley_dagster.state.digests import FileDigests
 from volley_dagster.state.keys import string_key_hashes
-
-if TYPE_CHECKING:
-    from volley_dagster.state.store import FileDigests  # store imports this module
 
 _LINEAGE = "lineage.json"
 _KEYS = "keys.npy"

@@ -8,23 +8,20 @@ read-only and checkpoint it into an attempt-scoped working directory.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import rocksdict
 
 from volley_dagster.errors import SnapshotError
 from volley_dagster.io.atomic import fsync_dir
+from volley_dagster.state.digests import FileDigests, sha256_file
 from volley_dagster.state.options import RocksDBOptions
 from volley_dagster.state.resident import ResidentMirror
 from volley_dagster.state.transaction import DEFAULT_SCAN_FRACTION, ShardTransaction
-
-FileDigests = dict[str, dict[str, Any]]  # file name -> {"size": int, "sha256": str}
 
 
 @dataclass(frozen=True)
@@ -33,14 +30,6 @@ class SnapshotInfo:
     files: FileDigests
     bytes_total: int
     bytes_new: int  # bytes not shared (by hardlink) with the previous snapshot
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def verify_snapshot(path: Path, files: FileDigests, full: bool = False) -> None:

@@ -1,0 +1,66 @@
+"""How a runner runs its pipeline's epochs: one record, checked once, carried whole from
+the runner to each epoch attempt instead of as separate keyword arguments."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from volley_dagster.checkpoint.lease import DEFAULT_TTL_S, DEFAULT_WAIT_S
+from volley_dagster.checkpoint.s3_snapshots import S3SnapshotStore
+from volley_dagster.checkpoint.state_reader import ReadSettings
+from volley_dagster.errors import ConfigError
+from volley_dagster.state.options import RocksDBOptions
+from volley_dagster.state.resident import ResidentStateCache
+from volley_dagster.state.transaction import DEFAULT_SCAN_FRACTION
+
+
+def default_snapshot_cache() -> str:
+    """This user's folder under the system temp dir: a snapshot cache must be its user's alone."""
+    return str(Path(tempfile.gettempdir()) / f"volley-snapshot-cache-{os.getuid()}")
+
+
+@dataclass
+class RunSettings:
+    """How a runner runs epochs (``EpochRunner``'s keyword arguments):
+
+    - ``max_records_per_epoch``: how much one cut takes at most (None: everything waiting).
+    - ``keep_epochs``: committed epochs whose snapshots retention keeps (at least 1).
+    - ``rocksdb``: RocksDB options of the shard stores (``state/options.py``).
+    - ``scan_fraction``: above this share of a shard's keys touched, read the shard
+      with one scan instead of ``multi_get``.
+    - ``verify_checksums``: hash every file of N-1's snapshots before restoring them
+      (default: sizes only; the asset check hashes the files each run made new).
+    - ``snapshot_store``: also keep every shard snapshot on S3, incrementally (only
+      new SSTs upload); a task whose machine lacks N-1's snapshot restores it from
+      there into ``snapshot_cache`` (default: this user's folder under the system
+      temp dir; it must be this user's alone).
+    - ``resident_state``: keep running-aggregate shards' state in the machines' memory
+      between epochs (``state/resident.py``); None reads state from RocksDB every epoch.
+    - ``lease_wait_s``: how long a run waits for another runner of the pipeline to
+      finish before ``PipelineBusyError``; ``lease_ttl_s``: how long a holder on
+      another machine counts as alive after its last heartbeat."""
+
+    max_records_per_epoch: int | None = 1_000_000
+    keep_epochs: int = 3
+    rocksdb: RocksDBOptions = field(default_factory=RocksDBOptions)
+    scan_fraction: float = DEFAULT_SCAN_FRACTION
+    verify_checksums: bool = False
+    snapshot_store: S3SnapshotStore | None = None
+    snapshot_cache: str = field(default_factory=default_snapshot_cache)
+    resident_state: ResidentStateCache | None = None
+    lease_wait_s: float = DEFAULT_WAIT_S
+    lease_ttl_s: float = DEFAULT_TTL_S
+
+    def __post_init__(self) -> None:
+        if self.keep_epochs < 1:
+            raise ConfigError(f"keep_epochs must be at least 1 (the last committed epoch), got {self.keep_epochs}")
+        if self.max_records_per_epoch is not None and self.max_records_per_epoch < 1:
+            raise ConfigError(f"max_records_per_epoch must be positive or None, got {self.max_records_per_epoch}")
+
+    @property
+    def reading(self) -> ReadSettings:
+        """What reading snapshots needs of these (state reads, the dedup probe)."""
+        return ReadSettings(self.snapshot_store, self.snapshot_cache, self.rocksdb, self.verify_checksums)

@@ -1,0 +1,72 @@
+"""Committing one epoch's output to every sink of a pipeline, and the lineage rules that
+decide, per sink, whether to commit, skip or refuse (Quix Streams' ``SinkManager`` has
+this one job alike). Each sink only writes; this module owns the loop, the fencing
+check before each write, and the fault point after each."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import pyarrow as pa
+
+from volley_dagster import faults
+from volley_dagster.checkpoint.epoch_log import EpochLog
+from volley_dagster.errors import EpochOrderError
+from volley_dagster.pipeline import Pipeline
+from volley_dagster.sinks.base import CommitContext, SinkCommitResult
+from volley_dagster.sinks.lineage import SinkBinding
+from volley_dagster.sources.offsets import EpochRange
+
+
+class SinkCommitter:
+    """The sinks of ``pipeline``, whose epochs ``log`` records; ``check_fence(what)``
+    stops before a write when the runner lost its lease."""
+
+    def __init__(self, pipeline: Pipeline, log: EpochLog, check_fence: Callable[[str], None]) -> None:
+        self.pipeline = pipeline
+        self.log = log
+        self.check_fence = check_fence
+
+    def commit(self, output: pa.Table, rng: EpochRange) -> dict[str, dict[str, Any]]:
+        """Each sink in turn: skip what it holds of this lineage, refuse (or, by the
+        sink's choice, replace or follow) another lineage's epochs, commit the rest."""
+        epoch, lineage, digest = rng.epoch, self.log.lineage(), rng.digest()
+        retired = self.log.retired_columns()
+        results: dict[str, dict[str, Any]] = {}
+        for sink in self.pipeline.sinks:
+            t = time.perf_counter()
+            held = sink.committed_mark(self.pipeline.name)
+            binding = self.log.sink_binding(sink.name)
+            if binding is None and held is not None and not lineage.owns(held) and sink.on_foreign_lineage != "fail":
+                self.check_fence(f"epoch {epoch}: recording sink {sink.name!r}'s choice {sink.on_foreign_lineage!r}")
+                binding = self.log.record_sink_binding(SinkBinding(sink.name, sink.on_foreign_lineage, held, epoch))
+            ctx = CommitContext(self.pipeline.name, epoch, self.pipeline.output_keys(), lineage, digest, binding,
+                                retired_columns=retired, expiry_column=self.pipeline.expiry_column())
+            if held is not None and lineage.owns(held) and held.epoch > ctx.sink_epoch:
+                held = sink.commit_of(self.pipeline.name, ctx.sink_epoch) or ctx.mark  # the range it holds for this epoch
+            if not ctx.should_commit(sink.name, held):
+                commit = SinkCommitResult(skipped=True, held_epoch=held.epoch if held else None)
+            else:
+                self.check_fence(f"epoch {epoch}: committing sink {sink.name!r}")
+                commit = sink.commit(output, ctx)  # a lost race reports a skip
+            results[sink.name] = commit.to_dict()
+            results[sink.name].update(seconds=time.perf_counter() - t, lineage=lineage.id, sink_epoch=ctx.sink_epoch)
+            faults.fault_point(f"after_sink_{sink.name}", epoch)
+        return results
+
+    def refuse_held_uncommitted(self, committed: int) -> None:
+        """An epoch after ``committed`` that a sink already holds was half committed in
+        the recorded layout: it must finish in it before the layout changes."""
+        if self.log.last_cut() == committed:
+            return
+        lineage = self.log.lineage()
+        held = {sink.name: mark.epoch for sink in self.pipeline.sinks
+                if (mark := sink.committed_mark(self.pipeline.name)) is not None and lineage.owns(mark)
+                and mark.epoch > committed}
+        if held:
+            raise EpochOrderError(
+                f"cannot change the state layout of {self.log.root}: epoch {committed + 1} is cut but not committed, "
+                f"and sinks {held} already hold it (an attempt crashed after committing them). Run it with the "
+                "recorded pipeline first, then change the layout"
+            )
