@@ -9,6 +9,7 @@ import os
 import shutil
 import sys
 import tempfile
+from pathlib import Path
 from typing import Iterator
 
 import pytest
@@ -27,6 +28,20 @@ os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
 _RESIDENT = tempfile.mkdtemp(prefix="volley-test-resident-")
 os.environ["VOLLEY_RESIDENT_STATE_DIR"] = _RESIDENT
 atexit.register(shutil.rmtree, _RESIDENT, True)
+
+
+_SPARK_FIXTURES = {"spark", "spark_cluster"}
+_SPARK_FOLDERS = {"engine", "dagster", "ui", "properties"}  # their tests start Spark, in-process or in workers
+_TESTS = Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Marks ``spark`` every test that starts Spark, so ``./dev test --fast`` (``-m "not
+    spark"``) is the pure-logic lane: lease, manifest, key encoding, kernels, sinks."""
+    for item in items:
+        folder = Path(str(item.fspath)).resolve().relative_to(_TESTS).parts[0]
+        if folder in _SPARK_FOLDERS or _SPARK_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.spark)
 
 
 @pytest.fixture(scope="session")

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pandas as pd
+import pytest
 
 from harness.processes import proc_ancestors
 from harness.spark_cluster import SparkCluster
@@ -109,6 +110,7 @@ def running(pid: int) -> bool:
         return False
 
 
+@pytest.mark.deep  # the killed-worker test runs the same epochs on the cluster, and checks them alike
 def test_epochs_on_standalone_cluster(spark_cluster: SparkCluster, tmp_path: Path) -> None:
     generate(tmp_path / "events", FILES, PER_FILE, KEYS)
     t0 = time.monotonic()
@@ -170,6 +172,8 @@ def test_killed_worker_during_shard_stage(spark_cluster: SparkCluster, tmp_path:
         assert ran_on[(epoch, str(shard))] == survivor.pid  # the retry ran on the other worker
         assert all(ran_on[(e, s)] == survivor.pid for (e, s) in ran_on if e > epoch)
         runner = assert_exactly_once(tmp_path)
+        # snapshots on the shared checkpoint root hardlink the SSTs earlier epochs wrote
+        assert all(line["state_bytes_written"] < line["state_bytes"] for line in lines[1:]), lines
         # the retry wrote its own snapshot, which the manifest names; retention removed the killed attempt's
         shards = runner.result(epoch).shards
         snap = shards[shard].snapshot
