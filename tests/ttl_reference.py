@@ -21,6 +21,7 @@ import pyarrow as pa
 from tests.helpers import same_value, spark_max, spark_min, spark_sum, with_tables
 from volley_dagster import FileLog, ParquetSink, Pipeline, count, first, last, max_, min_, sum_
 from volley_dagster.demo.events import EVENT_SCHEMA, START_US, write_events
+from volley_dagster.operators.accumulators import Accumulator
 from volley_dagster.sources.storage import storage_for
 
 KEY = "merchant_id"
@@ -64,11 +65,10 @@ def ttl_pipeline(events: Path, output: Path | None, *, ttl_epochs: int | None = 
     pipeline = Pipeline(name).source(FileLog(events, format="parquet"))
     if string_keys:
         pipeline = pipeline.with_column(KEY, f"concat('m-', {KEY})")
-    extra = {"low": min_("amount"), "high": max_("amount"), "first_amount": first("amount"),
-             "last_amount": last("amount")} if every_value else {}
+    accumulators = value_accumulators("amount") if every_value else {"events": count(), "total": sum_("amount")}
     pipeline = (
         pipeline.key_by(KEY)
-        .aggregate(events=count(), total=sum_("amount"), **extra, ttl_epochs=None if ttl else ttl_epochs, ttl=ttl,
+        .aggregate(**accumulators, ttl_epochs=None if ttl else ttl_epochs, ttl=ttl,
                    event_time="event_time" if ttl else None, max_expiry_entries=max_expiry_entries,
                    max_out_of_orderness=delay, max_event_time_skew=skew)
         .with_shards(shards)
@@ -79,6 +79,12 @@ def ttl_pipeline(events: Path, output: Path | None, *, ttl_epochs: int | None = 
 
 
 VALUES = ["events", "total", "low", "high", "first_amount", "last_amount"]  # what the reference computes per key
+
+
+def value_accumulators(column: str) -> dict[str, Accumulator]:
+    """The aggregates ``VALUES`` over ``column``, which ``fold`` folds one value at a time."""
+    return {"events": count(), "total": sum_(column), "low": min_(column), "high": max_(column),
+            "first_amount": first(column), "last_amount": last(column)}
 
 
 def fold(values: dict[str, Any] | None, amount: float | None) -> dict[str, Any]:

@@ -8,16 +8,15 @@ must not depend on the cuts: a second cut of the same stream ends with equal tab
 
 from __future__ import annotations
 
-import pyarrow as pa
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.properties.streams import (
     EXAMPLES,
-    KEY,
     SKEW,
     Epoch,
+    by_key,
     delta_sink,
     materialise,
     one_commit_each,
@@ -46,10 +45,6 @@ def check_epochs(epochs: list[Epoch], reference: TtlReference, columns: list[str
         assert e.result.keys_expired == sum(bool(row["expired"]) for row in expected.values())
         if reference.ttl_us is not None:
             assert e.result.watermark == reference.watermark, f"epoch {e.result.epoch}: watermark"
-
-
-def by_key(table: pa.Table) -> dict[object, dict[str, object]]:
-    return {row[KEY]: row for row in table.to_pylist()}
 
 
 @pytest.mark.parametrize("ttl", ["none", "epochs", "event_time"])
