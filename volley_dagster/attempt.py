@@ -91,7 +91,7 @@ class EpochAttempt:
         """The epoch's result: this attempt's, or the one another attempt committed first."""
         t0 = time.perf_counter()
         try:
-            plan, merge = self._plan()
+            plan, merge = self.plan()
             self.status = AttemptStatus.PLANNED
             stage = self._stage(plan, merge)
             self.status = AttemptStatus.STAGED
@@ -117,7 +117,9 @@ class EpochAttempt:
 
     # -- the steps -------------------------------------------------------------------
 
-    def _plan(self) -> tuple[PlannedEpoch, ShardMerge]:
+    def plan(self) -> tuple[PlannedEpoch, ShardMerge]:
+        """The first step: the driver's checks, the plan, and what each shard task gets
+        (``run`` goes on from here; a test may stop after it)."""
         epoch, pipeline, rng, settings = self.epoch, self.pipeline, self.rng, self.settings
         _refuse_speculation(self.spark)
         pipeline.source_log.verify(rng)

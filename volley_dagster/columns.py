@@ -15,6 +15,7 @@ POS_OFFSET_BITS = 40  # an epoch reads fewer than 2^40 records of a segment
 POS_SEGMENT_BITS = 23  # and has fewer than 2^23 segments: positions stay non-negative int64s
 WINDOW_START = "_volley_ws"  # window bounds in microseconds since the Unix epoch
 WINDOW_END = "_volley_we"
+LATE_TIME = "_volley_time"  # a late row's event time (the side output names it after the time column)
 MARKER = "_volley_marker"  # one row per shard, so every shard task runs
 PARTITION = "_volley_part"  # the Spark partition a shard's rows go to (spark/partitioning.py)
 DEDUP_KEY = "_volley_dkey"  # deduplication: a record's key over the ``on`` columns (int64 or string)

@@ -14,8 +14,9 @@ from deltalake import write_deltalake
 from tests.helpers import enriched_payments, merchants_table, payments
 from tests.window_reference import window_pipeline
 from volley_dagster import EpochRunner, VolleyError, tumbling
+from volley_dagster.attempt import EpochAttempt
 from volley_dagster.demo.events import generate
-from volley_dagster.spark.stage import plan_epoch, run_stage
+from volley_dagster.spark.stage import run_stage
 from volley_dagster.spark.warm import warm_session
 
 if __name__ == "__main__":
@@ -33,13 +34,16 @@ if __name__ == "__main__":
                           max_records_per_epoch=300).run_available()
     generate(base / "events", 1, 500, 200, first_file=2)
     rng = runner.cut_next()
-    plan = plan_epoch(spark, runner.pipeline, rng)
+    assert rng is not None
     path = base / "events" / "events-000002.parquet"
-    path.write_bytes(path.read_bytes() + b"x")
-    try:
-        run_stage(spark, runner.pipeline, rng, plan, merge=None)
-        error = None
-    except VolleyError as exc:
-        error = f"{type(exc).__name__}: {exc}"
+    with runner.lease() as lease:
+        start = runner.log.start_of(rng.epoch, {})
+        plan, merge = EpochAttempt(spark, runner.pipeline, rng, start, runner.log, runner.settings, lease).plan()
+        path.write_bytes(path.read_bytes() + b"x")  # rewritten after the driver's checks
+        try:
+            run_stage(spark, runner.pipeline, rng, plan, merge)
+            error = None
+        except VolleyError as exc:
+            error = f"{type(exc).__name__}: {exc}"
     print(json.dumps({"records": records, "error": error, "enriched": enriched[0].enrichments["merchants"],
                       "windows": [{"epoch": r.epoch, "watermark": r.watermark, "late": r.late_records} for r in windows]}))

@@ -223,13 +223,17 @@ def test_file_changed_after_cut_fails_inside_the_stage(spark, tmp_path):
     pipeline = payments(tmp_path / "events", tmp_path / "out")
     runner = EpochRunner(pipeline, tmp_path / "state", spark=spark)
     rng = runner.cut_next()
-    from volley_dagster.spark.stage import plan_epoch, run_stage
+    assert rng is not None
+    from volley_dagster.attempt import EpochAttempt
+    from volley_dagster.spark.stage import run_stage
 
     path = tmp_path / "events" / "events-000000.parquet"
-    plan = plan_epoch(spark, pipeline, rng)
-    path.write_bytes(path.read_bytes() + b"x")  # rewritten after the driver's check
-    with pytest.raises(SourceError, match="changed after the epoch was cut"):
-        run_stage(spark, pipeline, rng, plan, merge=None)
+    with runner.lease() as lease:
+        attempt = EpochAttempt(spark, pipeline, rng, runner.log.start_of(1, {}), runner.log, runner.settings, lease)
+        plan, merge = attempt.plan()  # the driver's checks pass
+        path.write_bytes(path.read_bytes() + b"x")  # rewritten after them
+        with pytest.raises(SourceError, match="changed after the epoch was cut"):
+            run_stage(spark, pipeline, rng, plan, merge)
 
 
 def test_a_source_file_rewritten_at_the_same_size_fails_the_epoch_by_name(spark, tmp_path):

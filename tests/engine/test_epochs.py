@@ -3,6 +3,8 @@ straight computation over the source records, and re-runs change nothing."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -18,7 +20,10 @@ from tests.helpers import (
     tree_digest,
 )
 from volley_dagster import EpochNotCutError, EpochOrderError, EpochRunner, SnapshotError
+from volley_dagster.attempt import AttemptStatus, EpochAttempt
 from volley_dagster.demo.events import generate
+from volley_dagster.sinks.base import CommitContext, SinkCommitResult
+from volley_dagster.sinks.memory import MemorySink
 
 FILES, PER_FILE, KEYS = 6, 4_000, 1_500
 
@@ -196,3 +201,33 @@ def test_a_new_checkpoint_root_is_its_owners_alone(tmp_path):
     generate(tmp_path / "events", 1, 10, 5)
     runner = EpochRunner(payments(tmp_path / "events", tmp_path / "out"), tmp_path / "ckpt" / "payments")
     assert (runner.log.root.stat().st_mode & 0o777) == 0o700
+
+
+class _DownSink(MemorySink):
+    """A sink whose store is down: every commit raises, as an outage does."""
+
+    def commit(self, output: pa.Table, ctx: CommitContext) -> SinkCommitResult:
+        raise OSError("the sink's store is down")
+
+
+def test_an_attempt_says_how_far_it_got_and_a_failed_one_commits_nothing(spark, tmp_path):
+    generate(tmp_path / "events", 1, 500, 50)
+    pipeline = payments(tmp_path / "events", tmp_path / "out")
+    down = replace(pipeline, sinks=(_DownSink(),))
+    runner = EpochRunner(down, tmp_path / "state", spark=spark)
+    rng = runner.cut_next()
+    assert rng is not None
+    with runner.lease() as lease:
+        failed = EpochAttempt(spark, down, rng, runner.log.start_of(1, {}), runner.log, runner.settings, lease)
+        assert failed.status is AttemptStatus.STARTED
+        with pytest.raises(OSError, match="store is down"):
+            failed.run()
+        # the shard tasks snapshotted, the side outputs were written; no sink, no manifest
+        assert failed.failed and failed.status is AttemptStatus.SIDE_OUTPUTS_WRITTEN
+        assert not runner.log.is_committed(1)
+        healed = EpochAttempt(spark, pipeline, rng, runner.log.start_of(1, {}), runner.log, runner.settings, lease)
+        result = healed.run()
+        token = lease.fence.token
+    assert not healed.failed and healed.status is AttemptStatus.PRUNED
+    assert runner.log.is_committed(1) and result.records_in == 500 and result.fencing_token == token
+    assert_state_equal(runner.read_state(), reference_state(log_records(1, 500, 50)))

@@ -34,10 +34,8 @@ from volley_dagster.checkpoint.rescale import RescaleResult, rescale
 from volley_dagster.errors import ConfigError, EpochOrderError, StateLayoutError
 from volley_dagster.operators import recorded_operator, without_dedup
 from volley_dagster.operators.aggregate import ResolvedAggregate
-from volley_dagster.operators.base import StatefulOperator
+from volley_dagster.operators.base import MigratableOperator, StatefulOperator
 from volley_dagster.operators.ttl import TOUCHED
-from volley_dagster.operators.window import ResolvedWindowAggregate
-from volley_dagster.operators.window_state import decode_windows, encode_windows, window_dtype
 from volley_dagster.state.options import RocksDBOptions
 
 WAY_OUT = ("start a new lineage (a new checkpoint root, whose epochs re-read the log from its start; each sink's "
@@ -80,17 +78,11 @@ class StateMigration:
         return [c.describe() for c in self.accumulators if c.change != "kept"] + list(self.windowing)
 
     def convert(self, namespace: int, values: list[bytes]) -> list[bytes]:
-        old, new = _aggregate(self.old), _aggregate(self.new)
-        if isinstance(without_dedup(self.new), ResolvedWindowAggregate):
-            rows, key_index = decode_windows(values, window_dtype(old))
-            out = np.zeros(len(rows), dtype=window_dtype(new))
-            out["start"], out["end"] = rows["start"], rows["end"]
-            self._fill(out, rows, new)
-            return encode_windows(out, key_index, len(values))[0]
-        state, _ = old.decode(values)
-        out = new.blank_rows(len(state))
-        self._fill(out, state, new)
-        return new.encode(out)
+        """The stored records rewritten by the new operator, each accumulator filled by
+        ``_fill`` (a deduplication's remembered keys are copied as they are)."""
+        new = without_dedup(self.new)
+        assert isinstance(new, MigratableOperator), "plan_migration refuses operators without a record migration"
+        return new.migrate_records(without_dedup(self.old), values, self._fill)
 
     def _fill(self, out: np.ndarray, rows: np.ndarray, new: ResolvedAggregate) -> None:
         out["_format"] = rows["_format"]
@@ -239,15 +231,6 @@ def _initial(spec: dict[str, Any], value: float | None) -> float | None:
 def _show(spec: dict[str, Any]) -> str:
     column = repr(spec["column"]) if spec["column"] is not None else ""
     return f"{spec['type'].lower()}({column}) over {spec['kind'] or 'rows'}"
-
-
-def _aggregate(operator: StatefulOperator) -> ResolvedAggregate:
-    """The aggregate whose records a migration converts (a deduplication's are copied as they are)."""
-    operator = without_dedup(operator)
-    if isinstance(operator, ResolvedWindowAggregate):
-        return operator.aggregate
-    assert isinstance(operator, ResolvedAggregate)
-    return operator
 
 
 def _refuse(why: str) -> NoReturn:

@@ -3,21 +3,32 @@ those partials into RocksDB state and emit each changed key's new value."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 import numpy as np
 import pyarrow as pa
-from pyspark.sql import Column
+from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
 from volley_dagster import columns
 from volley_dagster.errors import AggregateOverflowError, ConfigError, StateLayoutError
 from volley_dagster.operators.accumulators import Accumulator, StateOverflow, ValueKind, spark_ddl
-from volley_dagster.operators.base import OperatorStats, ShardStep, StateNamespaces, partial_records
+from volley_dagster.operators.base import (
+    FillRecords,
+    OperatorStats,
+    ShardStep,
+    StageClock,
+    StatefulOperator,
+    StateNamespaces,
+    partial_records,
+)
+from volley_dagster.operators.event_time import EventTime
 from volley_dagster.operators.ttl import EXPIRED, TOUCHED, TOUCHED_PARTIAL, ShardExpiry, StateTtl, with_ttl_namespaces
-from volley_dagster.state.keys import decode_keys, encode_keys, key_columns, namespace_prefix
+from volley_dagster.sources.offsets import EpochRange
+from volley_dagster.spark.partitioning import routing_columns, to_shards
+from volley_dagster.state.keys import ShardLayout, decode_keys, encode_keys, key_columns, namespace_prefix
 from volley_dagster.state.resident import MirrorKeys, ResidentRecords, ResidentShard
 from volley_dagster.state.transaction import ShardTransaction
 
@@ -106,6 +117,49 @@ class ResolvedAggregate:
         for (name, acc), kind in zip(self.accumulators, self.kinds, strict=True):
             exprs.extend(expr.alias(col) for col, expr in acc.partials(name, kind).items())
         return exprs + (self.ttl.partial_exprs() if self.ttl is not None else [])
+
+    def migrate_records(self, old: StatefulOperator, values: list[bytes], fill: FillRecords) -> list[bytes]:
+        assert isinstance(old, ResolvedAggregate)
+        state, _ = old.decode(values)
+        out = self.blank_rows(len(state))
+        fill(out, state, self)
+        return self.encode(out)
+
+    # -- in the epoch's Spark stage (``operators.base.SparkOperator``) -----------------
+
+    @property
+    def event_time(self) -> EventTime | None:
+        """An event-time TTL's clock: keys expire at the watermark after the epoch."""
+        return self.ttl.event_time if self.ttl is not None else None
+
+    @property
+    def runs_without_records(self) -> bool:
+        """With ``ttl_epochs``, keys expire in epochs without records too."""
+        return self.ttl is not None and self.ttl.by_epochs
+
+    def null_key_reason(self, key_column: str) -> str:
+        return f"null key: {key_column!r} is null"
+
+    def output_schema(self, key_ddl: str) -> list[str]:
+        return [key_ddl] + self.output_ddl()
+
+    def assign(self, rows: DataFrame) -> DataFrame:
+        return rows
+
+    def late(self, assigned: DataFrame, watermark: int | None) -> None:
+        return None  # a running aggregate takes every record
+
+    def shard_rows(self, assigned: DataFrame, layout: ShardLayout, kept: DataFrame | None, clock: StageClock,
+                   step: ShardStep) -> tuple[DataFrame, ShardStep]:
+        """The partials per key, already in their shard's partition: one shuffle of the
+        epoch's rows (null keys too: one row, counted by the shard task)."""
+        if self.event_time is not None:
+            step = replace(step, expire_limit=clock.watermark)
+        partials = to_shards(assigned, layout, kept).groupBy(*routing_columns(kept), columns.KEY)
+        return partials.agg(*self.partial_exprs()), step
+
+    def sink_output(self, output: pa.Table, rng: EpochRange) -> tuple[pa.Table, None]:
+        return output, None
 
     def output_fields(self) -> list[tuple[str, ValueKind]]:
         return [(name, acc.output_kind(kind)) for (name, acc), kind in zip(self.accumulators, self.kinds, strict=True)]

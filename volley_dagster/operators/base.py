@@ -4,7 +4,7 @@ shard task that folds them into the shard's state through its transaction."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -13,6 +13,13 @@ from volley_dagster import columns
 from volley_dagster.state.keys import ShardLayout
 from volley_dagster.state.resident import ResidentRecords
 from volley_dagster.state.transaction import ShardTransaction
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame
+
+    from volley_dagster.operators.aggregate import ResolvedAggregate
+    from volley_dagster.operators.event_time import EventTime
+    from volley_dagster.sources.offsets import EpochRange
 
 
 @dataclass(frozen=True)
@@ -99,3 +106,66 @@ class StatefulOperator(Protocol):
     def apply(self, txn: ShardTransaction, data: pa.Table, step: ShardStep) -> tuple[list[pa.Array], OperatorStats]:
         """Fold one shard's partials (key, key group and partial columns) into state;
         returns the output columns (key first) and statistics for the manifest."""
+
+
+@dataclass(frozen=True)
+class StageClock:
+    """What the stage knows of event time when an operator routes the epoch's rows."""
+
+    watermark_before: int | None = None  # the watermark the epoch starts from
+    watermark: int | None = None  # and the one after it
+    end_of_stream: bool = False
+
+
+class SparkOperator(StatefulOperator, Protocol):
+    """What a resolved operator does in the epoch's Spark stage (``spark/stage.py``),
+    which composes these steps in order and never asks which operator it has:
+    ``assign`` -> side outputs (``late``) -> ``shard_rows`` -> the shard tasks
+    (``apply``) -> ``sink_output``."""
+
+    @property
+    def event_time(self) -> EventTime | None:
+        """The clock the epoch advances a watermark on (None: the operator has none)."""
+
+    @property
+    def runs_without_records(self) -> bool:
+        """Whether an epoch without records must still run the shard tasks (keys may
+        expire, windows may fire); else its snapshots are N-1's, carried forward."""
+
+    def null_key_reason(self, key_column: str) -> str:
+        """Why a record whose key is null is a dead letter."""
+
+    def output_schema(self, key_ddl: str) -> list[str]:
+        """Spark DDL of every column the shard tasks return, the key's (``key_ddl``) first."""
+
+    def assign(self, rows: DataFrame) -> DataFrame:
+        """The rows the operator folds (windows: one per record and window)."""
+
+    def late(self, assigned: DataFrame, watermark: int | None) -> DataFrame | None:
+        """The assigned rows too late for ``watermark``, for the late-records side output
+        (``POS``, ``reason``, ``KEY``, ``_volley_time`` and the operator's own columns);
+        None: the operator has no late rows."""
+
+    def shard_rows(self, assigned: DataFrame, layout: ShardLayout, kept: DataFrame | None, clock: StageClock,
+                   step: ShardStep) -> tuple[DataFrame, ShardStep]:
+        """The rows each shard task gets, in its shard's partition (``to_shards``), with
+        ``kept`` (a deduplication's kept keys) in the same exchange; and the shard step
+        with what the tasks must know of ``clock``."""
+
+    def sink_output(self, output: pa.Table, rng: EpochRange) -> tuple[pa.Table, pa.Table | None]:
+        """The shard tasks' rows as the sinks take them, and the records they dropped,
+        for the duplicates side output (None: none kept)."""
+
+
+# ``fill(out, rows, aggregate)``: a migration sets each accumulator's fields of the new
+# records ``out`` from the old records ``rows`` (``checkpoint/migrate.py``)
+FillRecords = Callable[[Any, Any, "ResolvedAggregate"], None]
+
+
+@runtime_checkable
+class MigratableOperator(Protocol):
+    """An operator whose stored records a migration can rewrite (accumulators added,
+    removed or renamed): each knows how its records wrap the aggregate's."""
+
+    def migrate_records(self, old: StatefulOperator, values: list[bytes], fill: FillRecords) -> list[bytes]:
+        """``values`` stored by ``old`` (the same kind of operator), as this one stores them."""

@@ -59,15 +59,24 @@ from typing import Any, ClassVar
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-from pyspark.sql import Column
+from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
 from volley_dagster import columns
 from volley_dagster.errors import ConfigError
-from volley_dagster.operators.base import OperatorStats, ShardStep, StatefulOperator, StateNamespaces, partial_records
+from volley_dagster.operators.base import (
+    OperatorStats,
+    ShardStep,
+    StageClock,
+    StatefulOperator,
+    StateNamespaces,
+    partial_records,
+)
 from volley_dagster.operators.event_time import EventTime
-from volley_dagster.state.keys import decode_keys, encode_keys, key_columns, namespace_prefix
+from volley_dagster.sources.offsets import EpochRange
+from volley_dagster.spark.partitioning import to_shards
+from volley_dagster.state.keys import ShardLayout, decode_keys, encode_keys, key_columns, namespace_prefix
 from volley_dagster.state.pending_index import ordered_us
 from volley_dagster.state.resident import ResidentRecords
 from volley_dagster.state.transaction import ShardTransaction
@@ -80,6 +89,7 @@ SEEN_NS, SEEN_BY_DEADLINE_NS = 7, 8  # ns | key group | key -> event time; ns | 
 DUPLICATES = "duplicates"  # the epoch's figures: records dropped as duplicates,
 DEDUP_LATE = "dedup_late"  # and as late (event time + within at or before the watermark the epoch starts from)
 REASON_DUPLICATE, REASON_LATE = "duplicate", "late"  # the duplicates side output's ``reason``
+DROPPED_COLUMNS = [columns.POS, columns.DEDUP_KEY, columns.DEDUP_TIME, columns.DEDUP_LATE]  # of a dropped record
 _MAX = np.iinfo(np.int64).max
 
 
@@ -146,6 +156,18 @@ class Deduplication:
     def describe_null(self) -> str:
         """The dead-letter reason of a record whose single key column is null."""
         return f"null deduplication key: {self.on[0]!r} is null"
+
+    def side_output(self, dropped: pa.Table, rng: EpochRange) -> pa.Table:
+        """The duplicates side output of ``dropped`` (``DROPPED_COLUMNS``): where each
+        dropped record is, its key and event time, and why (``duplicate``, or ``late``:
+        event time + within at or before the watermark the epoch started from), in log order."""
+        dropped = dropped.sort_by(columns.POS)
+        reason = pc.if_else(dropped.column(columns.DEDUP_LATE), pa.scalar(REASON_LATE), pa.scalar(REASON_DUPLICATE))
+        cols = rng.where_in_log(dropped.column(columns.POS).combine_chunks()) + [
+            dropped.column(columns.DEDUP_KEY), dropped.column(columns.DEDUP_TIME).cast(pa.timestamp("us", tz="UTC")),
+            reason]
+        return pa.table(cols, names=["partition", "file", "offset", self.key_name, self.event_time.time_column,
+                                     "reason"])
 
 
 def first_occurrences(keys: pa.Array, positions: np.ndarray) -> np.ndarray:
@@ -360,6 +382,45 @@ class ResolvedUniqueRecords:
 
     def output_names(self) -> list[str]:
         return list(self.columns[1:]) + (list(INTERNAL_OUT) if self.dedup.write_duplicates else [])
+
+    # -- in the epoch's Spark stage (``operators.base.SparkOperator``) -----------------
+
+    @property
+    def event_time(self) -> EventTime:
+        return self.dedup.event_time
+
+    runs_without_records: ClassVar[bool] = False
+
+    def null_key_reason(self, key_column: str) -> str:
+        return self.dedup.describe_null()
+
+    def output_schema(self, key_ddl: str) -> list[str]:
+        """The records' own columns, the deduplication key's first."""
+        return [self.ddl[0]] + self.output_ddl()
+
+    def assign(self, rows: DataFrame) -> DataFrame:
+        return rows
+
+    def late(self, assigned: DataFrame, watermark: int | None) -> None:
+        return None  # late copies are decided by the shard tasks, and counted with the duplicates
+
+    def shard_rows(self, assigned: DataFrame, layout: ShardLayout, kept: DataFrame | None, clock: StageClock,
+                   step: ShardStep) -> tuple[DataFrame, ShardStep]:
+        """Each record (its columns, position and event time) in the partition of the
+        shard that owns its key, marker rows included: no probe job."""
+        narrow = assigned.select(columns.KEY, columns.POS, *self.columns,
+                                 self.dedup.event_time.event_us().alias(columns.DEDUP_TIME), F.lit(1).alias(columns.ROWS))
+        return to_shards(narrow, layout), step
+
+    def sink_output(self, output: pa.Table, rng: EpochRange) -> tuple[pa.Table, pa.Table | None]:
+        """The kept records; with ``write_duplicates`` the tasks returned every record,
+        flagged, and the dropped ones become the duplicates side output."""
+        if not self.dedup.write_duplicates:
+            return output, None
+        flags = pc.or_(output.column(columns.DUPLICATE), output.column(columns.DEDUP_LATE))
+        dropped = output.filter(flags).select(DROPPED_COLUMNS)
+        kept = output.filter(pc.invert(flags)).drop_columns(list(INTERNAL_OUT))
+        return kept, self.dedup.side_output(dropped, rng)
 
     def apply(self, txn: ShardTransaction, data: pa.Table, step: ShardStep) -> tuple[list[pa.Array], OperatorStats]:
         key_groups = data.column(columns.KEY_GROUP).to_numpy(zero_copy_only=False).astype(np.int64)

@@ -26,8 +26,8 @@ shard tasks merge those partials with state (``window_state``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Literal
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 import pyarrow as pa
@@ -39,10 +39,25 @@ from volley_dagster import columns
 from volley_dagster.errors import AggregateOverflowError, ConfigError
 from volley_dagster.operators.accumulators import StateOverflow
 from volley_dagster.operators.aggregate import Aggregate, ResolvedAggregate
-from volley_dagster.operators.base import OperatorStats, ShardStep, StateNamespaces
+from volley_dagster.operators.base import (
+    FillRecords,
+    OperatorStats,
+    ShardStep,
+    StageClock,
+    StatefulOperator,
+    StateNamespaces,
+)
 from volley_dagster.operators.event_time import Duration, EventTime, duration_us
-from volley_dagster.operators.window_state import WINDOW_NAMESPACES, apply_windows, decode_windows, window_dtype
-from volley_dagster.state.keys import decode_keys, key_columns
+from volley_dagster.operators.window_state import (
+    WINDOW_NAMESPACES,
+    apply_windows,
+    decode_windows,
+    encode_windows,
+    window_dtype,
+)
+from volley_dagster.sources.offsets import EpochRange
+from volley_dagster.spark.partitioning import routing_columns, to_shards
+from volley_dagster.state.keys import ShardLayout, decode_keys, key_columns
 from volley_dagster.state.resident import ResidentRecords
 from volley_dagster.state.transaction import ShardTransaction
 
@@ -50,6 +65,7 @@ WindowKind = Literal["tumbling", "sliding", "session"]
 
 WINDOW_START = "window_start"
 WINDOW_END = "window_end"
+LATE_REASON = "window closed: window end + allowed lateness <= watermark"
 NO_LIMIT = np.iinfo(np.int64).max  # an end-of-stream epoch fires every window
 
 @dataclass(frozen=True)
@@ -221,6 +237,49 @@ class ResolvedWindowAggregate:
             .withColumn(columns.WINDOW_END, F.unix_micros(F.col("_volley_s.end")))
             .drop("_volley_s")
         )
+
+    def migrate_records(self, old: StatefulOperator, values: list[bytes], fill: FillRecords) -> list[bytes]:
+        """Each key's open windows keep their bounds; their aggregates are rewritten."""
+        assert isinstance(old, ResolvedWindowAggregate)
+        rows, key_index = decode_windows(values, window_dtype(old.aggregate))
+        out = np.zeros(len(rows), dtype=window_dtype(self.aggregate))
+        out["start"], out["end"] = rows["start"], rows["end"]
+        fill(out, rows, self.aggregate)
+        return encode_windows(out, key_index, len(values))[0]
+
+    # -- in the epoch's Spark stage (``operators.base.SparkOperator``) -----------------
+
+    @property
+    def event_time(self) -> EventTime:
+        return self.windowing.event_time
+
+    runs_without_records: ClassVar[bool] = True  # the end of the stream fires every window
+
+    def null_key_reason(self, key_column: str) -> str:
+        return f"null key: {key_column!r} is null"
+
+    def output_schema(self, key_ddl: str) -> list[str]:
+        return [key_ddl] + self.output_ddl()
+
+    def late(self, assigned: DataFrame, watermark: int | None) -> DataFrame:
+        """The (record, window) pairs whose window had closed at ``watermark``."""
+        return assigned.where(self.is_late(watermark)).select(
+            F.col(columns.POS), F.lit(LATE_REASON).alias("reason"), F.col(columns.KEY),
+            F.col(self.windowing.time_column).cast("timestamp").alias(columns.LATE_TIME),
+            F.timestamp_micros(columns.WINDOW_START).alias(WINDOW_START),
+            F.timestamp_micros(columns.WINDOW_END).alias(WINDOW_END),
+        )
+
+    def shard_rows(self, assigned: DataFrame, layout: ShardLayout, kept: DataFrame | None, clock: StageClock,
+                   step: ShardStep) -> tuple[DataFrame, ShardStep]:
+        """The pairs on time, pre-aggregated per key and window in their shard's partition;
+        the tasks fire the windows ending at or before the fire limit."""
+        step = replace(step, fire_limit=self.windowing.fire_limit(clock.watermark, clock.end_of_stream))
+        on_time = to_shards(assigned.where(~self.is_late(clock.watermark_before)), layout, kept)
+        return self.partials(on_time, routing_columns(kept)), step
+
+    def sink_output(self, output: pa.Table, rng: EpochRange) -> tuple[pa.Table, None]:
+        return output, None
 
     def output_ddl(self) -> list[str]:
         return [f"`{WINDOW_START}` timestamp", f"`{WINDOW_END}` timestamp"] + self.aggregate.output_ddl()

@@ -15,6 +15,9 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any, Union
 
+import pyarrow as pa
+import pyarrow.compute as pc
+
 from volley_dagster.columns import POS_OFFSET_BITS, POS_SEGMENT_BITS
 from volley_dagster.errors import EpochTooLargeError
 
@@ -115,6 +118,16 @@ class EpochRange:
         """The segment and file record index (or Kafka offset) of an event position."""
         seg = self.segments[pos >> POS_OFFSET_BITS]
         return seg, seg.start + (pos & ((1 << POS_OFFSET_BITS) - 1))
+
+    def where_in_log(self, positions: pa.Array) -> list[pa.Array]:
+        """Event positions back as (partition, file, record offset) columns, in bulk (late
+        records can be many): segment = position >> 40, offset = its start + the low 40 bits."""
+        pos = positions.cast(pa.int64())
+        segment = pc.shift_right(pos, POS_OFFSET_BITS)
+        by_segment = [pa.array([getattr(s, a) for s in self.segments], pa.string()) for a in ("partition", "file")]
+        starts = pa.array([s.start for s in self.segments], pa.int64())
+        offsets = pc.add(pc.take(starts, segment), pc.bit_wise_and(pos, (1 << POS_OFFSET_BITS) - 1))
+        return [pc.take(values, segment) for values in by_segment] + [offsets]
 
     def check_positions(self) -> None:
         """Refuse a cut whose records' event positions could not tell apart (``columns.POS``):

@@ -25,8 +25,8 @@ from pyspark.sql import functions as F
 from volley_dagster import columns
 from volley_dagster.checkpoint.s3_snapshots import S3SnapshotStore
 from volley_dagster.checkpoint.snapshots import SnapshotRef, on_this_machine
-from volley_dagster.operators.dedup import INTERNAL_OUT, Deduplication, ResolvedUniqueRecords, decide
-from volley_dagster.spark.partitioning import partition_of_shard, per_shard, to_shards, with_shard
+from volley_dagster.operators.dedup import DROPPED_COLUMNS, Deduplication, decide
+from volley_dagster.spark.partitioning import partition_of_shard, per_shard, with_shard
 from volley_dagster.spark.task_errors import engine_errors
 from volley_dagster.state.keys import ShardLayout
 from volley_dagster.state.options import RocksDBOptions
@@ -34,9 +34,7 @@ from volley_dagster.state.store import open_snapshot_read_only, verify_snapshot
 from volley_dagster.state.transaction import ShardTransaction
 
 _PROBED = [columns.SHARD, columns.KEY_GROUP, columns.DEDUP_KEY, columns.DEDUP_TIME, columns.POS]
-KEPT_KEY_COLUMNS = [columns.DEDUP_KEY, columns.DEDUP_TIME]  # null on the records' rows
 _VERDICTS = [columns.DUPLICATE, columns.DEDUP_LATE]
-_DROPPED = [columns.POS, columns.DEDUP_KEY, columns.DEDUP_TIME, columns.DEDUP_LATE]  # the side output's columns
 
 
 @dataclass(frozen=True)
@@ -93,7 +91,7 @@ class ProbedEpoch:
     def kept_keys(self) -> DataFrame:
         """One row per kept key, with its key group and shard, for ``to_shards(routed=...)``:
         they reach their shard task in the state stage's own exchange, grouped apart
-        from the partials by ``KEPT_KEY_COLUMNS``."""
+        from the partials by ``partitioning.KEPT_KEY_COLUMNS``."""
         return self.probed.where(~_dropped()).drop(*_VERDICTS, columns.POS)
 
     def release(self) -> None:
@@ -117,7 +115,7 @@ def probe_duplicates(rows: DataFrame, dedup: Deduplication, layout: ShardLayout,
     try:
         with engine_errors():
             if dedup.write_duplicates:
-                dropped = probed.where(_dropped()).select(*_DROPPED).toArrow()
+                dropped = probed.where(_dropped()).select(*DROPPED_COLUMNS).toArrow()
                 late = int(pc.sum(dropped.column(columns.DEDUP_LATE).cast(pa.int64())).as_py() or 0)
                 return ProbedEpoch(probed, dropped.num_rows - late, late, dropped)
             counts = probed.agg(*[F.sum(F.col(c).cast("long")).alias(c) for c in _VERDICTS]).first()
@@ -125,22 +123,3 @@ def probe_duplicates(rows: DataFrame, dedup: Deduplication, layout: ShardLayout,
     except BaseException:
         probed.unpersist()
         raise
-
-
-def route_records(rows: DataFrame, unique: ResolvedUniqueRecords, layout: ShardLayout) -> DataFrame:
-    """A pipeline that only deduplicates: each record (its columns, position and event
-    time) in the partition of the shard that owns its key, marker rows included."""
-    needed = [columns.KEY, columns.POS, *unique.columns]
-    narrow = rows.select(*needed, unique.dedup.event_time.event_us().alias(columns.DEDUP_TIME),
-                         F.lit(1).alias(columns.ROWS))
-    return to_shards(narrow, layout)
-
-
-def split_duplicates(output: pa.Table, unique: ResolvedUniqueRecords) -> tuple[pa.Table, pa.Table | None]:
-    """The shard tasks' rows as the kept records, and with ``write_duplicates`` the
-    dropped ones (position, key, event time, whether late) for the side output."""
-    if not unique.dedup.write_duplicates:
-        return output, None
-    flags = pc.or_(output.column(columns.DUPLICATE), output.column(columns.DEDUP_LATE))
-    dropped = output.filter(flags).select(_DROPPED)
-    return output.filter(pc.invert(flags)).drop_columns(list(INTERNAL_OUT)), dropped

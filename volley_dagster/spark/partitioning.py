@@ -86,6 +86,13 @@ def shard_markers(df: DataFrame, layout: ShardLayout) -> DataFrame:
 # What ``to_shards`` adds: an aggregate grouping by these (and its own keys) finds its
 # rows already in place, and Spark plans no second exchange.
 ROUTING_COLUMNS = [columns.PARTITION, columns.SHARD, columns.KEY_GROUP, columns.MARKER]
+KEPT_KEY_COLUMNS = [columns.DEDUP_KEY, columns.DEDUP_TIME]  # a deduplication's kept keys; null on the records' rows
+
+
+def routing_columns(kept: DataFrame | None) -> list[str]:
+    """What an operator groups its partials by besides its own keys, so that Spark plans
+    no second exchange; ``kept``: a deduplication's kept keys ride along (``to_shards``)."""
+    return ROUTING_COLUMNS + (KEPT_KEY_COLUMNS if kept is not None else [])
 
 
 def to_shards(rows: DataFrame, layout: ShardLayout, routed: DataFrame | None = None) -> DataFrame:

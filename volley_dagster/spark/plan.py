@@ -14,11 +14,9 @@ from pyspark.sql import types as T
 from volley_dagster import columns
 from volley_dagster.dimensions.base import TablePin
 from volley_dagster.errors import ConfigError
-from volley_dagster.operators.aggregate import ResolvedAggregate
-from volley_dagster.operators.base import StatefulOperator
-from volley_dagster.operators.dedup import Deduplicated, Deduplication, ResolvedUniqueRecords, UniqueRecords
+from volley_dagster.operators.base import SparkOperator, StatefulOperator
+from volley_dagster.operators.dedup import Deduplicated, Deduplication, UniqueRecords
 from volley_dagster.operators.event_time import EventTime
-from volley_dagster.operators.window import ResolvedWindowAggregate
 from volley_dagster.pipeline import Pipeline
 from volley_dagster.sources.offsets import EpochRange
 from volley_dagster.spark.enrich import EnrichmentRun, EpochJoins
@@ -31,7 +29,7 @@ class PlannedEpoch:
 
     raw: DataFrame
     keyed: DataFrame
-    operator: ResolvedAggregate | ResolvedWindowAggregate | ResolvedUniqueRecords
+    operator: SparkOperator
     key_kind: str
     may_have_bad_records: bool = True  # False: a native Parquet read, every record parsed
     enrichments: list[EnrichmentRun] = field(default_factory=list)
@@ -56,29 +54,11 @@ class PlannedEpoch:
 
     @property
     def event_time(self) -> EventTime | None:
-        """The event time the epoch advances a watermark on: windows', or an event-time TTL's."""
-        if isinstance(self.operator, ResolvedWindowAggregate):
-            return self.operator.windowing.event_time
-        if isinstance(self.operator, ResolvedUniqueRecords):
-            return self.operator.dedup.event_time
-        if self.operator.ttl is not None and self.operator.ttl.event_time is not None:
-            return self.operator.ttl.event_time
+        """The event time the epoch advances a watermark on: the operator's, else a
+        deduplication's before it (both on one column: ``Pipeline.validate``)."""
+        if self.operator.event_time is not None:
+            return self.operator.event_time
         return self.dedup.event_time if self.dedup is not None else None
-
-    @property
-    def expires_by_epoch(self) -> bool:
-        """Keys can expire in any epoch, even one without records (``ttl_epochs``)."""
-        return isinstance(self.operator, ResolvedAggregate) and self.operator.ttl is not None and self.operator.ttl.by_epochs
-
-    @property
-    def windowed(self) -> ResolvedWindowAggregate | None:
-        return self.operator if isinstance(self.operator, ResolvedWindowAggregate) else None
-
-    @property
-    def running(self) -> ResolvedAggregate:
-        """The running aggregate (a plan without windows)."""
-        assert isinstance(self.operator, ResolvedAggregate), "a windowed plan has no running aggregate"
-        return self.operator
 
 
 def plan_epoch(spark: SparkSession, pipeline: Pipeline, rng: EpochRange, pins: dict[str, TablePin] | None = None,

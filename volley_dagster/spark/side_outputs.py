@@ -1,11 +1,11 @@
 """An epoch's side outputs: records that do not reach state, each with its reason
 and where it came from (partition, file, offset). Bad records (unparseable, null
-key, null or unbelievable event time) become dead letters; for windows, the (record,
-window) pairs whose window had closed become late records, and the epoch's latest
-event time moves the watermark. One Spark job computes them all, before the state stage:
-one pass over the parsed rows (observing the latest event time as it looks for bad
-ones), for windows a second over the assigned pairs, and for a Python-decoded read
-one over its cached raw rows for the parse errors."""
+key, null or unbelievable event time) become dead letters; the operator's late rows
+(windows: the (record, window) pairs whose window had closed) become late records,
+and the epoch's latest event time moves the watermark. One Spark job computes them
+all, before the state stage: one pass over the parsed rows (observing the latest
+event time as it looks for bad ones), one over the operator's late rows, and for a
+Python-decoded read one over its cached raw rows for the parse errors."""
 
 from __future__ import annotations
 
@@ -18,10 +18,7 @@ from pyspark.sql import functions as F
 
 from volley_dagster import columns
 from volley_dagster.checkpoint.manifest import ShardEntry
-from volley_dagster.columns import POS_OFFSET_BITS
-from volley_dagster.operators.dedup import REASON_DUPLICATE, REASON_LATE, Deduplication, ResolvedUniqueRecords
 from volley_dagster.operators.event_time import describe_event_time
-from volley_dagster.operators.window import ResolvedWindowAggregate
 from volley_dagster.pipeline import Pipeline
 from volley_dagster.sources.offsets import EpochRange
 from volley_dagster.spark.plan import PlannedEpoch
@@ -32,7 +29,6 @@ DEAD_LETTER_SCHEMA = pa.schema(_WHERE + [pa.field("reason", pa.string()), pa.fie
 _SIDE = "_volley_side"  # which side output a row of the side-output job belongs to
 _MAX_EVENT = "_volley_max_event"
 _REASON = "_volley_reason"
-LATE_REASON = "window closed: window end + allowed lateness <= watermark"
 
 
 @dataclass(frozen=True)
@@ -42,29 +38,30 @@ class SideOutputs:
     max_event_us: int | None = None  # event time: the latest believable event time of the epoch
 
 
-def collect_side_outputs(plan: PlannedEpoch, pipeline: Pipeline, rng: EpochRange, assigned: DataFrame | None,
+def collect_side_outputs(plan: PlannedEpoch, pipeline: Pipeline, rng: EpochRange, late: DataFrame | None,
                          watermark: int | None, bound: int | None) -> SideOutputs:
-    """Run the side-output job. ``assigned``: the windowed rows with their windows;
+    """Run the side-output job. ``late``: the operator's late rows (``SparkOperator.late``);
     ``watermark``: the one the epoch starts from; ``bound``: the latest event time
     believed (``EventTime.event_time_bound``)."""
     latest = Observation() if plan.event_time is not None else None
     with engine_errors():
-        side = _side_output_frame(plan, pipeline, assigned, watermark, bound, latest).toArrow()
+        side = _side_output_frame(plan, pipeline, late, bound, latest).toArrow()
     kind = side.column(_SIDE)
     dead = _resolve_dead_letters(side.filter(pc.equal(kind, "dead")).select([columns.POS, "reason", "raw"]), rng)
     if latest is None:
         return SideOutputs(dead)
-    window = plan.windowed
-    late = _resolve_late(side.filter(pc.equal(kind, "late")), rng, pipeline, window, watermark) if window else None
-    return SideOutputs(dead, late, latest.get[_MAX_EVENT])
+    assert plan.event_time is not None
+    late_rows = None
+    if late is not None:
+        late_rows = _resolve_late(side.filter(pc.equal(kind, "late")), late.columns, rng, pipeline.key_column,
+                                  plan.event_time.time_column, watermark)
+    return SideOutputs(dead, late_rows, latest.get[_MAX_EVENT])
 
 
 def _bad_records(plan: PlannedEpoch, pipeline: Pipeline, bound: int | None) -> list[tuple[Column, str]]:
     """What makes a parsed record unfit for state, and the reason it is given, in the
     order checked: the one definition behind both the dead letters and ``valid_rows``."""
-    null_key = (plan.operator.dedup.describe_null() if isinstance(plan.operator, ResolvedUniqueRecords)
-                else f"null key: {pipeline.key_column!r} is null")
-    bad = [(F.col(columns.KEY).isNull(), null_key)]
+    bad = [(F.col(columns.KEY).isNull(), plan.operator.null_key_reason(pipeline.key_column))]
     if plan.dedup is not None:
         bad.append((F.col(columns.DEDUP_KEY).isNull(), plan.dedup.describe_null()))
     clock = plan.event_time
@@ -117,63 +114,34 @@ def valid_rows(plan: PlannedEpoch, pipeline: Pipeline, bound: int | None = None)
     return valid
 
 
-def _side_output_frame(plan: PlannedEpoch, pipeline: Pipeline, assigned: DataFrame | None, watermark: int | None,
-                       bound: int | None, latest: Observation | None) -> DataFrame:
-    """Bad records (observing the latest event time as they are looked for), and for
-    windows the late pairs: one Spark job."""
+def _side_output_frame(plan: PlannedEpoch, pipeline: Pipeline, late: DataFrame | None, bound: int | None,
+                       latest: Observation | None) -> DataFrame:
+    """Bad records (observing the latest event time as they are looked for), and the
+    operator's late rows: one Spark job."""
     side = _dead_letter_frame(plan, pipeline, bound, latest).withColumn(_SIDE, F.lit("dead"))
-    window = plan.windowed
-    if window is None or assigned is None:
+    if late is None:
         return side
-    late = assigned.where(window.is_late(watermark)).select(
-        F.col(columns.POS), F.lit(LATE_REASON).alias("reason"), F.col(columns.KEY),
-        F.col(window.windowing.time_column).cast("timestamp").alias("_volley_time"),
-        F.col(columns.WINDOW_START), F.col(columns.WINDOW_END), F.lit("late").alias(_SIDE),
-    )
-    return side.unionByName(late, allowMissingColumns=True)
-
-
-def _positions(table: pa.Table, rng: EpochRange) -> list[pa.Array]:
-    """Event positions back as partition, file and record offset, in bulk (late records
-    can be many): segment = position >> 40, offset = the segment's start + the low 40 bits."""
-    pos = table.column(columns.POS).combine_chunks().cast(pa.int64())
-    segment = pc.shift_right(pos, POS_OFFSET_BITS)
-    by_segment = [pa.array([getattr(s, a) for s in rng.segments], pa.string()) for a in ("partition", "file")]
-    starts = pa.array([s.start for s in rng.segments], pa.int64())
-    offsets = pc.add(pc.take(starts, segment), pc.bit_wise_and(pos, (1 << POS_OFFSET_BITS) - 1))
-    return [pc.take(values, segment) for values in by_segment] + [offsets]
+    return side.unionByName(late.withColumn(_SIDE, F.lit("late")), allowMissingColumns=True)
 
 
 def _resolve_dead_letters(table: pa.Table, rng: EpochRange) -> pa.Table:
     table = table.sort_by(columns.POS)
-    return pa.table(_positions(table, rng) + [table.column("reason"), table.column("raw")], schema=DEAD_LETTER_SCHEMA)
+    where = rng.where_in_log(table.column(columns.POS).combine_chunks())
+    return pa.table(where + [table.column("reason"), table.column("raw")], schema=DEAD_LETTER_SCHEMA)
 
 
-def _resolve_late(table: pa.Table, rng: EpochRange, pipeline: Pipeline, window: ResolvedWindowAggregate, watermark: int | None) -> pa.Table:
-    table = table.sort_by([(columns.POS, "ascending"), (columns.WINDOW_START, "ascending")])
+def _resolve_late(table: pa.Table, names: list[str], rng: EpochRange, key_column: str, time_column: str,
+                  watermark: int | None) -> pa.Table:
+    """Late rows (``SparkOperator.late``: position, reason, key, event time, then the
+    operator's own columns, such as the window) where they are in the log, in log order."""
+    own = [n for n in names if n not in (columns.POS, "reason", columns.KEY, columns.LATE_TIME)]
+    table = table.sort_by([(columns.POS, "ascending")] + [(n, "ascending") for n in own])
     ts = pa.timestamp("us", tz="UTC")
-    n = table.num_rows
-    cols = _positions(table, rng) + [
-        table.column(columns.KEY),
-        table.column("_volley_time").cast(ts),
-        table.column(columns.WINDOW_START).cast(ts),
-        table.column(columns.WINDOW_END).cast(ts),
-        pa.array([watermark] * n, pa.int64()).cast(ts),
-        table.column("reason"),
+    cols = rng.where_in_log(table.column(columns.POS).combine_chunks()) + [
+        table.column(columns.KEY), table.column(columns.LATE_TIME).cast(ts), *[table.column(n) for n in own],
+        pa.array([watermark] * table.num_rows, pa.int64()).cast(ts), table.column("reason"),
     ]
-    names = [f.name for f in _WHERE] + [pipeline.key_column, window.windowing.time_column, "window_start", "window_end", "watermark", "reason"]
-    return pa.table(cols, names=names)
-
-
-def resolve_duplicates(dropped: pa.Table, rng: EpochRange, dedup: Deduplication) -> pa.Table:
-    """The duplicates side output: where each dropped record is, its key and event time,
-    and why (``duplicate``, or ``late``: event time + within at or before the watermark
-    the epoch started from), in log order."""
-    dropped = dropped.sort_by(columns.POS)
-    reason = pc.if_else(dropped.column(columns.DEDUP_LATE), pa.scalar(REASON_LATE), pa.scalar(REASON_DUPLICATE))
-    cols = _positions(dropped, rng) + [dropped.column(columns.DEDUP_KEY),
-                                        dropped.column(columns.DEDUP_TIME).cast(pa.timestamp("us", tz="UTC")), reason]
-    return pa.table(cols, names=[f.name for f in _WHERE] + [dedup.key_name, dedup.event_time.time_column, "reason"])
+    return pa.table(cols, names=[f.name for f in _WHERE] + [key_column, time_column, *own, "watermark", "reason"])
 
 
 def null_key_dead_letters(

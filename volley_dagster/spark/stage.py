@@ -18,36 +18,27 @@ from typing import Any, Iterator
 import pyarrow as pa
 import pyarrow.compute as pc
 from pyspark import StorageLevel
-from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import SparkSession
 
 from volley_dagster import columns
 from volley_dagster.checkpoint.manifest import ShardEntry, ShardSnapshot
 from volley_dagster.errors import VolleyError
-from volley_dagster.operators.base import OperatorStats
-from volley_dagster.operators.dedup import DEDUP_LATE, DUPLICATES, ResolvedUniqueRecords
+from volley_dagster.operators.base import OperatorStats, StageClock
+from volley_dagster.operators.dedup import DEDUP_LATE, DUPLICATES
 from volley_dagster.operators.ttl import NEXT_DUE
 from volley_dagster.pipeline import Pipeline
 from volley_dagster.sources.offsets import EpochRange
-from volley_dagster.spark.dedup import (
-    KEPT_KEY_COLUMNS,
-    DuplicateProbe,
-    ProbedEpoch,
-    probe_duplicates,
-    route_records,
-    split_duplicates,
-)
-from volley_dagster.spark.partitioning import ROUTING_COLUMNS, per_shard, to_shards
+from volley_dagster.spark.dedup import DuplicateProbe, ProbedEpoch, probe_duplicates
+from volley_dagster.spark.partitioning import per_shard
 from volley_dagster.spark.plan import PlannedEpoch, plan_epoch
 from volley_dagster.spark.side_outputs import (
     DEAD_LETTER_SCHEMA,
     collect_side_outputs,
     null_key_dead_letters,
-    resolve_duplicates,
     valid_rows,
 )
 from volley_dagster.spark.task_errors import engine_errors
 from volley_dagster.spark.tasks import ShardMerge, attempt_id, snapshot_name, snapshot_upload
-from volley_dagster.state.keys import ShardLayout
 from volley_dagster.state.store import SnapshotInfo, carry_forward
 
 __all__ = ["PlannedEpoch", "StageResult", "plan_epoch", "run_stage"]
@@ -65,14 +56,6 @@ class StageResult:
     duplicates: int = 0  # deduplication: records dropped as duplicates
     dedup_late: int = 0  # and as late (event time + within at or before the watermark the epoch started from)
     duplicate_records: pa.Table | None = None  # and, with its side output on, where both are
-
-
-def _shard_partials(rows: DataFrame, partial_exprs: list, layout: ShardLayout, kept: DataFrame | None = None) -> DataFrame:
-    """The running aggregate's partials per key, already in their shard's partition:
-    one shuffle of the epoch's rows (``spark/partitioning.py``); windows do the same.
-    ``kept``: a deduplication's kept keys, routed in the same shuffle."""
-    by = ROUTING_COLUMNS + (KEPT_KEY_COLUMNS if kept is not None else [])
-    return to_shards(rows, layout, kept).groupBy(*by, columns.KEY).agg(*partial_exprs)
 
 
 @contextmanager
@@ -104,12 +87,16 @@ def run_stage(
     end_of_stream: bool = False,
     expiry_next: int | None = None,
 ) -> StageResult:
-    """``watermark``: the one the epoch starts from (windows, event-time TTL);
-    ``expiry_next``: ``ttl_epochs``, the earliest deadline the previous epoch left (None: unknown)."""
-    layout, window, clock = pipeline.layout, plan.windowed, plan.event_time
-    nothing_due = not plan.expires_by_epoch or (expiry_next is not None and expiry_next > merge.step.epoch)
-    if not rng.segments and window is None and nothing_due and len(merge.previous) == layout.num_shards:
-        carried = _carry_forward_stage(spark, pipeline, plan, merge, expiry_next)
+    """``watermark``: the one the epoch starts from (event time); ``expiry_next``: with
+    ``ttl_epochs``, the earliest deadline the previous epoch left (None: unknown). The
+    steps, each taking the frame the previous one returned: read -> valid rows and
+    dead letters -> [a deduplication's probe] -> the operator's ``assign`` -> side
+    outputs (one job) -> the operator's ``shard_rows`` -> the shard tasks -> the
+    operator's ``sink_output``; the stage never asks which operator it has."""
+    layout, operator, clock = pipeline.layout, plan.operator, plan.event_time
+    nothing_due = not operator.runs_without_records or (expiry_next is not None and expiry_next > merge.step.epoch)
+    if not rng.segments and nothing_due and len(merge.previous) == layout.num_shards:
+        carried = _carry_forward_stage(spark, pipeline, rng, plan, merge, expiry_next)
         return replace(carried, watermark=watermark)
     # A Python-decoded read is cached for the side-output job and the state stage to
     # share; a native Parquet scan is cheaper to run twice (each job reads only the
@@ -122,37 +109,28 @@ def run_stage(
         t0 = time.perf_counter()
         late, new_watermark, dead = None, watermark, None
         if plan.single_job:  # null keys ride along: they fold into one partial row, counted per shard
-            partials = _shard_partials(plan.keyed, plan.running.partial_exprs(), layout)
+            partials, step = operator.shard_rows(plan.keyed, layout, None, StageClock(end_of_stream=end_of_stream),
+                                                 merge.step)
         else:
             bound = clock.event_time_bound(watermark, rng.cut_at_us) if clock is not None else None
             rows = valid_rows(plan, pipeline, bound)
             kept = None
-            if plan.dedup is not None:  # duplicates (and late ones) never reach windows, late records or state
+            if plan.dedup is not None:  # duplicates (and late ones) never reach the operator, late records or state
                 probe = DuplicateProbe(plan.dedup, watermark, merge.previous, merge.rocksdb, merge.verify_checksums,
                                        merge.remote, merge.cache_root)
                 probed = probe_duplicates(rows, plan.dedup, layout, probe)
                 rows, kept = probed.unique(rows).drop(columns.DEDUP_KEY), probed.kept_keys()
-            by = ROUTING_COLUMNS + (KEPT_KEY_COLUMNS if kept is not None else [])
-            assigned = window.assign(rows) if window is not None else None
-            side = collect_side_outputs(plan, pipeline, rng, assigned, watermark, bound)
-            dead = side.dead_letters
+            assigned = operator.assign(rows)
+            side = collect_side_outputs(plan, pipeline, rng, operator.late(assigned, watermark), watermark, bound)
+            dead, late = side.dead_letters, side.late
             if dead.num_rows and pipeline.bad_records == "fail":
                 return StageResult(pa.table({}), dead, {}, time.perf_counter() - t0, 0.0)
             if clock is not None:
                 new_watermark = clock.advance(watermark, side.max_event_us)
-                merge = replace(merge, step=replace(merge.step, watermark_before=watermark, watermark=new_watermark))
-            if window is not None:
-                late = side.late
-                limit = window.windowing.fire_limit(new_watermark, end_of_stream)
-                merge = replace(merge, step=replace(merge.step, fire_limit=limit))
-                assert assigned is not None
-                partials = window.partials(to_shards(assigned.where(~window.is_late(watermark)), layout, kept), by)
-            elif isinstance(plan.operator, ResolvedUniqueRecords):  # the records themselves, by their key
-                partials = route_records(rows, plan.operator, layout)
-            else:
-                if clock is not None:  # an event-time TTL: keys expire at the watermark after this epoch
-                    merge = replace(merge, step=replace(merge.step, expire_limit=new_watermark))
-                partials = _shard_partials(rows, plan.running.partial_exprs(), layout, kept)
+            epoch_clock = StageClock(watermark, new_watermark, end_of_stream)
+            step = replace(merge.step, watermark_before=watermark, watermark=new_watermark)
+            partials, step = operator.shard_rows(assigned, layout, kept, epoch_clock, step)
+        merge = replace(merge, step=step)
         t1 = time.perf_counter()
         out_schema = ", ".join(_output_ddl(pipeline, plan) + [f"`{columns.STATS}` string"])
         with engine_errors(), _inputs_unchanged(pipeline, rng, plan):
@@ -167,18 +145,13 @@ def run_stage(
             plan.raw.unpersist()
         if probed is not None:
             probed.release()
-    output = out.filter(pc.invert(is_stats)).drop_columns([columns.STATS])
-    duplicates, dedup_late, duplicate_records = 0, 0, None
-    if probed is not None and plan.dedup is not None:
+    output, duplicate_records = operator.sink_output(out.filter(pc.invert(is_stats)).drop_columns([columns.STATS]), rng)
+    duplicates = sum(entry.operator.figures.get(DUPLICATES, 0) for entry in shards.values())
+    dedup_late = sum(entry.operator.figures.get(DEDUP_LATE, 0) for entry in shards.values())
+    if probed is not None and plan.dedup is not None:  # the probe dropped them before the shard tasks
         duplicates, dedup_late = probed.duplicates, probed.late
         if probed.dropped is not None:
-            duplicate_records = resolve_duplicates(probed.dropped, rng, plan.dedup)
-    elif isinstance(plan.operator, ResolvedUniqueRecords):
-        duplicates = sum(entry.operator.figures.get(DUPLICATES, 0) for entry in shards.values())
-        dedup_late = sum(entry.operator.figures.get(DEDUP_LATE, 0) for entry in shards.values())
-        output, dropped = split_duplicates(output, plan.operator)
-        if dropped is not None:
-            duplicate_records = resolve_duplicates(dropped, rng, plan.operator.dedup)
+            duplicate_records = plan.dedup.side_output(probed.dropped, rng)
     output = output.sort_by([(c, "ascending") for c in pipeline.output_keys()])
     return StageResult(output, dead, shards, t1 - t0, t2 - t1, late, new_watermark, plan.enrichment_figures(ran=True),
                        duplicates, dedup_late, duplicate_records)
@@ -198,14 +171,12 @@ def shard_entries(stats: list[str], epoch: int) -> dict[int, ShardEntry]:
 
 
 def _output_ddl(pipeline: Pipeline, plan: PlannedEpoch) -> list[str]:
-    if isinstance(plan.operator, ResolvedUniqueRecords):  # the records' own columns, the key among them
-        return [plan.operator.ddl[0]] + plan.operator.output_ddl()
     key_type = plan.keyed.schema[columns.KEY].dataType.simpleString()
-    return [f"`{pipeline.key_column}` {key_type}"] + plan.operator.output_ddl()
+    return plan.operator.output_schema(f"`{pipeline.key_column}` {key_type}")
 
 
-def _carry_forward_stage(spark: SparkSession, pipeline: Pipeline, plan: PlannedEpoch, merge: ShardMerge,
-                         expiry_next: int | None) -> StageResult:
+def _carry_forward_stage(spark: SparkSession, pipeline: Pipeline, rng: EpochRange, plan: PlannedEpoch,
+                         merge: ShardMerge, expiry_next: int | None) -> StageResult:
     """An epoch with no records (running aggregate; with ``ttl_epochs``, none due):
     state is unchanged, so each shard's
     snapshot is the previous one, hardlinked, and on S3 a manifest naming the previous
@@ -238,9 +209,8 @@ def _carry_forward_stage(spark: SparkSession, pipeline: Pipeline, plan: PlannedE
                                    read_mode="carried_forward", bytes_new=snap.bytes_new, operator=OperatorStats(
                                        figures={} if expiry_next is None else {NEXT_DUE: expiry_next}),
                                    snapshot_s=time.perf_counter() - t, upload=upload)
-    output = spark.createDataFrame([], ", ".join(_output_ddl(pipeline, plan))).toArrow()
-    if isinstance(plan.operator, ResolvedUniqueRecords):  # typed as the kept records, without the flags
-        output, _ = split_duplicates(output, plan.operator)
+    empty = spark.createDataFrame([], ", ".join(_output_ddl(pipeline, plan))).toArrow()
+    output, _ = plan.operator.sink_output(empty, rng)  # typed as a processed epoch's output would be
     return StageResult(output, DEAD_LETTER_SCHEMA.empty_table(), shards, 0.0, time.perf_counter() - t0,
                        enrichments=plan.enrichment_figures(ran=False))
 
