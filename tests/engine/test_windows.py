@@ -66,7 +66,9 @@ def check_against_reference(runner, results, ref):
 
 @pytest.mark.parametrize(
     "windows",
-    [tumbling("10 seconds"), sliding("20 seconds", "10 seconds"), session("8 seconds")],
+    [tumbling("10 seconds"),
+     pytest.param(sliding("20 seconds", "10 seconds"), marks=pytest.mark.deep),  # the property test draws sliding too
+     session("8 seconds")],
     ids=["tumbling", "sliding", "session"],
 )
 def test_windows_equal_reference(spark, tmp_path, windows):
