@@ -37,11 +37,17 @@ _TESTS = Path(__file__).resolve().parent
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Marks ``spark`` every test that starts Spark, so ``./dev test --fast`` (``-m "not
-    spark"``) is the pure-logic lane: lease, manifest, key encoding, kernels, sinks."""
+    spark"``) is the pure-logic lane: lease, manifest, key encoding, kernels, sinks.
+    Groups the tests for ``pytest-xdist``'s ``--dist loadgroup`` (``./dev test`` runs two
+    workers): a file's tests stay on one worker, in order, with their module fixtures;
+    the UI tests (each a real ``dagster dev`` with its own warm Spark) share one worker,
+    so two of them never compete for this machine's cores."""
     for item in items:
-        folder = Path(str(item.fspath)).resolve().relative_to(_TESTS).parts[0]
+        path = Path(str(item.fspath)).resolve().relative_to(_TESTS)
+        folder = path.parts[0]
         if folder in _SPARK_FOLDERS or _SPARK_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.spark)
+        item.add_marker(pytest.mark.xdist_group("ui" if folder == "ui" else str(path)))
 
 
 @pytest.fixture(scope="session")
