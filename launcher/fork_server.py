@@ -75,8 +75,11 @@ def fork_run_worker(address: str, run_id: str, instance_ref_json: str, repositor
             client.connect(address)
         except (FileNotFoundError, ConnectionRefusedError) as exc:
             raise ForkServerUnavailable("no fork server is listening") from exc
-        client.sendall(json.dumps({"run_id": run_id, "instance_ref": instance_ref_json,
-                                   "repository_origin": repository_origin_json}).encode() + b"\n")
+        try:
+            client.sendall(json.dumps({"run_id": run_id, "instance_ref": instance_ref_json,
+                                       "repository_origin": repository_origin_json}).encode() + b"\n")
+        except BrokenPipeError:
+            pass  # a server that closed early may still have answered (an older one said "stale" first)
         reply = _read_line(client)
     except OSError as exc:
         raise ForkServerUnavailable(f"the fork server did not answer: {exc}") from exc
@@ -130,17 +133,19 @@ class _ForkServer:
                 conn.settimeout(REPLY_TIMEOUT_S)
                 if _peer_uid(conn) != os.getuid():  # an abstract socket has no file permissions to guard it
                     continue
-                changed = self._changed_source()
-                if changed:
-                    _reply(conn, {"stale": f"{changed} changed since the fork server loaded it; starting a new one"})
-                    _log(f"{changed} changed: exiting, so that a new fork server loads the new code")
-                    return 0
                 try:
                     request = json.loads(_read_line(conn))
                     run_id, instance_ref = str(request["run_id"]), str(request["instance_ref"])
                 except (OSError, ValueError, KeyError, TypeError) as exc:  # a half-sent or foreign request
                     _log(f"ignored a malformed request: {exc!r}")
                     continue
+                # read the whole request before refusing it: closing on a client still
+                # sending breaks its pipe, and it would read "no answer" for "stale"
+                changed = self._changed_source()
+                if changed:
+                    _reply(conn, {"stale": f"{changed} changed since the fork server loaded it; starting a new one"})
+                    _log(f"{changed} changed: exiting, so that a new fork server loads the new code")
+                    return 0
                 if request.get("repository_origin") != self.repository_origin_json:
                     _reply(conn, {"error": "the run is of another code location than this fork server's"})
                     continue

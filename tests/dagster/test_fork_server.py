@@ -19,7 +19,7 @@ from dagster._core.launcher import LaunchRunContext, WorkerStatus
 from dagster._serdes import serialize_value
 
 from launcher import WarmRunLauncher
-from launcher.fork_server import ForkServerUnavailable, fork_run_worker, server_address
+from launcher.fork_server import ForkServerStale, ForkServerUnavailable, fork_run_worker, server_address
 from launcher.run_launcher import FORK_SERVER_TAG
 from launcher.workers import run_worker_pid
 
@@ -138,6 +138,18 @@ def test_a_changed_source_file_retires_the_fork_server(instance, tmp_path):
     assert first.tags[FORK_SERVER_TAG] != second.tags[FORK_SERVER_TAG]  # a new server, with the new code
     logs = [e.message or "" for e in instance.all_logs(second.run_id)]
     assert any("worker process" in m for m in logs), logs
+
+
+def test_a_retiring_fork_server_says_stale_even_to_a_request_larger_than_the_socket_buffer(instance, tmp_path):
+    # a server that answered "stale" before reading the request closed on a client still
+    # sending: its broken pipe read as "no answer", and the run went to the code server
+    run_id = launch(instance, tmp_path, "quick")
+    run = wait_for(lambda: finished(instance, run_id), what="a first run")
+    repository = serialize_value(run.job_code_origin.repository_origin)
+    address = server_address(repository, str(instance.root_directory))
+    (tmp_path / "code" / "jobs.py").write_text(JOBS.replace("worker pid", "worker process"))
+    with pytest.raises(ForkServerStale, match="jobs.py changed"):
+        fork_run_worker(address, run.run_id, serialize_value(instance.get_ref()) + " " * 4_000_000, repository)
 
 
 def test_the_fork_server_runs_only_its_own_code_location(instance, tmp_path):
