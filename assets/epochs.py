@@ -41,6 +41,7 @@ from volley_dagster import ConfigError, EpochRunner
 from volley_dagster.checkpoint.epoch_log import epoch_key
 from volley_dagster.deploy import Deployment, TableSettings
 from volley_dagster.errors import is_retryable
+from volley_dagster.settings import RunSettings
 from volley_dagster.verify import CheckOutcome, check_freshness, check_latest_snapshot, check_sink
 
 # A failed epoch is retried inside its run (a lost executor, S3 unreachable, a lost
@@ -75,16 +76,11 @@ def make_runner(
     """The engine's runner for this deployment; Spark only starts if ``spark`` is given
     and an epoch is actually processed. ``log`` hears which Spark the run uses."""
     pipeline = deployment.build(tables.settings())
-    return EpochRunner(
-        pipeline,
-        Path(checkpoints.root) / pipeline.name,
-        spark=spark.session(log) if spark is not None else None,
-        keep_epochs=checkpoints.keep_epochs,
-        max_records_per_epoch=checkpoints.max_records_per_epoch,
-        lease_wait_s=checkpoints.lease_wait_s,
-        snapshot_store=checkpoints.snapshot_store(pipeline.name),
-        resident_state=checkpoints.resident_state() or False,
-    )
+    settings = RunSettings(keep_epochs=checkpoints.keep_epochs, max_records_per_epoch=checkpoints.max_records_per_epoch,
+                           lease_wait_s=checkpoints.lease_wait_s, snapshot_store=checkpoints.snapshot_store(pipeline.name),
+                           resident_state=checkpoints.resident_state())
+    return EpochRunner(pipeline, Path(checkpoints.root) / pipeline.name, settings,
+                       spark=spark.session(log) if spark is not None else None)
 
 
 def parse_epoch(key: str) -> int:

@@ -8,7 +8,7 @@ from dagster import AssetKey, MetadataValue, TableColumn, TableSchema
 
 from volley_dagster import ConfigError, EpochResult, EpochRunner, Pipeline
 from volley_dagster.operators.event_time import describe_event_time
-from volley_dagster.sinks import Sink
+from volley_dagster.sinks import Sink, SinkCommitResult
 from volley_dagster.sources.offsets import Backlog
 
 
@@ -116,33 +116,30 @@ def epoch_metadata(pipeline: Pipeline, result: EpochResult,
     if result.watermark is not None:  # event time: windows, event-time TTL
         state["watermark"] = MetadataValue.text(describe_event_time(result.watermark))
         state["late_records"] = MetadataValue.int(result.late_records)
-    if pipeline.expiry_column() is not None:  # state TTL
-        state["keys_expired"] = MetadataValue.int(result.keys_expired)
-    if pipeline.dedup is not None:  # deduplication: records dropped, and where they are when written
-        state["duplicates"] = MetadataValue.int(result.duplicates)
-        state["dedup_late"] = MetadataValue.int(result.dedup_late)
-        if result.duplicates_path is not None:
-            state["duplicates_path"] = MetadataValue.path(result.duplicates_path)
+    # the operator's own: keys_expired (state TTL), duplicates and dedup_late, windows_fired, ...
+    state.update({name: MetadataValue.int(n) for name, n in sorted(result.figures.items())})
+    if result.duplicates_path is not None:  # the records the operator dropped, and why
+        state["duplicates_path"] = MetadataValue.path(result.duplicates_path)
     for name, read in result.enrichments.items():  # the version each dimension table was read at
-        state[f"{name}_version"] = MetadataValue.text(str(read["version"]))
-        state[f"{name}_unmatched"] = MetadataValue.int(int(read["unmatched"]))
-        state[f"{name}_dropped"] = MetadataValue.int(int(read["dropped"]))
+        state[f"{name}_version"] = MetadataValue.text(read.version)
+        state[f"{name}_unmatched"] = MetadataValue.int(read.unmatched)
+        state[f"{name}_dropped"] = MetadataValue.int(read.dropped)
     out = {state_key(pipeline): state}
     for sink in pipeline.sinks:
-        commit = result.sinks.get(sink.name, {})
+        commit = result.sinks.get(sink.name, SinkCommitResult(skipped=False))
         md: dict[str, Any] = {
             "epoch": MetadataValue.int(result.epoch),
-            "noop_already_committed": MetadataValue.int(int(result.already_committed or commit.get("skipped", False))),
-            "rows": MetadataValue.int(int(commit.get("rows", 0) or 0)),
-            "seconds_commit": MetadataValue.float(float(commit.get("seconds", 0.0))),
-            "lineage": MetadataValue.text(str(commit.get("lineage", ""))),  # the checkpoint root that wrote it
-            "sink_epoch": MetadataValue.int(int(commit.get("sink_epoch", result.epoch))),
+            "noop_already_committed": MetadataValue.int(int(result.already_committed or commit.skipped)),
+            "rows": MetadataValue.int(commit.rows or 0),
+            "seconds_commit": MetadataValue.float(commit.seconds or 0.0),
+            "lineage": MetadataValue.text(commit.lineage or ""),  # the checkpoint root that wrote it
+            "sink_epoch": MetadataValue.int(commit.sink_epoch if commit.sink_epoch is not None else result.epoch),
             **sink_location(sink),
         }
-        if "version" in commit and commit["version"] is not None:
-            md["delta_table_version"] = MetadataValue.int(int(commit["version"]))
-        if "snapshot_id" in commit and commit["snapshot_id"] is not None:
-            md["iceberg_snapshot_id"] = MetadataValue.text(str(commit["snapshot_id"]))
+        if commit.position.version is not None:
+            md["delta_table_version"] = MetadataValue.int(commit.position.version)
+        if commit.position.snapshot_id is not None:
+            md["iceberg_snapshot_id"] = MetadataValue.text(str(commit.position.snapshot_id))
         if result.output is not None:
             md["dagster/column_schema"] = column_schema(result.output.schema)
             md["preview"] = table_preview(result.output)

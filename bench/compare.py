@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,7 @@ from bench.workloads import (  # noqa: E402
     scaling_log,
     string_key_log,
 )
+from volley_dagster.settings import RunSettings  # noqa: E402
 
 MiB = 2**20
 
@@ -96,7 +98,7 @@ def spark_session(shards: int):
 def volley_runner(w: Workload, work: Path, spark):
     from volley_dagster import EpochRunner
 
-    return EpochRunner(w.pipeline(work / "tables"), work / "state", spark=spark, keep_epochs=3)
+    return EpochRunner(w.pipeline(work / "tables"), work / "state", RunSettings(keep_epochs=3), spark=spark)
 
 
 def volley_epoch(runner, w: Workload, index: int, paired: bool) -> dict[str, Any]:
@@ -104,7 +106,7 @@ def volley_epoch(runner, w: Workload, index: int, paired: bool) -> dict[str, Any
     its floor over the same file: the ratio of the two is measured under the same load
     (this machine is shared, and its speed drifts within a run). ``paired``: warm runs
     only (a cold run's time includes its process's start, and so would the floor's)."""
-    runner.max_records_per_epoch = w.records(index)
+    runner.settings = replace(runner.settings, max_records_per_epoch=w.records(index))
     t = time.perf_counter()
     r = runner.run_next()
     wall = time.perf_counter() - t
@@ -116,7 +118,7 @@ def volley_epoch(runner, w: Workload, index: int, paired: bool) -> dict[str, Any
         "phases": {"read_transform": d["read_transform"], "state_stage": d["state_stage"],
                    "restore": d["restore_shard_sum"], "merge": d["merge_shard_sum"], "flush": d["flush_shard_sum"],
                    "snapshot": d["snapshot_shard_sum"],
-                   **{f"sink_{name}": s.get("seconds", 0.0) for name, s in r.sinks.items()}},
+                   **{f"sink_{name}": s.seconds or 0.0 for name, s in r.sinks.items()}},
         "bytes_written": r.state_bytes_written,
         "worker_peak_rss_mib": max(s.peak_rss_mib for s in r.shards.values()),
         "state_reads": sorted(s.read_mode for s in r.shards.values()),  # "resident": the memory mirror

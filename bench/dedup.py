@@ -27,6 +27,7 @@ import pyarrow.parquet as pq  # noqa: E402
 from bench.common import aggregate_floor, finish, log_arguments  # noqa: E402
 from volley_dagster import DeltaSink, EpochRunner, FileLog, Pipeline, count, sum_  # noqa: E402
 from volley_dagster.demo.events import generate  # noqa: E402
+from volley_dagster.settings import RunSettings  # noqa: E402
 from volley_dagster.spark.session import get_or_create_spark  # noqa: E402
 
 
@@ -60,10 +61,8 @@ def main() -> None:
     names = generate(work / "events", args.epochs, per_epoch, args.keys)
     resend(work / "events", names, args.resend)
     spark = get_or_create_spark(conf={"spark.sql.shuffle.partitions": str(args.shards)})
-    plain = EpochRunner(spend(work / "events", work / "plain", args.shards, False), work / "state-plain",
-                        spark=spark, max_records_per_epoch=per_epoch)
-    dedup = EpochRunner(spend(work / "events", work / "dedup", args.shards, True), work / "state-dedup",
-                        spark=spark, max_records_per_epoch=per_epoch)
+    plain = EpochRunner(spend(work / "events", work / "plain", args.shards, False), work / "state-plain", RunSettings(max_records_per_epoch=per_epoch), spark=spark)
+    dedup = EpochRunner(spend(work / "events", work / "dedup", args.shards, True), work / "state-dedup", RunSettings(max_records_per_epoch=per_epoch), spark=spark)
     print(f"{args.records:,} events over {args.keys:,} keys, {args.epochs} epochs, {args.shards} shards, "
           f"{args.resend:.0%} of each epoch re-sent, a Delta upsert table each")
     print(f"{'epoch':>5} {'plain s':>8} {'dedup s':>8} {'x plain':>7} {'floor s':>8} {'duplicates':>10} "
@@ -74,7 +73,7 @@ def main() -> None:
         assert a is not None and b is not None
         figures = [s.operator.figures for s in b.shards.values()]
         row = {"epoch": b.epoch, "plain_s": a.durations["total"], "dedup_s": b.durations["total"],
-               "floor_s": aggregate_floor(spark, str(work / "events" / names[i])), "duplicates": b.duplicates,
+               "floor_s": aggregate_floor(spark, str(work / "events" / names[i])), "duplicates": b.figures["duplicates"],
                "remembered": sum(f.get("dedup_keys_remembered", 0) for f in figures),
                "forgotten": sum(f.get("dedup_keys_forgotten", 0) for f in figures)}
         rows.append(row)

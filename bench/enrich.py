@@ -28,6 +28,7 @@ from pyspark.sql import functions as F  # noqa: E402
 from bench.common import finish, log_arguments  # noqa: E402
 from volley_dagster import DeltaDimension, EpochRunner, FileLog, Pipeline, count, sum_  # noqa: E402
 from volley_dagster.demo.events import generate  # noqa: E402
+from volley_dagster.settings import RunSettings  # noqa: E402
 from volley_dagster.spark.session import get_or_create_spark  # noqa: E402
 
 
@@ -66,10 +67,8 @@ def main() -> None:
     write_deltalake(work / "merchants", pa.table({"merchant_id": pa.array(ids, pa.int64()),
                                                   "fee_rate": [(m % 5 + 1) / 100 for m in ids]}))
     spark = get_or_create_spark(conf={"spark.sql.shuffle.partitions": str(args.shards)})
-    plain = EpochRunner(fees(work / "events", None, args.how, args.shards), work / "state-plain", spark=spark,
-                        max_records_per_epoch=per_epoch)
-    enriched = EpochRunner(fees(work / "events", work / "merchants", args.how, args.shards), work / "state-enriched",
-                           spark=spark, max_records_per_epoch=per_epoch)
+    plain = EpochRunner(fees(work / "events", None, args.how, args.shards), work / "state-plain", RunSettings(max_records_per_epoch=per_epoch), spark=spark)
+    enriched = EpochRunner(fees(work / "events", work / "merchants", args.how, args.shards), work / "state-enriched", RunSettings(max_records_per_epoch=per_epoch), spark=spark)
     print(f"{args.records:,} events over {args.keys:,} keys, {args.epochs} epochs, {args.shards} shards, "
           f"how={args.how}, {len(ids):,} dimension rows")
     print(f"{'epoch':>5} {'plain s':>8} {'enriched s':>10} {'x plain':>7} {'join floor s':>12} {'unmatched':>10}")
@@ -79,7 +78,7 @@ def main() -> None:
         assert a is not None and b is not None
         floor = join_floor(spark, str(work / "events" / names[i]), DeltaTable(work / "merchants").file_uris())
         row = {"epoch": b.epoch, "plain_s": a.durations["total"], "enriched_s": b.durations["total"],
-               "floor_s": floor, "unmatched": b.enrichments["merchants"]["unmatched"]}
+               "floor_s": floor, "unmatched": b.enrichments["merchants"].unmatched}
         rows.append(row)
         print(f"{row['epoch']:>5} {row['plain_s']:>8.2f} {row['enriched_s']:>10.2f} "
               f"{row['enriched_s'] / row['plain_s']:>7.2f} {floor:>12.2f} {row['unmatched']:>10,}")

@@ -26,6 +26,7 @@ from volley_dagster import EpochRunner  # noqa: E402
 from volley_dagster.cli import disk_usage  # noqa: E402
 from volley_dagster.demo.events import generate  # noqa: E402
 from volley_dagster.demo.payments import local_tables, payments_pipeline  # noqa: E402
+from volley_dagster.settings import RunSettings  # noqa: E402
 from volley_dagster.spark.session import get_or_create_spark  # noqa: E402
 
 
@@ -57,8 +58,7 @@ def main() -> None:
 
     spark = get_or_create_spark(conf={"spark.sql.shuffle.partitions": str(args.shards)})
     pipeline = payments_pipeline(work / "events", local_tables(work / "tables"), shards=args.shards)
-    runner = EpochRunner(pipeline, work / "state",
-                         spark=spark, max_records_per_epoch=per_epoch, keep_epochs=args.keep)
+    runner = EpochRunner(pipeline, work / "state", RunSettings(max_records_per_epoch=per_epoch, keep_epochs=args.keep), spark=spark)
     rows = []
     header = (f"{'epoch':>5} {'records':>10} {'rec/s':>10} {'total s':>8} {'read+tf':>8} {'stage':>7} "
               f"{'restore':>8} {'merge':>7} {'flush':>7} {'snap':>7} {'sink':>6} {'floor s':>8} {'x floor':>7} "

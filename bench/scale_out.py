@@ -18,6 +18,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -26,6 +27,7 @@ from bench.common import finish  # noqa: E402
 from bench.workloads import Workload, scaling_log  # noqa: E402
 from harness.seaweedfs import start_seaweedfs  # noqa: E402
 from volley_dagster import EpochRunner, S3SnapshotStore  # noqa: E402
+from volley_dagster.settings import RunSettings  # noqa: E402
 from volley_dagster.spark.session import get_or_create_spark  # noqa: E402
 
 MiB = 2**20
@@ -34,7 +36,7 @@ MiB = 2**20
 def run_epochs(runner: EpochRunner, w: Workload) -> list[dict]:
     rows = []
     for index in range(len(w.files)):
-        runner.max_records_per_epoch = w.records(index)
+        runner.settings = replace(runner.settings, max_records_per_epoch=w.records(index))
         r = runner.run_next()
         shards = r.shards.values()
         rows.append({"epoch": r.epoch, "keys_touched": r.keys_touched, "state_bytes": r.state_bytes,
@@ -72,8 +74,7 @@ def main() -> None:
         files = scaling_log(work / "events", args.keys, args.touched, args.epochs - 1)
         w = Workload("C", work / "events", files, args.shards)
         store = S3SnapshotStore("s3://bench/ckpt", server.s3)
-        runner = EpochRunner(w.pipeline(work / "tables"), work / "state", spark=spark, keep_epochs=3,
-                             snapshot_store=store, snapshot_cache=work / "cache")
+        runner = EpochRunner(w.pipeline(work / "tables"), work / "state", RunSettings(keep_epochs=3, snapshot_store=store, snapshot_cache=work / "cache"), spark=spark)
         rows = run_epochs(runner, w)
         print(f"{args.keys:,} keys, {args.touched:,} touched per epoch after the first, {args.shards} shards, "
               f"S3 = SeaweedFS on 127.0.0.1")
@@ -104,8 +105,7 @@ def main() -> None:
         events = work / f"rescale-{keys}"
         files = scaling_log(events, keys, 1, 0)
         w = Workload("C", events, files, args.shards)
-        runner = EpochRunner(w.pipeline(work / f"tables-{keys}"), work / f"state-{keys}", spark=spark,
-                             max_records_per_epoch=keys)
+        runner = EpochRunner(w.pipeline(work / f"tables-{keys}"), work / f"state-{keys}", RunSettings(max_records_per_epoch=keys), spark=spark)
         runner.run_next()
         result = runner.rescale(7)
         report["rescale"].append({"keys": keys, "seconds": result.seconds, "bytes_written": result.bytes_written})

@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import aggregate_floor, finish, log_arguments  # noqa: E402
 from volley_dagster import DeltaSink, EpochRunner, FileLog, Pipeline, count, sum_  # noqa: E402
 from volley_dagster.demo.events import generate  # noqa: E402
+from volley_dagster.settings import RunSettings  # noqa: E402
 from volley_dagster.spark.session import get_or_create_spark  # noqa: E402
 
 
@@ -47,10 +48,8 @@ def main() -> None:
     per_epoch = args.records // args.epochs
     names = generate(work / "events", args.epochs, per_epoch, args.keys)
     spark = get_or_create_spark(conf={"spark.sql.shuffle.partitions": str(args.shards)})
-    plain = EpochRunner(spend(work / "events", work / "plain", args.shards, None), work / "state-plain",
-                        spark=spark, max_records_per_epoch=per_epoch)
-    ttl = EpochRunner(spend(work / "events", work / "ttl", args.shards, args.ttl_epochs), work / "state-ttl",
-                      spark=spark, max_records_per_epoch=per_epoch)
+    plain = EpochRunner(spend(work / "events", work / "plain", args.shards, None), work / "state-plain", RunSettings(max_records_per_epoch=per_epoch), spark=spark)
+    ttl = EpochRunner(spend(work / "events", work / "ttl", args.shards, args.ttl_epochs), work / "state-ttl", RunSettings(max_records_per_epoch=per_epoch), spark=spark)
     print(f"{args.records:,} events over {args.keys:,} keys, {args.epochs} epochs, {args.shards} shards, "
           f"ttl_epochs={args.ttl_epochs}, a Delta upsert table each")
     print(f"{'epoch':>5} {'plain s':>8} {'ttl s':>7} {'x plain':>7} {'floor s':>8} {'expired':>9} "
@@ -60,7 +59,7 @@ def main() -> None:
         a, b = plain.run_next(), ttl.run_next()
         assert a is not None and b is not None
         row = {"epoch": b.epoch, "plain_s": a.durations["total"], "ttl_s": b.durations["total"],
-               "floor_s": aggregate_floor(spark, str(work / "events" / names[i])), "keys_expired": b.keys_expired,
+               "floor_s": aggregate_floor(spark, str(work / "events" / names[i])), "keys_expired": b.figures["keys_expired"],
                "merge_plain_s": a.durations["merge_shard_sum"], "merge_ttl_s": b.durations["merge_shard_sum"],
                "plain_rows": plain.pipeline.sinks[0].row_count(), "ttl_rows": ttl.pipeline.sinks[0].row_count()}
         rows.append(row)

@@ -27,6 +27,7 @@ from pyspark.sql import functions as F  # noqa: E402
 from bench.common import finish, log_arguments  # noqa: E402
 from volley_dagster import DeltaSink, EpochRunner, FileLog, Pipeline, count, max_, sum_, tumbling  # noqa: E402
 from volley_dagster.demo.events import generate  # noqa: E402
+from volley_dagster.settings import RunSettings  # noqa: E402
 from volley_dagster.spark.session import get_or_create_spark  # noqa: E402
 
 
@@ -66,8 +67,7 @@ def main() -> None:
     names = generate(work / "events", args.epochs, per_epoch, args.keys)
     spark = get_or_create_spark(conf={"spark.sql.shuffle.partitions": str(args.shards)})
     runners = {
-        label: EpochRunner(minute_windows(work / "events", work / "tables", label, args.shards, bound),
-                           work / "state" / label, spark=spark, max_records_per_epoch=per_epoch)
+        label: EpochRunner(minute_windows(work / "events", work / "tables", label, args.shards, bound), work / "state" / label, RunSettings(max_records_per_epoch=per_epoch), spark=spark)
         for label, bound in (("unbounded", None), ("bounded", args.bound))
     }
     print(f"{args.records:,} events, {args.keys:,} keys, {args.epochs} epochs, {args.shards} shards; "

@@ -32,7 +32,14 @@ atexit.register(shutil.rmtree, _RESIDENT, True)
 
 _SPARK_FIXTURES = {"spark", "spark_cluster"}
 _SPARK_FOLDERS = {"engine", "dagster", "ui", "properties"}  # their tests start Spark, in-process or in workers
+# under xdist, the longest groups start first (with --no-loadscope-reorder): the UI
+# tests are a third of the suite's time on one worker, the pure-logic folders fill the end
+_FIRST_TO_LAST = ("ui", "properties", "engine", "dagster")
 _TESTS = Path(__file__).resolve().parent
+
+
+def _folder(item: pytest.Item) -> str:
+    return Path(str(item.fspath)).resolve().relative_to(_TESTS).parts[0]
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -41,13 +48,16 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     Groups the tests for ``pytest-xdist``'s ``--dist loadgroup`` (``./dev test`` runs two
     workers): a file's tests stay on one worker, in order, with their module fixtures;
     the UI tests (each a real ``dagster dev`` with its own warm Spark) share one worker,
-    so two of them never compete for this machine's cores."""
+    so two of them never compete for this machine's cores, and start first."""
     for item in items:
         path = Path(str(item.fspath)).resolve().relative_to(_TESTS)
         folder = path.parts[0]
         if folder in _SPARK_FOLDERS or _SPARK_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.spark)
         item.add_marker(pytest.mark.xdist_group("ui" if folder == "ui" else str(path)))
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # every worker collects the same order; one process keeps the files'
+        rank = {folder: n for n, folder in enumerate(_FIRST_TO_LAST)}
+        items.sort(key=lambda item: rank.get(_folder(item), len(rank)))
 
 
 @pytest.fixture(scope="session")

@@ -37,6 +37,7 @@ from volley_dagster.operators.window import session, sliding, tumbling
 from volley_dagster.pipeline import Pipeline
 from volley_dagster.result import EpochResult
 from volley_dagster.runner import EpochRunner
+from volley_dagster.settings import RunSettings
 from volley_dagster.sinks import DeltaSink, IcebergSink, MemorySink, ParquetSink, S3Endpoint, Sink
 from volley_dagster.sources.base import Source
 from volley_dagster.sources.file_log import FileLog
@@ -61,6 +62,7 @@ __all__ = [
     "EpochTooLargeError",
     "EpochResult",
     "EpochRunner",
+    "RunSettings",
     "FencedError",
     "FileLog",
     "Source",

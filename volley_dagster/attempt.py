@@ -21,7 +21,6 @@ import os
 import time
 from dataclasses import replace
 from datetime import datetime, timezone
-from typing import Any
 
 import pyarrow as pa
 from pyspark.sql import SparkSession
@@ -38,11 +37,13 @@ from volley_dagster.errors import (
     StateLayoutError,
     VolleyError,
 )
+from volley_dagster.json_records import JsonObject
 from volley_dagster.operators.base import ShardStep, StatefulOperator
 from volley_dagster.operators.ttl import next_due
 from volley_dagster.pipeline import Pipeline
 from volley_dagster.result import EpochResult
 from volley_dagster.settings import RunSettings
+from volley_dagster.sinks.base import SinkCommitResult
 from volley_dagster.sinks.committer import SinkCommitter
 from volley_dagster.sources.offsets import EpochRange
 from volley_dagster.spark.plan import PlannedEpoch
@@ -167,10 +168,10 @@ class EpochAttempt:
         log, epoch = self.log, self.epoch
         return (write_side_output(log, stage.dead_letters, log.dead_letter_path(epoch)),
                 write_side_output(log, stage.late, log.late_records_path(epoch)),
-                write_side_output(log, stage.duplicate_records, log.duplicates_path(epoch)))
+                write_side_output(log, stage.dropped, log.duplicates_path(epoch)))
 
     def _result(self, stage: StageResult, paths: tuple[str | None, str | None, str | None],
-                sinks: dict[str, dict[str, Any]]) -> EpochResult:
+                sinks: dict[str, SinkCommitResult]) -> EpochResult:
         rng, (dead_path, late_path, duplicates_path) = self.rng, paths
         shards = {s: entry.relative_to(self.log.root) for s, entry in sorted(stage.shards.items())}
         return EpochResult(
@@ -183,7 +184,6 @@ class EpochAttempt:
             records_out=stage.output.num_rows,
             keys_touched=sum(s.keys_touched for s in shards.values()),
             new_keys=sum(s.new_keys for s in shards.values()),
-            keys_expired=sum(s.operator.figures.get("keys_expired", 0) for s in shards.values()),
             state_bytes=sum(s.snapshot.bytes_total for s in shards.values()),
             state_bytes_written=sum(s.bytes_new for s in shards.values()),
             shards=shards,
@@ -191,8 +191,7 @@ class EpochAttempt:
             durations=self.durations,
             watermark=stage.watermark,
             late_records=stage.late.num_rows if stage.late is not None else 0,
-            duplicates=stage.duplicates,
-            dedup_late=stage.dedup_late,
+            figures=stage.figures,
             end_of_stream=rng.end_of_stream,
             committed_at=datetime.now(timezone.utc).isoformat(),
             fencing_token=self.lease.fence.token,
@@ -225,10 +224,8 @@ class EpochAttempt:
         """Tables whose pinned version the previous epoch read on the same key: the key's
         uniqueness was checked then."""
         read = self.start.previous.enrichments if self.start.previous is not None else {}
-        pins = self.start.pins
         return frozenset(step.name for step in self.pipeline.enrichments
-                         if {k: read.get(step.name, {}).get(k) for k in ("version", "kind", "on")}
-                         == {"version": pins[step.name].version, "kind": pins[step.name].kind, "on": list(step.on)})
+                         if step.name in read and read[step.name].same_pin(self.start.pins[step.name], step.on))
 
     def _previous_snapshots(self) -> dict[int, SnapshotRef]:
         """N-1's snapshots, checked here so a missing or corrupt one fails before Spark starts work."""
@@ -245,7 +242,7 @@ class EpochAttempt:
                       verify=self.settings.verify_checksums, retained=self.log.retained_snapshots)
 
 
-def identity_of(pipeline: Pipeline, operator: StatefulOperator, key_kind: str) -> dict[str, Any]:
+def identity_of(pipeline: Pipeline, operator: StatefulOperator, key_kind: str) -> JsonObject:
     """What a checkpoint root records of the pipeline that writes it (``pipeline.json``)."""
     return {
         "pipeline": pipeline.name,

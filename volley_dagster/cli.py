@@ -11,6 +11,7 @@ from typing import Any
 
 from volley_dagster.checkpoint.epoch_log import EpochLog
 from volley_dagster.checkpoint.lease import current_holder
+from volley_dagster.settings import RunSettings
 from volley_dagster.sinks import DeltaSink, IcebergSink
 
 
@@ -72,8 +73,7 @@ def demo(args: argparse.Namespace) -> int:
     generate_events(args)
     tables = local_tables(work / "tables")
     pipeline = payments_pipeline(work / "events", tables, shards=args.shards)
-    runner = EpochRunner(pipeline, work / "state" / pipeline.name, max_records_per_epoch=args.max_records,
-                         keep_epochs=args.keep)
+    runner = EpochRunner(pipeline, work / "state" / pipeline.name, RunSettings(max_records_per_epoch=args.max_records, keep_epochs=args.keep))
     if not run_and_print(runner):
         return 1
     print_tables(runner)
@@ -113,8 +113,7 @@ def demo_kafka(args: argparse.Namespace) -> int:
         print(f"produced {produced:,} payment events to the topic 'payments'")
         pipeline = payments_pipeline(KafkaSource("payments", bootstrap, EVENT_SCHEMA), local_tables(work / "tables"),
                                      shards=args.shards).sink(KafkaSink("merchant-totals", bootstrap, name="totals"))
-        runner = EpochRunner(pipeline, work / "state" / pipeline.name, max_records_per_epoch=args.max_records,
-                             keep_epochs=args.keep)
+        runner = EpochRunner(pipeline, work / "state" / pipeline.name, RunSettings(max_records_per_epoch=args.max_records, keep_epochs=args.keep))
         if not run_and_print(runner):
             return 1
         print_tables(runner)
@@ -166,8 +165,7 @@ def demo_windows(pipeline, work: Path, args: argparse.Namespace, spark) -> None:
     from volley_dagster import EpochRunner
     from volley_dagster.operators.event_time import describe_event_time
 
-    runner = EpochRunner(pipeline, work / "state" / pipeline.name, spark=spark,
-                         max_records_per_epoch=args.max_records, keep_epochs=args.keep)
+    runner = EpochRunner(pipeline, work / "state" / pipeline.name, RunSettings(max_records_per_epoch=args.max_records, keep_epochs=args.keep), spark=spark)
     print(f"\n{pipeline.name}: 1-minute tumbling windows per merchant, watermark 30 s behind the latest event")
     print(f"{'epoch':>5} {'records':>9} {'fired':>7} {'late':>5} {'rec/s':>9} {'seconds':>8}  watermark")
     for r in runner.run_available():

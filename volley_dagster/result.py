@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from dataclasses import asdict, dataclass, field, fields, replace
 
 import pyarrow as pa
 
 from volley_dagster.checkpoint.manifest import ShardEntry
+from volley_dagster.dimensions.base import EnrichmentRead
+from volley_dagster.json_records import JsonObject
+from volley_dagster.sinks.base import SinkCommitResult
+
+# figures manifests written before operators reported their own kept at the top level
+_LEGACY_FIGURES = ("keys_expired", "duplicates", "dedup_late")
 
 
 @dataclass
@@ -24,34 +29,44 @@ class EpochResult:
     state_bytes: int  # bytes of the epoch's snapshots (hardlinked files counted once per snapshot)
     state_bytes_written: int  # bytes this epoch added to the checkpoint root
     shards: dict[int, ShardEntry]  # per shard: the snapshot (path relative to the root), what its task did
-    sinks: dict[str, dict[str, Any]]  # per sink: its SinkCommitResult, as recorded
+    sinks: dict[str, SinkCommitResult]  # per sink, in commit order
     durations: dict[str, float]
     dead_letter_path: str | None = None
-    keys_expired: int = 0  # state TTL: keys this epoch deleted (and emitted with expired = true)
     watermark: int | None = None  # windows, event-time TTL: event time (microseconds) the next epoch starts from
-    late_records: int = 0  # windows: (record, window) pairs whose window had closed
+    late_records: int = 0  # (record, window) pairs whose window had closed, records an event-time TTL refused
     late_records_path: str | None = None
-    duplicates: int = 0  # deduplication: records dropped because they repeat a remembered key
-    dedup_late: int = 0  # deduplication: records dropped as late (event time + within <= the starting watermark)
-    duplicates_path: str | None = None  # with write_duplicates: where both are
+    # the operator's figures (``epoch_figures``: keys_expired, duplicates, dedup_late,
+    # windows_fired, ...), each a number Dagster plots
+    figures: dict[str, int] = field(default_factory=dict)
+    duplicates_path: str | None = None  # records the operator dropped (a deduplication's), with their reason
     end_of_stream: bool = False
     committed_at: str = ""
     fencing_token: int = 0  # the lease token of the runner that committed it (0: run without one)
-    enrichments: dict[str, dict[str, Any]] = field(default_factory=dict)  # per dimension table: version read, unmatched
+    enrichments: dict[str, EnrichmentRead] = field(default_factory=dict)  # per dimension table: version read, unmatched
     already_committed: bool = False
     output: pa.Table | None = field(default=None, repr=False, compare=False)
 
-    def to_manifest(self) -> dict[str, Any]:
-        d = asdict(replace(self, shards={}, output=None))
+    def to_manifest(self) -> JsonObject:
+        d = asdict(replace(self, shards={}, sinks={}, enrichments={}, output=None))
         d.pop("output")
         d.pop("already_committed")
         d["shards"] = {str(shard): entry.to_dict() for shard, entry in sorted(self.shards.items())}
+        d["sinks"] = {name: commit.to_dict() for name, commit in self.sinks.items()}
+        d["enrichments"] = {name: read.to_dict() for name, read in self.enrichments.items()}
         return d
 
     @classmethod
-    def from_manifest(cls, manifest: dict[str, Any], already_committed: bool = True) -> EpochResult:
-        shards = {int(s): ShardEntry.from_dict(entry) for s, entry in manifest["shards"].items()}
-        return cls(**{**manifest, "shards": shards}, already_committed=already_committed)
+    def from_manifest(cls, manifest: JsonObject, already_committed: bool = True) -> EpochResult:
+        known = {f.name for f in fields(cls)}
+        d = {k: v for k, v in manifest.items() if k in known}
+        figures = manifest.get("figures")
+        if figures is None:
+            figures = {name: manifest[name] for name in _LEGACY_FIGURES if manifest.get(name)}
+        return cls(**{**d, "figures": figures, "already_committed": already_committed,
+                      "shards": {int(s): ShardEntry.from_dict(entry) for s, entry in manifest["shards"].items()},
+                      "sinks": {name: SinkCommitResult.from_dict(c) for name, c in manifest["sinks"].items()},
+                      "enrichments": {name: EnrichmentRead.from_dict(r)
+                                      for name, r in manifest.get("enrichments", {}).items()}})
 
     @property
     def records_per_second(self) -> float:

@@ -21,72 +21,37 @@ from pyspark.sql import SparkSession
 from volley_dagster import relayout
 from volley_dagster.attempt import EpochAttempt
 from volley_dagster.checkpoint.epoch_log import EpochLog
-from volley_dagster.checkpoint.lease import DEFAULT_TTL_S, DEFAULT_WAIT_S, PipelineLease
+from volley_dagster.checkpoint.lease import PipelineLease
 from volley_dagster.checkpoint.migrate import MigrationResult
 from volley_dagster.checkpoint.rescale import RescaleResult
-from volley_dagster.checkpoint.s3_snapshots import S3SnapshotStore
 from volley_dagster.checkpoint.side_output_files import read_side_output
 from volley_dagster.checkpoint.state_reader import read_state
 from volley_dagster.dimensions.base import TablePin
 from volley_dagster.errors import EpochOrderError, StorageFullError, is_disk_full
 from volley_dagster.pipeline import Pipeline
 from volley_dagster.result import EpochResult
-from volley_dagster.settings import RunSettings, default_snapshot_cache
+from volley_dagster.settings import RunSettings
 from volley_dagster.sources.offsets import Backlog, EpochRange
 from volley_dagster.spark.session import get_or_create_spark
 from volley_dagster.spark.state_table import StateTables
 from volley_dagster.state.keys import ShardLayout
-from volley_dagster.state.options import RocksDBOptions
-from volley_dagster.state.resident import ResidentStateCache
-from volley_dagster.state.transaction import DEFAULT_SCAN_FRACTION
 
 
 class EpochRunner:
     """``EpochRunner(pipeline, checkpoint_root="state/").run_next()``."""
 
-    def __init__(
-        self,
-        pipeline: Pipeline,
-        checkpoint_root: str | Path,
-        *,
-        spark: SparkSession | None = None,
-        max_records_per_epoch: int | None = 1_000_000,
-        keep_epochs: int = 3,
-        rocksdb: RocksDBOptions | None = None,
-        scan_fraction: float = DEFAULT_SCAN_FRACTION,
-        verify_checksums: bool = False,
-        snapshot_store: S3SnapshotStore | None = None,
-        snapshot_cache: str | Path | None = None,
-        resident_state: ResidentStateCache | bool = True,
-        lease_wait_s: float = DEFAULT_WAIT_S,
-        lease_ttl_s: float = DEFAULT_TTL_S,
-    ) -> None:
-        """Runs ``pipeline`` with its state and epoch log under ``checkpoint_root``, on
-        ``spark`` (default: ``get_or_create_spark()`` on first use); the other settings
-        are ``RunSettings``'s (``settings.py``)."""
+    def __init__(self, pipeline: Pipeline, checkpoint_root: str | Path, settings: RunSettings | None = None, *,
+                 spark: SparkSession | None = None) -> None:
+        """Runs ``pipeline`` with its state and epoch log under ``checkpoint_root``, as
+        ``settings`` say (``settings.py``), on ``spark`` (default:
+        ``get_or_create_spark()`` on first use)."""
         pipeline.validate()
         self.pipeline = pipeline
         self.log = EpochLog(checkpoint_root)
         self.log.root.mkdir(mode=0o700, parents=True, exist_ok=True)  # a new root is its owner's alone
         self._spark = spark
-        self.settings = RunSettings(
-            max_records_per_epoch, keep_epochs, rocksdb or RocksDBOptions(), scan_fraction, verify_checksums,
-            snapshot_store, str(snapshot_cache or default_snapshot_cache()),
-            ResidentStateCache.from_env() if resident_state is True else resident_state or None, lease_wait_s,
-            lease_ttl_s)
+        self.settings = settings or RunSettings()
         self._lease: PipelineLease | None = None
-
-    @property
-    def max_records_per_epoch(self) -> int | None:
-        return self.settings.max_records_per_epoch
-
-    @max_records_per_epoch.setter
-    def max_records_per_epoch(self, value: int | None) -> None:
-        self.settings = replace(self.settings, max_records_per_epoch=value)
-
-    @property
-    def keep_epochs(self) -> int:
-        return self.settings.keep_epochs
 
     @property
     def spark(self) -> SparkSession:
@@ -135,7 +100,7 @@ class EpochRunner:
                 f"pipeline {self.pipeline.name!r} ended its stream at epoch {last}; "
                 "nothing can be cut after it (use a new checkpoint root to start over)"
             )
-        rng = self.pipeline.source_log.cut(last + 1, previous.end if previous else {}, self.max_records_per_epoch,
+        rng = self.pipeline.source_log.cut(last + 1, previous.end if previous else {}, self.settings.max_records_per_epoch,
                                            final=end_of_stream)
         if rng.records == 0 and not (allow_empty or end_of_stream):
             return None
@@ -235,11 +200,11 @@ class EpochRunner:
 
     def late_records(self, epoch: int) -> pa.Table | None:
         """A committed epoch's late-records output (None when it had none)."""
-        return read_side_output(self.log, epoch, "late records", self.result(epoch).late_records_path, self.keep_epochs)
+        return read_side_output(self.log, epoch, "late records", self.result(epoch).late_records_path, self.settings.keep_epochs)
 
     def duplicate_records(self, epoch: int) -> pa.Table | None:
         """A committed epoch's duplicates side output (None when it had none, or it was off)."""
-        return read_side_output(self.log, epoch, "duplicates", self.result(epoch).duplicates_path, self.keep_epochs)
+        return read_side_output(self.log, epoch, "duplicates", self.result(epoch).duplicates_path, self.settings.keep_epochs)
 
     # -- layout (rescaling) ------------------------------------------------------------
 

@@ -22,9 +22,9 @@ def default_snapshot_cache() -> str:
     return str(Path(tempfile.gettempdir()) / f"volley-snapshot-cache-{os.getuid()}")
 
 
-@dataclass
+@dataclass(frozen=True)
 class RunSettings:
-    """How a runner runs epochs (``EpochRunner``'s keyword arguments):
+    """How a runner runs epochs (``EpochRunner(pipeline, root, RunSettings(...))``):
 
     - ``max_records_per_epoch``: how much one cut takes at most (None: everything waiting).
     - ``keep_epochs``: committed epochs whose snapshots retention keeps (at least 1).
@@ -38,7 +38,8 @@ class RunSettings:
       there into ``snapshot_cache`` (default: this user's folder under the system
       temp dir; it must be this user's alone).
     - ``resident_state``: keep running-aggregate shards' state in the machines' memory
-      between epochs (``state/resident.py``); None reads state from RocksDB every epoch.
+      between epochs (``state/resident.py``; default: as ``VOLLEY_RESIDENT_STATE_MIB``
+      says); None reads state from RocksDB every epoch.
     - ``lease_wait_s``: how long a run waits for another runner of the pipeline to
       finish before ``PipelineBusyError``; ``lease_ttl_s``: how long a holder on
       another machine counts as alive after its last heartbeat."""
@@ -50,7 +51,7 @@ class RunSettings:
     verify_checksums: bool = False
     snapshot_store: S3SnapshotStore | None = None
     snapshot_cache: str = field(default_factory=default_snapshot_cache)
-    resident_state: ResidentStateCache | None = None
+    resident_state: ResidentStateCache | None = field(default_factory=ResidentStateCache.from_env)
     lease_wait_s: float = DEFAULT_WAIT_S
     lease_ttl_s: float = DEFAULT_TTL_S
 

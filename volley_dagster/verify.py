@@ -11,6 +11,7 @@ from volley_dagster.errors import SnapshotError
 from volley_dagster.runner import EpochRunner
 from volley_dagster.sinks.base import Sink
 from volley_dagster.sources.offsets import Backlog
+from volley_dagster.state.digests import FileDigest
 from volley_dagster.state.store import verify_snapshot
 
 
@@ -146,11 +147,11 @@ def check_latest_snapshot(runner: EpochRunner, since: int | None = None, full: b
                          "since_epoch": base if previous else 0})
 
 
-def _shared(path: Path, meta: dict[str, Any], before_path: Path, before: dict[str, Any] | None) -> bool:
+def _shared(path: Path, meta: FileDigest, before_path: Path, before: FileDigest | None) -> bool:
     """Whether a snapshot file is the one the earlier snapshot recorded: the same size
     and digest in both manifests, and the same inode while the earlier one is on disk
     (a copy, as a restore from S3 makes, is hashed)."""
-    if before is None or before.get("size") != meta.get("size") or before.get("sha256") != meta.get("sha256"):
+    if before is None or (before["size"], before["sha256"]) != (meta["size"], meta["sha256"]):
         return False
     try:
         earlier = before_path.stat()

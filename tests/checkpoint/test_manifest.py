@@ -1,11 +1,15 @@
-"""Typed shard entries read every manifest written so far and write the same flat JSON."""
+"""Typed manifest records (shard entries, sink results, enrichment reads) read every
+manifest written so far and write the same flat JSON."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from volley_dagster.checkpoint.manifest import ShardEntry, ShardSnapshot, SnapshotDownload, SnapshotUpload
+from volley_dagster.dimensions.base import EnrichmentRead
 from volley_dagster.operators.base import OperatorStats
+from volley_dagster.result import EpochResult
+from volley_dagster.sinks.base import SinkCommitResult, SinkPosition
 
 FILES = {"000009.sst": {"size": 1234, "sha256": "ab" * 32}, "CURRENT": {"size": 16, "sha256": "cd" * 32}}
 
@@ -47,3 +51,42 @@ def test_a_snapshot_path_is_recorded_relative_to_the_checkpoint_root(tmp_path: P
     rewrite = ShardSnapshot.from_dict({"snapshot": "snapshots/x", "files": FILES, "bytes_total": 5})
     assert rewrite.to_dict() == {"snapshot": "snapshots/x", "files": FILES, "bytes_total": 5}
     assert (rewrite.attempt, rewrite.stored_remotely) == (None, False)
+
+
+# a deduplicating aggregate's manifest as the engine wrote it before sink results,
+# enrichment reads and operator figures were typed (trimmed to one shard)
+MANIFEST_BEFORE = {
+    "pipeline": "payments", "epoch": 7, "range": {"0": "a.parquet:0 -> a.parquet:900"}, "records_in": 900,
+    "records_aggregated": 880, "dead_letters": 0, "records_out": 40, "keys_touched": 40, "new_keys": 3,
+    "state_bytes": 1250, "state_bytes_written": 1234, "shards": {"2": WRITTEN_BEFORE},
+    "sinks": {"balances": {"skipped": False, "rows": 40, "mode": "upsert", "conflicts": 0, "replaced": False,
+                           "version": 6, "inserted": 3, "updated": 37, "seconds": 0.4, "lineage": "ab12",
+                           "sink_epoch": 7},
+              "changes": {"skipped": True, "held_epoch": 7, "conflicts": 0, "mode": "append", "snapshot_id": 991,
+                          "seconds": 0.1, "lineage": "ab12", "sink_epoch": 7},
+              "events": {"skipped": False, "rows": 40, "mode": "append", "topic": "out", "read_back": True,
+                         "seconds": 0.2, "lineage": "ab12", "sink_epoch": 7}},
+    "durations": {"total": 2.5}, "dead_letter_path": None, "keys_expired": 0, "watermark": 1_700_000_000_000_000,
+    "late_records": 0, "late_records_path": None, "duplicates": 15, "dedup_late": 5, "duplicates_path": None,
+    "end_of_stream": False, "committed_at": "2026-11-20T10:00:00+00:00", "fencing_token": 3,
+    "enrichments": {"merchants": {"kind": "delta", "version": "4", "how": "inner", "on": ["merchant_id"],
+                                  "records": 900, "unmatched": 2, "dropped": 2}},
+}
+
+
+def test_a_manifest_written_before_typed_records_reads_back_whole() -> None:
+    result = EpochResult.from_manifest(MANIFEST_BEFORE)
+    assert result.figures == {"duplicates": 15, "dedup_late": 5}  # the operator's, a zero left out
+    balances, changes, events = (result.sinks[name] for name in ("balances", "changes", "events"))
+    assert balances == SinkCommitResult(False, 40, "upsert", 0, False, None, SinkPosition(version=6),
+                                        {"inserted": 3, "updated": 37}, 0.4, "ab12", 7)
+    assert changes.skipped and changes.held_epoch == 7 and changes.position.snapshot_id == 991 and not changes.counts
+    assert events.position == SinkPosition(topic="out", read_back=True)
+    assert result.enrichments["merchants"] == EnrichmentRead("delta", "4", "inner", ("merchant_id",), 900, 2, 2)
+    assert result.shards[2] == ShardEntry.from_dict(WRITTEN_BEFORE)
+    again = EpochResult.from_manifest(result.to_manifest())
+    assert again == result
+    # what the typed records write: the same sink entries; the figures under their own key
+    written = result.to_manifest()
+    assert written["sinks"] == MANIFEST_BEFORE["sinks"] and written["enrichments"] == MANIFEST_BEFORE["enrichments"]
+    assert written["figures"] == {"duplicates": 15, "dedup_late": 5} and "duplicates" not in written

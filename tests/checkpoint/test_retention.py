@@ -29,7 +29,7 @@ def commit(log: EpochLog, epoch: int, side_outputs: bool = True) -> None:
     shard = ShardEntry(0, ShardSnapshot(str(snapshot.relative_to(log.root)), {}, 0, "aa"), "scan")
     assert log.write_manifest(EpochResult(
         "p", epoch, {}, 1, 1, 1, 1, 1, 0, 0, 0, {0: shard}, {}, {"total": 1.0}, dead_letter_path=paths[0],
-        late_records=1, late_records_path=paths[1], duplicates=1, duplicates_path=paths[2]))
+        late_records=1, late_records_path=paths[1], figures={"duplicates": 1}, duplicates_path=paths[2]))
 
 
 def side_outputs(log: EpochLog) -> dict[int, list[str]]:

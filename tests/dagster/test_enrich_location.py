@@ -13,6 +13,7 @@ from volley_dagster import EpochRunner
 from volley_dagster.demo.events import generate
 from volley_dagster.demo.payments import local_tables
 from volley_dagster.deploy import Deployment
+from volley_dagster.settings import RunSettings
 
 STATE, DIMENSION = AssetKey(["payments_enriched", "state"]), AssetKey(["payments_enriched", "dimension_merchants"])
 PER_FILE, KEYS = 2_000, 300
@@ -27,8 +28,7 @@ def test_the_dimension_is_upstream_of_the_state_and_each_epoch_reports_its_versi
 
     generate(base / "events", 2, PER_FILE, KEYS)
     write_deltalake(base / "merchants", merchants_table(KEYS, 0))
-    runner = EpochRunner(deployment.build(local_tables(base / "tables")), base / "state" / "payments_enriched",
-                         max_records_per_epoch=PER_FILE)
+    runner = EpochRunner(deployment.build(local_tables(base / "tables")), base / "state" / "payments_enriched", RunSettings(max_records_per_epoch=PER_FILE))
     runner.cut_next()
     write_deltalake(base / "merchants", merchants_table(KEYS, 1), mode="overwrite")
     runner.cut_next()

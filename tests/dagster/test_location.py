@@ -26,7 +26,7 @@ from deltalake import DeltaTable
 from launcher.workers import run_worker_pid
 from tests.dagster.conftest import build_location, payments_cutting_at_3000
 from tests.helpers import assert_state_equal, log_records, reference_state
-from volley_dagster.checkpoint.epoch_log import EpochLog
+from volley_dagster.checkpoint.epoch_log import EpochLog, epoch_key
 from volley_dagster.demo.events import generate
 
 STATE = AssetKey(["payments", "state"])
@@ -34,10 +34,6 @@ DELTA = AssetKey(["payments", "delta_balances"])
 ICEBERG = AssetKey(["payments", "iceberg_changes"])
 KEYS = 300
 COLUMNS = ["merchant_id", "total", "events", "avg_amount", "largest", "last_seen"]
-
-
-def key(epoch: int) -> str:
-    return f"{epoch:010d}"
 
 
 def tick(defs, instance: DagsterInstance, cursor: str | None = None):
@@ -58,7 +54,7 @@ def range_of(request) -> tuple[str, str]:
 def run_range(defs, instance, start: int, end: int | None = None):
     """What a single-run backfill launches: one run over a partition range."""
     job = defs.resolve_job_def("payments_epochs_job")
-    tags = {"dagster/asset_partition_range_start": key(start), "dagster/asset_partition_range_end": key(end or start)}
+    tags = {"dagster/asset_partition_range_start": epoch_key(start), "dagster/asset_partition_range_end": epoch_key(end or start)}
     return job.execute_in_process(instance=instance, tags=tags, raise_on_error=False)
 
 
@@ -69,7 +65,7 @@ def materializations(instance, asset: AssetKey) -> list[tuple[str, dict]]:
 
 def processed(instance, asset: AssetKey, epoch: int) -> dict:
     """The metadata of the run that processed the epoch (not a later no-op over it)."""
-    return next(md for p, md in materializations(instance, asset) if p == key(epoch)
+    return next(md for p, md in materializations(instance, asset) if p == epoch_key(epoch)
                 and not md["noop_already_committed"].value)
 
 
@@ -110,13 +106,13 @@ def scenario(tmp_path_factory, spark) -> Iterator[Scenario]:
         generate(base / "events", 2, 2_000, KEYS, first_file=4)
         ticks["fourth"] = tick(defs, instance, ticks["third"].cursor)
         runs["5 before 4"] = run_range(defs, instance, 5)
-        instance.add_dynamic_partitions("payments_epochs", [key(42)])  # by hand: no recorded offsets
+        instance.add_dynamic_partitions("payments_epochs", [epoch_key(42)])  # by hand: no recorded offsets
         runs["42"] = run_range(defs, instance, 42)
         # an SST epoch 3 wrote: the per-run check hashes what the epoch changed, the files it
         # shares with epoch 2 (hardlinks) were hashed when they were new
         snapshots = base / "state" / "payments" / "snapshots"
-        sst = next(p for p in sorted((snapshots / key(3)).glob("shard-*/*.sst"))
-                   if not any(p.samefile(q) for q in (snapshots / key(2)).glob("shard-*/*.sst")))
+        sst = next(p for p in sorted((snapshots / epoch_key(3)).glob("shard-*/*.sst"))
+                   if not any(p.samefile(q) for q in (snapshots / epoch_key(2)).glob("shard-*/*.sst")))
         data = bytearray(sst.read_bytes())
         data[-1] ^= 1
         sst.write_bytes(bytes(data))
@@ -128,10 +124,10 @@ def scenario(tmp_path_factory, spark) -> Iterator[Scenario]:
 def test_the_sensor_cuts_once_enough_records_wait_and_requests_one_run(scenario):
     first, second = scenario.ticks["first"], scenario.ticks["second"]
     assert not first.run_requests
-    assert [range_of(r) for r in second.run_requests] == [(key(1), key(2))]  # 6,000 -> 2,000 + 2,000, one run
+    assert [range_of(r) for r in second.run_requests] == [(epoch_key(1), epoch_key(2))]  # 6,000 -> 2,000 + 2,000, one run
     assert all(r.tags["volley/pipeline"] == "payments" for r in second.run_requests)
-    assert [range_of(r) for r in scenario.ticks["fourth"].run_requests] == [(key(4), key(5))]
-    assert scenario.instance.get_dynamic_partitions("payments_epochs")[:5] == [key(e) for e in range(1, 6)]
+    assert [range_of(r) for r in scenario.ticks["fourth"].run_requests] == [(epoch_key(4), epoch_key(5))]
+    assert scenario.instance.get_dynamic_partitions("payments_epochs")[:5] == [epoch_key(e) for e in range(1, 6)]
 
 
 def test_a_tick_observes_the_source_and_reports_its_checks_when_they_change(scenario):
@@ -162,16 +158,16 @@ def test_a_range_run_commits_its_epochs_and_a_restarted_sensor_repeats_nothing(s
     assert scenario.runs["1..2"].success
     restarted = scenario.ticks["restarted"]
     assert not restarted.run_requests and "every cut epoch is committed" in restarted.skip_reason.skip_message
-    assert [range_of(r) for r in scenario.ticks["third"].run_requests] == [(key(3), key(3))]
+    assert [range_of(r) for r in scenario.ticks["third"].run_requests] == [(epoch_key(3), epoch_key(3))]
 
 
 def test_a_backfill_over_committed_epochs_runs_them_in_order_as_noops(scenario):
     backfill = scenario.runs["backfill 1..3"]
     assert backfill.success
     state_events = materializations(scenario.instance, STATE)
-    assert [p for p, _ in state_events[:2]] == [key(1), key(2)]  # one event per epoch, as it commits
+    assert [p for p, _ in state_events[:2]] == [epoch_key(1), epoch_key(2)]  # one event per epoch, as it commits
     in_backfill = dict(state_events[2:5])
-    assert {p: m["noop_already_committed"].value for p, m in in_backfill.items()} == {key(1): 1, key(2): 1, key(3): 0}
+    assert {p: m["noop_already_committed"].value for p, m in in_backfill.items()} == {epoch_key(1): 1, epoch_key(2): 1, epoch_key(3): 0}
     messages = [e.user_message for e in scenario.instance.all_logs(backfill.run_id) if e.user_message.startswith("epoch ")]
     assert [m.split(":")[0] for m in messages] == [  # processed in ascending epoch order
         "epoch 1 was already committed", "epoch 2 was already committed", "epoch 3 committed"]
@@ -201,7 +197,7 @@ def test_an_epoch_before_its_predecessor_fails_naming_it_and_commits_nothing(sce
     assert not early.success
     failure = [e for e in early.all_events if e.is_failure]
     assert "needs epoch 4 committed first" in str(failure[0].event_specific_data.error)
-    assert not (scenario.base / "state" / "payments" / "epochs" / key(5) / "manifest.json").exists()
+    assert not (scenario.base / "state" / "payments" / "epochs" / epoch_key(5) / "manifest.json").exists()
 
 
 def test_a_partition_key_added_by_hand_is_refused_not_run_empty(scenario):

@@ -11,18 +11,16 @@ from dagster import AssetKey
 from assets.location import build_definitions
 from resources import CheckpointResource, SparkResource, TablesResource
 from volley_dagster import EpochRunner, sum_
+from volley_dagster.checkpoint.epoch_log import epoch_key
 from volley_dagster.demo.events import generate
 from volley_dagster.demo.payments import local_tables, payments_deployment, payments_pipeline
+from volley_dagster.settings import RunSettings
 
 STATE = AssetKey(["payments", "state"])
 
 
-def key(epoch: int) -> str:
-    return f"{epoch:010d}"
-
-
 def run_epochs(defs, instance, start: int, end: int):
-    tags = {"dagster/asset_partition_range_start": key(start), "dagster/asset_partition_range_end": key(end)}
+    tags = {"dagster/asset_partition_range_start": epoch_key(start), "dagster/asset_partition_range_end": epoch_key(end)}
     return defs.resolve_job_def("payments_epochs_job").execute_in_process(instance=instance, tags=tags,
                                                                           raise_on_error=False)
 
@@ -31,11 +29,10 @@ def test_a_deploy_that_adds_an_accumulator_is_migrated_by_the_job(location_for, 
     deployment = replace(payments_deployment(tmp_path / "events"), max_wait_s=None)
     defs, instance, base = location_for(deployment)
     generate(base / "events", 3, 1_000, 200)
-    runner = EpochRunner(payments_pipeline(base / "events", local_tables(base / "tables")),
-                         base / "state" / "payments", max_records_per_epoch=1_000)
+    runner = EpochRunner(payments_pipeline(base / "events", local_tables(base / "tables")), base / "state" / "payments", RunSettings(max_records_per_epoch=1_000))
     for _ in range(3):
         runner.cut_next()
-    instance.add_dynamic_partitions("payments_epochs", [key(1), key(2), key(3)])
+    instance.add_dynamic_partitions("payments_epochs", [epoch_key(1), epoch_key(2), epoch_key(3)])
     assert run_epochs(defs, instance, 1, 2).success
 
     # the deploy: the same pipeline with a refunds-to-date sum added

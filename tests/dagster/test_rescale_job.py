@@ -10,20 +10,18 @@ from dagster import AssetKey
 
 from tests.helpers import assert_state_equal, log_records, reference_state
 from volley_dagster import EpochRunner
+from volley_dagster.checkpoint.epoch_log import epoch_key
 from volley_dagster.demo.events import generate
 from volley_dagster.demo.payments import local_tables, payments_deployment, payments_pipeline
+from volley_dagster.settings import RunSettings
 from volley_dagster.state.keys import ShardLayout
 
 STATE = AssetKey(["payments", "state"])
 KEYS = 300
 
 
-def key(epoch: int) -> str:
-    return f"{epoch:010d}"
-
-
 def run_epochs(defs, instance, start: int, end: int):
-    tags = {"dagster/asset_partition_range_start": key(start), "dagster/asset_partition_range_end": key(end)}
+    tags = {"dagster/asset_partition_range_start": epoch_key(start), "dagster/asset_partition_range_end": epoch_key(end)}
     return defs.resolve_job_def("payments_epochs_job").execute_in_process(instance=instance, tags=tags)
 
 
@@ -37,11 +35,10 @@ def rescale(defs, instance, shards: int, raise_on_error: bool = True):
 def test_rescale_job_then_epoch_run(location_for, tmp_path):
     defs, instance, base = location_for(replace(payments_deployment(tmp_path / "events"), max_wait_s=None))
     generate(base / "events", 2, 2_000, KEYS)
-    runner = EpochRunner(payments_pipeline(base / "events", local_tables(base / "tables")),
-                         base / "state" / "payments", max_records_per_epoch=2_000)
+    runner = EpochRunner(payments_pipeline(base / "events", local_tables(base / "tables")), base / "state" / "payments", RunSettings(max_records_per_epoch=2_000))
     for _ in range(2):
         runner.cut_next()
-    instance.add_dynamic_partitions("payments_epochs", [key(1), key(2)])
+    instance.add_dynamic_partitions("payments_epochs", [epoch_key(1), epoch_key(2)])
     assert run_epochs(defs, instance, 1, 2).success
     assert runner.layout() == ShardLayout(4)
 
@@ -61,7 +58,7 @@ def test_rescale_job_then_epoch_run(location_for, tmp_path):
     assert rescale(defs, instance, 2).success
     assert runner.layout() == ShardLayout(2)
 
-    instance.add_dynamic_partitions("payments_epochs", [key(3)])
+    instance.add_dynamic_partitions("payments_epochs", [epoch_key(3)])
     assert run_epochs(defs, instance, 3, 3).success
     assert len(runner.result(3).shards) == 2
     expected = reference_state(log_records(3, 2_000, KEYS))

@@ -8,7 +8,9 @@ from dagster import AssetKey
 
 from tests.ttl_reference import KEY, TtlReference, same_rows, ttl_pipeline, write_ttl_log
 from volley_dagster import EpochRunner
+from volley_dagster.checkpoint.epoch_log import epoch_key
 from volley_dagster.deploy import Deployment
+from volley_dagster.settings import RunSettings
 
 STATE = AssetKey(["ttl", "state"])
 
@@ -18,8 +20,8 @@ def test_each_epoch_reports_the_keys_it_expired(location_for, tmp_path):
                                                                tables=tmp_path / "tables"))
     defs, instance, base = location_for(deployment)
     logs = write_ttl_log(base / "events", 4)
-    runner = EpochRunner(deployment.build(None), base / "state" / "ttl", max_records_per_epoch=logs[0].num_rows)
-    keys = [f"{runner.cut_next().epoch:010d}" for _ in logs]
+    runner = EpochRunner(deployment.build(None), base / "state" / "ttl", RunSettings(max_records_per_epoch=logs[0].num_rows))
+    keys = [epoch_key(runner.cut_next().epoch) for _ in logs]
     instance.add_dynamic_partitions("ttl_epochs", keys)
     tags = {"dagster/asset_partition_range_start": keys[0], "dagster/asset_partition_range_end": keys[-1]}
     assert defs.resolve_job_def("ttl_epochs_job").execute_in_process(instance=instance, tags=tags).success
@@ -29,5 +31,5 @@ def test_each_epoch_reports_the_keys_it_expired(location_for, tmp_path):
     reference = TtlReference(ttl_epochs=2)
     expired = [int(reference.run(records)["expired"].sum()) for records in logs]
     assert [e.asset_materialization.metadata["keys_expired"].value for e in events] == expired
-    assert [runner.result(epoch).keys_expired for epoch in range(1, 5)] == expired and sum(expired) > 0
+    assert [runner.result(epoch).figures["keys_expired"] for epoch in range(1, 5)] == expired and sum(expired) > 0
     same_rows(runner.pipeline.sinks[1].read().to_pandas(), reference.current(), [KEY, "events", "total"])

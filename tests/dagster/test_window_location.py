@@ -12,27 +12,24 @@ from dagster import AssetKey
 from deltalake import DeltaTable
 
 from volley_dagster import EpochRunner
+from volley_dagster.checkpoint.epoch_log import epoch_key
 from volley_dagster.demo.events import generate
 from volley_dagster.demo.payments import local_tables, merchant_minutes_deployment, merchant_minutes_pipeline
+from volley_dagster.settings import RunSettings
 
 STATE = AssetKey(["merchant_minutes", "state"])
 MINUTES = AssetKey(["merchant_minutes", "delta_minutes"])
 
 
-def key(epoch: int) -> str:
-    return f"{epoch:010d}"
-
-
 def test_window_epochs_as_partitions(location_for, tmp_path):
     defs, instance, base = location_for(replace(merchant_minutes_deployment(tmp_path / "events"), max_wait_s=None))
     files = generate(base / "events", 3, 2_000, 50, events_per_second=10, disorder_s=30)  # 200 s of events a file
-    runner = EpochRunner(merchant_minutes_pipeline(base / "events", local_tables(base / "tables")),
-                         base / "state" / "merchant_minutes", max_records_per_epoch=2_000)
+    runner = EpochRunner(merchant_minutes_pipeline(base / "events", local_tables(base / "tables")), base / "state" / "merchant_minutes", RunSettings(max_records_per_epoch=2_000))
     for _ in files:
         runner.cut_next()
-    instance.add_dynamic_partitions("merchant_minutes_epochs", [key(e) for e in (1, 2, 3)])
+    instance.add_dynamic_partitions("merchant_minutes_epochs", [epoch_key(e) for e in (1, 2, 3)])
     job = defs.resolve_job_def("merchant_minutes_epochs_job")
-    tags = {"dagster/asset_partition_range_start": key(1), "dagster/asset_partition_range_end": key(3)}
+    tags = {"dagster/asset_partition_range_start": epoch_key(1), "dagster/asset_partition_range_end": epoch_key(3)}
     assert job.execute_in_process(instance=instance, tags=tags).success
 
     state = {r.asset_materialization.partition: r.asset_materialization.metadata
@@ -43,10 +40,10 @@ def test_window_epochs_as_partitions(location_for, tmp_path):
     active = [t.filter(pc.equal(t.column("status"), "active")) for t in events]  # what the pipeline keeps
     for epoch in (1, 2, 3):
         latest = max(pc.max(t.column("event_time")).as_py() for t in active[:epoch])
-        mark = datetime.fromisoformat(state[key(epoch)]["watermark"].value)
+        mark = datetime.fromisoformat(state[epoch_key(epoch)]["watermark"].value)
         assert (latest - mark).total_seconds() == 30  # max event time so far - 30 s out-of-orderness
-        assert state[key(epoch)]["late_records"].value == runner.result(epoch).late_records
-        assert minutes[key(epoch)]["rows"].value == state[key(epoch)]["records_out"].value > 0
+        assert state[epoch_key(epoch)]["late_records"].value == runner.result(epoch).late_records
+        assert minutes[epoch_key(epoch)]["rows"].value == state[epoch_key(epoch)]["records_out"].value > 0
 
     fired = DeltaTable(str(base / "tables" / "delta" / "merchant_minutes")).to_pyarrow_table()
     assert fired.num_rows == sum(m["rows"].value for m in minutes.values())

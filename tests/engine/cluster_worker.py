@@ -21,6 +21,7 @@ from harness.spark_cluster import EXECUTOR_CLASS
 from tests.helpers import payments
 from volley_dagster import EpochRunner
 from volley_dagster.faults import PAUSE_DIR_ENV, PAUSE_MAX_ENV
+from volley_dagster.settings import RunSettings
 from volley_dagster.spark.session import get_or_create_spark
 
 SHARDS = 4
@@ -61,7 +62,7 @@ if __name__ == "__main__":
             conf[f"spark.executorEnv.{env}"] = os.environ[env]
     spark = get_or_create_spark(master=master, conf=conf, app_name="volley cluster test")
     pipeline = payments(base / "events", base / "out", shards=SHARDS, tables=base / "tables")
-    runner = EpochRunner(pipeline, base / "state", spark=spark, max_records_per_epoch=max_records, keep_epochs=3)
+    runner = EpochRunner(pipeline, base / "state", RunSettings(max_records_per_epoch=max_records, keep_epochs=3), spark=spark)
     while (result := runner.run_next()) is not None:
         shards = {}
         for shard, info in result.shards.items():

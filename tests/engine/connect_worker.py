@@ -16,22 +16,20 @@ from tests.window_reference import window_pipeline
 from volley_dagster import EpochRunner, VolleyError, tumbling
 from volley_dagster.attempt import EpochAttempt
 from volley_dagster.demo.events import generate
+from volley_dagster.settings import RunSettings
 from volley_dagster.spark.stage import run_stage
 from volley_dagster.spark.warm import warm_session
 
 if __name__ == "__main__":
     url, base = sys.argv[1], Path(sys.argv[2])
     spark = warm_session(url, sys.argv[3] if len(sys.argv) > 3 else None)
-    runner = EpochRunner(payments(base / "events", base / "out"), base / "state", spark=spark,
-                         max_records_per_epoch=2_000)
+    runner = EpochRunner(payments(base / "events", base / "out"), base / "state", RunSettings(max_records_per_epoch=2_000), spark=spark)
     records = [r.records_in for r in runner.run_available()]
     # an enrichment over Connect: its counts come back with the epoch's job (a Spark Observation)
     write_deltalake(base / "merchants", merchants_table(200, 0))
-    enriched = EpochRunner(enriched_payments(base / "events", base / "out-enriched"), base / "state-enriched",
-                           spark=spark, max_records_per_epoch=2_000).run_available(max_epochs=1)
+    enriched = EpochRunner(enriched_payments(base / "events", base / "out-enriched"), base / "state-enriched", RunSettings(max_records_per_epoch=2_000), spark=spark).run_available(max_epochs=1)
     windows = EpochRunner(window_pipeline(base / "events-w", base / "out-w", tumbling("10 seconds"), delay="5 seconds",
-                                          lateness="0 seconds"), base / "state-w", spark=spark,
-                          max_records_per_epoch=300).run_available()
+                                          lateness="0 seconds"), base / "state-w", RunSettings(max_records_per_epoch=300), spark=spark).run_available()
     generate(base / "events", 1, 500, 200, first_file=2)
     rng = runner.cut_next()
     assert rng is not None
@@ -45,5 +43,5 @@ if __name__ == "__main__":
             error = None
         except VolleyError as exc:
             error = f"{type(exc).__name__}: {exc}"
-    print(json.dumps({"records": records, "error": error, "enriched": enriched[0].enrichments["merchants"],
+    print(json.dumps({"records": records, "error": error, "enriched": enriched[0].enrichments["merchants"].to_dict(),
                       "windows": [{"epoch": r.epoch, "watermark": r.watermark, "late": r.late_records} for r in windows]}))

@@ -19,6 +19,7 @@ from tests.helpers import enriched_payments, payments, payments_on_kafka
 from tests.ttl_reference import ttl_pipeline
 from tests.window_reference import crash_window_pipeline
 from volley_dagster import EpochRunner
+from volley_dagster.settings import RunSettings
 from volley_dagster.spark.session import get_or_create_spark
 
 
@@ -40,8 +41,7 @@ def main(argv: list[str]) -> int:
              "payments_kafka": partial(payments_on_kafka, bootstrap_servers=os.environ.get("VOLLEY_TEST_KAFKA", ""),
                                        topic=os.environ.get("VOLLEY_TEST_KAFKA_TOPIC", ""))}[kind]
     ttl = {"lease_ttl_s": float(os.environ["VOLLEY_TEST_LEASE_TTL"])} if os.environ.get("VOLLEY_TEST_LEASE_TTL") else {}
-    runner = EpochRunner(build(base / "events", base / "out", tables=base / "tables"), base / "state", spark=spark,
-                         max_records_per_epoch=max_records, keep_epochs=keep, **ttl)
+    runner = EpochRunner(build(base / "events", base / "out", tables=base / "tables"), base / "state", RunSettings(max_records_per_epoch=max_records, keep_epochs=keep), spark=spark, **ttl)
     for result in runner.run_available():
         print("committed", result.epoch, flush=True)
     return 0

@@ -26,6 +26,7 @@ from volley_dagster import (
     sum_,
 )
 from volley_dagster.demo.events import generate
+from volley_dagster.settings import RunSettings
 
 SCHEMA = pa.schema([("user", pa.string()), ("amount", pa.float64()), ("ts", pa.timestamp("us", tz="UTC"))])
 GOOD = [{"user": f"u{i % 3}", "amount": float(i), "ts": "2026-01-01T00:00:00"} for i in range(6)]
@@ -145,7 +146,7 @@ def test_dead_letters_of_epochs_cut_mid_file_name_their_offsets_in_the_file(spar
         pipeline = (Pipeline("pq_mid").source(FileLog(tmp_path / "log")).key_by("user").aggregate(n=count())
                     .sink(MemorySink()).on_bad_records("dead_letter").with_shards(2))
         budget, expected = 2, [[1], [3], []]
-    runner = EpochRunner(pipeline, tmp_path / "state", spark=spark, max_records_per_epoch=budget)
+    runner = EpochRunner(pipeline, tmp_path / "state", RunSettings(max_records_per_epoch=budget), spark=spark)
     offsets = []
     for _ in expected:
         result = runner.run_next()
@@ -175,8 +176,7 @@ def test_file_sorting_before_the_position_is_refused(spark, tmp_path):
 
 def test_corrupt_snapshot_is_named(spark, tmp_path):
     generate(tmp_path / "events", 2, 500, 50)
-    runner = EpochRunner(payments(tmp_path / "events", tmp_path / "out"), tmp_path / "state", spark=spark,
-                         max_records_per_epoch=500)
+    runner = EpochRunner(payments(tmp_path / "events", tmp_path / "out"), tmp_path / "state", RunSettings(max_records_per_epoch=500), spark=spark)
     runner.run_next()
     runner.cut_next()
     sst = next((runner.log.root / runner.result(1).shards[1].snapshot.path).glob("*.sst"))
@@ -190,8 +190,7 @@ def test_corrupt_snapshot_is_named(spark, tmp_path):
 
 def test_changed_layout_is_refused(spark, tmp_path):
     generate(tmp_path / "events", 2, 500, 50)
-    EpochRunner(payments(tmp_path / "events", tmp_path / "out"), tmp_path / "state", spark=spark,
-                max_records_per_epoch=500).run_next()
+    EpochRunner(payments(tmp_path / "events", tmp_path / "out"), tmp_path / "state", RunSettings(max_records_per_epoch=500), spark=spark).run_next()
     other = payments(tmp_path / "events", tmp_path / "out", shards=5)
     with pytest.raises(StateLayoutError, match="num_shards"):
         EpochRunner(other, tmp_path / "state", spark=spark).run_next()

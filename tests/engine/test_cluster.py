@@ -25,6 +25,7 @@ from tests.helpers import assert_epoch_outputs, assert_state_equal, log_records,
 from volley_dagster import EpochRunner
 from volley_dagster.demo.events import generate
 from volley_dagster.faults import PAUSE_DIR_ENV, PAUSE_MAX_ENV
+from volley_dagster.settings import RunSettings
 from volley_dagster.state.store import verify_snapshot
 from volley_dagster.verify import check_latest_snapshot, check_sink
 
@@ -56,7 +57,7 @@ def assert_exactly_once(base: Path) -> EpochRunner:
     """Epochs 1..FILES committed once each, with state, per-epoch outputs and tables
     equal to the reference computed from the log with pandas."""
     pipeline = payments(base / "events", base / "out", shards=SHARDS, tables=base / "tables")
-    runner = EpochRunner(pipeline, base / "state", max_records_per_epoch=PER_FILE)
+    runner = EpochRunner(pipeline, base / "state", RunSettings(max_records_per_epoch=PER_FILE))
     assert runner.committed_epoch() == FILES
     assert runner.log.epochs_cut() == list(range(1, FILES + 1))
     records = log_records(FILES, PER_FILE, KEYS)

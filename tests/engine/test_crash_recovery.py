@@ -20,6 +20,7 @@ from tests.helpers import assert_epoch_outputs, assert_state_equal, log_records,
 from tests.window_reference import crash_window_pipeline, reference, window_rows
 from volley_dagster import EpochRunner
 from volley_dagster.demo.events import generate
+from volley_dagster.settings import RunSettings
 
 FILES, PER_FILE, KEYS, MAX, KEEP = 4, 1_500, 300, 1_500, 2
 ROOT = Path(__file__).resolve().parents[2]
@@ -109,8 +110,7 @@ def test_kill_and_resume_equals_clean_run(spark, tmp_path, point, epoch, shard, 
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr[-3000:]
 
     pipeline = payments(tmp_path / "events", tmp_path / "out", tables=tmp_path / "tables", fmt=fmt)
-    runner = EpochRunner(pipeline, tmp_path / "state", spark=spark,
-                         max_records_per_epoch=MAX, keep_epochs=KEEP)
+    runner = EpochRunner(pipeline, tmp_path / "state", RunSettings(max_records_per_epoch=MAX, keep_epochs=KEEP), spark=spark)
     assert runner.committed_epoch() == committed_after_crash
     assert runner.log.last_cut() == epoch  # the crashed epoch's range stays recorded
     resumed = runner.run_available()
@@ -135,7 +135,7 @@ def test_kill_and_resume_equals_clean_run(spark, tmp_path, point, epoch, shard, 
         check_dtype=False, rtol=1e-9,
     )
     assert sinks["delta"].committed_epoch("payments") == sinks["iceberg"].committed_epoch("payments") == FILES
-    skipped = {name for name, r in runner.result(epoch).sinks.items() if r["skipped"]}
+    skipped = {name for name, r in runner.result(epoch).sinks.items() if r.skipped}
     if point == "after_sinks":
         assert skipped == {"parquet", "delta", "iceberg"}  # each sink decided: already held
     elif point == "after_sink_delta":
@@ -169,7 +169,7 @@ def test_kill_window_pipeline_and_resume_equals_reference(spark, tmp_path, point
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr[-3000:]
 
     pipeline = crash_window_pipeline(tmp_path / "events", tmp_path / "out", tables=tmp_path / "tables")
-    runner = EpochRunner(pipeline, tmp_path / "state", spark=spark, max_records_per_epoch=per_file, keep_epochs=KEEP)
+    runner = EpochRunner(pipeline, tmp_path / "state", RunSettings(max_records_per_epoch=per_file, keep_epochs=KEEP), spark=spark)
     assert runner.committed_epoch() == 2
     assert [r.epoch for r in runner.run_available()] == [3, 4]
 

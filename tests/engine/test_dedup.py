@@ -28,6 +28,7 @@ from volley_dagster.checkpoint.migrate import plan_migration
 from volley_dagster.cli import main as volley
 from volley_dagster.demo.events import write_events
 from volley_dagster.errors import MalformedRecordError, StateLayoutError
+from volley_dagster.settings import RunSettings
 from volley_dagster.sources.storage import storage_for
 
 FILES, ROWS = 5, 400  # file 4 (epoch 4) repeats ids past the bound (late), file 5 a reused id again
@@ -37,7 +38,7 @@ VALUES = [KEY, "events", "total"]
 def check_side_output(runner: EpochRunner, result, dropped: list[int], late: list[int]) -> None:
     """The epoch's figures and its duplicates side output: every dropped record, in log
     order, the late ones with reason ``late``, the others ``duplicate``."""
-    assert (result.duplicates, result.dedup_late) == (len(dropped) - len(late), len(late)), f"epoch {result.epoch}"
+    assert (result.figures["duplicates"], result.figures["dedup_late"]) == (len(dropped) - len(late), len(late)), f"epoch {result.epoch}"
     side = runner.duplicate_records(result.epoch)
     offsets = [] if side is None else side.column("offset").to_pylist()
     assert offsets == dropped, f"epoch {result.epoch}: the duplicates side output differs from the reference"
@@ -53,16 +54,14 @@ def check_epoch(runner: EpochRunner, result, expected: pd.DataFrame, dropped: li
 
 def test_duplicates_are_dropped_as_the_reference_and_the_tables_hold_the_kept_records(spark, tmp_path):
     logs = write_dedup_log(tmp_path / "events", FILES)
-    runner = EpochRunner(dedup_pipeline(tmp_path / "events", tmp_path / "out", tables=tmp_path / "tables"),
-                         tmp_path / "state", spark=spark, max_records_per_epoch=ROWS,
-                         keep_epochs=FILES)  # every epoch's duplicates are read afterwards
+    runner = EpochRunner(dedup_pipeline(tmp_path / "events", tmp_path / "out", tables=tmp_path / "tables"), tmp_path / "state", RunSettings(max_records_per_epoch=ROWS, keep_epochs=FILES), spark=spark)  # every epoch's duplicates are read afterwards
     results = runner.run_available()
     assert [r.epoch for r in results] == list(range(1, FILES + 1))
     reference = DedupReference()
     for result, records in zip(results, logs, strict=True):
         check_epoch(runner, result, *reference.run(records))
-    assert all(r.records_aggregated == ROWS - r.duplicates - r.dedup_late for r in results)
-    assert [r.dedup_late for r in results] == [0, 0, 0, 20, 20]
+    assert all(r.records_aggregated == ROWS - r.figures["duplicates"] - r.figures["dedup_late"] for r in results)
+    assert [r.figures["dedup_late"] for r in results] == [0, 0, 0, 20, 20]
     # epoch 4 repeats the first ten events of the first file twice, 30 minutes back:
     # both copies are late (event time + 15 minutes <= the watermark epoch 4 starts from)
     side = runner.duplicate_records(4)
@@ -81,7 +80,7 @@ def test_duplicates_are_dropped_as_the_reference_and_the_tables_hold_the_kept_re
         assert table.epoch_history("dedup") == {r.epoch: [r.records_out] for r in results}
     # an epoch without records carries its state forward; the next one still remembers
     rng = runner.cut_next(allow_empty=True)
-    assert rng is not None and runner.run(rng.epoch).duplicates == 0
+    assert rng is not None and runner.run(rng.epoch).figures["duplicates"] == 0
 
 
 def test_a_replay_of_old_batches_after_their_keys_were_forgotten_adds_nothing(spark, tmp_path):
@@ -94,9 +93,7 @@ def test_a_replay_of_old_batches_after_their_keys_were_forgotten_adds_nothing(sp
     Before, each replay of the first file was kept and counted again."""
     logs = write_dedup_log(tmp_path / "events", FILES)
     replays = [dedup_file(3), dedup_file(0), dedup_file(0)]
-    runner = EpochRunner(dedup_pipeline(tmp_path / "events", tmp_path / "out", tables=tmp_path / "tables"),
-                         tmp_path / "state", spark=spark, max_records_per_epoch=ROWS,
-                         keep_epochs=FILES + len(replays))  # the replays' side outputs are read afterwards
+    runner = EpochRunner(dedup_pipeline(tmp_path / "events", tmp_path / "out", tables=tmp_path / "tables"), tmp_path / "state", RunSettings(max_records_per_epoch=ROWS, keep_epochs=FILES + len(replays)), spark=spark)  # the replays' side outputs are read afterwards
     reference = DedupReference()
     for result, records in zip(runner.run_available(), logs, strict=True):
         check_epoch(runner, result, *reference.run(records))
@@ -112,8 +109,8 @@ def test_a_replay_of_old_batches_after_their_keys_were_forgotten_adds_nothing(sp
         assert len(dropped) == ROWS and expected.empty  # the reference: nothing of a replay is kept
         check_epoch(runner, result, expected, dropped, late)
         assert (result.records_aggregated, result.records_out) == (0, 0)
-    assert results[0].duplicates > 0 and results[0].dedup_late > 0  # file 3: some keys remembered, some past
-    assert [(r.duplicates, r.dedup_late) for r in results[1:]] == [(0, ROWS), (0, ROWS)]  # the first file: all late
+    assert results[0].figures["duplicates"] > 0 and results[0].figures["dedup_late"] > 0  # file 3: some keys remembered, some past
+    assert [(r.figures["duplicates"], r.figures["dedup_late"]) for r in results[1:]] == [(0, ROWS), (0, ROWS)]  # the first file: all late
     side = runner.duplicate_records(FILES + 3)
     assert side is not None and side.num_rows == ROWS and set(side.column("reason").to_pylist()) == {"late"}
     assert set(side.column("file").to_pylist()) == {f"events-{FILES + 2:06d}.parquet"}
@@ -132,15 +129,14 @@ def test_a_kill_9_after_the_delta_commit_re_runs_the_epoch_dropping_the_same_rec
     logs = write_dedup_log(tmp_path / "events", 4)
     died = run_until_killed(tmp_path, "after_sink_delta", 3, kind="dedup", max_records=ROWS)
     assert died.returncode == -9, died.stderr[-3000:]
-    runner = EpochRunner(dedup_pipeline(tmp_path / "events", tmp_path / "out", tables=tmp_path / "tables"),
-                         tmp_path / "state", spark=spark, max_records_per_epoch=ROWS)
+    runner = EpochRunner(dedup_pipeline(tmp_path / "events", tmp_path / "out", tables=tmp_path / "tables"), tmp_path / "state", RunSettings(max_records_per_epoch=ROWS), spark=spark)
     assert runner.committed_epoch() == 2
     delta, iceberg = runner.pipeline.sinks[1], runner.pipeline.sinks[2]
     assert (delta.committed_epoch("dedup"), iceberg.committed_epoch("dedup")) == (3, 2)
     in_delta = delta.read().to_pandas()
     results = runner.run_available()
     assert [r.epoch for r in results] == [3, 4]
-    assert results[0].sinks["delta"]["skipped"] and not results[0].sinks["iceberg"]["skipped"]
+    assert results[0].sinks["delta"].skipped and not results[0].sinks["iceberg"].skipped
     reference = DedupReference()
     for epoch, records in enumerate(logs, start=1):
         expected, dropped, late = reference.run(records)
@@ -161,8 +157,7 @@ def test_remembered_string_keys_move_with_a_rescale_and_a_migration(spark, tmp_p
     after, so the remembered ids moved unconverted beside the converted aggregate."""
     logs = write_dedup_log(tmp_path / "events", FILES)
     runner = EpochRunner(dedup_pipeline(tmp_path / "events", tmp_path / "out", string_ids=True,
-                                        write_duplicates=False),
-                         tmp_path / "state", spark=spark, max_records_per_epoch=ROWS)
+                                        write_duplicates=False), tmp_path / "state", RunSettings(max_records_per_epoch=ROWS), spark=spark)
     results = [runner.run_next() for _ in range(2)]
     assert runner.rescale(3).new_shards == 3
     results += [runner.run_next() for _ in range(2)]
@@ -172,14 +167,14 @@ def test_remembered_string_keys_move_with_a_rescale_and_a_migration(spark, tmp_p
                .key_by(KEY).aggregate(events=count(), spent=sum_("amount")).sink(ParquetSink(tmp_path / "out2"))
                .with_shards(1))
     runner.migrate(renamed, renames={"total": "spent"}, num_shards=1)
-    runner = EpochRunner(renamed, tmp_path / "state", spark=spark, max_records_per_epoch=ROWS)
+    runner = EpochRunner(renamed, tmp_path / "state", RunSettings(max_records_per_epoch=ROWS), spark=spark)
     results += runner.run_available()
     reference = DedupReference()
     for result, records in zip(results, logs, strict=True):
         expected, dropped, late = reference.run(records)
         output = result.output.rename_columns([c if c != "spent" else "total" for c in result.output.column_names])
         same_rows(output.to_pandas(), expected, VALUES)
-        assert result.duplicates == len(dropped) - len(late) > 0 and result.dedup_late == len(late)
+        assert result.figures["duplicates"] == len(dropped) - len(late) > 0 and result.figures["dedup_late"] == len(late)
         assert result.duplicates_path is None
     assert [len(r.shards) for r in results] == [2, 2, 3, 3, 1]
     same_rows(runner.read_state().to_pandas().rename(columns={"spent": "total"}), reference.current(), VALUES)
@@ -193,22 +188,22 @@ def test_a_window_after_a_deduplication_counts_each_event_once(spark, tmp_path):
                 .deduplicate(on=[ID], within="15 minutes", event_time="event_time")
                 .key_by(KEY).window(tumbling("10 minutes"), on="event_time")
                 .aggregate(events=count(), total=sum_("amount")).sink(ParquetSink(tmp_path / "out")).with_shards(2))
-    runner = EpochRunner(pipeline, tmp_path / "state", spark=spark, max_records_per_epoch=ROWS)
+    runner = EpochRunner(pipeline, tmp_path / "state", RunSettings(max_records_per_epoch=ROWS), spark=spark)
     results = runner.run_available()
     reference = DedupReference()
     on_time = []
     size = 600 * 1_000_000
     for result, records in zip(results, logs, strict=True):
         _, _, dropped_late = reference.run(records)
-        assert result.dedup_late == len(dropped_late)  # late for the deduplication: never a window's late record
+        assert result.figures["dedup_late"] == len(dropped_late)  # late for the deduplication: never a window's late record
         kept, before = reference.kept[-1], reference.watermarks[-1]
         start = kept["t"] // size * size
         late = (start + size <= before) if before is not None else pd.Series(False, index=kept.index)
         assert result.late_records == int(late.sum())
         on_time.append(kept[~late].assign(window_start=start[~late]))
         assert result.watermark == reference.watermark
-    assert sum(r.late_records for r in results) > 0 and sum(r.duplicates for r in results) > 0
-    assert sum(r.dedup_late for r in results) > 0
+    assert sum(r.late_records for r in results) > 0 and sum(r.figures["duplicates"] for r in results) > 0
+    assert sum(r.figures["dedup_late"] for r in results) > 0
     fired = pa.concat_tables([r.output for r in results])
     fired = fired.set_column(fired.column_names.index("window_start"), "window_start",
                              fired.column("window_start").cast(pa.int64())).to_pandas()  # microseconds
@@ -246,7 +241,7 @@ def test_deduplication_settings_are_checked_and_recorded(spark, tmp_path):
     lettered = EpochRunner(nulls.on_bad_records("dead_letter"), tmp_path / "s3", spark=spark).run_available()[0]
     null_ids = sum(1 for i in dedup_file(0).column(ID).to_pylist() if i % 50 == 7)
     assert lettered.dead_letters == null_ids > 0
-    assert lettered.records_aggregated + lettered.duplicates + null_ids == ROWS
+    assert lettered.records_aggregated + lettered.figures["duplicates"] + null_ids == ROWS
     # the deduplication is part of the recorded layout: another one is refused, not silently mixed
     recorded = EpochRunner(nulls, tmp_path / "s3", spark=spark).log.identity()
     assert recorded["aggregate"]["dedup"] == {"on": [ID], "within_us": 60_000_000, "time_column": "event_time"}
@@ -271,9 +266,7 @@ def test_a_pipeline_that_only_deduplicates_gives_its_sinks_the_kept_records(spar
     event time, replaces its row), Iceberg appends every kept record; the state is the
     remembered ids. Late copies are dropped here too, counted apart in the side output."""
     logs = write_dedup_log(tmp_path / "events", FILES)
-    runner = EpochRunner(unique_pipeline(tmp_path / "events", tmp_path / "out", tables=tmp_path / "tables"),
-                         tmp_path / "state", spark=spark, max_records_per_epoch=ROWS,
-                         keep_epochs=FILES)  # every epoch's duplicates are read afterwards
+    runner = EpochRunner(unique_pipeline(tmp_path / "events", tmp_path / "out", tables=tmp_path / "tables"), tmp_path / "state", RunSettings(max_records_per_epoch=ROWS, keep_epochs=FILES), spark=spark)  # every epoch's duplicates are read afterwards
     results = runner.run_available()
     reference = DedupReference()
     for result, records in zip(results, logs, strict=True):
@@ -283,7 +276,7 @@ def test_a_pipeline_that_only_deduplicates_gives_its_sinks_the_kept_records(spar
         pd.testing.assert_frame_equal(kept_records(got), kept_records(reference.kept[-1]), check_dtype=False)
         assert result.records_out == len(got) == result.records_aggregated == ROWS - len(dropped)
         check_side_output(runner, result, dropped, late)
-    assert sum(r.dedup_late for r in results) > 0
+    assert sum(r.figures["dedup_late"] for r in results) > 0
     delta, iceberg = runner.pipeline.sinks[1], runner.pipeline.sinks[2]
     pd.testing.assert_frame_equal(kept_records(delta.read().to_pandas()), last_kept(reference), check_dtype=False)
     pd.testing.assert_frame_equal(kept_records(iceberg.read().to_pandas()),
@@ -308,7 +301,7 @@ def test_a_key_over_several_columns_tells_microseconds_apart(spark, tmp_path, ca
                 .deduplicate(on=[ID, "event_time"], within="1 hour", event_time="event_time")
                 .sink(ParquetSink(tmp_path / "out")))
     result = EpochRunner(pipeline, tmp_path / "state", spark=spark).run_available()[0]
-    assert result.duplicates == 2 and result.records_out == 3
+    assert result.figures["duplicates"] == 2 and result.records_out == 3
     keys = EpochRunner(pipeline, tmp_path / "state", spark=spark).read_state().column("dedup_key").to_pylist()
     assert sorted(keys) == [f'{{"{ID}":1,"event_time":"2026-01-01T00:00:00.000001Z"}}',
                             f'{{"{ID}":1,"event_time":"2026-01-01T00:00:00.000002Z"}}',
@@ -327,8 +320,7 @@ def test_a_kill_9_mid_state_stage_of_a_pipeline_that_only_deduplicates(spark, tm
     logs = write_dedup_log(tmp_path / "events", 3)
     died = run_until_killed(tmp_path, "shard_after_snapshot", 2, shard=1, kind="unique", max_records=ROWS)
     assert died.returncode == -9, died.stderr[-3000:]
-    runner = EpochRunner(unique_pipeline(tmp_path / "events", tmp_path / "out", tables=tmp_path / "tables"),
-                         tmp_path / "state", spark=spark, max_records_per_epoch=ROWS)
+    runner = EpochRunner(unique_pipeline(tmp_path / "events", tmp_path / "out", tables=tmp_path / "tables"), tmp_path / "state", RunSettings(max_records_per_epoch=ROWS), spark=spark)
     delta, iceberg = runner.pipeline.sinks[1], runner.pipeline.sinks[2]
     assert runner.committed_epoch() == 1
     assert (delta.committed_epoch("unique"), iceberg.committed_epoch("unique")) == (1, 1)
@@ -375,7 +367,7 @@ def test_one_record_stamped_2099_is_refused_and_later_re_sends_stay_duplicates(s
         results.append(runner.run_next())
     assert [r.records_out for r in results] == [100, 0, 0]
     assert [r.dead_letters for r in results] == [0, 1, 0]
-    assert [r.duplicates for r in results] == [0, 0, 100]
+    assert [r.figures["duplicates"] for r in results] == [0, 0, 100]
     assert pq.read_table(tmp_path / "out").num_rows == 100
     with pytest.raises(ConfigError, match=r"max_event_time_skew=\.\.\.\) differs from the window's"):
         (Pipeline("two_clocks").source(FileLog(events, format="parquet"))

@@ -22,6 +22,7 @@ from tests.helpers import (
 from volley_dagster import EpochNotCutError, EpochOrderError, EpochRunner, SnapshotError
 from volley_dagster.attempt import AttemptStatus, EpochAttempt
 from volley_dagster.demo.events import generate
+from volley_dagster.settings import RunSettings
 from volley_dagster.sinks.base import CommitContext, SinkCommitResult
 from volley_dagster.sinks.memory import MemorySink
 
@@ -33,8 +34,7 @@ def committed(spark, tmp_path_factory):
     """Six files, cut into epochs of 3,500 records (epochs straddle files), all run."""
     base = tmp_path_factory.mktemp("epochs")
     generate(base / "events", FILES, PER_FILE, KEYS)
-    runner = EpochRunner(payments(base / "events", base / "out"), base / "state", spark=spark,
-                         max_records_per_epoch=3_500, keep_epochs=3)
+    runner = EpochRunner(payments(base / "events", base / "out"), base / "state", RunSettings(max_records_per_epoch=3_500, keep_epochs=3), spark=spark)
     results = runner.run_available()
     return base, runner, results
 
@@ -75,8 +75,7 @@ def test_retention_keeps_k_epochs_and_each_restores(committed):
 
 def test_restore_leaves_previous_snapshot_untouched(spark, tmp_path):
     generate(tmp_path / "events", 2, 3_000, 500)
-    runner = EpochRunner(payments(tmp_path / "events", tmp_path / "out"), tmp_path / "state", spark=spark,
-                         max_records_per_epoch=3_000)
+    runner = EpochRunner(payments(tmp_path / "events", tmp_path / "out"), tmp_path / "state", RunSettings(max_records_per_epoch=3_000), spark=spark)
     runner.run_next()
     snap1 = tree_digest(tmp_path / "state" / "snapshots" / "0000000001")
     second = runner.run_next()
@@ -88,8 +87,7 @@ def test_restore_leaves_previous_snapshot_untouched(spark, tmp_path):
 
 def test_epochs_run_only_in_order(spark, tmp_path):
     generate(tmp_path / "events", 3, 1_000, 200)
-    runner = EpochRunner(payments(tmp_path / "events", tmp_path / "out"), tmp_path / "state", spark=spark,
-                         max_records_per_epoch=1_000)
+    runner = EpochRunner(payments(tmp_path / "events", tmp_path / "out"), tmp_path / "state", RunSettings(max_records_per_epoch=1_000), spark=spark)
     assert [runner.cut_next().epoch for _ in range(3)] == [1, 2, 3]
     with pytest.raises(EpochOrderError, match="epoch 3 .* needs epoch 2 committed first"):
         runner.run(3)
@@ -101,8 +99,7 @@ def test_epochs_run_only_in_order(spark, tmp_path):
 
 def test_recorded_range_is_reused_when_files_are_appended(spark, tmp_path):
     generate(tmp_path / "events", 2, 1_000, 100)
-    runner = EpochRunner(payments(tmp_path / "events", tmp_path / "out"), tmp_path / "state", spark=spark,
-                         max_records_per_epoch=None)
+    runner = EpochRunner(payments(tmp_path / "events", tmp_path / "out"), tmp_path / "state", RunSettings(max_records_per_epoch=None), spark=spark)
     cut = runner.cut_next()
     generate(tmp_path / "events", 2, 1_000, 100, first_file=2)  # lands after the cut
     result = runner.run(cut.epoch)
@@ -126,7 +123,7 @@ def test_partitioned_log_with_string_keys(spark, tmp_path):
         .sink(MemorySink())
         .with_shards(2)
     )
-    runner = EpochRunner(pipeline, tmp_path / "state", spark=spark, max_records_per_epoch=2_400)
+    runner = EpochRunner(pipeline, tmp_path / "state", RunSettings(max_records_per_epoch=2_400), spark=spark)
     results = runner.run_available()
     assert [r.records_in for r in results] == [2_400, 2_400, 1_200]
     first_range = results[0].range
@@ -144,7 +141,7 @@ def test_empty_epoch_carries_state_forward_without_spark_work(spark, tmp_path):
     written), and each sink still records the epoch; the next epoch restores from it."""
     generate(tmp_path / "events", 1, 1_000, 100)
     pipeline = payments(tmp_path / "events", tmp_path / "out", tables=tmp_path / "tables")
-    runner = EpochRunner(pipeline, tmp_path / "state", spark=spark, max_records_per_epoch=1_000)
+    runner = EpochRunner(pipeline, tmp_path / "state", RunSettings(max_records_per_epoch=1_000), spark=spark)
     runner.run_next()
     empty = runner.run(runner.cut_next(allow_empty=True).epoch)
     assert (empty.epoch, empty.records_in, empty.records_out, empty.state_bytes_written) == (2, 0, 0, 0)
@@ -176,8 +173,8 @@ def test_resident_state_is_used_only_while_it_is_the_restored_snapshot(spark, tm
     generate(tmp_path / "events", 5, 1_000, 400)
     pipeline = payments(tmp_path / "events", tmp_path / "out", string_keys=string_keys)
     cache = ResidentStateCache(str(tmp_path / "resident"))
-    mirrored = EpochRunner(pipeline, tmp_path / "state", spark=spark, max_records_per_epoch=1_000, resident_state=cache)
-    plain = EpochRunner(pipeline, tmp_path / "state", spark=spark, max_records_per_epoch=1_000, resident_state=False)
+    mirrored = EpochRunner(pipeline, tmp_path / "state", RunSettings(max_records_per_epoch=1_000, resident_state=cache), spark=spark)
+    plain = EpochRunner(pipeline, tmp_path / "state", RunSettings(max_records_per_epoch=1_000, resident_state=None), spark=spark)
     modes = []
     for runner in (mirrored, mirrored, plain, mirrored, mirrored):
         result = runner.run_next()

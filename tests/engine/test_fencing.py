@@ -28,6 +28,7 @@ from volley_dagster import EpochRunner, PipelineBusyError
 from volley_dagster.checkpoint.lease import newest_token
 from volley_dagster.demo.events import generate
 from volley_dagster.faults import PAUSE_DIR_ENV, PAUSE_MAX_ENV
+from volley_dagster.settings import RunSettings
 
 FILES, PER_FILE, KEYS, MAX, KEEP = 4, 1_500, 300, 1_500, 2
 ROOT = Path(__file__).resolve().parents[2]
@@ -63,7 +64,7 @@ def test_a_paused_attempt_cannot_touch_what_another_runner_committed(spark, tmp_
         assert len(zombie_work) == 1 and len(zombie_snapshot) == 1
 
         # Two whole runners: the second waits for the lease, then names the holder; it writes nothing.
-        second = EpochRunner(pipeline, state, spark=spark, max_records_per_epoch=MAX, keep_epochs=KEEP, lease_wait_s=1)
+        second = EpochRunner(pipeline, state, RunSettings(max_records_per_epoch=MAX, keep_epochs=KEEP, lease_wait_s=1), spark=spark)
         with pytest.raises(PipelineBusyError, match=rf"is busy: .* pid {first.pid} \(pid {first.pid}\), token 1"):
             second.run(2)
         assert second.committed_epoch() == 1 and newest_token(state) == 1
@@ -76,7 +77,7 @@ def test_a_paused_attempt_cannot_touch_what_another_runner_committed(spark, tmp_
         first.wait()
         assert _state(paused) in ("S", "R")
 
-        second = EpochRunner(pipeline, state, spark=spark, max_records_per_epoch=MAX, keep_epochs=KEEP, lease_wait_s=10)
+        second = EpochRunner(pipeline, state, RunSettings(max_records_per_epoch=MAX, keep_epochs=KEEP, lease_wait_s=10), spark=spark)
         result = second.run(2)
         assert _state(paused) in ("S", "R")
         assert not result.already_committed and result.fencing_token == 2
@@ -147,7 +148,7 @@ def test_a_holder_paused_past_its_lease_stops_before_its_next_write(spark, tmp_p
         with contextlib.suppress(ProcessLookupError):
             os.killpg(first.pid, signal.SIGKILL)
 
-    second = EpochRunner(pipeline, state, spark=spark, max_records_per_epoch=MAX, keep_epochs=KEEP)
+    second = EpochRunner(pipeline, state, RunSettings(max_records_per_epoch=MAX, keep_epochs=KEEP), spark=spark)
     assert [r.epoch for r in second.run_available()] == [2, 3, 4]
     records = log_records(FILES, PER_FILE, KEYS)
     assert_state_equal(second.read_state(), reference_state(records))

@@ -32,6 +32,7 @@ from volley_dagster import (
     tumbling,
 )
 from volley_dagster.demo.events import generate
+from volley_dagster.settings import RunSettings
 from volley_dagster.state.keys import ShardLayout
 
 PER_FILE, KEYS = 1_500, 300
@@ -89,7 +90,7 @@ def test_added_removed_and_renamed_accumulators_and_a_new_shard_count_equal_the_
     generate(tmp_path / "events", 2, PER_FILE, KEYS)
     tables = tmp_path / "tables"
     old = payments(tmp_path / "events", tmp_path / "out", shards=3, tables=tables)
-    runner = EpochRunner(old, tmp_path / "state", spark=spark, max_records_per_epoch=PER_FILE)
+    runner = EpochRunner(old, tmp_path / "state", RunSettings(max_records_per_epoch=PER_FILE), spark=spark)
     runner.run_available()
     before = runner.read_state()
 
@@ -129,9 +130,8 @@ def test_added_removed_and_renamed_accumulators_and_a_new_shard_count_equal_the_
     # a runner built on the evolved pipeline, as the next run would build it, goes on
     generate(tmp_path / "events", 1, PER_FILE, KEYS, first_file=3)
     with pytest.raises(StateLayoutError, match="written by a different pipeline layout.*volley migrate"):
-        EpochRunner(old, tmp_path / "state", spark=spark, max_records_per_epoch=PER_FILE).run_next()  # no longer fits
-    again = EpochRunner(evolved(tmp_path, shards=3, tables=tables), tmp_path / "state", spark=spark,
-                        max_records_per_epoch=PER_FILE)
+        EpochRunner(old, tmp_path / "state", RunSettings(max_records_per_epoch=PER_FILE), spark=spark).run_next()  # no longer fits
+    again = EpochRunner(evolved(tmp_path, shards=3, tables=tables), tmp_path / "state", RunSettings(max_records_per_epoch=PER_FILE), spark=spark)
     assert [r.epoch for r in again.run_available()] == [4]
     assert_frame(again.read_state(), expected_after(2, 2))
     changes = again.state_tables().changes(2, 3).toPandas()  # across nothing: both after the migration
@@ -146,7 +146,7 @@ def test_an_upsert_table_drops_the_retired_columns_and_an_append_table_keeps_the
     tables = tmp_path / "tables"
     old = with_tables(payments(tmp_path / "events", tmp_path / "out", shards=3), tables, delta_mode="append",
                       iceberg_table="volley.payments", iceberg_mode="upsert")
-    runner = EpochRunner(old, tmp_path / "state", spark=spark, max_records_per_epoch=PER_FILE)
+    runner = EpochRunner(old, tmp_path / "state", RunSettings(max_records_per_epoch=PER_FILE), spark=spark)
     first_two = sum(r.records_out for r in runner.run_available())
     runner.migrate(evolved(tmp_path, tables=tables, delta_mode="append", iceberg_mode="upsert"),
                    renames={"events": "n_events"}, initial={"spent_since": 0})
@@ -175,7 +175,7 @@ def test_a_windows_lateness_lowered_not_raised_and_a_renamed_window_accumulator(
     windows = tumbling("10 seconds")
     build = lambda lateness, pipeline=None: pipeline or window_pipeline(  # noqa: E731
         tmp_path / "events", tmp_path / "out", windows, delay="2 seconds", lateness=lateness)
-    runner = EpochRunner(build("5 seconds"), tmp_path / "state", spark=spark, max_records_per_epoch=PER_FILE)
+    runner = EpochRunner(build("5 seconds"), tmp_path / "state", RunSettings(max_records_per_epoch=PER_FILE), spark=spark)
     runner.run_available(max_epochs=1)
     open_windows = runner.read_state()
     assert open_windows.num_rows > 0
@@ -208,8 +208,7 @@ def test_a_windows_lateness_lowered_not_raised_and_a_renamed_window_accumulator(
 
 def test_changes_state_cannot_follow_are_refused_with_the_options(spark, tmp_path):
     generate(tmp_path / "events", 2, PER_FILE, KEYS)
-    runner = EpochRunner(payments(tmp_path / "events", tmp_path / "out"), tmp_path / "state", spark=spark,
-                         max_records_per_epoch=PER_FILE)
+    runner = EpochRunner(payments(tmp_path / "events", tmp_path / "out"), tmp_path / "state", RunSettings(max_records_per_epoch=PER_FILE), spark=spark)
     with pytest.raises(EpochOrderError, match="no epoch is committed"):
         runner.migrate(evolved(tmp_path))
     runner.run_available(max_epochs=1)
@@ -232,8 +231,7 @@ def test_changes_state_cannot_follow_are_refused_with_the_options(spark, tmp_pat
 def test_kill_9_during_volley_migrate_leaves_the_old_layout_or_the_new(spark, tmp_path, monkeypatch):
     generate(tmp_path / "events", 2, PER_FILE, KEYS)
     state = tmp_path / "state"
-    runner = EpochRunner(payments(tmp_path / "events", tmp_path / "out", shards=3), state, spark=spark,
-                         max_records_per_epoch=PER_FILE)
+    runner = EpochRunner(payments(tmp_path / "events", tmp_path / "out", shards=3), state, RunSettings(max_records_per_epoch=PER_FILE), spark=spark)
     runner.run_available()
     before = runner.read_state()
     args = ("migrate", str(state), "--to", "tests.engine.test_migrate:evolved_from_env", "--rename", "events=n_events",
@@ -245,7 +243,7 @@ def test_kill_9_during_volley_migrate_leaves_the_old_layout_or_the_new(spark, tm
     assert runner.log.layout_changes() == [] and runner.read_state().equals(before)  # the old layout, whole
     killed = volley(*args, kill_at="rescale_after_commit")
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
-    after = EpochRunner(evolved(tmp_path), state, spark=spark, max_records_per_epoch=PER_FILE)
+    after = EpochRunner(evolved(tmp_path), state, RunSettings(max_records_per_epoch=PER_FILE), spark=spark)
     assert_frame(after.read_state(), expected_after(2, 0))  # the new layout, whole
     again = volley(*args)
     assert again.returncode == 0 and "nothing to migrate" in again.stdout, again.stderr[-2000:]
@@ -263,7 +261,7 @@ def test_an_epoch_a_sink_already_holds_finishes_in_the_recorded_layout_first(spa
     crashed = run_until_killed(tmp_path, "after_sink_delta", 2, max_records=PER_FILE)
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr[-2000:]
     old = payments(tmp_path / "events", tmp_path / "out", tables=tmp_path / "tables")
-    runner = EpochRunner(old, tmp_path / "state", spark=spark, max_records_per_epoch=PER_FILE)
+    runner = EpochRunner(old, tmp_path / "state", RunSettings(max_records_per_epoch=PER_FILE), spark=spark)
     assert runner.committed_epoch() == 1 and runner.log.last_cut() == 2
     held = r"epoch 2 is cut but not committed, and sinks \{'parquet': 2, 'delta': 2\} already hold"
     with pytest.raises(EpochOrderError, match=held):

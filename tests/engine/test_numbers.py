@@ -10,6 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from volley_dagster import AggregateOverflowError, ConfigError, EpochRunner, FileLog, MemorySink, Pipeline, count, sum_
+from volley_dagster.settings import RunSettings
 
 
 def write_log(root, batches: list[pa.Table]) -> None:
@@ -29,7 +30,7 @@ def test_an_int64_sum_that_would_wrap_across_epochs_fails_naming_the_key(spark, 
         pa.table({"account": ["acme", "small"], "amount": pa.array([big, 1], pa.int64())}),
         pa.table({"account": ["acme", "small"], "amount": pa.array([big, 2], pa.int64())}),  # acme: 2**63
     ])
-    runner = EpochRunner(pipeline(tmp_path / "log"), tmp_path / "state", spark=spark, max_records_per_epoch=2)
+    runner = EpochRunner(pipeline(tmp_path / "log"), tmp_path / "state", RunSettings(max_records_per_epoch=2), spark=spark)
     runner.run_next()
     with pytest.raises(AggregateOverflowError, match=r"epoch 2: sum\('amount'\) as 'total' leaves int64 for 1 key\(s\), e\.g\. \['acme'\]"):
         runner.run_next()

@@ -6,9 +6,11 @@ pending-index entries; the refusals; and kill -9 in the middle of a rescale."""
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -22,6 +24,7 @@ from volley_dagster import ConfigError, EpochOrderError, EpochRunner, SnapshotEr
 from volley_dagster.checkpoint.manifest import ShardSnapshot
 from volley_dagster.demo.events import generate
 from volley_dagster.operators.window_state import META_NS, PENDING_NS
+from volley_dagster.settings import RunSettings
 from volley_dagster.state.keys import ShardLayout, namespace_prefix
 from volley_dagster.state.pending_index import PendingIndex, PendingMeta
 from volley_dagster.state.store import open_snapshot_read_only
@@ -38,8 +41,7 @@ def consumed(results, epoch: int) -> int:
 def test_running_aggregate_4_to_7_to_2_equals_reference(spark, tmp_path):
     generate(tmp_path / "events", FILES, PER_FILE, KEYS)
     records = log_records(FILES, PER_FILE, KEYS)
-    runner = EpochRunner(payments(tmp_path / "events", tmp_path / "out", shards=4), tmp_path / "state", spark=spark,
-                         max_records_per_epoch=PER_FILE, keep_epochs=2)
+    runner = EpochRunner(payments(tmp_path / "events", tmp_path / "out", shards=4), tmp_path / "state", RunSettings(max_records_per_epoch=PER_FILE, keep_epochs=2), spark=spark)
     results = []
 
     def run_epochs(n: int, shards: int) -> None:
@@ -70,17 +72,14 @@ def test_running_aggregate_4_to_7_to_2_equals_reference(spark, tmp_path):
     run_epochs(2, 2)
     # the pipeline code may name the initial (4) or the current (2) shard count, nothing else
     with pytest.raises(StateLayoutError, match=r"(?s)num_shards.*After rescales the state has 2 shards"):
-        EpochRunner(payments(tmp_path / "events", tmp_path / "out", shards=5), tmp_path / "state", spark=spark,
-                    max_records_per_epoch=PER_FILE).run_next()
-    runner = EpochRunner(payments(tmp_path / "events", tmp_path / "out", shards=2), tmp_path / "state", spark=spark,
-                         max_records_per_epoch=PER_FILE, keep_epochs=2)
+        EpochRunner(payments(tmp_path / "events", tmp_path / "out", shards=5), tmp_path / "state", RunSettings(max_records_per_epoch=PER_FILE), spark=spark).run_next()
+    runner = EpochRunner(payments(tmp_path / "events", tmp_path / "out", shards=2), tmp_path / "state", RunSettings(max_records_per_epoch=PER_FILE, keep_epochs=2), spark=spark)
     run_epochs(1, 2)
     assert [r.epoch for r in results] == list(range(1, FILES + 1))
     assert_epoch_outputs(read_sink(tmp_path / "out"), records, {r.epoch: r.records_in for r in results})
 
     # a run that never rescaled commits the same outputs, epoch by epoch
-    never = EpochRunner(payments(tmp_path / "events", tmp_path / "out_fixed", shards=4), tmp_path / "state_fixed",
-                        spark=spark, max_records_per_epoch=PER_FILE).run_available()
+    never = EpochRunner(payments(tmp_path / "events", tmp_path / "out_fixed", shards=4), tmp_path / "state_fixed", RunSettings(max_records_per_epoch=PER_FILE), spark=spark).run_available()
     assert len(never) == FILES
     for fixed, rescaled in zip(never, results):
         pd.testing.assert_frame_equal(rescaled.output.to_pandas(), fixed.output.to_pandas(), check_exact=False, rtol=1e-12,
@@ -132,8 +131,7 @@ def test_windows_fire_as_reference_across_rescales(spark, tmp_path, windows, max
     files = generate(tmp_path / "events", WINDOW_FILES, WINDOW_PER_FILE, WINDOW_KEYS, events_per_second=10, disorder_s=30)
     pipeline = window_pipeline(tmp_path / "events", tmp_path / "out", windows, delay="5 seconds", lateness="2 seconds",
                                max_pending=max_pending, shards=4)
-    runner = EpochRunner(pipeline, tmp_path / "state", spark=spark, max_records_per_epoch=WINDOW_PER_FILE,
-                         keep_epochs=WINDOW_FILES + 2)  # every epoch's late records are read back at the end
+    runner = EpochRunner(pipeline, tmp_path / "state", RunSettings(max_records_per_epoch=WINDOW_PER_FILE, keep_epochs=WINDOW_FILES + 2), spark=spark)  # every epoch's late records are read back at the end
     results = runner.run_available(max_epochs=3)
     for shards, run_after in ((7, 3), (2, 3)):
         open_before = runner.read_state()
@@ -159,8 +157,7 @@ def test_a_rescale_takes_the_epochs_cut_but_not_committed_along(spark, tmp_path)
     which has no pipeline code to ask the sinks whether one holds such an epoch, waits
     until it committed."""
     generate(tmp_path / "events", 2, 300, 100)
-    runner = EpochRunner(payments(tmp_path / "events", tmp_path / "out", shards=3), tmp_path / "state", spark=spark,
-                         max_records_per_epoch=300)
+    runner = EpochRunner(payments(tmp_path / "events", tmp_path / "out", shards=3), tmp_path / "state", RunSettings(max_records_per_epoch=300), spark=spark)
     with pytest.raises(EpochOrderError, match="no epoch is committed yet"):
         runner.rescale(5)
     runner.run_next()
@@ -191,11 +188,18 @@ def test_the_rescale_cli_waits_for_the_lease_of_a_running_pipeline(spark, tmp_pa
         assert busy.returncode == 1 and "pipeline 'payments' is busy" in busy.stderr and "(a run)" in busy.stderr
         waiting = subprocess.Popen([sys.executable, "-m", "volley_dagster.cli", "rescale", str(state), "--shards", "5"],
                                    cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        time.sleep(3)
+        said: queue.Queue[str] = queue.Queue()
+        reader = threading.Thread(target=lambda: [said.put(line) for line in waiting.stderr], daemon=True)  # type: ignore[union-attr]
+        reader.start()
+        # until it says it waits (its imports take seconds on a loaded machine), then a while longer
+        first = said.get(timeout=120)
+        assert "waiting for the lease of 'payments'" in first, first
+        time.sleep(1)
         assert waiting.poll() is None and runner.log.layout_changes() == []  # waits, writes nothing
-    out, err = waiting.communicate(timeout=120)
-    assert waiting.returncode == 0, err
-    assert "waiting for the lease of 'payments'" in err
+    out, _ = waiting.communicate(timeout=120)
+    reader.join(timeout=10)
+    rest = [said.get_nowait() for _ in range(said.qsize())]
+    assert waiting.returncode == 0, "".join(rest)
     assert runner.layout() == ShardLayout(5)
 
 
@@ -213,8 +217,7 @@ def test_kill_during_rescale_leaves_old_or_new_layout(spark, tmp_path):
     generate(tmp_path / "events", 3, 500, 200)
     records = log_records(3, 500, 200)
     state = tmp_path / "state"
-    runner = EpochRunner(payments(tmp_path / "events", tmp_path / "out", shards=3), state, spark=spark,
-                         max_records_per_epoch=500)
+    runner = EpochRunner(payments(tmp_path / "events", tmp_path / "out", shards=3), state, RunSettings(max_records_per_epoch=500), spark=spark)
     runner.run_available(max_epochs=2)
     expected = reference_state(records.slice(0, 1_000))
 

@@ -9,6 +9,7 @@ from tests.conftest import BUCKET
 from tests.helpers import assert_state_equal, log_records, reference_state
 from volley_dagster import EpochRunner, FileLog, Pipeline, count, sum_
 from volley_dagster.demo.events import generate
+from volley_dagster.settings import RunSettings
 from volley_dagster.sinks import DeltaSink, IcebergSink, sqlite_catalog
 
 
@@ -27,7 +28,7 @@ def test_source_and_tables_on_s3(spark, seaweedfs, tmp_path):
                           mode="append", s3=s3))
         .with_shards(2)
     )
-    runner = EpochRunner(pipeline, tmp_path / "state", spark=spark, max_records_per_epoch=1_200)
+    runner = EpochRunner(pipeline, tmp_path / "state", RunSettings(max_records_per_epoch=1_200), spark=spark)
     results = runner.run_available()
     assert [r.records_in for r in results] == [1_200, 1_200, 600]
     expected = reference_state(log_records(3, 1_000, 200))[["merchant_id", "total", "events"]]

@@ -19,14 +19,13 @@ from volley_dagster import EpochRunner
 from volley_dagster.checkpoint.s3_snapshots import S3SnapshotStore
 from volley_dagster.demo.events import generate
 from volley_dagster.errors import SnapshotStorageError, StorageFullError
+from volley_dagster.settings import RunSettings
 
 FILES, PER_FILE, KEYS = 4, 2_000, 3_000
 
 
 def runner_for(base: Path, spark, store: S3SnapshotStore | None, state: Path | None = None) -> EpochRunner:
-    return EpochRunner(payments(base / "events", base / "out"), state or base / "state", spark=spark,
-                       max_records_per_epoch=PER_FILE, keep_epochs=2, snapshot_store=store,
-                       snapshot_cache=base / "cache")
+    return EpochRunner(payments(base / "events", base / "out"), state or base / "state", RunSettings(max_records_per_epoch=PER_FILE, keep_epochs=2, snapshot_store=store, snapshot_cache=base / "cache"), spark=spark)
 
 
 def test_snapshots_upload_incrementally_and_restore_from_s3(spark, seaweedfs: SeaweedFS, tmp_path):

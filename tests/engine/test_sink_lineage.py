@@ -16,6 +16,7 @@ from volley_dagster import EpochRunner
 from volley_dagster.cli import describe_checkpoints
 from volley_dagster.demo.events import generate
 from volley_dagster.errors import SinkLineageError
+from volley_dagster.settings import RunSettings
 from volley_dagster.verify import check_sink
 
 FILES, PER_FILE, KEYS = 3, 1_000, 150
@@ -23,7 +24,7 @@ FILES, PER_FILE, KEYS = 3, 1_000, 150
 
 def runner_for(tmp: Path, spark, choice: str = "fail", max_files: int = 1) -> EpochRunner:
     pipeline = payments(tmp / "events", tmp / "out", tables=tmp / "tables", on_foreign_lineage=choice)
-    return EpochRunner(pipeline, tmp / "state", spark=spark, max_records_per_epoch=max_files * PER_FILE)
+    return EpochRunner(pipeline, tmp / "state", RunSettings(max_records_per_epoch=max_files * PER_FILE), spark=spark)
 
 
 def table_versions(runner: EpochRunner) -> tuple:
@@ -71,7 +72,7 @@ def test_a_new_root_over_old_tables_fails_then_each_choice_equals_the_reference(
         assert [r.epoch for r in chosen.run_available()] == [1, 2, 3]
         parquet, delta, iceberg = chosen.pipeline.sinks
         for result in (chosen.result(e) for e in (1, 2, 3)):  # each epoch follows the held ones in every sink
-            assert {s["sink_epoch"] for s in result.sinks.values()} == {result.epoch + offset}
+            assert {s.sink_epoch for s in result.sinks.values()} == {result.epoch + offset}
         assert_state_equal(chosen.read_state(), reference_state(records))
         assert_state_equal(delta.read().select(list(reference_state(records).columns)), reference_state(records))
         outputs = parquet.read("payments").to_pandas()
@@ -112,8 +113,8 @@ def test_a_root_restored_from_a_copy_skips_what_it_committed_and_refuses_another
     again = runner_for(tmp_path, spark)
     results = again.run_available()
     assert [r.epoch for r in results] == [3, 4]
-    assert all(commit["skipped"] for commit in results[0].sinks.values())
-    assert not any(commit["skipped"] for commit in results[1].sinks.values())
+    assert all(commit.skipped for commit in results[0].sinks.values())
+    assert not any(commit.skipped for commit in results[1].sinks.values())
     records = log_records(FILES + 1, PER_FILE, KEYS)
     assert_state_equal(again.pipeline.sinks[1].read().select(list(reference_state(records).columns)),
                        reference_state(records))

@@ -25,6 +25,7 @@ from tests.ttl_reference import (
 from volley_dagster import ConfigError, EpochRunner, FileLog, ParquetSink, Pipeline, count, sum_, tumbling
 from volley_dagster.checkpoint.state_reader import recorded_reader, shards_to_read
 from volley_dagster.errors import StateLayoutError
+from volley_dagster.settings import RunSettings
 
 FILES = 6
 VALUES = [KEY, "events", "total", "expired"]
@@ -45,8 +46,8 @@ def check_against_reference(runner: EpochRunner, results: list, reference: TtlRe
     for result, records in zip(results, logs, strict=True):
         expected = reference.run(records)
         same_rows(result.output.to_pandas(), expected, VALUES)
-        assert result.keys_expired == int(expected["expired"].sum())
-        expired_keys += result.keys_expired
+        assert result.figures["keys_expired"] == int(expected["expired"].sum())
+        expired_keys += result.figures["keys_expired"]
     assert expired_keys > 0
     same_rows(runner.read_state().to_pandas(), reference.current(), [KEY, "events", "total"])
 
@@ -54,7 +55,7 @@ def check_against_reference(runner: EpochRunner, results: list, reference: TtlRe
 def test_keys_expire_by_epochs_as_the_reference_and_upsert_tables_lose_them(spark, tmp_path):
     logs = write_ttl_log(tmp_path / "events", FILES)
     pipeline = ttl_pipeline(tmp_path / "events", tmp_path / "out", ttl_epochs=2, tables=tmp_path / "tables")
-    runner = EpochRunner(pipeline, tmp_path / "state", spark=spark, max_records_per_epoch=logs[0].num_rows)
+    runner = EpochRunner(pipeline, tmp_path / "state", RunSettings(max_records_per_epoch=logs[0].num_rows), spark=spark)
     results = runner.run_available()
     after_records = TtlReference(ttl_epochs=2)
     for records in logs:
@@ -70,7 +71,7 @@ def test_keys_expire_by_epochs_as_the_reference_and_upsert_tables_lose_them(spar
     # epochs without records: 7 and 8 expire what epochs 5 and 6 touched last; by 9 nothing
     # is left to expire, so its shards carry their snapshots forward without a Spark job
     modes = [{s.read_mode for s in r.shards.values()} for r in results[-3:]]
-    assert [r.keys_expired > 0 for r in results[-3:]] == [True, True, False]
+    assert [r.figures["keys_expired"] > 0 for r in results[-3:]] == [True, True, False]
     assert "carried_forward" not in modes[0] | modes[1] and modes[2] == {"carried_forward"}
     assert runner.read_state().num_rows == 0
     stories = {k: [bool(r.output.to_pandas().set_index(KEY)["expired"].get(k, False)) for r in results]
@@ -84,12 +85,12 @@ def test_keys_expire_by_epochs_as_the_reference_and_upsert_tables_lose_them(spar
     for table in (delta, iceberg):
         assert table.read().num_rows == 0 == len(reference.current())
         assert table.epoch_history("ttl") == {r.epoch: [r.records_out] for r in results}
-    assert results[-2].sinks["delta"]["deleted"] > 0 and results[-2].sinks["iceberg"]["expired"] > 0
+    assert results[-2].sinks["delta"].counts["deleted"] > 0 and results[-2].sinks["iceberg"].counts["expired"] > 0
     # the append changelog keeps every row, the expiry rows too
     changelog = pd.concat([r.output.to_pandas() for r in results])
     written = runner.pipeline.sinks[0]
     assert sum(c.rows for c in written.commits("ttl")) == len(changelog)
-    assert int(changelog["expired"].sum()) == sum(r.keys_expired for r in results)
+    assert int(changelog["expired"].sum()) == sum(r.figures["keys_expired"] for r in results)
 
 
 def test_keys_expire_on_event_time_with_the_expiry_index_evicted_to_rocksdb(spark, tmp_path):
@@ -99,7 +100,7 @@ def test_keys_expire_on_event_time_with_the_expiry_index_evicted_to_rocksdb(spar
     logs = write_ttl_log(tmp_path / "events", 3)
     pipeline = ttl_pipeline(tmp_path / "events", tmp_path / "out", ttl="15 minutes", tables=tmp_path / "tables",
                             max_expiry_entries=5, iceberg_mode="append")
-    runner = EpochRunner(pipeline, tmp_path / "state", spark=spark, max_records_per_epoch=logs[0].num_rows)
+    runner = EpochRunner(pipeline, tmp_path / "state", RunSettings(max_records_per_epoch=logs[0].num_rows), spark=spark)
     results = run_all(runner, empty_epochs=1)
     logs += [None] + write_ttl_log(tmp_path / "events", FILES - 3, first_file=3)
     results += run_all(runner)
@@ -107,14 +108,14 @@ def test_keys_expire_on_event_time_with_the_expiry_index_evicted_to_rocksdb(spar
     check_against_reference(runner, results, reference, logs)
     latest = [None if t is None else max(t.column("event_time").cast(pa.int64()).to_pylist()) for t in logs]
     assert [r.watermark for r in results] == [max(w for w in latest[: i + 1] if w is not None) for i in range(len(logs))]
-    assert results[3].keys_expired == 0 and results[3].watermark == results[2].watermark
+    assert results[3].figures["keys_expired"] == 0 and results[3].watermark == results[2].watermark
     shards = [s for r in results for s in r.shards.values()]
     assert max(s.operator.figures.get("expiry_evicted", 0) for s in shards) > 0
     assert max(s.operator.figures.get("expiry_resident", 0) for s in shards) <= 5
     assert {s.read_mode for r in results[1:] for s in r.shards.values()} - {"carried_forward"} == {"resident"}
     same_rows(runner.pipeline.sinks[1].read().to_pandas(), reference.current(), [KEY, "events", "total"])
     appended = runner.pipeline.sinks[2].read().to_pandas()  # Iceberg, append: the changelog
-    assert int(appended["expired"].sum()) == sum(r.keys_expired for r in results) > 0
+    assert int(appended["expired"].sum()) == sum(r.figures["keys_expired"] for r in results) > 0
 
 
 def test_a_kill_9_between_the_sinks_of_an_expiring_epoch_commits_it_once(spark, tmp_path):
@@ -123,20 +124,19 @@ def test_a_kill_9_between_the_sinks_of_an_expiring_epoch_commits_it_once(spark, 
     logs = write_ttl_log(tmp_path / "events", 5)
     died = run_until_killed(tmp_path, "after_sink_delta", 3, kind="ttl", max_records=logs[0].num_rows)
     assert died.returncode == -9, died.stderr[-3000:]
-    runner = EpochRunner(ttl_pipeline(tmp_path / "events", tmp_path / "out", tables=tmp_path / "tables"),
-                         tmp_path / "state", spark=spark, max_records_per_epoch=logs[0].num_rows)
+    runner = EpochRunner(ttl_pipeline(tmp_path / "events", tmp_path / "out", tables=tmp_path / "tables"), tmp_path / "state", RunSettings(max_records_per_epoch=logs[0].num_rows), spark=spark)
     assert runner.committed_epoch() == 2
     delta, iceberg = runner.pipeline.sinks[1], runner.pipeline.sinks[2]
     assert (delta.committed_epoch("ttl"), iceberg.committed_epoch("ttl")) == (3, 2)
     results = runner.run_available()
     assert [r.epoch for r in results] == [3, 4, 5]
-    assert results[0].sinks["delta"]["skipped"] and not results[0].sinks["iceberg"]["skipped"]
+    assert results[0].sinks["delta"].skipped and not results[0].sinks["iceberg"].skipped
     reference = TtlReference(ttl_epochs=2)
     for epoch, records in enumerate(logs, start=1):
         expected = reference.run(records)
         if epoch >= 3:
             same_rows(results[epoch - 3].output.to_pandas(), expected, VALUES)
-    assert results[0].keys_expired > 0
+    assert results[0].figures["keys_expired"] > 0
     for table in (delta, iceberg):
         same_rows(table.read().to_pandas(), reference.current(), [KEY, "events", "total"])
         assert table.epoch_history("ttl").keys() == set(range(1, 6))
@@ -149,8 +149,7 @@ def test_a_rescale_carries_the_expiry_index_to_the_new_shards(spark, tmp_path):
     layout, never across a rescale."""
     logs = write_ttl_log(tmp_path / "events", FILES)
     runner = EpochRunner(ttl_pipeline(tmp_path / "events", tmp_path / "out", shards=2, max_expiry_entries=3,
-                                      string_keys=True),
-                         tmp_path / "state", spark=spark, max_records_per_epoch=logs[0].num_rows)
+                                      string_keys=True), tmp_path / "state", RunSettings(max_records_per_epoch=logs[0].num_rows), spark=spark)
     logs = [t.set_column(1, KEY, pa.array([f"m-{k}" for k in t.column(KEY).to_pylist()])) for t in logs]
     reference = TtlReference(ttl_epochs=2)
     results = [runner.run_next() for _ in range(2)]
@@ -201,8 +200,7 @@ def test_a_migration_keeps_each_keys_expiry_and_refuses_another_ttl(spark, tmp_p
     """``total`` renamed to ``spent`` and 3 -> 4 shards after epoch 2: every key expires
     when it would have (its stamp and index entry carried over). Another TTL is refused."""
     logs = write_ttl_log(tmp_path / "events", FILES)
-    runner = EpochRunner(ttl_pipeline(tmp_path / "events", tmp_path / "out", shards=3), tmp_path / "state",
-                         spark=spark, max_records_per_epoch=logs[0].num_rows)
+    runner = EpochRunner(ttl_pipeline(tmp_path / "events", tmp_path / "out", shards=3), tmp_path / "state", RunSettings(max_records_per_epoch=logs[0].num_rows), spark=spark)
     results = runner.run_available(max_epochs=2)
     other = ttl_pipeline(tmp_path / "events", tmp_path / "out", ttl_epochs=5)
     with pytest.raises(StateLayoutError, match="the state TTL changed"):
@@ -210,7 +208,7 @@ def test_a_migration_keeps_each_keys_expiry_and_refuses_another_ttl(spark, tmp_p
     renamed = Pipeline("ttl").source(FileLog(tmp_path / "events", format="parquet")).key_by(KEY).aggregate(
         events=count(), spent=sum_("amount"), ttl_epochs=2).sink(ParquetSink(tmp_path / "out2"))
     runner.migrate(renamed, renames={"total": "spent"}, num_shards=4)
-    runner = EpochRunner(renamed, tmp_path / "state", spark=spark, max_records_per_epoch=logs[0].num_rows)
+    runner = EpochRunner(renamed, tmp_path / "state", RunSettings(max_records_per_epoch=logs[0].num_rows), spark=spark)
     results += run_all(runner, empty_epochs=2)
     for result in results:
         result.output = result.output.rename_columns([c if c != "spent" else "total" for c in result.output.column_names])
@@ -219,4 +217,4 @@ def test_a_migration_keeps_each_keys_expiry_and_refuses_another_ttl(spark, tmp_p
         same_rows(result.output.to_pandas(), reference.run(records), VALUES)
     state = runner.read_state().to_pandas().rename(columns={"spent": "total"})
     same_rows(state, reference.current(), [KEY, "events", "total"])
-    assert len(results[-1].shards) == 4 and sum(r.keys_expired for r in results[2:]) > 0
+    assert len(results[-1].shards) == 4 and sum(r.figures["keys_expired"] for r in results[2:]) > 0

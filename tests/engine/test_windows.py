@@ -12,6 +12,7 @@ import pytest
 from tests.window_reference import reference, window_pipeline, window_rows
 from volley_dagster import EpochOrderError, EpochRunner, MalformedRecordError, session, sliding, tumbling
 from volley_dagster.demo.events import generate
+from volley_dagster.settings import RunSettings
 
 FILES, PER_FILE, KEYS = 10, 300, 20  # each file is one epoch of 30 s event time
 DELAY, LATENESS = "5 seconds", "2 seconds"
@@ -22,7 +23,7 @@ def run_windows(spark, base, windows, max_pending=None, ntz=False):
     pipeline = window_pipeline(base / "events", base / "out", windows, delay=DELAY, lateness=LATENESS,
                                max_pending=max_pending, ntz=ntz)
     # every epoch's late records are read afterwards: keep them all (retention removes side outputs)
-    runner = EpochRunner(pipeline, base / "state", spark=spark, max_records_per_epoch=PER_FILE, keep_epochs=FILES + 1)
+    runner = EpochRunner(pipeline, base / "state", RunSettings(max_records_per_epoch=PER_FILE, keep_epochs=FILES + 1), spark=spark)
     results = runner.run_available()
     results += runner.flush()  # end of stream: an empty final epoch fires what is still open
     ref = reference([base / "events" / f for f in files], windows, 5_000_000, 2_000_000, end_of_stream=False)
@@ -169,8 +170,7 @@ def test_a_record_from_the_far_future_is_a_dead_letter_not_the_watermark(spark, 
                                skew="1 hour")
     runner = EpochRunner(pipeline.on_bad_records("dead_letter"), tmp_path / "state", spark=spark)
     strict = EpochRunner(window_pipeline(events, tmp_path / "strict_out", tumbling("10 seconds"), delay="5 seconds",
-                                         lateness="0 s", skew="1 hour"),  # on_bad_records("fail"), the default
-                         tmp_path / "strict", spark=spark, max_records_per_epoch=2)
+                                         lateness="0 s", skew="1 hour"), tmp_path / "strict", RunSettings(max_records_per_epoch=2), spark=spark)
     results = []
     for i, batch in enumerate(batches):
         write_batch(events, i, batch)

@@ -26,7 +26,7 @@ import math
 import os
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 from unittest import mock
@@ -254,7 +254,7 @@ def run_plan(make_runner: Callable[[], EpochRunner], events: Path, log: pa.Table
             pq.write_table(log.slice(starts[written], plan.files[written] - starts[written]),
                            events / file_name(written))
             written += 1
-        runner.max_records_per_epoch = b - a if b > a else 1
+        runner.settings = replace(runner.settings, max_records_per_epoch=b - a if b > a else 1)
         moment("before_cut", number)
         rng = runner.cut_next(allow_empty=True)
         assert rng is not None and rng.epoch == number and rng.records == b - a, (number, rng)
@@ -278,9 +278,9 @@ def run_plan(make_runner: Callable[[], EpochRunner], events: Path, log: pa.Table
         epochs.append(_epoch(runner, result, rows.slice(a, b - a), rng.cut_at_us))
     for what, n in (("dead letters", sum(e.result.dead_letters for e in epochs)),
                     ("late records", sum(e.result.late_records for e in epochs)),
-                    ("duplicates", sum(e.result.duplicates for e in epochs)),
-                    ("late copies", sum(e.result.dedup_late for e in epochs)),
-                    ("expired keys", sum(e.result.keys_expired for e in epochs)),
+                    ("duplicates", sum(e.result.figures.get("duplicates", 0) for e in epochs)),
+                    ("late copies", sum(e.result.figures.get("dedup_late", 0) for e in epochs)),
+                    ("expired keys", sum(e.result.figures.get("keys_expired", 0) for e in epochs)),
                     ("empty epochs", sum(e.result.records_in == 0 for e in epochs))):
         if n:
             event(f"with {what}")

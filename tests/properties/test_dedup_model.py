@@ -62,7 +62,7 @@ def test_deduplication_equals_the_reference(spark, tmp_path_factory, data):
         expected, dropped, late = reference.run_rows(e.records, e.cut_at_us + skew_us)
         assert e.result.records_in == e.records.num_rows
         same_values(e.result.output, expected, ["events", "total"])
-        assert (e.result.duplicates, e.result.dedup_late) == (len(dropped) - len(late), len(late))
+        assert (e.result.figures["duplicates"], e.result.figures["dedup_late"]) == (len(dropped) - len(late), len(late))
         reasons = ["late" if row in late else "duplicate" for row in dropped]
         assert e.duplicates == [(*at, why) for at, why in zip(where(e.records, dropped), reasons, strict=True)], (
             f"epoch {n}: the duplicates side output")

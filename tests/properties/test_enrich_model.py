@@ -117,8 +117,9 @@ def test_enrichment_equals_the_reference(spark, tmp_path_factory, data):
         version = pinned(rewrites, n)
         expected, figures = reference.run_rows(e.records, versions[version])
         assert e.result.records_in == e.records.num_rows
-        assert e.result.enrichments == {DIMENSION: {"kind": "delta", "version": str(version), "how": how, "on": [KEY],
-                                                    **figures}}, f"epoch {n}: the enrichment's figures"
+        assert {name: read.to_dict() for name, read in e.result.enrichments.items()} == {
+            DIMENSION: {"kind": "delta", "version": str(version), "how": how, "on": [KEY], **figures}
+        }, f"epoch {n}: the enrichment's figures"
         same_values(e.result.output, expected, CHECKED)
         dead = reference.dead_letters[-1]
         assert e.dead == set(where(e.records, dead)), f"epoch {n}: dead letters"

@@ -17,7 +17,7 @@ from tests.sinks.commit_worker import epoch_output, race
 from tests.sinks.helpers import PIPELINE, ROWS, ctx, frame, reference
 from volley_dagster.errors import SinkCommitError, is_retryable
 from volley_dagster.io.s3 import S3Endpoint
-from volley_dagster.sinks.base import CommitContext, SinkCommitResult
+from volley_dagster.sinks.base import CommitContext, SinkCommitResult, SinkPosition
 from volley_dagster.sinks.delta import DeltaSink
 
 
@@ -44,7 +44,7 @@ def test_epochs_equal_reference(location: dict[str, Any], mode: str) -> None:
     for epoch in range(1, 5):
         result = sink.commit(epoch_output(epoch, ROWS), ctx(epoch))
         assert not result.skipped and result.rows == ROWS and result.mode == mode
-        assert result.position["version"] == epoch - 1  # one Delta commit per epoch, the first creates the table
+        assert result.position.version == epoch - 1  # one Delta commit per epoch, the first creates the table
         assert sink.committed_epoch(PIPELINE) == epoch
     pd.testing.assert_frame_equal(frame(sink.read()), reference(mode, range(1, 5)), check_dtype=False)
 
@@ -64,7 +64,7 @@ def test_recommitting_a_held_epoch_changes_nothing(location: dict[str, Any], mod
     # The same epoch again, an older epoch, and an older epoch with other rows: all skipped.
     for epoch, output in [(3, epoch_output(3, ROWS)), (2, epoch_output(2, ROWS)), (1, epoch_output(9, ROWS))]:
         result = sink.commit(output, ctx(epoch))
-        assert result == SinkCommitResult(skipped=True, held_epoch=3, conflicts=0, mode=mode, position={"version": version})
+        assert result == SinkCommitResult(skipped=True, held_epoch=3, conflicts=0, mode=mode, position=SinkPosition(version=version))
 
     table = delta_table(location)
     assert table.version() == version

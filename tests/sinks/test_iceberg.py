@@ -16,7 +16,7 @@ from pyiceberg.table import Table
 
 from tests.sinks.commit_worker import epoch_output, race
 from tests.sinks.helpers import PIPELINE, ROWS, ctx, frame, reference
-from volley_dagster.sinks.base import CommitContext, SinkCommitResult
+from volley_dagster.sinks.base import CommitContext, SinkCommitResult, SinkPosition
 from volley_dagster.sinks.iceberg import IcebergSink, sqlite_catalog
 
 TABLE = "volley.payments"
@@ -74,7 +74,7 @@ def test_recommitting_a_held_epoch_changes_nothing(iceberg_catalog: dict[str, st
     for epoch, output in [(3, epoch_output(3, ROWS)), (2, epoch_output(2, ROWS)), (1, epoch_output(9, ROWS))]:
         result = sink.commit(output, ctx(epoch))
         assert result == SinkCommitResult(skipped=True, held_epoch=3, conflicts=0, mode=mode,
-                                         position={"snapshot_id": current})
+                                         position=SinkPosition(snapshot_id=current))
 
     table = load(iceberg_catalog)
     assert (table.metadata_location, len(table.snapshots())) == (location, snapshots)

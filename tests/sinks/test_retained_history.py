@@ -66,7 +66,7 @@ def commit(runner: EpochRunner, sink: TableSink, epochs: range) -> None:
         assert not result.skipped, f"epoch {epoch}"
         n = output.num_rows
         assert runner.log.write_manifest(EpochResult(PIPELINE, epoch, {}, n, n, 0, n, n, 0, 0, 0, {},
-                                                     {sink.name: result.to_dict()}, {"total": 1.0}))
+                                                     {sink.name: result}, {"total": 1.0}))
 
 
 def outcomes(runner: EpochRunner, sink: TableSink, epochs: range | None = None) -> dict[str, CheckOutcome]:

@@ -24,6 +24,7 @@ from volley_dagster.columns import ERROR, POS, POS_OFFSET_BITS, POS_SEGMENT_BITS
 from volley_dagster.demo.events import EVENT_SCHEMA
 from volley_dagster.demo.kafka import produce_events
 from volley_dagster.errors import is_retryable
+from volley_dagster.settings import RunSettings
 from volley_dagster.sinks.kafka import KafkaSink
 from volley_dagster.sources import formats
 from volley_dagster.sources.kafka import KafkaSource, Watermarks, plan_cut
@@ -209,7 +210,7 @@ def test_a_pipeline_on_a_topic_equals_the_reference_and_re_runs_as_no_ops(spark,
     produce_events(kafka.bootstrap_servers, topic, BATCHES, PER_BATCH, KEYS)
     source = KafkaSource(topic, kafka.bootstrap_servers, EVENT_SCHEMA, commit_group=f"volley-{topic}")
     pipeline = payments(tmp_path / "unused", tmp_path / "out", tables=tmp_path / "tables", source=source)
-    runner = EpochRunner(pipeline, tmp_path / "state", spark=spark, max_records_per_epoch=PER_BATCH)
+    runner = EpochRunner(pipeline, tmp_path / "state", RunSettings(max_records_per_epoch=PER_BATCH), spark=spark)
     results = runner.run_available()
     assert [r.epoch for r in results] == [1, 2, 3]
     records = log_records(BATCHES, PER_BATCH, KEYS)
@@ -247,7 +248,7 @@ def test_kill_9_and_resume_reads_the_same_offsets_and_writes_each_epoch_once(spa
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr[-3000:]
     pipeline = payments_on_kafka(tmp_path / "events", tmp_path / "out", tables=tmp_path / "tables",
                                  bootstrap_servers=kafka.bootstrap_servers, topic=topic)
-    runner = EpochRunner(pipeline, tmp_path / "state", spark=spark, max_records_per_epoch=PER_BATCH)
+    runner = EpochRunner(pipeline, tmp_path / "state", RunSettings(max_records_per_epoch=PER_BATCH), spark=spark)
     assert runner.committed_epoch() == 1 and runner.log.last_cut() == 2
     assert [r.epoch for r in runner.run_available()] == [2, 3]
     assert_state_equal(runner.read_state(), reference_state(log_records(BATCHES, PER_BATCH, KEYS)))
@@ -255,4 +256,4 @@ def test_kill_9_and_resume_reads_the_same_offsets_and_writes_each_epoch_once(spa
     kafka_sink = pipeline.sinks[-1]
     assert Counter(row["_epoch"] for row in kafka_sink.read("payments")) == parquet_rows  # each epoch once
     assert kafka_sink.committed_epoch("payments") == 3
-    assert runner.result(2).sinks["kafka"]["skipped"] is (point == "after_sinks")
+    assert runner.result(2).sinks["kafka"].skipped is (point == "after_sinks")

@@ -16,6 +16,7 @@ from tests.window_reference import crash_window_pipeline
 from volley_dagster import ConfigError, EpochRunner, SnapshotError
 from volley_dagster.cli import main as volley
 from volley_dagster.demo.events import generate
+from volley_dagster.settings import RunSettings
 from volley_dagster.spark.state_table import CHANGE
 
 FILES, PER_FILE, KEYS = 3, 2_000, 600
@@ -26,8 +27,7 @@ VALUES = ["total", "events", "avg_amount", "smallest", "largest", "first_event",
 def three_epochs(spark, tmp_path_factory):
     base = tmp_path_factory.mktemp("state_tables")
     generate(base / "events", FILES, PER_FILE, KEYS)
-    runner = EpochRunner(payments(base / "events", base / "out"), base / "state", spark=spark,
-                         max_records_per_epoch=PER_FILE, keep_epochs=3)
+    runner = EpochRunner(payments(base / "events", base / "out"), base / "state", RunSettings(max_records_per_epoch=PER_FILE, keep_epochs=3), spark=spark)
     assert [r.epoch for r in runner.run_available()] == [1, 2, 3]
     return base, runner
 
@@ -118,8 +118,7 @@ def test_reads_leave_the_snapshots_unchanged_and_name_what_they_cannot_read(thre
 
 def test_windows_read_their_open_windows_and_pending_entries(spark, tmp_path):
     generate(tmp_path / "events", 2, 3_000, 200)
-    runner = EpochRunner(crash_window_pipeline(tmp_path / "events", tmp_path / "out"), tmp_path / "state", spark=spark,
-                         max_records_per_epoch=3_000)
+    runner = EpochRunner(crash_window_pipeline(tmp_path / "events", tmp_path / "out"), tmp_path / "state", RunSettings(max_records_per_epoch=3_000), spark=spark)
     runner.run_available()
     before = tree_digest(tmp_path / "state" / "snapshots")
     tables = runner.state_tables()

@@ -21,6 +21,7 @@ from harness.dagster_dev import dagster_dev
 from harness.processes import proc_descendants
 from tests.helpers import assert_state_equal, log_records, reference_state
 from volley_dagster import EpochRunner
+from volley_dagster.checkpoint.epoch_log import epoch_key
 from volley_dagster.checkpoint.lease import current_holder
 from volley_dagster.demo.events import generate
 from volley_dagster.demo.payments import local_tables, payments_pipeline
@@ -202,7 +203,7 @@ def test_two_backfills_and_the_sensor_never_overlap(healing):
         while runner.cut_next() is not None:  # as the sensor would; whoever cuts first, the ranges are the same
             pass
         first, last = runner.committed_epoch() + 1, runner.log.last_cut()
-        keys = [f"{e:010d}" for e in range(first, last + 1)]
+        keys = [epoch_key(e) for e in range(first, last + 1)]
         for key in keys:
             srv.client.add_dynamic_partition("payments_epochs", key, exist_ok=True)
         backfills = [srv.client.launch_partition_backfill(EPOCH_ASSETS, keys) for _ in range(2)]

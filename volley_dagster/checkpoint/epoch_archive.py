@@ -26,6 +26,7 @@ _NAME = re.compile(r"(\d{10})-(\d{10})\.zip")
 
 
 def epoch_key(epoch: int) -> str:
+    """Zero-padded, so that names (and Dagster partition keys) sort as numbers."""
     return f"{epoch:010d}"
 
 

@@ -39,14 +39,15 @@ import shutil
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 from volley_dagster import faults
-from volley_dagster.checkpoint.epoch_archive import DEFAULT_SPAN, EpochArchives
+from volley_dagster.checkpoint.epoch_archive import DEFAULT_SPAN, EpochArchives, epoch_key
 from volley_dagster.checkpoint.manifest import ShardSnapshot
 from volley_dagster.dimensions.base import TablePin
 from volley_dagster.errors import ConfigError, EpochNotCutError, EpochOrderError, StateLayoutError
 from volley_dagster.io.atomic import create_json_exclusive, read_json, write_json_atomic
+from volley_dagster.json_records import JsonObject
 from volley_dagster.result import EpochResult
 from volley_dagster.sinks.lineage import Lineage, SinkBinding
 from volley_dagster.sources.offsets import EpochRange
@@ -74,11 +75,6 @@ def local_root(root: str | os.PathLike[str]) -> Path:
     return Path(text).absolute()
 
 
-def epoch_key(epoch: int) -> str:
-    """Zero-padded, so that names (and Dagster partition keys) sort as numbers."""
-    return f"{epoch:010d}"
-
-
 @dataclass(frozen=True)
 class LayoutChange:
     """One committed rescale or migration (``layouts/<sequence>.json``): epochs from
@@ -92,8 +88,8 @@ class LayoutChange:
     num_key_groups: int
     previous_shards: int
     shards: dict[int, ShardSnapshot]
-    stats: dict[str, Any] = field(default_factory=dict)  # keys, keys_moved, seconds, bytes_written, created_at
-    aggregate: dict[str, Any] | None = None  # a migration's operator layout (None: a rescale keeps the operator)
+    stats: JsonObject = field(default_factory=dict)  # keys, keys_moved, seconds, bytes_written, created_at
+    aggregate: JsonObject | None = None  # a migration's operator layout (None: a rescale keeps the operator)
 
     @property
     def layout(self) -> ShardLayout:
@@ -104,7 +100,7 @@ class LayoutChange:
         """The committed epoch whose state was rewritten."""
         return self.from_epoch - 1
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         return {
             "version": LAYOUT_VERSION,
             "sequence": self.sequence,
@@ -118,7 +114,7 @@ class LayoutChange:
         }
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> LayoutChange:
+    def from_dict(cls, d: JsonObject) -> LayoutChange:
         if d.get("version") != LAYOUT_VERSION:
             raise StateLayoutError(f"layout record version {d.get('version')} is unknown; this engine reads {LAYOUT_VERSION}")
         return cls(d["sequence"], d["from_epoch"], d["num_shards"], d["num_key_groups"], d["previous_shards"],
@@ -184,7 +180,7 @@ class EpochLog:
 
     # -- identity ------------------------------------------------------------------
 
-    def identity(self, epoch: int | None = None) -> dict[str, Any]:
+    def identity(self, epoch: int | None = None) -> JsonObject:
         """The state layout recorded by the first epoch (see ``check_identity``), with the
         operator of the last migration: the one the next epoch runs; with ``epoch``, the
         one ``state_shards(epoch)`` was written by (a migration of epoch E rewrote E's
@@ -202,7 +198,7 @@ class EpochLog:
         names = [{a["name"] for a in layout.get("accumulators", [])} for layout in layouts if layout]
         return frozenset(set().union(*names[:-1]) - names[-1]) if names else frozenset()
 
-    def _recorded(self) -> dict[str, Any]:
+    def _recorded(self) -> JsonObject:
         """``pipeline.json``, checked: a file edited by hand or cut short is named, with
         what to do, instead of failing later on a missing key."""
         path = self.root / "pipeline.json"
@@ -227,7 +223,7 @@ class EpochLog:
     def has_identity(self) -> bool:
         return (self.root / "pipeline.json").exists()
 
-    def check_identity(self, identity: dict[str, Any]) -> None:
+    def check_identity(self, identity: JsonObject) -> None:
         """Record the pipeline's state layout on first use; refuse a different one later.
         The pipeline's shard count may be the initial one (``with_shards`` is the first
         layout only) or the current one after a rescale; nothing else may change."""
@@ -572,7 +568,7 @@ class EpochLog:
         return sorted(int(p.name) for p in snaps.iterdir() if p.name.isdigit()) if snaps.is_dir() else []
 
 
-def _without_shards(identity: dict[str, Any]) -> dict[str, Any]:
+def _without_shards(identity: JsonObject) -> JsonObject:
     layout = {k: v for k, v in identity.get("layout", {}).items() if k != "num_shards"}
     return {**identity, "layout": layout}
 

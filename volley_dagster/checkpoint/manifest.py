@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
 
+from volley_dagster.json_records import JsonObject
 from volley_dagster.operators.base import OperatorStats
 from volley_dagster.state.digests import FileDigests
 from volley_dagster.state.store import SnapshotInfo
@@ -38,8 +38,8 @@ class ShardSnapshot:
         return ShardSnapshot(str(Path(self.path).relative_to(root)), self.files, self.bytes_total, self.attempt,
                              self.stored_remotely)
 
-    def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"snapshot": self.path, "files": self.files, "bytes_total": self.bytes_total}
+    def to_dict(self) -> JsonObject:
+        d: JsonObject = {"snapshot": self.path, "files": self.files, "bytes_total": self.bytes_total}
         if self.attempt is not None:
             d["attempt"] = self.attempt
         if self.stored_remotely:
@@ -47,7 +47,7 @@ class ShardSnapshot:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> ShardSnapshot:
+    def from_dict(cls, d: JsonObject) -> ShardSnapshot:
         # manifests written before the flag said "uploaded" by their upload timing alone
         stored = bool(d.get("stored_remotely", "s3_upload_s" in d))
         return cls(d["snapshot"], d["files"], d.get("bytes_total", 0), d.get("attempt"), stored)
@@ -62,12 +62,12 @@ class SnapshotUpload:
     files_reused: int
     seconds: float
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         return {"s3_bytes_uploaded": self.bytes_uploaded, "s3_files_uploaded": self.files_uploaded,
                 "s3_files_reused": self.files_reused, "s3_upload_s": self.seconds}
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> SnapshotUpload | None:
+    def from_dict(cls, d: JsonObject) -> SnapshotUpload | None:
         if "s3_upload_s" not in d:
             return None
         return cls(d.get("s3_bytes_uploaded", 0), d.get("s3_files_uploaded", 0), d.get("s3_files_reused", 0),
@@ -81,11 +81,11 @@ class SnapshotDownload:
     bytes_downloaded: int
     seconds: float
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         return {"s3_restore_bytes": self.bytes_downloaded, "s3_restore_s": self.seconds}
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> SnapshotDownload | None:
+    def from_dict(cls, d: JsonObject) -> SnapshotDownload | None:
         if "s3_restore_s" not in d:
             return None
         return cls(d.get("s3_restore_bytes", 0), d["s3_restore_s"])
@@ -134,8 +134,8 @@ class ShardEntry:
     def relative_to(self, root: Path) -> ShardEntry:
         return replace(self, snapshot=self.snapshot.relative_to(root))
 
-    def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"shard": self.shard, **self.snapshot.to_dict(), "read_mode": self.read_mode,
+    def to_dict(self) -> JsonObject:
+        d: JsonObject = {"shard": self.shard, **self.snapshot.to_dict(), "read_mode": self.read_mode,
                              "keys_touched": self.keys_touched, "new_keys": self.new_keys,
                              **{name: getattr(self, name) for name in _ENTRY_FIELDS}, **self.operator.figures}
         if self.task_pid is not None:
@@ -146,7 +146,7 @@ class ShardEntry:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> ShardEntry:
+    def from_dict(cls, d: JsonObject) -> ShardEntry:
         figures = {k: v for k, v in d.items() if k not in _OWN_KEYS | _SNAPSHOT_KEYS | _TRANSFER_KEYS}
         return cls(
             shard=d["shard"], snapshot=ShardSnapshot.from_dict(d), read_mode=d.get("read_mode", ""),

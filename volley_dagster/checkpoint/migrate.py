@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, NoReturn
+from typing import Literal, NoReturn
 
 import numpy as np
 
@@ -32,6 +32,7 @@ from volley_dagster.checkpoint.epoch_log import EpochLog
 from volley_dagster.checkpoint.lease import PipelineLease
 from volley_dagster.checkpoint.rescale import RescaleResult, rescale
 from volley_dagster.errors import ConfigError, EpochOrderError, StateLayoutError
+from volley_dagster.json_records import JsonObject
 from volley_dagster.operators import recorded_operator, without_dedup
 from volley_dagster.operators.aggregate import ResolvedAggregate
 from volley_dagster.operators.base import MigratableOperator, StatefulOperator
@@ -70,7 +71,7 @@ class StateMigration:
     windowing: tuple[str, ...] = ()  # what changed in the windowing, described
 
     @property
-    def aggregate(self) -> dict[str, Any]:
+    def aggregate(self) -> JsonObject:
         return self.new.layout()
 
     @property
@@ -116,7 +117,7 @@ class MigrationResult:
                 f"(layouts/{r.sequence:010d}.json)")
 
 
-def plan_migration(recorded: dict[str, Any], proposed: dict[str, Any], renames: Mapping[str, str],
+def plan_migration(recorded: JsonObject, proposed: JsonObject, renames: Mapping[str, str],
                    initial: Mapping[str, float | None]) -> StateMigration:
     """How the recorded state becomes the proposed pipeline's (identities as the epoch
     log records them); ``StateLayoutError`` for a change state cannot follow."""
@@ -168,7 +169,7 @@ def plan_migration(recorded: dict[str, Any], proposed: dict[str, Any], renames: 
 
 
 def migrate(
-    log: EpochLog, proposed: dict[str, Any], lease: PipelineLease, renames: Mapping[str, str] | None = None,
+    log: EpochLog, proposed: JsonObject, lease: PipelineLease, renames: Mapping[str, str] | None = None,
     initial: Mapping[str, float | None] | None = None, num_shards: int | None = None,
     rocksdb: RocksDBOptions | None = None, verify_checksums: bool = False, uncommitted_ok: bool = False,
 ) -> MigrationResult:
@@ -191,12 +192,12 @@ def migrate(
                                                       uncommitted_ok))
 
 
-def _without_layout(identity: dict[str, Any]) -> dict[str, Any]:
+def _without_layout(identity: JsonObject) -> JsonObject:
     """What a migration changes: everything but the shard layout and the lineage."""
     return {k: v for k, v in identity.items() if k not in ("layout", "lineage")}
 
 
-def _windowing_changes(old: dict[str, Any] | None, new: dict[str, Any] | None) -> tuple[str, ...]:
+def _windowing_changes(old: JsonObject | None, new: JsonObject | None) -> tuple[str, ...]:
     if old is None or new is None:
         return ()
     for field in FIXED_WINDOWING:
@@ -216,7 +217,7 @@ def _windowing_changes(old: dict[str, Any] | None, new: dict[str, Any] | None) -
     return ()
 
 
-def _initial(spec: dict[str, Any], value: float | None) -> float | None:
+def _initial(spec: JsonObject, value: float | None) -> float | None:
     """What an added accumulator's existing keys start from: its blank (count 0, the
     others null), or for ``sum_`` a declared 0."""
     if value is None or (spec["type"] == "Count" and value == 0):
@@ -228,7 +229,7 @@ def _initial(spec: dict[str, Any], value: float | None) -> float | None:
                       f"not {value!r}")
 
 
-def _show(spec: dict[str, Any]) -> str:
+def _show(spec: JsonObject) -> str:
     column = repr(spec["column"]) if spec["column"] is not None else ""
     return f"{spec['type'].lower()}({column}) over {spec['kind'] or 'rows'}"
 

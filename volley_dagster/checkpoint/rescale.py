@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from itertools import islice
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Protocol, cast
+from typing import Iterable, Iterator, Protocol, cast
 
 import numpy as np
 import pyarrow as pa
@@ -53,6 +53,7 @@ from volley_dagster.checkpoint.epoch_log import EpochLog, LayoutChange
 from volley_dagster.checkpoint.lease import PipelineLease
 from volley_dagster.checkpoint.manifest import ShardSnapshot
 from volley_dagster.errors import EpochOrderError, FencedError, StateLayoutError
+from volley_dagster.json_records import JsonObject
 from volley_dagster.operators import recorded_namespaces
 from volley_dagster.operators.base import StateNamespaces
 from volley_dagster.state.keys import PREFIX_BYTES, ShardLayout, namespace_prefix
@@ -97,7 +98,7 @@ class ValueConversion(Protocol):
     values in the new operator's record layout, a batch at a time in key order."""
 
     @property
-    def aggregate(self) -> dict[str, Any]:
+    def aggregate(self) -> JsonObject:
         """The operator layout the converted state is in."""
 
     def convert(self, namespace: int, values: list[bytes]) -> list[bytes]: ...

@@ -138,10 +138,10 @@ class S3SnapshotStore:
         self._lock = threading.Lock()
         self._known_ssts: set[str] = set()  # hashes this process saw in the store
 
-    def __getstate__(self) -> dict[str, Any]:
+    def __getstate__(self) -> dict[str, object]:
         return {**self.__dict__, "_client": None, "_lock": None, "_known_ssts": set()}
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
+    def __setstate__(self, state: dict[str, object]) -> None:
         self.__dict__.update(state)
         self._lock = threading.Lock()
 

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 import pyarrow as pa
 from pyspark.sql.pandas.types import from_arrow_schema
 
 from volley_dagster.errors import ConfigError, DimensionPinRejectedError
+from volley_dagster.json_records import JsonObject
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -44,13 +45,39 @@ class TablePin:
     version: str
     files: tuple[PinnedFile, ...] = ()  # Parquet only
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         return {"table": self.table, "kind": self.kind, "version": self.version,
                 "files": [asdict(f) for f in self.files]}
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> TablePin:
+    def from_dict(cls, d: JsonObject) -> TablePin:
         return cls(d["table"], d["kind"], str(d["version"]), tuple(PinnedFile(**f) for f in d.get("files", [])))
+
+
+@dataclass(frozen=True)
+class EnrichmentRead:
+    """What one epoch's enrichment read of its table: the pinned version, how it joined,
+    its records, those without a match, and those an inner join dropped."""
+
+    kind: str
+    version: str
+    how: str
+    on: tuple[str, ...]
+    records: int = 0
+    unmatched: int = 0
+    dropped: int = 0
+
+    def same_pin(self, pin: TablePin, on: tuple[str, ...]) -> bool:
+        """Read at ``pin`` on the key ``on``: a table's keys checked unique there still are."""
+        return (self.version, self.kind, self.on) == (pin.version, pin.kind, tuple(on))
+
+    def to_dict(self) -> JsonObject:
+        return {**asdict(self), "on": list(self.on)}
+
+    @classmethod
+    def from_dict(cls, d: JsonObject) -> EnrichmentRead:
+        return cls(d["kind"], str(d["version"]), d.get("how", "left"), tuple(d.get("on", ())), d.get("records", 0),
+                   d.get("unmatched", 0), d.get("dropped", 0))
 
 
 class DimensionTable(ABC):
@@ -93,7 +120,7 @@ class DimensionTable(ABC):
                 self.name, pin.version,
             )
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> JsonObject:
         return {"kind": self.kind, "uri": self.uri}
 
 

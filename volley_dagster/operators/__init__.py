@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from volley_dagster.errors import StateLayoutError
+from volley_dagster.json_records import JsonObject
 from volley_dagster.operators.base import StatefulOperator, StateNamespaces
 from volley_dagster.operators.dedup import (
     SEEN_BY_DEADLINE_NS,
@@ -18,7 +17,7 @@ from volley_dagster.operators.ttl import StateTtl, with_ttl_namespaces
 from volley_dagster.operators.window_state import WINDOW_NAMESPACES
 
 
-def recorded_namespaces(layout: dict[str, Any]) -> StateNamespaces:
+def recorded_namespaces(layout: JsonObject) -> StateNamespaces:
     """The namespaces of the operator that wrote a checkpoint root, from the layout it
     recorded (``pipeline.json``): for tools that have no pipeline (``volley rescale``)."""
     if "unique_records" in layout:
@@ -30,7 +29,7 @@ def recorded_namespaces(layout: dict[str, Any]) -> StateNamespaces:
     return dedup_namespaces(namespaces) if "dedup" in layout else namespaces
 
 
-def recorded_operator(layout: dict[str, Any]) -> StatefulOperator:
+def recorded_operator(layout: JsonObject) -> StatefulOperator:
     """The operator that wrote a checkpoint root, rebuilt from the layout it recorded
     (``pipeline.json``), so that tools with no pipeline (``volley state``) decode its
     state exactly as the engine wrote it."""

@@ -14,6 +14,7 @@ from pyspark.sql import types as T
 
 from volley_dagster import columns
 from volley_dagster.errors import AggregateOverflowError, ConfigError, StateLayoutError
+from volley_dagster.json_records import JsonObject
 from volley_dagster.operators.accumulators import Accumulator, StateOverflow, ValueKind, spark_ddl
 from volley_dagster.operators.base import (
     FillRecords,
@@ -23,9 +24,18 @@ from volley_dagster.operators.base import (
     StatefulOperator,
     StateNamespaces,
     partial_records,
+    summed,
 )
 from volley_dagster.operators.event_time import EventTime
-from volley_dagster.operators.ttl import EXPIRED, TOUCHED, TOUCHED_PARTIAL, ShardExpiry, StateTtl, with_ttl_namespaces
+from volley_dagster.operators.ttl import (
+    EXPIRED,
+    KEYS_EXPIRED,
+    TOUCHED,
+    TOUCHED_PARTIAL,
+    ShardExpiry,
+    StateTtl,
+    with_ttl_namespaces,
+)
 from volley_dagster.sources.offsets import EpochRange
 from volley_dagster.spark.partitioning import routing_columns, to_shards
 from volley_dagster.state.keys import ShardLayout, decode_keys, encode_keys, key_columns, namespace_prefix
@@ -58,7 +68,7 @@ class Aggregate:
             self.ttl.event_time.check(schema, "aggregate(ttl=...) event_time")
         return ResolvedAggregate(self.accumulators, kinds, self.namespace, self.ttl)
 
-    def recorded(self, layout: dict[str, Any]) -> ResolvedAggregate:
+    def recorded(self, layout: JsonObject) -> ResolvedAggregate:
         """Resolved as the checkpoint root recorded it (``layout()``), without Spark."""
         ttl = (self.ttl or StateTtl.recorded(layout["ttl"])) if "ttl" in layout else None
         return ResolvedAggregate(self.accumulators, tuple(a["kind"] for a in layout["accumulators"]),
@@ -98,9 +108,9 @@ class ResolvedAggregate:
         front, names = key_columns(key_values, key_name, groups, key_group)
         return pa.table(front + self.outputs(state), names=names + [n for n, _ in self.output_fields()])
 
-    def layout(self) -> dict[str, Any]:
+    def layout(self) -> JsonObject:
         """What must not change between epochs of one checkpoint root."""
-        layout: dict[str, Any] = {
+        layout: JsonObject = {
             "namespace": self.namespace,
             "format": STATE_FORMAT,
             "accumulators": [
@@ -170,6 +180,9 @@ class ResolvedAggregate:
 
     def output_names(self) -> list[str]:
         return [name for name, _ in self.output_fields()] + ([EXPIRED] if self.ttl is not None else [])
+
+    def epoch_figures(self, shards: Sequence[OperatorStats]) -> dict[str, int]:
+        return summed(shards, [KEYS_EXPIRED]) if self.ttl is not None else {}
 
     def apply(self, txn: ShardTransaction, data: pa.Table, step: ShardStep) -> tuple[list[pa.Array], OperatorStats]:
         """Running aggregate: every touched key's new value is the output; with a TTL,

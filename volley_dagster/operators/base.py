@@ -3,6 +3,7 @@ shard task that folds them into the shard's state through its transaction."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
 
@@ -10,6 +11,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from volley_dagster import columns
+from volley_dagster.json_records import JsonObject
 from volley_dagster.state.keys import ShardLayout
 from volley_dagster.state.resident import ResidentRecords
 from volley_dagster.state.transaction import ShardTransaction
@@ -20,6 +22,7 @@ if TYPE_CHECKING:
     from volley_dagster.operators.aggregate import ResolvedAggregate
     from volley_dagster.operators.event_time import EventTime
     from volley_dagster.sources.offsets import EpochRange
+    from volley_dagster.spark.tasks import ShardMerge
 
 
 @dataclass(frozen=True)
@@ -85,7 +88,7 @@ class StatefulOperator(Protocol):
         """A shard's state as fixed-width records, when it can stay resident between
         epochs (``state/resident.py``); None: RocksDB only."""
 
-    def layout(self) -> dict[str, Any]:
+    def layout(self) -> JsonObject:
         """What must not change between epochs of one checkpoint root."""
 
     @property
@@ -106,6 +109,15 @@ class StatefulOperator(Protocol):
     def apply(self, txn: ShardTransaction, data: pa.Table, step: ShardStep) -> tuple[list[pa.Array], OperatorStats]:
         """Fold one shard's partials (key, key group and partial columns) into state;
         returns the output columns (key first) and statistics for the manifest."""
+
+    def epoch_figures(self, shards: Sequence[OperatorStats]) -> dict[str, int]:
+        """The operator's figures of the epoch, from its shards' (the epoch result and
+        its manifest record them, Dagster shows each as a number)."""
+
+
+def summed(shards: Sequence[OperatorStats], names: Sequence[str]) -> dict[str, int]:
+    """``names``' figures added up over the shards (an absent one counts 0)."""
+    return {name: sum(s.figures.get(name, 0) for s in shards) for name in names}
 
 
 @dataclass(frozen=True)
@@ -155,6 +167,38 @@ class SparkOperator(StatefulOperator, Protocol):
     def sink_output(self, output: pa.Table, rng: EpochRange) -> tuple[pa.Table, pa.Table | None]:
         """The shard tasks' rows as the sinks take them, and the records they dropped,
         for the duplicates side output (None: none kept)."""
+
+
+class PreStepRun(Protocol):
+    """A pre-step's result in one epoch, held (cached) until the stage has read it."""
+
+    @property
+    def figures(self) -> dict[str, int]:
+        """Its figures of the epoch (a deduplication's: duplicates, late)."""
+
+    def remaining(self, rows: DataFrame) -> DataFrame:
+        """``rows`` without the records the pre-step dropped."""
+
+    def routed(self) -> DataFrame | None:
+        """Rows the shard tasks get with their partials (``shard_rows``' ``kept``)."""
+
+    def dropped(self, rng: EpochRange) -> pa.Table | None:
+        """The dropped records, for the operator's side output (None: not kept)."""
+
+    def release(self) -> None:
+        """Free what the run cached."""
+
+
+class PreStep(Protocol):
+    """A step between the valid rows and the operator that drops records against epoch
+    N-1's state, in a job of its own (a deduplication's probe before an aggregate)."""
+
+    @property
+    def figure_names(self) -> tuple[str, ...]:
+        """The figures its runs report (an epoch without records reports them as 0)."""
+
+    def run(self, rows: DataFrame, layout: ShardLayout, watermark: int | None, merge: ShardMerge) -> PreStepRun:
+        """Run over the epoch's valid ``rows``; ``watermark``: the one the epoch starts from."""
 
 
 # ``fill(out, rows, aggregate)``: a migration sets each accumulator's fields of the new

@@ -54,7 +54,7 @@ key and each shard task decides, remembers and emits the kept ones
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -65,6 +65,7 @@ from pyspark.sql import types as T
 
 from volley_dagster import columns
 from volley_dagster.errors import ConfigError
+from volley_dagster.json_records import JsonObject
 from volley_dagster.operators.base import (
     OperatorStats,
     ShardStep,
@@ -72,6 +73,7 @@ from volley_dagster.operators.base import (
     StatefulOperator,
     StateNamespaces,
     partial_records,
+    summed,
 )
 from volley_dagster.operators.event_time import EventTime
 from volley_dagster.sources.offsets import EpochRange
@@ -125,12 +127,12 @@ class Deduplication:
             return np.zeros(len(times), dtype=bool)
         return self.deadlines(times) <= watermark
 
-    def layout(self) -> dict[str, Any]:
+    def layout(self) -> JsonObject:
         """What must not change between epochs of one checkpoint root (the side output may)."""
         return {"on": list(self.on), "within_us": self.within_us, "time_column": self.event_time.time_column}
 
     @classmethod
-    def recorded(cls, layout: dict[str, Any]) -> Deduplication:
+    def recorded(cls, layout: JsonObject) -> Deduplication:
         return cls(tuple(layout["on"]), layout["within_us"], EventTime(layout["time_column"]))
 
     def key_expr(self, schema: T.StructType) -> tuple[Column, str]:
@@ -296,7 +298,7 @@ class Deduplicated:
     def resident_records(self) -> ResidentRecords | None:
         return self.inner.resident_records
 
-    def layout(self) -> dict[str, Any]:
+    def layout(self) -> JsonObject:
         return {**self.inner.layout(), "dedup": self.dedup.layout()}
 
     @property
@@ -312,6 +314,10 @@ class Deduplicated:
 
     def output_names(self) -> list[str]:
         return self.inner.output_names()
+
+    def epoch_figures(self, shards: Sequence[OperatorStats]) -> dict[str, int]:
+        """The inner operator's; the records dropped are the probe's (``spark/dedup.py``)."""
+        return self.inner.epoch_figures(shards)
 
     def apply(self, txn: ShardTransaction, data: pa.Table, step: ShardStep) -> tuple[list[pa.Array], OperatorStats]:
         is_seen = pc.is_valid(data.column(columns.DEDUP_KEY))
@@ -357,7 +363,7 @@ class ResolvedUniqueRecords:
     key_type: str = "string"  # the deduplication key's Spark type (``columns.KEY``)
     resident_records: ClassVar[None] = None
 
-    def layout(self) -> dict[str, Any]:
+    def layout(self) -> JsonObject:
         """The passed-through columns may change between epochs; the deduplication may not."""
         return {"dedup": self.dedup.layout(), "unique_records": True}
 
@@ -421,6 +427,9 @@ class ResolvedUniqueRecords:
         dropped = output.filter(flags).select(DROPPED_COLUMNS)
         kept = output.filter(pc.invert(flags)).drop_columns(list(INTERNAL_OUT))
         return kept, self.dedup.side_output(dropped, rng)
+
+    def epoch_figures(self, shards: Sequence[OperatorStats]) -> dict[str, int]:
+        return summed(shards, [DUPLICATES, DEDUP_LATE])
 
     def apply(self, txn: ShardTransaction, data: pa.Table, step: ShardStep) -> tuple[list[pa.Array], OperatorStats]:
         key_groups = data.column(columns.KEY_GROUP).to_numpy(zero_copy_only=False).astype(np.int64)

@@ -25,7 +25,6 @@ a key updated every epoch costs one index entry per TTL period, not one per upda
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -34,6 +33,7 @@ from pyspark.sql import Column
 from pyspark.sql import functions as F
 
 from volley_dagster.errors import ConfigError
+from volley_dagster.json_records import JsonObject
 from volley_dagster.operators.base import ShardStep, StateNamespaces
 from volley_dagster.operators.event_time import EventTime
 from volley_dagster.state.keys import namespace_prefix
@@ -45,6 +45,7 @@ EXPIRED = "expired"  # the output column: true on a key's last row, the one that
 TOUCHED = "_touched"  # the state record's field
 TOUCHED_PARTIAL = "_volley_touched"  # event time: a key's latest event time in the epoch (microseconds)
 DEFAULT_MAX_RESIDENT_ENTRIES = 100_000
+KEYS_EXPIRED = "keys_expired"  # the epoch's figure: keys deleted (and emitted with expired = true)
 NEXT_DUE = "expiry_next"  # a shard's figure: its earliest deadline (NO_ENTRY: none)
 _MAX = np.iinfo(np.int64).max
 
@@ -82,7 +83,7 @@ class StateTtl:
     def by_epochs(self) -> bool:
         return self.epochs is not None
 
-    def layout(self) -> dict[str, Any]:
+    def layout(self) -> JsonObject:
         """What must not change between epochs of one checkpoint root (the skew bound may)."""
         if self.event_time is None:
             return {"epochs": self.epochs}
@@ -90,7 +91,7 @@ class StateTtl:
                 "out_of_orderness_us": self.event_time.out_of_orderness_us}
 
     @classmethod
-    def recorded(cls, layout: dict[str, Any]) -> StateTtl:
+    def recorded(cls, layout: JsonObject) -> StateTtl:
         if "epochs" in layout:
             return cls(epochs=layout["epochs"])
         return cls(duration_us=layout["duration_us"],
@@ -161,7 +162,7 @@ class ShardExpiry:
     def figures(self) -> dict[str, int]:
         """For the manifest; ``expiry_next``: the earliest deadline left (absent: unknown),
         so that an epoch without records and nothing due can skip the shard tasks."""
-        figures = {"keys_expired": self.expired, "expiry_resident": self.index.meta.resident,
+        figures = {KEYS_EXPIRED: self.expired, "expiry_resident": self.index.meta.resident,
                    "expiry_evicted": self.index.meta.evicted}
         next_due = self.index.next_due()
         return figures if next_due is None else {**figures, NEXT_DUE: next_due}

@@ -27,7 +27,7 @@ shard tasks merge those partials with state (``window_state``).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, ClassVar, Literal
+from typing import ClassVar, Literal, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -37,6 +37,7 @@ from pyspark.sql import types as T
 
 from volley_dagster import columns
 from volley_dagster.errors import AggregateOverflowError, ConfigError
+from volley_dagster.json_records import JsonObject
 from volley_dagster.operators.accumulators import StateOverflow
 from volley_dagster.operators.aggregate import Aggregate, ResolvedAggregate
 from volley_dagster.operators.base import (
@@ -46,6 +47,7 @@ from volley_dagster.operators.base import (
     StageClock,
     StatefulOperator,
     StateNamespaces,
+    summed,
 )
 from volley_dagster.operators.event_time import Duration, EventTime, duration_us
 from volley_dagster.operators.window_state import (
@@ -77,7 +79,7 @@ class Windows:
     slide_us: int = 0  # sliding (tumbling: == size)
     gap_us: int = 0  # session
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         return {"kind": self.kind, "size_us": self.size_us, "slide_us": self.slide_us, "gap_us": self.gap_us}
 
 
@@ -127,7 +129,7 @@ class Windowing:
     def event_time(self) -> EventTime:
         return EventTime(self.time_column, self.out_of_orderness_us, self.max_skew_us)
 
-    def layout(self) -> dict[str, Any]:
+    def layout(self) -> JsonObject:
         """What must not change between epochs of one checkpoint root (the bound may)."""
         return {
             "windows": self.windows.to_dict(),
@@ -157,7 +159,7 @@ class WindowedAggregate:
             raise ConfigError(f"aggregate output {clash[0]!r} is reserved for the window bounds")
         return ResolvedWindowAggregate(self.windowing, self.aggregate.resolve(schema))
 
-    def recorded(self, layout: dict[str, Any]) -> ResolvedWindowAggregate:
+    def recorded(self, layout: JsonObject) -> ResolvedWindowAggregate:
         """Resolved as the checkpoint root recorded it (``layout()``), without Spark."""
         return ResolvedWindowAggregate(self.windowing, self.aggregate.recorded(layout))
 
@@ -175,7 +177,7 @@ class ResolvedWindowAggregate:
     def resident_records(self) -> ResidentRecords:
         return ResidentRecords(window_dtype(self.aggregate), windows=True)
 
-    def layout(self) -> dict[str, Any]:
+    def layout(self) -> JsonObject:
         return {**self.aggregate.layout(), "windowing": self.windowing.layout()}
 
     @property
@@ -286,6 +288,9 @@ class ResolvedWindowAggregate:
 
     def output_names(self) -> list[str]:
         return [WINDOW_START, WINDOW_END] + [n for n, _ in self.aggregate.output_fields()]
+
+    def epoch_figures(self, shards: Sequence[OperatorStats]) -> dict[str, int]:
+        return summed(shards, ["windows_fired", "windows_opened"])
 
     def apply(self, txn: ShardTransaction, data: pa.Table, step: ShardStep) -> tuple[list[pa.Array], OperatorStats]:
         try:

@@ -5,12 +5,12 @@ lineage wrote them (``sinks/lineage.py``)."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import asdict, dataclass, field, fields
 
 import pyarrow as pa
 
 from volley_dagster.errors import ConfigError
+from volley_dagster.json_records import JsonObject
 from volley_dagster.sinks.lineage import ForeignLineage, Lineage, SinkBinding, SinkCommit, SinkMark, decide
 
 
@@ -51,10 +51,32 @@ class CommitContext:
 
 
 @dataclass(frozen=True)
+class SinkPosition:
+    """Where a sink stands after a commit, by its kind: a Delta table's ``version``, an
+    Iceberg table's ``snapshot_id``, a file's ``path``, a Kafka ``topic`` (``read_back``:
+    its outcome was read back after the producer failed to say). A new kind of sink
+    adds its own field here."""
+
+    version: int | None = None
+    snapshot_id: int | None = None
+    path: str | None = None
+    topic: str | None = None
+    read_back: bool = False
+
+    def to_dict(self) -> JsonObject:
+        return {k: v for k, v in asdict(self).items() if v is not None and v is not False}
+
+
+_POSITION_KEYS = {f.name for f in fields(SinkPosition)}
+_RESULT_KEYS = {"skipped", "rows", "mode", "conflicts", "replaced", "held_epoch", "seconds", "lineage", "sink_epoch"}
+
+
+@dataclass(frozen=True)
 class SinkCommitResult:
-    """What one epoch's commit to one sink did; ``to_dict`` is its entry in the manifest.
-    ``position``: where the table stands after it (Delta ``version``, Iceberg
-    ``snapshot_id``, a file's ``path``); ``counts``: rows inserted, updated, rewritten."""
+    """What one epoch's commit to one sink did; ``to_dict`` is its entry in the manifest
+    (one flat object, as every manifest so far has it). ``counts``: the rows the commit
+    inserted, updated, deleted, rewritten, by the sink's own names. ``seconds``,
+    ``lineage`` and ``sink_epoch`` are set by the committer (``sinks/committer.py``)."""
 
     skipped: bool
     rows: int | None = None
@@ -62,13 +84,29 @@ class SinkCommitResult:
     conflicts: int | None = None
     replaced: bool | None = None
     held_epoch: int | None = None
-    position: dict[str, Any] = field(default_factory=dict)
+    position: SinkPosition = field(default_factory=SinkPosition)
     counts: dict[str, int] = field(default_factory=dict)
+    seconds: float | None = None
+    lineage: str | None = None  # the checkpoint root that committed it
+    sink_epoch: int | None = None  # the number the sink stores (``CommitContext.sink_epoch``)
 
-    def to_dict(self) -> dict[str, Any]:
-        fields = {"skipped": self.skipped, "rows": self.rows, "mode": self.mode, "conflicts": self.conflicts,
-                  "replaced": self.replaced, "held_epoch": self.held_epoch}
-        return {**{k: v for k, v in fields.items() if v is not None}, **self.position, **self.counts}
+    def to_dict(self) -> JsonObject:
+        own = {name: getattr(self, name) for name in sorted(_RESULT_KEYS)}
+        return {**{k: v for k, v in own.items() if v is not None}, **self.position.to_dict(), **self.counts}
+
+    @classmethod
+    def from_dict(cls, d: JsonObject) -> SinkCommitResult:
+        position = SinkPosition(**{k: v for k, v in d.items() if k in _POSITION_KEYS})
+        counts = {k: int(v) for k, v in d.items() if k not in _POSITION_KEYS | _RESULT_KEYS}
+        return cls(position=position, counts=counts, **{k: v for k, v in d.items() if k in _RESULT_KEYS})
+
+
+@dataclass(frozen=True)
+class SinkWrite:
+    """What a table sink's write did: its row counts and where the table stands after it."""
+
+    counts: dict[str, int]
+    position: SinkPosition
 
 
 @dataclass(frozen=True)
@@ -154,7 +192,7 @@ class Sink(ABC):
         """The rows the table holds now, from its own metadata (None: unknown or no table)."""
         return None
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> JsonObject:
         return {"name": self.name, "type": type(self).__name__, "on_foreign_lineage": self.on_foreign_lineage}
 
 

@@ -6,7 +6,8 @@ check before each write, and the fault point after each."""
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from dataclasses import replace
+from typing import Callable
 
 import pyarrow as pa
 
@@ -28,12 +29,12 @@ class SinkCommitter:
         self.log = log
         self.check_fence = check_fence
 
-    def commit(self, output: pa.Table, rng: EpochRange) -> dict[str, dict[str, Any]]:
+    def commit(self, output: pa.Table, rng: EpochRange) -> dict[str, SinkCommitResult]:
         """Each sink in turn: skip what it holds of this lineage, refuse (or, by the
         sink's choice, replace or follow) another lineage's epochs, commit the rest."""
         epoch, lineage, digest = rng.epoch, self.log.lineage(), rng.digest()
         retired = self.log.retired_columns()
-        results: dict[str, dict[str, Any]] = {}
+        results: dict[str, SinkCommitResult] = {}
         for sink in self.pipeline.sinks:
             t = time.perf_counter()
             held = sink.committed_mark(self.pipeline.name)
@@ -50,8 +51,8 @@ class SinkCommitter:
             else:
                 self.check_fence(f"epoch {epoch}: committing sink {sink.name!r}")
                 commit = sink.commit(output, ctx)  # a lost race reports a skip
-            results[sink.name] = commit.to_dict()
-            results[sink.name].update(seconds=time.perf_counter() - t, lineage=lineage.id, sink_epoch=ctx.sink_epoch)
+            results[sink.name] = replace(commit, seconds=time.perf_counter() - t, lineage=lineage.id,
+                                         sink_epoch=ctx.sink_epoch)
             faults.fault_point(f"after_sink_{sink.name}", epoch)
         return results
 

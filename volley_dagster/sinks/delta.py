@@ -32,7 +32,8 @@ from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundErr
 
 from volley_dagster.io.paths import table_uri
 from volley_dagster.io.s3 import S3Endpoint
-from volley_dagster.sinks.base import CommitContext, SinkHistory, SinkLocation, commit_tags
+from volley_dagster.json_records import JsonObject
+from volley_dagster.sinks.base import CommitContext, SinkHistory, SinkLocation, SinkPosition, SinkWrite, commit_tags
 from volley_dagster.sinks.lineage import ForeignLineage, SinkCommit, SinkMark
 from volley_dagster.sinks.table import Mode, TableSink
 
@@ -123,11 +124,11 @@ class DeltaSink(TableSink[DeltaTable]):
     def _held(self, table: DeltaTable, pipeline: str) -> SinkMark | None:
         return _mark(table, self.app_id(pipeline), pipeline)
 
-    def _position(self, table: DeltaTable | None) -> dict[str, Any]:
-        return {"version": table.version() if table is not None else None}
+    def _position(self, table: DeltaTable | None) -> SinkPosition:
+        return SinkPosition(version=table.version() if table is not None else None)
 
     def _write(self, table: DeltaTable | None, output: pa.Table, ctx: CommitContext,
-               keys: tuple[str, ...], expired: pa.Table) -> tuple[dict[str, int], dict[str, Any]]:
+               keys: tuple[str, ...], expired: pa.Table) -> SinkWrite:
         app_id = self.app_id(ctx.pipeline)
         props = CommitProperties(
             app_transactions=[Transaction(app_id=app_id, version=ctx.sink_epoch), *_mark_transactions(app_id, ctx.mark)],
@@ -135,7 +136,7 @@ class DeltaSink(TableSink[DeltaTable]):
             max_commit_retries=0,
         )
         counts = self._write_rows(table, output, keys, props, ctx.replace, expired)
-        return counts, self._position(self._load())
+        return SinkWrite(counts, self._position(self._load()))
 
     def _write_rows(self, table: DeltaTable | None, output: pa.Table, keys: tuple[str, ...],
                     props: CommitProperties, replace: bool, expired: pa.Table) -> dict[str, int]:
@@ -223,7 +224,7 @@ class DeltaSink(TableSink[DeltaTable]):
     def location(self) -> SinkLocation:
         return SinkLocation("delta", uri=self.uri, mode=self.mode)
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> JsonObject:
         return {**super().describe(), "uri": self.uri, "mode": self.mode,
                 "key_columns": list(self.key_columns) if self.key_columns else None}
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 import warnings
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -39,7 +38,8 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from volley_dagster.errors import ConfigError
 from volley_dagster.io.s3 import S3Endpoint
-from volley_dagster.sinks.base import CommitContext, SinkHistory, SinkLocation, commit_tags
+from volley_dagster.json_records import JsonObject
+from volley_dagster.sinks.base import CommitContext, SinkHistory, SinkLocation, SinkPosition, SinkWrite, commit_tags
 from volley_dagster.sinks.lineage import ForeignLineage, SinkCommit, SinkMark
 from volley_dagster.sinks.table import Mode, TableSink
 
@@ -168,8 +168,8 @@ class IcebergSink(TableSink[Table]):
         legacy = table.properties.get(epoch_property(pipeline))
         return None if legacy is None else SinkMark(int(legacy))
 
-    def _position(self, table: Table | None) -> dict[str, Any]:
-        return {"snapshot_id": None if table is None else _snapshot_id(table)}
+    def _position(self, table: Table | None) -> SinkPosition:
+        return SinkPosition(snapshot_id=None if table is None else _snapshot_id(table))
 
     def _schema(self, table: Table) -> pa.Schema:
         return table.schema().as_arrow()
@@ -182,14 +182,14 @@ class IcebergSink(TableSink[Table]):
                 update.delete_column(name)
 
     def _write(self, table: Table | None, output: pa.Table, ctx: CommitContext,
-               keys: tuple[str, ...], expired: pa.Table) -> tuple[dict[str, int], dict[str, Any]]:
+               keys: tuple[str, ...], expired: pa.Table) -> SinkWrite:
         assert table is not None  # ``_load(create_with=...)`` created it
         txn = table.transaction()
         stats = self._stage(txn, table, output, keys, commit_tags(ctx, output.num_rows + expired.num_rows),
                             ctx.replace, expired)
         prefix = mark_prefix(ctx.pipeline, self.name)
         txn.set_properties({prefix + k[len("volley."):]: v for k, v in ctx.mark.tags().items()})
-        return stats, self._position(txn.commit_transaction())
+        return SinkWrite(stats, self._position(txn.commit_transaction()))
 
     def _stage(self, txn: Transaction, table: Table, output: pa.Table, keys: tuple[str, ...],
                summary: dict[str, str], replace: bool, expired: pa.Table) -> dict[str, int]:
@@ -285,7 +285,7 @@ class IcebergSink(TableSink[Table]):
     def location(self) -> SinkLocation:
         return SinkLocation("iceberg", table_name=self.identifier, mode=self.mode)
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> JsonObject:
         return {**super().describe(), "table": self.identifier, "mode": self.mode,
                 "catalog": {k: v for k, v in self.catalog_properties.items() if "secret" not in k and k != "uri"},
                 "key_columns": list(self.key_columns) if self.key_columns else None}

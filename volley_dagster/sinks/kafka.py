@@ -32,7 +32,8 @@ import pyarrow as pa
 from volley_dagster import faults
 from volley_dagster.errors import ConfigError, SinkCommitError, SinkOutcomeUnknownError
 from volley_dagster.io import kafka
-from volley_dagster.sinks.base import CommitContext, Sink, SinkCommitResult, SinkLocation, commit_tags
+from volley_dagster.json_records import JsonObject
+from volley_dagster.sinks.base import CommitContext, Sink, SinkCommitResult, SinkLocation, SinkPosition, commit_tags
 from volley_dagster.sinks.lineage import ForeignLineage, SinkCommit, SinkMark, check_choice
 
 __all__ = ["KafkaSink"]
@@ -69,7 +70,7 @@ class KafkaSink(Sink):
     def location(self) -> SinkLocation:
         return SinkLocation("kafka", uri=f"kafka://{self.bootstrap_servers.split(',')[0]}/{self.topic}", mode="append")
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> JsonObject:
         return {**super().describe(), "topic": self.topic}
 
     # -- the commit ---------------------------------------------------------------------
@@ -80,7 +81,7 @@ class KafkaSink(Sink):
             held = self.committed_mark(ctx.pipeline)
             if not ctx.should_commit(self.name, held):
                 return SinkCommitResult(skipped=True, held_epoch=held.epoch if held else None,
-                                        position={"topic": self.topic})
+                                        position=SinkPosition(topic=self.topic))
             faults.fault_pause(BEFORE_PRODUCE, ctx.epoch)
             self._produce(producer, output, ctx)
             faults.fault_point(BEFORE_COMMIT, ctx.epoch)
@@ -94,8 +95,8 @@ class KafkaSink(Sink):
             how = " (read back after init_transactions settled it)" if read_back else ""
             raise SinkCommitError(f"sink {self.name!r}: epoch {ctx.epoch} to kafka topic {self.topic!r}: the "
                                   f"transaction was aborted{how}, the epoch will be tried again")
-        position: dict[str, Any] = {"topic": self.topic, **({"read_back": True} if read_back else {})}
-        return SinkCommitResult(skipped=False, rows=output.num_rows, mode="append", position=position)
+        return SinkCommitResult(skipped=False, rows=output.num_rows, mode="append",
+                                position=SinkPosition(topic=self.topic, read_back=read_back))
 
     def _producer(self, ctx: CommitContext) -> Any:
         """A transactional producer of this sink, its transactions initialised: a broker

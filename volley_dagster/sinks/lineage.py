@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal, get_args
 
 from volley_dagster.errors import ConfigError, SinkLineageError
+from volley_dagster.json_records import JsonObject
 
 ForeignLineage = Literal["fail", "replace", "continue"]
 
@@ -112,11 +113,11 @@ class SinkBinding:
     def offset(self) -> int:
         return self.foreign.epoch + 1 - self.first_epoch
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         return {"sink": self.sink, "choice": self.choice, "foreign": asdict(self.foreign), "first_epoch": self.first_epoch}
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> SinkBinding:
+    def from_dict(cls, d: JsonObject) -> SinkBinding:
         return cls(d["sink"], d["choice"], SinkMark(**d["foreign"]), int(d["first_epoch"]))
 
 

@@ -8,13 +8,13 @@ from __future__ import annotations
 import io
 import re
 from pathlib import Path
-from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from volley_dagster.io.atomic import create_bytes_exclusive
-from volley_dagster.sinks.base import CommitContext, Sink, SinkCommitResult, SinkLocation, commit_tags
+from volley_dagster.json_records import JsonObject
+from volley_dagster.sinks.base import CommitContext, Sink, SinkCommitResult, SinkLocation, SinkPosition, commit_tags
 from volley_dagster.sinks.lineage import ForeignLineage, SinkCommit, SinkMark, check_choice
 
 _FILE = re.compile(r"^epoch-(\d+)\.parquet$")
@@ -53,7 +53,7 @@ class ParquetSink(Sink):
         files = self._files(ctx.pipeline)  # one read of the footers decides and names what a replace removes
         held = _latest_mark(files)
         if not ctx.should_commit(self.name, held):
-            return SinkCommitResult(skipped=True, held_epoch=held.epoch if held else None, position={"path": str(target)})
+            return SinkCommitResult(skipped=True, held_epoch=held.epoch if held else None, position=SinkPosition(path=str(target)))
         tags = commit_tags(ctx, output.num_rows)
         replaced = files if ctx.replace else []
         if replaced:
@@ -64,7 +64,7 @@ class ParquetSink(Sink):
         for _, path, _ in replaced:  # committed above: what remains is clean-up
             path.unlink(missing_ok=True)
         return SinkCommitResult(skipped=not created, rows=output.num_rows, replaced=ctx.replace,
-                                position={"path": str(target)}, counts={"files_replaced": len(replaced)})
+                                position=SinkPosition(path=str(target)), counts={"files_replaced": len(replaced)})
 
     def commits(self, pipeline: str) -> list[SinkCommit]:
         return [SinkCommit(SinkMark.from_tags(meta, epoch=epoch), int(meta.get("volley.rows", -1)))
@@ -81,7 +81,7 @@ class ParquetSink(Sink):
     def location(self) -> SinkLocation:
         return SinkLocation("parquet", uri=str(self.path))
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> JsonObject:
         return {**super().describe(), "path": str(self.path)}
 
 

@@ -23,13 +23,13 @@ column someone else added to a table is never dropped, and an upsert keeps its v
 from __future__ import annotations
 
 from abc import abstractmethod
-from typing import Any, ClassVar, Generic, Literal, TypeVar
+from typing import ClassVar, Generic, Literal, TypeVar
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from volley_dagster.errors import ConfigError, SinkCommitError, VolleyError
-from volley_dagster.sinks.base import CommitContext, Sink, SinkCommitResult, upsert_keys
+from volley_dagster.sinks.base import CommitContext, Sink, SinkCommitResult, SinkPosition, SinkWrite, upsert_keys
 from volley_dagster.sinks.lineage import ForeignLineage, SinkMark, check_choice
 
 Mode = Literal["append", "upsert"]
@@ -56,7 +56,7 @@ class TableSink(Sink, Generic[Table]):
         self.max_attempts = max_attempts
         self.on_foreign_lineage = check_choice(name, on_foreign_lineage)
 
-    def __getstate__(self) -> dict[str, Any]:
+    def __getstate__(self) -> dict[str, object]:
         return {**self.__dict__, **{attr: None for attr in self.process_local}}
 
     # -- what a table format implements ----------------------------------------------
@@ -76,14 +76,14 @@ class TableSink(Sink, Generic[Table]):
 
     @abstractmethod
     def _write(self, table: Table | None, output: pa.Table, ctx: CommitContext,
-               keys: tuple[str, ...], expired: pa.Table) -> tuple[dict[str, int], dict[str, Any]]:
+               keys: tuple[str, ...], expired: pa.Table) -> SinkWrite:
         """Commit the epoch on exactly the state of ``table`` that was checked, tagged
         with ``ctx.mark``; raise one of ``conflicts`` when another writer got there first.
         ``expired``: upsert only, the keys (``keys`` columns) whose rows the same commit
         deletes (state TTL). Returns the row counts and the table's new position."""
 
     @abstractmethod
-    def _position(self, table: Table | None) -> dict[str, Any]:
+    def _position(self, table: Table | None) -> SinkPosition:
         """Where the table stands (its version or snapshot id), for the manifest."""
 
     @abstractmethod
@@ -127,7 +127,7 @@ class TableSink(Sink, Generic[Table]):
                         continue  # decide again on the table as its schema change left it
                     if self.mode == "append" or output.num_rows == 0:
                         rows = _with_table_columns(schema, output)
-                counts, position = self._write(table, rows, ctx, keys, expired)
+                written = self._write(table, rows, ctx, keys, expired)
             except self.conflicts as exc:
                 conflicts, lost_to = conflicts + 1, exc  # someone committed since we looked (possibly this very epoch): decide again
                 self._forget()
@@ -140,7 +140,7 @@ class TableSink(Sink, Generic[Table]):
                     f"{type(exc).__name__}: {exc}"
                 ) from exc
             return SinkCommitResult(skipped=False, rows=output.num_rows + expired.num_rows, mode=self.mode, conflicts=conflicts,
-                                    replaced=ctx.replace, position=position, counts=counts)
+                                    replaced=ctx.replace, position=written.position, counts=written.counts)
         raise SinkCommitError(
             f"sink {self.name!r} ({self.describe_target()}): epoch {ctx.epoch} lost {conflicts} commit races in a row "
             f"(max_attempts={self.max_attempts}); another writer keeps committing to the table. Nothing of this "

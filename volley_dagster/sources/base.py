@@ -19,6 +19,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from volley_dagster.json_records import JsonObject
 from volley_dagster.sources.offsets import Backlog, EpochRange, Segment, SourcePosition
 
 __all__ = ["Source", "SourceSnapshot"]
@@ -40,7 +41,7 @@ class Source(ABC):
     uri: str  # where it is, as people and lineage name it
 
     @abstractmethod
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> JsonObject:
         """The source's identity as recorded in the pipeline's layout (type, location, format)."""
 
     @abstractmethod

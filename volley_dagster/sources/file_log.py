@@ -19,6 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from volley_dagster.errors import ConfigError, SourceChangedError, SourceError
+from volley_dagster.json_records import JsonObject
 from volley_dagster.sources import formats
 from volley_dagster.sources.base import Source, SourceSnapshot
 from volley_dagster.sources.offsets import Backlog, EpochRange, Position, Segment, SourcePosition, fair_shares
@@ -55,7 +56,7 @@ class FileLog(Source):
         self._counts: dict[tuple[str, int, str, bool], tuple[int, int, str]] = {}
         self._native_ok: dict[tuple[str, int, str], bool] = {}
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> JsonObject:
         return {"type": "file_log", "uri": self.uri, "format": self.format}
 
     def snapshot(self) -> SourceSnapshot:
@@ -275,7 +276,7 @@ class FileLog(Source):
                               "log files must not be rewritten")
         return formats.decode_segment(self.format, data, seg.start, seg.end, schema, seg.position_base())
 
-    def __getstate__(self) -> dict[str, Any]:
+    def __getstate__(self) -> dict[str, object]:
         return {**self.__dict__, "_counts": {}, "_native_ok": {}}
 
 

@@ -26,6 +26,7 @@ import pyarrow as pa
 
 from volley_dagster.errors import ConfigError, SourceDataLostError, SourceError, SourceUnavailableError
 from volley_dagster.io import kafka
+from volley_dagster.json_records import JsonObject
 from volley_dagster.sources import formats
 from volley_dagster.sources.base import Source, SourceSnapshot
 from volley_dagster.sources.offsets import Backlog, EpochRange, Offset, Segment, SourcePosition, fair_shares
@@ -109,7 +110,7 @@ class KafkaSource(Source):
         self._schema = schema
         self.uri = f"kafka://{bootstrap_servers.split(',')[0]}/{topic}"
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> JsonObject:
         # the brokers' addresses are not the source's identity: a cluster may move
         value_format = "json" if self.decode is None else f"decoded by {getattr(self.decode, '__qualname__', 'a function')}"
         return {"type": "kafka", "topic": self.topic, "format": value_format, "isolation_level": self.isolation_level}

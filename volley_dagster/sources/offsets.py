@@ -13,13 +13,14 @@ import hashlib
 import json
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from typing import Any, Union
+from typing import Union
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from volley_dagster.columns import POS_OFFSET_BITS, POS_SEGMENT_BITS
 from volley_dagster.errors import EpochTooLargeError
+from volley_dagster.json_records import JsonObject
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,7 @@ class Position:
     record: int = 0
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Position:
+    def from_dict(cls, d: JsonObject) -> Position:
         return cls(d.get("file"), int(d["file_index"]), int(d["record"]))
 
 
@@ -40,14 +41,14 @@ class Offset:
     offset: int
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Offset:
+    def from_dict(cls, d: JsonObject) -> Offset:
         return cls(int(d["offset"]))
 
 
 SourcePosition = Union[Position, Offset]
 
 
-def position_from_dict(d: dict[str, Any]) -> SourcePosition:
+def position_from_dict(d: JsonObject) -> SourcePosition:
     return Offset.from_dict(d) if "offset" in d else Position.from_dict(d)
 
 
@@ -145,7 +146,7 @@ class EpochRange:
                     f"(offsets {seg.start}..{seg.end - 1}), and an epoch reads fewer than 2^40 of one segment; nothing "
                     "was cut. Set max_records_per_epoch (e.g. 1,000,000): it bounds each partition's share")
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         return {
             "epoch": self.epoch,
             "records": self.records,
@@ -157,7 +158,7 @@ class EpochRange:
         }
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> EpochRange:
+    def from_dict(cls, d: JsonObject) -> EpochRange:
         return cls(
             epoch=int(d["epoch"]),
             start={p: position_from_dict(v) for p, v in d["start"].items()},

@@ -138,7 +138,7 @@ class S3Storage(Storage):
         self.options = dict(options or {})
         self._client: Any = None
 
-    def __getstate__(self) -> dict[str, Any]:
+    def __getstate__(self) -> dict[str, object]:
         return {**self.__dict__, "_client": None}
 
     @property

@@ -25,9 +25,11 @@ from pyspark.sql import functions as F
 from volley_dagster import columns
 from volley_dagster.checkpoint.s3_snapshots import S3SnapshotStore
 from volley_dagster.checkpoint.snapshots import SnapshotRef, on_this_machine
-from volley_dagster.operators.dedup import DROPPED_COLUMNS, Deduplication, decide
+from volley_dagster.operators.dedup import DEDUP_LATE, DROPPED_COLUMNS, DUPLICATES, Deduplication, decide
+from volley_dagster.sources.offsets import EpochRange
 from volley_dagster.spark.partitioning import partition_of_shard, per_shard, with_shard
 from volley_dagster.spark.task_errors import engine_errors
+from volley_dagster.spark.tasks import ShardMerge
 from volley_dagster.state.keys import ShardLayout
 from volley_dagster.state.options import RocksDBOptions
 from volley_dagster.state.store import open_snapshot_read_only, verify_snapshot
@@ -72,23 +74,45 @@ class DuplicateProbe:
                 .append_column(columns.DEDUP_LATE, pa.array(verdicts.late)))
 
 
+@dataclass(frozen=True)
+class ProbeDuplicates:
+    """The stage's pre-step (``operators/base.PreStep``) for a deduplication before an
+    aggregate or window: the probe job, whose dropped records never reach the operator."""
+
+    dedup: Deduplication
+    figure_names: tuple[str, ...] = (DUPLICATES, DEDUP_LATE)
+
+    def run(self, rows: DataFrame, layout: ShardLayout, watermark: int | None, merge: ShardMerge) -> ProbedEpoch:
+        probe = DuplicateProbe(self.dedup, watermark, merge.previous, merge.rocksdb, merge.verify_checksums,
+                               merge.remote, merge.cache_root)
+        return probe_duplicates(rows, self.dedup, layout, probe)
+
+
 @dataclass
 class ProbedEpoch:
     """The probe's verdicts, cached until the state stage has read them."""
 
+    dedup: Deduplication
     probed: DataFrame
     duplicates: int
     late: int
-    dropped: pa.Table | None  # POS, DEDUP_KEY, DEDUP_TIME, DEDUP_LATE of each dropped record (side output on)
+    dropped_records: pa.Table | None  # POS, DEDUP_KEY, DEDUP_TIME, DEDUP_LATE of each dropped record (side output on)
 
-    def unique(self, rows: DataFrame) -> DataFrame:
-        """``rows`` without the dropped ones (duplicates and late)."""
+    @property
+    def figures(self) -> dict[str, int]:
+        return {DUPLICATES: self.duplicates, DEDUP_LATE: self.late}
+
+    def remaining(self, rows: DataFrame) -> DataFrame:
+        """``rows`` without the dropped ones (duplicates and late), and without their key."""
         if not self.duplicates and not self.late:
-            return rows
+            return rows.drop(columns.DEDUP_KEY)
         dropped = self.probed.where(_dropped()).select(columns.POS)
-        return rows.join(dropped, columns.POS, "left_anti")
+        return rows.join(dropped, columns.POS, "left_anti").drop(columns.DEDUP_KEY)
 
-    def kept_keys(self) -> DataFrame:
+    def dropped(self, rng: EpochRange) -> pa.Table | None:
+        return None if self.dropped_records is None else self.dedup.side_output(self.dropped_records, rng)
+
+    def routed(self) -> DataFrame:
         """One row per kept key, with its key group and shard, for ``to_shards(routed=...)``:
         they reach their shard task in the state stage's own exchange, grouped apart
         from the partials by ``partitioning.KEPT_KEY_COLUMNS``."""
@@ -117,9 +141,10 @@ def probe_duplicates(rows: DataFrame, dedup: Deduplication, layout: ShardLayout,
             if dedup.write_duplicates:
                 dropped = probed.where(_dropped()).select(*DROPPED_COLUMNS).toArrow()
                 late = int(pc.sum(dropped.column(columns.DEDUP_LATE).cast(pa.int64())).as_py() or 0)
-                return ProbedEpoch(probed, dropped.num_rows - late, late, dropped)
+                return ProbedEpoch(dedup, probed, dropped.num_rows - late, late, dropped)
             counts = probed.agg(*[F.sum(F.col(c).cast("long")).alias(c) for c in _VERDICTS]).first()
-            return ProbedEpoch(probed, int(counts[0] or 0) if counts else 0, int(counts[1] or 0) if counts else 0, None)
+            return ProbedEpoch(dedup, probed, int(counts[0] or 0) if counts else 0, int(counts[1] or 0) if counts else 0,
+                               None)
     except BaseException:
         probed.unpersist()
         raise

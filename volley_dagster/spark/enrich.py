@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
-from typing import Any
 
 from pyspark.sql import DataFrame, Observation, SparkSession
 from pyspark.sql import functions as F
 
-from volley_dagster.dimensions.base import Enrichment, TablePin
+from volley_dagster.dimensions.base import Enrichment, EnrichmentRead, TablePin
 from volley_dagster.errors import ConfigError, DuplicateDimensionKeyError
 
 MATCHED = "_volley_matched"
@@ -29,14 +28,12 @@ class EnrichmentRun:
     pin: TablePin
     observation: Observation
 
-    def figures(self, ran: bool) -> dict[str, Any]:
+    def read(self, ran: bool) -> EnrichmentRead:
         """After the epoch's Spark job (``ran``; an epoch without a job read nothing)."""
         seen = self.observation.get if ran else {}
         records, unmatched = int(seen.get("records") or 0), int(seen.get("unmatched") or 0)
-        return {"kind": self.pin.kind, "version": self.pin.version, "how": self.enrichment.how,
-                "on": list(self.enrichment.on),
-                "records": records, "unmatched": unmatched,
-                "dropped": unmatched if self.enrichment.how == "inner" else 0}
+        return EnrichmentRead(self.pin.kind, self.pin.version, self.enrichment.how, tuple(self.enrichment.on),
+                              records, unmatched, unmatched if self.enrichment.how == "inner" else 0)
 
 
 class EpochJoins:

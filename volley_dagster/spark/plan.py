@@ -5,20 +5,20 @@ Nothing runs until the stage (``spark/stage.py``) asks for results."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
 from volley_dagster import columns
-from volley_dagster.dimensions.base import TablePin
+from volley_dagster.dimensions.base import EnrichmentRead, TablePin
 from volley_dagster.errors import ConfigError
-from volley_dagster.operators.base import SparkOperator, StatefulOperator
+from volley_dagster.operators.base import PreStep, SparkOperator, StatefulOperator
 from volley_dagster.operators.dedup import Deduplicated, Deduplication, UniqueRecords
 from volley_dagster.operators.event_time import EventTime
 from volley_dagster.pipeline import Pipeline
 from volley_dagster.sources.offsets import EpochRange
+from volley_dagster.spark.dedup import ProbeDuplicates
 from volley_dagster.spark.enrich import EnrichmentRun, EpochJoins
 from volley_dagster.spark.read import read_range
 
@@ -40,10 +40,15 @@ class PlannedEpoch:
         """What the shard tasks run: the operator, after a deduplication also remembering its keys."""
         return self.operator if self.dedup is None else Deduplicated(self.operator, self.dedup)
 
-    def enrichment_figures(self, ran: bool) -> dict[str, dict[str, Any]]:
+    @property
+    def pre_step(self) -> PreStep | None:
+        """What runs between the valid rows and the operator (a deduplication's probe)."""
+        return ProbeDuplicates(self.dedup) if self.dedup is not None else None
+
+    def enrichment_reads(self, ran: bool) -> dict[str, EnrichmentRead]:
         """Per enrichment: the version read and the records without a match (after the
         epoch's job; ``ran=False``: no job ran, nothing was read)."""
-        return {run.enrichment.name: run.figures(ran) for run in self.enrichments}
+        return {run.enrichment.name: run.read(ran) for run in self.enrichments}
 
     @property
     def single_job(self) -> bool:

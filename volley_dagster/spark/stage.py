@@ -1,5 +1,5 @@
-"""One epoch's Spark work: the plan (``spark/plan.py``) -> cache -> [deduplication:
-the probe job, then the duplicates and late records are left out (``spark/dedup.py``)] -> side outputs
+"""One epoch's Spark work: the plan (``spark/plan.py``) -> cache -> [the plan's pre-step
+(a deduplication's probe job, ``spark/dedup.py``): what it drops is left out] -> side outputs
 (bad records, late records, the epoch's latest event time: one job,
 ``spark/side_outputs.py``) -> [windows: assign, drop late] -> partial aggregate per
 key (or key and window) in the JVM -> key group and shard (Spark expressions) -> one
@@ -13,7 +13,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -22,13 +22,12 @@ from pyspark.sql import SparkSession
 
 from volley_dagster import columns
 from volley_dagster.checkpoint.manifest import ShardEntry, ShardSnapshot
+from volley_dagster.dimensions.base import EnrichmentRead
 from volley_dagster.errors import VolleyError
-from volley_dagster.operators.base import OperatorStats, StageClock
-from volley_dagster.operators.dedup import DEDUP_LATE, DUPLICATES
+from volley_dagster.operators.base import OperatorStats, PreStepRun, StageClock
 from volley_dagster.operators.ttl import NEXT_DUE
 from volley_dagster.pipeline import Pipeline
 from volley_dagster.sources.offsets import EpochRange
-from volley_dagster.spark.dedup import DuplicateProbe, ProbedEpoch, probe_duplicates
 from volley_dagster.spark.partitioning import per_shard
 from volley_dagster.spark.plan import PlannedEpoch, plan_epoch
 from volley_dagster.spark.side_outputs import (
@@ -52,10 +51,9 @@ class StageResult:
     state_stage_s: float
     late: pa.Table | None = None  # windows: (record, window) pairs that came too late
     watermark: int | None = None  # windows, event-time TTL: after this epoch, microseconds
-    enrichments: dict[str, dict[str, Any]] = field(default_factory=dict)  # per enrichment: version, unmatched records
-    duplicates: int = 0  # deduplication: records dropped as duplicates
-    dedup_late: int = 0  # and as late (event time + within at or before the watermark the epoch started from)
-    duplicate_records: pa.Table | None = None  # and, with its side output on, where both are
+    enrichments: dict[str, EnrichmentRead] = field(default_factory=dict)  # per enrichment: version, unmatched records
+    figures: dict[str, int] = field(default_factory=dict)  # the operator's (``epoch_figures``)
+    dropped: pa.Table | None = None  # records the operator dropped (a deduplication's), with its side output on
 
 
 @contextmanager
@@ -90,7 +88,7 @@ def run_stage(
     """``watermark``: the one the epoch starts from (event time); ``expiry_next``: with
     ``ttl_epochs``, the earliest deadline the previous epoch left (None: unknown). The
     steps, each taking the frame the previous one returned: read -> valid rows and
-    dead letters -> [a deduplication's probe] -> the operator's ``assign`` -> side
+    dead letters -> [the plan's ``pre_step``] -> the operator's ``assign`` -> side
     outputs (one job) -> the operator's ``shard_rows`` -> the shard tasks -> the
     operator's ``sink_output``; the stage never asks which operator it has."""
     layout, operator, clock = pipeline.layout, plan.operator, plan.event_time
@@ -104,7 +102,7 @@ def run_stage(
     cached = plan.may_have_bad_records
     if cached:
         plan.raw.persist(StorageLevel.MEMORY_AND_DISK)
-    probed: ProbedEpoch | None = None
+    pre: PreStepRun | None = None
     try:
         t0 = time.perf_counter()
         late, new_watermark, dead = None, watermark, None
@@ -115,11 +113,9 @@ def run_stage(
             bound = clock.event_time_bound(watermark, rng.cut_at_us) if clock is not None else None
             rows = valid_rows(plan, pipeline, bound)
             kept = None
-            if plan.dedup is not None:  # duplicates (and late ones) never reach the operator, late records or state
-                probe = DuplicateProbe(plan.dedup, watermark, merge.previous, merge.rocksdb, merge.verify_checksums,
-                                       merge.remote, merge.cache_root)
-                probed = probe_duplicates(rows, plan.dedup, layout, probe)
-                rows, kept = probed.unique(rows).drop(columns.DEDUP_KEY), probed.kept_keys()
+            if plan.pre_step is not None:  # what it drops never reaches the operator, late records or state
+                pre = plan.pre_step.run(rows, layout, watermark, merge)
+                rows, kept = pre.remaining(rows), pre.routed()
             assigned = operator.assign(rows)
             side = collect_side_outputs(plan, pipeline, rng, operator.late(assigned, watermark), watermark, bound)
             dead, late = side.dead_letters, side.late
@@ -143,18 +139,16 @@ def run_stage(
     finally:
         if cached:
             plan.raw.unpersist()
-        if probed is not None:
-            probed.release()
-    output, duplicate_records = operator.sink_output(out.filter(pc.invert(is_stats)).drop_columns([columns.STATS]), rng)
-    duplicates = sum(entry.operator.figures.get(DUPLICATES, 0) for entry in shards.values())
-    dedup_late = sum(entry.operator.figures.get(DEDUP_LATE, 0) for entry in shards.values())
-    if probed is not None and plan.dedup is not None:  # the probe dropped them before the shard tasks
-        duplicates, dedup_late = probed.duplicates, probed.late
-        if probed.dropped is not None:
-            duplicate_records = plan.dedup.side_output(probed.dropped, rng)
+        if pre is not None:
+            pre.release()
+    output, dropped = operator.sink_output(out.filter(pc.invert(is_stats)).drop_columns([columns.STATS]), rng)
+    figures = operator.epoch_figures([entry.operator for entry in shards.values()])
+    if pre is not None:  # it dropped its records before the shard tasks
+        figures.update(pre.figures)
+        dropped = pre.dropped(rng)
     output = output.sort_by([(c, "ascending") for c in pipeline.output_keys()])
-    return StageResult(output, dead, shards, t1 - t0, t2 - t1, late, new_watermark, plan.enrichment_figures(ran=True),
-                       duplicates, dedup_late, duplicate_records)
+    return StageResult(output, dead, shards, t1 - t0, t2 - t1, late, new_watermark, plan.enrichment_reads(ran=True),
+                       figures, dropped)
 
 
 def shard_entries(stats: list[str], epoch: int) -> dict[int, ShardEntry]:
@@ -211,7 +205,9 @@ def _carry_forward_stage(spark: SparkSession, pipeline: Pipeline, rng: EpochRang
                                    snapshot_s=time.perf_counter() - t, upload=upload)
     empty = spark.createDataFrame([], ", ".join(_output_ddl(pipeline, plan))).toArrow()
     output, _ = plan.operator.sink_output(empty, rng)  # typed as a processed epoch's output would be
+    figures = plan.operator.epoch_figures([entry.operator for entry in shards.values()])
+    figures.update((name, 0) for name in (plan.pre_step.figure_names if plan.pre_step is not None else ()))
     return StageResult(output, DEAD_LETTER_SCHEMA.empty_table(), shards, 0.0, time.perf_counter() - t0,
-                       enrichments=plan.enrichment_figures(ran=False))
+                       enrichments=plan.enrichment_reads(ran=False), figures=figures)
 
 

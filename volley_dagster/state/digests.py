@@ -5,9 +5,15 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
-FileDigests = dict[str, dict[str, Any]]  # file name -> {"size": int, "sha256": str}
+
+class FileDigest(TypedDict):
+    size: int
+    sha256: str
+
+
+FileDigests = dict[str, FileDigest]  # file name -> its size and digest
 
 
 def sha256_file(path: Path) -> str:

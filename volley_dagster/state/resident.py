@@ -44,6 +44,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from volley_dagster.io.atomic import private_dir, write_json_atomic
+from volley_dagster.json_records import JsonObject
 from volley_dagster.process import boot_id
 from volley_dagster.state.digests import FileDigests
 from volley_dagster.state.keys import string_key_hashes
@@ -133,7 +134,7 @@ class ResidentStateCache:
         return cls(directory, min(mib * 2**20, _half_free(directory) or mib * 2**20))
 
     def open(
-        self, identity: dict[str, Any], previous_files: FileDigests | None, records: ResidentRecords,
+        self, identity: JsonObject, previous_files: FileDigests | None, records: ResidentRecords,
         strings: bool = False,
     ) -> ResidentMirror | None:
         """The shard's mirror of ``records`` (``ResidentShard``, or with ``records.windows``
@@ -144,7 +145,7 @@ class ResidentStateCache:
         return self._open(kind, identity, previous_files, records.dtype, strings)
 
     def _open(
-        self, kind: type[_Mirror], identity: dict[str, Any], previous_files: FileDigests | None, records: np.dtype,
+        self, kind: type[_Mirror], identity: JsonObject, previous_files: FileDigests | None, records: np.dtype,
         strings: bool,
     ) -> _Mirror | None:
         name = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:24]
@@ -183,7 +184,7 @@ class ResidentMirror:
     trust (lineage, lock, stamp) and storage; the subclasses say what a row is."""
 
     def __init__(
-        self, cache: ResidentStateCache, path: Path, lock: int, identity: dict[str, Any], records: np.dtype,
+        self, cache: ResidentStateCache, path: Path, lock: int, identity: JsonObject, records: np.dtype,
         strings: bool = False,
     ) -> None:
         self._cache = cache

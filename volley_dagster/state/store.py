@@ -18,7 +18,7 @@ import rocksdict
 
 from volley_dagster.errors import SnapshotError
 from volley_dagster.io.atomic import fsync_dir
-from volley_dagster.state.digests import FileDigests, sha256_file
+from volley_dagster.state.digests import FileDigest, FileDigests, sha256_file
 from volley_dagster.state.options import RocksDBOptions
 from volley_dagster.state.resident import ResidentMirror
 from volley_dagster.state.transaction import DEFAULT_SCAN_FRACTION, ShardTransaction
@@ -123,7 +123,8 @@ def carry_forward(previous: Path, previous_files: FileDigests, target: Path) -> 
         shutil.rmtree(tmp, ignore_errors=True)
         raise SnapshotError(f"snapshot {previous} lost a file before it could be carried forward: {exc}") from exc
     _install(tmp, target)
-    files = {name: dict(meta) for name, meta in previous_files.items()}
+    files: FileDigests = {name: FileDigest(size=meta["size"], sha256=meta["sha256"])
+                          for name, meta in previous_files.items()}
     return SnapshotInfo(target, files, sum(meta["size"] for meta in files.values()), 0)
 
 
@@ -152,9 +153,9 @@ def _digest(path: Path, previous: Path | None, previous_files: FileDigests) -> t
             and _same_inode(st, previous / entry.name)
         )
         if shared and prev is not None:
-            files[entry.name] = dict(prev)
+            files[entry.name] = FileDigest(size=prev["size"], sha256=prev["sha256"])
         else:
-            files[entry.name] = {"size": st.st_size, "sha256": sha256_file(Path(entry.path))}
+            files[entry.name] = FileDigest(size=st.st_size, sha256=sha256_file(Path(entry.path)))
             new_bytes += st.st_size
     return files, new_bytes
 
