@@ -10,8 +10,8 @@ from dataclasses import replace
 from dagster import AssetKey, DagsterRunStatus, DynamicPartitionsDefinition
 
 from assets.runs import pool_runs
-from tests.dagster.test_location import key, range_of, run_range, tick
-from volley_dagster.checkpoint.epoch_log import EpochLog
+from tests.dagster.test_location import range_of, run_range, tick
+from volley_dagster.checkpoint.epoch_log import EpochLog, epoch_key
 from volley_dagster.demo.events import generate
 from volley_dagster.demo.payments import payments_deployment
 
@@ -26,13 +26,13 @@ def test_old_partitions_and_their_runs_are_removed_and_the_rest_stays(location_f
         generate(base / "events", 1, 1_000, 200, first_file=i)
         result = tick(defs, instance, cursor)
         cursor = result.cursor
-        assert [range_of(r) for r in result.run_requests] == [(key(i + 1), key(i + 1))]
+        assert [range_of(r) for r in result.run_requests] == [(epoch_key(i + 1), epoch_key(i + 1))]
         assert run_range(defs, instance, i + 1).success
     tick(defs, instance, cursor)  # each tick prunes what fell out of the window since the last
-    assert instance.get_dynamic_partitions("payments_epochs") == [key(3), key(4)]
+    assert instance.get_dynamic_partitions("payments_epochs") == [epoch_key(3), epoch_key(4)]
     runs = pool_runs(instance, "payments", list(DagsterRunStatus))
-    assert sorted(r.dagster_run.tags["dagster/asset_partition_range_start"] for r in runs) == [key(3), key(4)]
-    status = instance.get_status_by_partition(STATE, [key(3), key(4)], DynamicPartitionsDefinition(name="payments_epochs"))
-    assert {k: v.value for k, v in status.items()} == {key(3): "MATERIALIZED", key(4): "MATERIALIZED"}
+    assert sorted(r.dagster_run.tags["dagster/asset_partition_range_start"] for r in runs) == [epoch_key(3), epoch_key(4)]
+    status = instance.get_status_by_partition(STATE, [epoch_key(3), epoch_key(4)], DynamicPartitionsDefinition(name="payments_epochs"))
+    assert {k: v.value for k, v in status.items()} == {epoch_key(3): "MATERIALIZED", epoch_key(4): "MATERIALIZED"}
     log = EpochLog(base / "state" / "payments")
     assert log.epochs_cut() == [1, 2, 3, 4] and all(log.is_committed(e) for e in (1, 2, 3, 4))  # the history stays

@@ -19,7 +19,8 @@ from dagster import AssetKey, DagsterInstance, DynamicPartitionsDefinition, buil
 from assets.location import build_definitions
 from resources import CheckpointResource, SparkResource, TablesResource
 from tests.dagster.conftest import ROOT
-from tests.dagster.test_location import key, range_of, run_range, tick
+from tests.dagster.test_location import range_of, run_range, tick
+from volley_dagster.checkpoint.epoch_log import epoch_key
 from volley_dagster.checkpoint.lease import PipelineLease
 from volley_dagster.demo.events import generate
 from volley_dagster.demo.payments import payments_deployment
@@ -67,7 +68,7 @@ def test_transient_failures_are_requested_again_with_backoff_until_the_epoch_com
     defs, instance, base = fast_backoff
     generate(base / "events", 1, 1_500, 300)
     request = tick(defs, instance).run_requests[0]
-    assert range_of(request) == (key(1), key(1))
+    assert range_of(request) == (epoch_key(1), epoch_key(1))
     other = PipelineLease(base / "state" / "payments", owner="another process").acquire()  # every run finds it busy
     keys, delays, cursor = [request.run_key], [], None
     try:
@@ -93,7 +94,7 @@ def test_transient_failures_are_requested_again_with_backoff_until_the_epoch_com
             cursor, request = again.cursor, again.run_requests[0]
             delays.append(time.time() - ended)
             keys.append(request.run_key)
-            assert range_of(request) == (key(1), key(1))
+            assert range_of(request) == (epoch_key(1), epoch_key(1))
     finally:
         other.release()
     assert len(set(keys)) == len(keys)  # a new run key each time: Dagster never dedupes a retry away
@@ -154,7 +155,7 @@ def test_a_schedule_only_deployment_re_runs_a_failed_epoch(fast_backoff):
 
     generate(base / "events", 1, 1_500, 300)
     (request,) = tick_clock().run_requests
-    assert range_of(request) == (key(1), key(1))
+    assert range_of(request) == (epoch_key(1), epoch_key(1))
     with PipelineLease(base / "state" / "payments", owner="another process").acquire():
         assert not run(defs, instance, request).success
     generate(base / "events", 1, 1_500, 300, first_file=1)
@@ -163,29 +164,29 @@ def test_a_schedule_only_deployment_re_runs_a_failed_epoch(fast_backoff):
         assert "backing off" in data.skip_message and time.time() < deadline
         time.sleep(0.2)
     (request,) = data.run_requests
-    assert range_of(request) == (key(1), key(2))  # from the failed epoch, not only the newest
+    assert range_of(request) == (epoch_key(1), epoch_key(2))  # from the failed epoch, not only the newest
     assert run(defs, instance, request).success
-    status = instance.get_status_by_partition(STATE, [key(1), key(2)], DynamicPartitionsDefinition(name="payments_epochs"))
-    assert {k: v.value for k, v in status.items()} == {key(1): "MATERIALIZED", key(2): "MATERIALIZED"}
+    status = instance.get_status_by_partition(STATE, [epoch_key(1), epoch_key(2)], DynamicPartitionsDefinition(name="payments_epochs"))
+    assert {k: v.value for k, v in status.items()} == {epoch_key(1): "MATERIALIZED", epoch_key(2): "MATERIALIZED"}
     assert "every cut epoch is committed" in tick_clock().skip_message
 
 def test_a_range_run_that_fails_at_epoch_k_keeps_the_epochs_before_it(location):
     defs, instance, base = location
     generate(base / "events", 4, 2_000, 300)
     cut = tick(defs, instance)
-    assert [range_of(r) for r in cut.run_requests] == [(key(1), key(3))]  # cut while 3,000+ wait: three epochs
+    assert [range_of(r) for r in cut.run_requests] == [(epoch_key(1), epoch_key(3))]  # cut while 3,000+ wait: three epochs
     (base / "events" / "events-000002.parquet").unlink()  # epoch 3's file is lost before its run
 
     run = run_range(defs, instance, 1, 3)
     assert not run.success
     error = str([e for e in run.all_events if e.is_failure][0].event_specific_data.error)
     assert "SourceError: epoch 3: source file" in error and "is missing" in error
-    keys = [key(e) for e in (1, 2, 3)]
+    keys = [epoch_key(e) for e in (1, 2, 3)]
     status = instance.get_status_by_partition(STATE, keys, DynamicPartitionsDefinition(name="payments_epochs"))
-    assert {k: v.value for k, v in status.items()} == {key(1): "MATERIALIZED", key(2): "MATERIALIZED", key(3): "FAILED"}
+    assert {k: v.value for k, v in status.items()} == {epoch_key(1): "MATERIALIZED", epoch_key(2): "MATERIALIZED", epoch_key(3): "FAILED"}
     committed = [m.partition for m in (r.asset_materialization for r in
                  instance.fetch_materializations(STATE, limit=10, ascending=True).records)]
-    assert committed == [key(1), key(2)]
+    assert committed == [epoch_key(1), epoch_key(2)]
 
 
 def test_a_missing_source_folder_and_a_hand_broken_pipeline_json_are_named_not_crashes(fast_backoff):
