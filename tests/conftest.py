@@ -32,8 +32,8 @@ atexit.register(shutil.rmtree, _RESIDENT, True)
 
 _SPARK_FIXTURES = {"spark", "spark_cluster"}
 _SPARK_FOLDERS = {"engine", "dagster", "ui", "properties"}  # their tests start Spark, in-process or in workers
-# under xdist, the longest groups start first (with --no-loadscope-reorder): the UI
-# tests are a third of the suite's time on one worker, the pure-logic folders fill the end
+# under xdist the longest groups start first: the UI tests are a third of the suite's
+# time on one worker; the pure-logic folders fill the end
 _FIRST_TO_LAST = ("ui", "properties", "engine", "dagster")
 _TESTS = Path(__file__).resolve().parent
 
@@ -45,19 +45,28 @@ def _folder(item: pytest.Item) -> str:
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Marks ``spark`` every test that starts Spark, so ``./dev test --fast`` (``-m "not
     spark"``) is the pure-logic lane: lease, manifest, key encoding, kernels, sinks.
-    Groups the tests for ``pytest-xdist``'s ``--dist loadgroup`` (``./dev test`` runs two
-    workers): a file's tests stay on one worker, in order, with their module fixtures;
-    the UI tests (each a real ``dagster dev`` with its own warm Spark) share one worker,
-    so two of them never compete for this machine's cores, and start first."""
+    Under xdist, orders the folders longest first (every worker collects the same
+    order; ``--no-loadscope-reorder`` keeps it); one process keeps the files' order."""
     for item in items:
-        path = Path(str(item.fspath)).resolve().relative_to(_TESTS)
-        folder = path.parts[0]
-        if folder in _SPARK_FOLDERS or _SPARK_FIXTURES & set(getattr(item, "fixturenames", ())):
+        if _folder(item) in _SPARK_FOLDERS or _SPARK_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.spark)
-        item.add_marker(pytest.mark.xdist_group("ui" if folder == "ui" else str(path)))
-    if os.environ.get("PYTEST_XDIST_WORKER"):  # every worker collects the same order; one process keeps the files'
+    if os.environ.get("PYTEST_XDIST_WORKER"):
         rank = {folder: n for n, folder in enumerate(_FIRST_TO_LAST)}
         items.sort(key=lambda item: rank.get(_folder(item), len(rank)))
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """``./dev test`` runs two xdist workers: a file's tests stay on one worker, in
+    order, with their module fixtures; every UI test (each a real ``dagster dev`` with
+    its own warm Spark) runs on one worker, so two never compete for the cores."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SuiteScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "tests/ui" if path.startswith("tests/ui/") else path
+
+    return SuiteScheduling(config, log)  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="session")
