@@ -42,5 +42,5 @@ def test_the_dimension_is_upstream_of_the_state_and_each_epoch_reports_its_versi
         assert event.partition_key == key
         md = event.asset_materialization.metadata
         recorded = runner.result(epoch).enrichments["merchants"]
-        assert md["merchants_version"].value == str(epoch - 1) == recorded["version"]  # pinned at each cut
-        assert md["merchants_dropped"].value == recorded["dropped"] == recorded["unmatched"] > 0
+        assert md["merchants_version"].value == str(epoch - 1) == recorded.version  # pinned at each cut
+        assert md["merchants_dropped"].value == recorded.dropped == recorded.unmatched > 0

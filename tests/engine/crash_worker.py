@@ -41,7 +41,8 @@ def main(argv: list[str]) -> int:
              "payments_kafka": partial(payments_on_kafka, bootstrap_servers=os.environ.get("VOLLEY_TEST_KAFKA", ""),
                                        topic=os.environ.get("VOLLEY_TEST_KAFKA_TOPIC", ""))}[kind]
     ttl = {"lease_ttl_s": float(os.environ["VOLLEY_TEST_LEASE_TTL"])} if os.environ.get("VOLLEY_TEST_LEASE_TTL") else {}
-    runner = EpochRunner(build(base / "events", base / "out", tables=base / "tables"), base / "state", RunSettings(max_records_per_epoch=max_records, keep_epochs=keep), spark=spark, **ttl)
+    settings = RunSettings(max_records_per_epoch=max_records, keep_epochs=keep, **ttl)
+    runner = EpochRunner(build(base / "events", base / "out", tables=base / "tables"), base / "state", settings, spark=spark)
     for result in runner.run_available():
         print("committed", result.epoch, flush=True)
     return 0

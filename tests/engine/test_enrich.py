@@ -87,7 +87,7 @@ def test_a_retry_after_kill_9_reads_the_pinned_version_and_the_next_epoch_the_ne
     dropped = sum(runner.result(e).enrichments["merchants"].dropped for e in (1, 2, 3))
     assert dropped == int(missing.sum()) > 0
     third = runner.result(3).enrichments["merchants"]
-    assert runner.result(3).records_aggregated == third["records"] - third["dropped"]
+    assert runner.result(3).records_aggregated == third.records - third.dropped
 
 
 def test_a_left_join_keeps_records_without_a_match_and_counts_them(spark, tmp_path):
