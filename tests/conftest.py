@@ -31,6 +31,7 @@ atexit.register(shutil.rmtree, _RESIDENT, True)
 
 
 _SPARK_FIXTURES = {"spark", "spark_cluster"}
+_SERVER_FIXTURES = {"seaweedfs", "postgres", "kafka"}  # real servers, started once per session
 _SPARK_FOLDERS = {"engine", "dagster", "ui", "properties"}  # their tests start Spark, in-process or in workers
 # under xdist the longest groups start first: the UI tests are a third of the suite's
 # time on one worker; the pure-logic folders fill the end
@@ -43,13 +44,20 @@ def _folder(item: pytest.Item) -> str:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Marks ``spark`` every test that starts Spark, so ``./dev test --fast`` (``-m "not
-    spark"``) is the pure-logic lane: lease, manifest, key encoding, kernels, sinks.
+    """Marks ``spark`` every test that starts Spark, and ``server`` every test that needs
+    S3, PostgreSQL or Kafka, so ``./dev test --fast`` (``-m "not spark and not server"``)
+    is the pure-logic lane: the clock, key encoding, manifests, the lease, kernels, the
+    sink-commit rules on local tables.
     Under xdist, orders the folders longest first (every worker collects the same
     order; ``--no-loadscope-reorder`` keeps it); one process keeps the files' order."""
     for item in items:
-        if _folder(item) in _SPARK_FOLDERS or _SPARK_FIXTURES & set(getattr(item, "fixturenames", ())):
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if _folder(item) in _SPARK_FOLDERS or _SPARK_FIXTURES & fixtures:
             item.add_marker(pytest.mark.spark)
+        callspec = getattr(item, "callspec", None)  # a parameter may ask for one ("s3", "postgres-s3")
+        params = set(callspec.id.split("-")) if callspec is not None else set()
+        if _SERVER_FIXTURES & fixtures or params & {"s3", "postgres"}:
+            item.add_marker(pytest.mark.server)
     if os.environ.get("PYTEST_XDIST_WORKER"):
         rank = {folder: n for n, folder in enumerate(_FIRST_TO_LAST)}
         items.sort(key=lambda item: rank.get(_folder(item), len(rank)))

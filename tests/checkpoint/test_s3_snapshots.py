@@ -230,6 +230,7 @@ def test_unreachable_store_commits_nothing_and_a_rerun_succeeds(store, seaweedfs
     assert len(read_all(store.restore(7, 3, tmp_path / "cache").path)) == 1_000
 
 
+@pytest.mark.server  # its own SeaweedFS, stopped and started again
 def test_outage_between_epochs_then_rerun_reuses_stored_ssts(tmp_path):
     """A test-local server (the session's one must stay up) stopped and restarted on its data."""
     root = tmp_path / "weed"

@@ -26,6 +26,8 @@ from volley_dagster import SinkCommitError
 from volley_dagster.sinks.kafka import BEFORE_COMMIT, BEFORE_PRODUCE, KafkaSink
 
 
+pytestmark = pytest.mark.server  # librdkafka's mock cluster, a broker per test
+
 @pytest.fixture
 def cluster() -> Iterator[KafkaCluster]:
     mock = start_kafka()
