@@ -25,8 +25,8 @@ from tests.sinks.helpers import PIPELINE, ROWS, ctx
 from volley_dagster import SinkCommitError
 from volley_dagster.sinks.kafka import BEFORE_COMMIT, BEFORE_PRODUCE, KafkaSink
 
-
 pytestmark = pytest.mark.server  # librdkafka's mock cluster, a broker per test
+
 
 @pytest.fixture
 def cluster() -> Iterator[KafkaCluster]:
