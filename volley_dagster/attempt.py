@@ -156,8 +156,8 @@ class EpochAttempt:
         due = next_due([s.operator.figures for s in before.shards.values()]) if before is not None else None
         stage = run_stage(self.spark, self.pipeline, self.rng, plan, merge, self.start.watermark,
                           self.rng.end_of_stream, due)
-        if stage.dead_letters.num_rows and self.pipeline.bad_records == "fail":
-            raise MalformedRecordError(_describe_bad(self.epoch, stage.dead_letters, self.pipeline.quote_bad_records))
+        if stage.side.dead_letters.num_rows and self.pipeline.bad_records == "fail":
+            raise MalformedRecordError(_describe_bad(self.epoch, stage.side.dead_letters, self.pipeline.quote_bad_records))
         if sorted(stage.shards) != list(range(self.pipeline.layout.num_shards)):
             raise VolleyError(f"epoch {self.epoch}: shard results {sorted(stage.shards)} do not cover every shard")
         faults.fault_point("after_snapshot", self.epoch)
@@ -166,9 +166,9 @@ class EpochAttempt:
     def _write_side_outputs(self, stage: StageResult) -> tuple[str | None, str | None, str | None]:
         """Dead letters, late records, duplicates: where each went (None: none)."""
         log, epoch = self.log, self.epoch
-        return (write_side_output(log, stage.dead_letters, log.dead_letter_path(epoch)),
-                write_side_output(log, stage.late, log.late_records_path(epoch)),
-                write_side_output(log, stage.dropped, log.duplicates_path(epoch)))
+        return (write_side_output(log, stage.side.dead_letters, log.dead_letter_path(epoch)),
+                write_side_output(log, stage.side.late, log.late_records_path(epoch)),
+                write_side_output(log, stage.side.dropped, log.duplicates_path(epoch)))
 
     def _result(self, stage: StageResult, paths: tuple[str | None, str | None, str | None],
                 sinks: dict[str, SinkCommitResult]) -> EpochResult:
@@ -180,7 +180,7 @@ class EpochAttempt:
             range=rng.summary(),
             records_in=rng.records,
             records_aggregated=sum(s.records for s in shards.values()),
-            dead_letters=stage.dead_letters.num_rows,
+            dead_letters=stage.side.dead_letters.num_rows,
             records_out=stage.output.num_rows,
             keys_touched=sum(s.keys_touched for s in shards.values()),
             new_keys=sum(s.new_keys for s in shards.values()),
@@ -190,7 +190,7 @@ class EpochAttempt:
             sinks=sinks,
             durations=self.durations,
             watermark=stage.watermark,
-            late_records=stage.late.num_rows if stage.late is not None else 0,
+            late_records=stage.side.late.num_rows if stage.side.late is not None else 0,
             figures=stage.figures,
             end_of_stream=rng.end_of_stream,
             committed_at=datetime.now(timezone.utc).isoformat(),

@@ -37,8 +37,8 @@ from volley_dagster.operators.ttl import (
     with_ttl_namespaces,
 )
 from volley_dagster.sources.offsets import EpochRange
-from volley_dagster.spark.partitioning import routing_columns, to_shards
-from volley_dagster.state.keys import ShardLayout, decode_keys, encode_keys, key_columns, namespace_prefix
+from volley_dagster.spark.partitioning import ShardRoute
+from volley_dagster.state.keys import decode_keys, encode_keys, key_columns, namespace_prefix
 from volley_dagster.state.resident import MirrorKeys, ResidentRecords, ResidentShard
 from volley_dagster.state.transaction import ShardTransaction
 
@@ -159,14 +159,15 @@ class ResolvedAggregate:
     def late(self, assigned: DataFrame, watermark: int | None) -> None:
         return None  # a running aggregate takes every record
 
-    def shard_rows(self, assigned: DataFrame, layout: ShardLayout, kept: DataFrame | None, clock: StageClock,
-                   step: ShardStep) -> tuple[DataFrame, ShardStep]:
-        """The partials per key, already in their shard's partition: one shuffle of the
-        epoch's rows (null keys too: one row, counted by the shard task)."""
+    def shard_input(self, assigned: DataFrame, clock: StageClock, step: ShardStep) -> tuple[DataFrame, ShardStep]:
         if self.event_time is not None:
             step = replace(step, expire_limit=clock.watermark)
-        partials = to_shards(assigned, layout, kept).groupBy(*routing_columns(kept), columns.KEY)
-        return partials.agg(*self.partial_exprs()), step
+        return assigned, step
+
+    def partials(self, route: ShardRoute) -> DataFrame:
+        """The partials per key, in their shard's partition (null keys too: one row,
+        counted by the shard task)."""
+        return route.rows.groupBy(*route.grouping, columns.KEY).agg(*self.partial_exprs())
 
     def sink_output(self, output: pa.Table, rng: EpochRange) -> tuple[pa.Table, None]:
         return output, None

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from volley_dagster.operators.aggregate import ResolvedAggregate
     from volley_dagster.operators.event_time import EventTime
     from volley_dagster.sources.offsets import EpochRange
+    from volley_dagster.spark.partitioning import ShardRoute
     from volley_dagster.spark.tasks import ShardMerge
 
 
@@ -132,8 +133,9 @@ class StageClock:
 class SparkOperator(StatefulOperator, Protocol):
     """What a resolved operator does in the epoch's Spark stage (``spark/stage.py``),
     which composes these steps in order and never asks which operator it has:
-    ``assign`` -> side outputs (``late``) -> ``shard_rows`` -> the shard tasks
-    (``apply``) -> ``sink_output``."""
+    ``assign`` -> side outputs (``late``) -> ``shard_input`` -> the epoch's one
+    exchange (``spark/partitioning.route_to_shards``) -> ``partials`` -> the shard
+    tasks (``apply``) -> ``sink_output``."""
 
     @property
     def event_time(self) -> EventTime | None:
@@ -158,11 +160,14 @@ class SparkOperator(StatefulOperator, Protocol):
         (``POS``, ``reason``, ``KEY``, ``_volley_time`` and the operator's own columns);
         None: the operator has no late rows."""
 
-    def shard_rows(self, assigned: DataFrame, layout: ShardLayout, kept: DataFrame | None, clock: StageClock,
-                   step: ShardStep) -> tuple[DataFrame, ShardStep]:
-        """The rows each shard task gets, in its shard's partition (``to_shards``), with
-        ``kept`` (a deduplication's kept keys) in the same exchange; and the shard step
-        with what the tasks must know of ``clock``."""
+    def shard_input(self, assigned: DataFrame, clock: StageClock, step: ShardStep) -> tuple[DataFrame, ShardStep]:
+        """The assigned rows the stage routes to the shards (windows: the pairs on time),
+        and the shard step with what the tasks must know of ``clock``."""
+
+    def partials(self, route: ShardRoute) -> DataFrame:
+        """What the shard tasks get, from the routed rows: pre-aggregated in the JVM by
+        ``route.grouping`` and the operator's own keys, so that Spark plans no second
+        exchange (or the rows as they are)."""
 
     def sink_output(self, output: pa.Table, rng: EpochRange) -> tuple[pa.Table, pa.Table | None]:
         """The shard tasks' rows as the sinks take them, and the records they dropped,
@@ -180,7 +185,7 @@ class PreStepRun(Protocol):
         """``rows`` without the records the pre-step dropped."""
 
     def routed(self) -> DataFrame | None:
-        """Rows the shard tasks get with their partials (``shard_rows``' ``kept``)."""
+        """Rows routed to the shard tasks with the operator's (``route_to_shards``' ``kept``)."""
 
     def dropped(self, rng: EpochRange) -> pa.Table | None:
         """The dropped records, for the operator's side output (None: not kept)."""

@@ -77,8 +77,8 @@ from volley_dagster.operators.base import (
 )
 from volley_dagster.operators.event_time import EventTime
 from volley_dagster.sources.offsets import EpochRange
-from volley_dagster.spark.partitioning import to_shards
-from volley_dagster.state.keys import ShardLayout, decode_keys, encode_keys, key_columns, namespace_prefix
+from volley_dagster.spark.partitioning import ShardRoute
+from volley_dagster.state.keys import decode_keys, encode_keys, key_columns, namespace_prefix
 from volley_dagster.state.pending_index import ordered_us
 from volley_dagster.state.resident import ResidentRecords
 from volley_dagster.state.transaction import ShardTransaction
@@ -410,13 +410,14 @@ class ResolvedUniqueRecords:
     def late(self, assigned: DataFrame, watermark: int | None) -> None:
         return None  # late copies are decided by the shard tasks, and counted with the duplicates
 
-    def shard_rows(self, assigned: DataFrame, layout: ShardLayout, kept: DataFrame | None, clock: StageClock,
-                   step: ShardStep) -> tuple[DataFrame, ShardStep]:
-        """Each record (its columns, position and event time) in the partition of the
-        shard that owns its key, marker rows included: no probe job."""
-        narrow = assigned.select(columns.KEY, columns.POS, *self.columns,
-                                 self.dedup.event_time.event_us().alias(columns.DEDUP_TIME), F.lit(1).alias(columns.ROWS))
-        return to_shards(narrow, layout), step
+    def shard_input(self, assigned: DataFrame, clock: StageClock, step: ShardStep) -> tuple[DataFrame, ShardStep]:
+        """Each record: its columns, position and event time (no probe job: the shard
+        tasks decide)."""
+        return assigned.select(columns.KEY, columns.POS, *self.columns,
+                               self.dedup.event_time.event_us().alias(columns.DEDUP_TIME), F.lit(1).alias(columns.ROWS)), step
+
+    def partials(self, route: ShardRoute) -> DataFrame:
+        return route.rows
 
     def sink_output(self, output: pa.Table, rng: EpochRange) -> tuple[pa.Table, pa.Table | None]:
         """The kept records; with ``write_duplicates`` the tasks returned every record,

@@ -58,8 +58,8 @@ from volley_dagster.operators.window_state import (
     window_dtype,
 )
 from volley_dagster.sources.offsets import EpochRange
-from volley_dagster.spark.partitioning import routing_columns, to_shards
-from volley_dagster.state.keys import ShardLayout, decode_keys, key_columns
+from volley_dagster.spark.partitioning import ShardRoute
+from volley_dagster.state.keys import decode_keys, key_columns
 from volley_dagster.state.resident import ResidentRecords
 from volley_dagster.state.transaction import ShardTransaction
 
@@ -218,10 +218,10 @@ class ResolvedWindowAggregate:
             return F.lit(False)
         return F.col(columns.WINDOW_END) + F.lit(self.windowing.lateness_us) <= F.lit(watermark)
 
-    def partials(self, on_time: DataFrame, by: list[str]) -> DataFrame:
-        """Pre-aggregate per (``by``, key, window) in Spark; sessions are merged here
-        within the epoch. ``by``: the routing columns (``spark/partitioning.py``)."""
-        exprs = self.aggregate.partial_exprs()
+    def partials(self, route: ShardRoute) -> DataFrame:
+        """Pre-aggregate per (grouping, key, window) in Spark; sessions are merged here
+        within the epoch."""
+        on_time, by, exprs = route.rows, route.grouping, self.aggregate.partial_exprs()
         if self.windows.kind != "session":
             return on_time.groupBy(*by, columns.KEY, columns.WINDOW_START, columns.WINDOW_END).agg(*exprs)
         gap = f"{self.windows.gap_us} microseconds"
@@ -272,13 +272,10 @@ class ResolvedWindowAggregate:
             F.timestamp_micros(columns.WINDOW_END).alias(WINDOW_END),
         )
 
-    def shard_rows(self, assigned: DataFrame, layout: ShardLayout, kept: DataFrame | None, clock: StageClock,
-                   step: ShardStep) -> tuple[DataFrame, ShardStep]:
-        """The pairs on time, pre-aggregated per key and window in their shard's partition;
-        the tasks fire the windows ending at or before the fire limit."""
+    def shard_input(self, assigned: DataFrame, clock: StageClock, step: ShardStep) -> tuple[DataFrame, ShardStep]:
+        """The pairs on time; the tasks fire the windows ending at or before the fire limit."""
         step = replace(step, fire_limit=self.windowing.fire_limit(clock.watermark, clock.end_of_stream))
-        on_time = to_shards(assigned.where(~self.is_late(clock.watermark_before)), layout, kept)
-        return self.partials(on_time, routing_columns(kept)), step
+        return assigned.where(~self.is_late(clock.watermark_before)), step
 
     def sink_output(self, output: pa.Table, rng: EpochRange) -> tuple[pa.Table, None]:
         return output, None

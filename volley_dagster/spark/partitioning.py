@@ -89,16 +89,27 @@ ROUTING_COLUMNS = [columns.PARTITION, columns.SHARD, columns.KEY_GROUP, columns.
 KEPT_KEY_COLUMNS = [columns.DEDUP_KEY, columns.DEDUP_TIME]  # a deduplication's kept keys; null on the records' rows
 
 
-def routing_columns(kept: DataFrame | None) -> list[str]:
-    """What an operator groups its partials by besides its own keys, so that Spark plans
-    no second exchange; ``kept``: a deduplication's kept keys ride along (``to_shards``)."""
-    return ROUTING_COLUMNS + (KEPT_KEY_COLUMNS if kept is not None else [])
+@dataclass(frozen=True)
+class ShardRoute:
+    """The epoch's rows after its one exchange: each shard's rows (marker row included)
+    in that shard's partition. ``grouping``: what a pre-aggregation groups by besides
+    the operator's own keys, so that Spark finds the rows in place and plans no second
+    exchange (a deduplication's kept keys, routed with them, group apart)."""
+
+    rows: DataFrame
+    grouping: tuple[str, ...]
+
+
+def route_to_shards(rows: DataFrame, layout: ShardLayout, kept: DataFrame | None = None) -> ShardRoute:
+    """``rows`` (keyed) to their shards, in one exchange; ``kept``: more rows that carry
+    their own key group and shard (a deduplication's kept keys), in the same exchange."""
+    grouping = ROUTING_COLUMNS + (KEPT_KEY_COLUMNS if kept is not None else [])
+    return ShardRoute(to_shards(rows, layout, kept), tuple(grouping))
 
 
 def to_shards(rows: DataFrame, layout: ShardLayout, routed: DataFrame | None = None) -> DataFrame:
     """Keyed rows, one Spark partition per shard (marker rows included); ``routed``:
-    more rows that carry their own key group and shard (a deduplication's kept keys),
-    in the same exchange."""
+    rows with their own key group and shard, in the same exchange."""
     keyed = with_shard(rows, layout)
     if routed is not None:
         keyed = keyed.unionByName(routed, allowMissingColumns=True)

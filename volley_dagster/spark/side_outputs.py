@@ -1,10 +1,12 @@
 """An epoch's side outputs: records that do not reach state, each with its reason
 and where it came from (partition, file, offset). Bad records (unparseable, null
 key, null or unbelievable event time) become dead letters; the operator's late rows
-(windows: the (record, window) pairs whose window had closed) become late records,
-and the epoch's latest event time moves the watermark. One Spark job computes them
-all, before the state stage: one pass over the parsed rows (observing the latest
-event time as it looks for bad ones), one over the operator's late rows, and for a
+(windows: the (record, window) pairs whose window had closed) become late records;
+the records an operator dropped (a deduplication's) become its side output. The
+stage gathers them in one ``EpochSideOutputs`` and resolves them together at its end.
+One Spark job finds the bad and the late ones before the state stage, since the
+epoch's latest event time, seen in the same pass, moves the watermark the shard tasks
+fire by: one pass over the parsed rows, one over the operator's late rows, and for a
 Python-decoded read one over its cached raw rows for the parse errors."""
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ from pyspark.sql import Column, DataFrame, Observation
 from pyspark.sql import functions as F
 
 from volley_dagster import columns
-from volley_dagster.checkpoint.manifest import ShardEntry
 from volley_dagster.operators.event_time import describe_event_time
 from volley_dagster.pipeline import Pipeline
 from volley_dagster.sources.offsets import EpochRange
@@ -33,34 +34,80 @@ _REASON = "_volley_reason"
 
 @dataclass(frozen=True)
 class SideOutputs:
+    """An epoch's side outputs, each in log order with where its records are in the log."""
+
     dead_letters: pa.Table  # DEAD_LETTER_SCHEMA
     late: pa.Table | None = None  # windows: (record, window) pairs that came too late
-    max_event_us: int | None = None  # event time: the latest believable event time of the epoch
+    dropped: pa.Table | None = None  # records the operator dropped (a deduplication's), with its side output on
+
+    @classmethod
+    def empty(cls) -> SideOutputs:
+        return cls(DEAD_LETTER_SCHEMA.empty_table())
 
 
-def collect_side_outputs(plan: PlannedEpoch, pipeline: Pipeline, rng: EpochRange, late: DataFrame | None,
-                         watermark: int | None, bound: int | None) -> SideOutputs:
-    """Run the side-output job. ``late``: the operator's late rows (``SparkOperator.late``);
-    ``watermark``: the one the epoch starts from; ``bound``: the latest event time
-    believed (``EventTime.event_time_bound``)."""
-    latest = Observation() if plan.event_time is not None else None
-    with engine_errors():
-        side = _side_output_frame(plan, pipeline, late, bound, latest).toArrow()
-    kind = side.column(_SIDE)
-    dead = _resolve_dead_letters(side.filter(pc.equal(kind, "dead")).select([columns.POS, "reason", "raw"]), rng)
-    if latest is None:
-        return SideOutputs(dead)
-    assert plan.event_time is not None
-    late_rows = None
-    if late is not None:
-        late_rows = _resolve_late(side.filter(pc.equal(kind, "late")), late.columns, rng, pipeline.key_column,
-                                  plan.event_time.time_column, watermark)
-    return SideOutputs(dead, late_rows, latest.get[_MAX_EVENT])
+class EpochSideOutputs:
+    """What one epoch keeps out of state, gathered as the stage runs:
+    ``valid_rows`` (what state sees) -> ``find`` (the one side-output job) -> ``resolve``
+    (every side output where its records are in the log, together). ``watermark``: the
+    one the epoch starts from; ``bound``: the latest event time believed
+    (``EventTime.event_time_bound``)."""
+
+    def __init__(self, plan: PlannedEpoch, pipeline: Pipeline, rng: EpochRange, watermark: int | None,
+                 bound: int | None) -> None:
+        self._plan, self._pipeline, self._rng = plan, pipeline, rng
+        self._watermark, self._bound = watermark, bound
+        self._found: pa.Table | None = None  # the job's rows, positions not yet resolved
+        self._late_columns: list[str] = []
+        self.max_event_us: int | None = None  # event time: the latest believable event time of the epoch
+
+    def valid_rows(self) -> DataFrame:
+        """The rows state sees: none of ``_bad_records``. One filter per condition, which
+        Spark pushes into a Parquet scan (``NOT isnull`` becomes ``isnotnull``)."""
+        valid = self._plan.keyed
+        for condition, _ in _bad_records(self._plan, self._pipeline, self._bound):
+            valid = valid.where(~condition)
+        return valid
+
+    def find(self, late: DataFrame | None) -> None:
+        """Run the side-output job. ``late``: the operator's late rows (``SparkOperator.late``)."""
+        plan = self._plan
+        latest = Observation() if plan.event_time is not None else None
+        with engine_errors():
+            self._found = _side_output_frame(plan, self._pipeline, late, self._bound, latest).toArrow()
+        self._late_columns = late.columns if late is not None else []
+        if latest is not None:
+            self.max_event_us = latest.get[_MAX_EVENT]
+
+    @property
+    def bad_records(self) -> int:
+        """Dead letters ``find`` found."""
+        return 0 if self._found is None else int(pc.sum(pc.equal(self._found.column(_SIDE), "dead")).as_py() or 0)
+
+    def resolve(self, null_keys: int = 0, dropped: pa.Table | None = None) -> SideOutputs:
+        """Every side output. ``null_keys``: records with a null key the shard tasks
+        counted when ``find`` did not run (a single-job epoch): only when there are
+        some, a second job finds which (file, offset) they are. ``dropped``: the
+        operator's dropped records, resolved by it."""
+        if self._found is None:
+            if not null_keys:
+                return SideOutputs(DEAD_LETTER_SCHEMA.empty_table(), None, dropped)
+            with engine_errors():
+                bad = _dead_letter_frame(self._plan, self._pipeline).toArrow()
+            return SideOutputs(_resolve_dead_letters(bad, self._rng), None, dropped)
+        kind = self._found.column(_SIDE)
+        dead = _resolve_dead_letters(self._found.filter(pc.equal(kind, "dead")).select([columns.POS, "reason", "raw"]),
+                                     self._rng)
+        late = None
+        if self._late_columns:
+            assert self._plan.event_time is not None
+            late = _resolve_late(self._found.filter(pc.equal(kind, "late")), self._late_columns, self._rng,
+                                 self._pipeline.key_column, self._plan.event_time.time_column, self._watermark)
+        return SideOutputs(dead, late, dropped)
 
 
 def _bad_records(plan: PlannedEpoch, pipeline: Pipeline, bound: int | None) -> list[tuple[Column, str]]:
     """What makes a parsed record unfit for state, and the reason it is given, in the
-    order checked: the one definition behind both the dead letters and ``valid_rows``."""
+    order checked: the one definition behind both the dead letters and ``EpochSideOutputs.valid_rows``."""
     bad = [(F.col(columns.KEY).isNull(), plan.operator.null_key_reason(pipeline.key_column))]
     if plan.dedup is not None:
         bad.append((F.col(columns.DEDUP_KEY).isNull(), plan.dedup.describe_null()))
@@ -105,15 +152,6 @@ def _dead_letter_frame(plan: PlannedEpoch, pipeline: Pipeline, bound: int | None
     return parse_errors.unionByName(bad)
 
 
-def valid_rows(plan: PlannedEpoch, pipeline: Pipeline, bound: int | None = None) -> DataFrame:
-    """The rows state sees: none of ``_bad_records``. One filter per condition, which
-    Spark pushes into a Parquet scan (``NOT isnull`` becomes ``isnotnull``)."""
-    valid = plan.keyed
-    for condition, _ in _bad_records(plan, pipeline, bound):
-        valid = valid.where(~condition)
-    return valid
-
-
 def _side_output_frame(plan: PlannedEpoch, pipeline: Pipeline, late: DataFrame | None, bound: int | None,
                        latest: Observation | None) -> DataFrame:
     """Bad records (observing the latest event time as they are looked for), and the
@@ -142,15 +180,3 @@ def _resolve_late(table: pa.Table, names: list[str], rng: EpochRange, key_column
         pa.array([watermark] * table.num_rows, pa.int64()).cast(ts), table.column("reason"),
     ]
     return pa.table(cols, names=[f.name for f in _WHERE] + [key_column, time_column, *own, "watermark", "reason"])
-
-
-def null_key_dead_letters(
-    plan: PlannedEpoch, pipeline: Pipeline, rng: EpochRange, shards: dict[int, ShardEntry]
-) -> pa.Table:
-    """Single-job epochs: the shard tasks counted records with a null key; only when
-    there are some, a second job finds which (file, offset) they are."""
-    if not sum(s.null_key_records for s in shards.values()):
-        return DEAD_LETTER_SCHEMA.empty_table()
-    with engine_errors():
-        bad = _dead_letter_frame(plan, pipeline).toArrow()
-    return _resolve_dead_letters(bad, rng)

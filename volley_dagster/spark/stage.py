@@ -1,9 +1,11 @@
-"""One epoch's Spark work: the plan (``spark/plan.py``) -> cache -> [the plan's pre-step
-(a deduplication's probe job, ``spark/dedup.py``): what it drops is left out] -> side outputs
-(bad records, late records, the epoch's latest event time: one job,
-``spark/side_outputs.py``) -> [windows: assign, drop late] -> partial aggregate per
-key (or key and window) in the JVM -> key group and shard (Spark expressions) -> one
-Python call per shard, ``per_shard`` (state merge, firing, snapshot: ``spark/tasks.py``).
+"""One epoch's Spark work, composed once, in order: the plan (``spark/plan.py``) ->
+valid rows (``spark/side_outputs.py``) -> [the plan's pre-step: a deduplication's probe
+job, ``spark/dedup.py``; what it drops is left out] -> the operator's ``assign`` -> the
+side-output job (bad records, late rows, the epoch's latest event time) -> the
+operator's ``shard_input`` -> the epoch's one exchange to the shards
+(``spark/partitioning.py``) -> the operator's ``partials`` in the JVM -> one Python
+call per shard, ``per_shard`` (state merge, firing, snapshot: ``spark/tasks.py``) ->
+the operator's ``sink_output``, and the side outputs resolved together.
 """
 
 from __future__ import annotations
@@ -28,14 +30,9 @@ from volley_dagster.operators.base import OperatorStats, PreStepRun, StageClock
 from volley_dagster.operators.ttl import NEXT_DUE
 from volley_dagster.pipeline import Pipeline
 from volley_dagster.sources.offsets import EpochRange
-from volley_dagster.spark.partitioning import per_shard
+from volley_dagster.spark.partitioning import per_shard, route_to_shards
 from volley_dagster.spark.plan import PlannedEpoch, plan_epoch
-from volley_dagster.spark.side_outputs import (
-    DEAD_LETTER_SCHEMA,
-    collect_side_outputs,
-    null_key_dead_letters,
-    valid_rows,
-)
+from volley_dagster.spark.side_outputs import EpochSideOutputs, SideOutputs
 from volley_dagster.spark.task_errors import engine_errors
 from volley_dagster.spark.tasks import ShardMerge, attempt_id, snapshot_name, snapshot_upload
 from volley_dagster.state.store import SnapshotInfo, carry_forward
@@ -45,15 +42,13 @@ __all__ = ["PlannedEpoch", "StageResult", "plan_epoch", "run_stage"]
 @dataclass
 class StageResult:
     output: pa.Table
-    dead_letters: pa.Table
+    side: SideOutputs
     shards: dict[int, ShardEntry]
     read_transform_s: float
     state_stage_s: float
-    late: pa.Table | None = None  # windows: (record, window) pairs that came too late
     watermark: int | None = None  # windows, event-time TTL: after this epoch, microseconds
     enrichments: dict[str, EnrichmentRead] = field(default_factory=dict)  # per enrichment: version, unmatched records
     figures: dict[str, int] = field(default_factory=dict)  # the operator's (``epoch_figures``)
-    dropped: pa.Table | None = None  # records the operator dropped (a deduplication's), with its side output on
 
 
 @contextmanager
@@ -86,16 +81,16 @@ def run_stage(
     expiry_next: int | None = None,
 ) -> StageResult:
     """``watermark``: the one the epoch starts from (event time); ``expiry_next``: with
-    ``ttl_epochs``, the earliest deadline the previous epoch left (None: unknown). The
-    steps, each taking the frame the previous one returned: read -> valid rows and
-    dead letters -> [the plan's ``pre_step``] -> the operator's ``assign`` -> side
-    outputs (one job) -> the operator's ``shard_rows`` -> the shard tasks -> the
-    operator's ``sink_output``; the stage never asks which operator it has."""
+    ``ttl_epochs``, the earliest deadline the previous epoch left (None: unknown). Each
+    step takes the frame the previous one returned; the stage never asks which
+    operator it has."""
     layout, operator, clock = pipeline.layout, plan.operator, plan.event_time
     nothing_due = not operator.runs_without_records or (expiry_next is not None and expiry_next > merge.step.epoch)
     if not rng.segments and nothing_due and len(merge.previous) == layout.num_shards:
         carried = _carry_forward_stage(spark, pipeline, rng, plan, merge, expiry_next)
         return replace(carried, watermark=watermark)
+    bound = clock.event_time_bound(watermark, rng.cut_at_us) if clock is not None else None
+    side = EpochSideOutputs(plan, pipeline, rng, watermark, bound)
     # A Python-decoded read is cached for the side-output job and the state stage to
     # share; a native Parquet scan is cheaper to run twice (each job reads only the
     # columns it needs) than to cache whole.
@@ -105,27 +100,25 @@ def run_stage(
     pre: PreStepRun | None = None
     try:
         t0 = time.perf_counter()
-        late, new_watermark, dead = None, watermark, None
+        new_watermark, kept = watermark, None
         if plan.single_job:  # null keys ride along: they fold into one partial row, counted per shard
-            partials, step = operator.shard_rows(plan.keyed, layout, None, StageClock(end_of_stream=end_of_stream),
-                                                 merge.step)
+            assigned = operator.assign(plan.keyed)
+            epoch_clock, step = StageClock(end_of_stream=end_of_stream), merge.step
         else:
-            bound = clock.event_time_bound(watermark, rng.cut_at_us) if clock is not None else None
-            rows = valid_rows(plan, pipeline, bound)
-            kept = None
+            rows = side.valid_rows()
             if plan.pre_step is not None:  # what it drops never reaches the operator, late records or state
                 pre = plan.pre_step.run(rows, layout, watermark, merge)
                 rows, kept = pre.remaining(rows), pre.routed()
             assigned = operator.assign(rows)
-            side = collect_side_outputs(plan, pipeline, rng, operator.late(assigned, watermark), watermark, bound)
-            dead, late = side.dead_letters, side.late
-            if dead.num_rows and pipeline.bad_records == "fail":
-                return StageResult(pa.table({}), dead, {}, time.perf_counter() - t0, 0.0)
+            side.find(operator.late(assigned, watermark))
+            if side.bad_records and pipeline.bad_records == "fail":
+                return StageResult(pa.table({}), side.resolve(), {}, time.perf_counter() - t0, 0.0)
             if clock is not None:
                 new_watermark = clock.advance(watermark, side.max_event_us)
             epoch_clock = StageClock(watermark, new_watermark, end_of_stream)
             step = replace(merge.step, watermark_before=watermark, watermark=new_watermark)
-            partials, step = operator.shard_rows(assigned, layout, kept, epoch_clock, step)
+        routed, step = operator.shard_input(assigned, epoch_clock, step)
+        partials = operator.partials(route_to_shards(routed, layout, kept))
         merge = replace(merge, step=step)
         t1 = time.perf_counter()
         out_schema = ", ".join(_output_ddl(pipeline, plan) + [f"`{columns.STATS}` string"])
@@ -134,21 +127,20 @@ def run_stage(
         t2 = time.perf_counter()
         is_stats = pc.is_valid(out.column(columns.STATS))
         shards = shard_entries(out.filter(is_stats).column(columns.STATS).to_pylist(), rng.epoch)
-        if dead is None:
-            dead = null_key_dead_letters(plan, pipeline, rng, shards)
+        output, dropped = operator.sink_output(out.filter(pc.invert(is_stats)).drop_columns([columns.STATS]), rng)
+        figures = operator.epoch_figures([entry.operator for entry in shards.values()])
+        if pre is not None:  # it dropped its records before the shard tasks
+            figures.update(pre.figures)
+            dropped = pre.dropped(rng)
+        outputs = side.resolve(sum(s.null_key_records for s in shards.values()), dropped)
     finally:
         if cached:
             plan.raw.unpersist()
         if pre is not None:
             pre.release()
-    output, dropped = operator.sink_output(out.filter(pc.invert(is_stats)).drop_columns([columns.STATS]), rng)
-    figures = operator.epoch_figures([entry.operator for entry in shards.values()])
-    if pre is not None:  # it dropped its records before the shard tasks
-        figures.update(pre.figures)
-        dropped = pre.dropped(rng)
     output = output.sort_by([(c, "ascending") for c in pipeline.output_keys()])
-    return StageResult(output, dead, shards, t1 - t0, t2 - t1, late, new_watermark, plan.enrichment_reads(ran=True),
-                       figures, dropped)
+    return StageResult(output, outputs, shards, t1 - t0, t2 - t1, new_watermark, plan.enrichment_reads(ran=True),
+                       figures)
 
 
 def shard_entries(stats: list[str], epoch: int) -> dict[int, ShardEntry]:
@@ -207,7 +199,7 @@ def _carry_forward_stage(spark: SparkSession, pipeline: Pipeline, rng: EpochRang
     output, _ = plan.operator.sink_output(empty, rng)  # typed as a processed epoch's output would be
     figures = plan.operator.epoch_figures([entry.operator for entry in shards.values()])
     figures.update((name, 0) for name in (plan.pre_step.figure_names if plan.pre_step is not None else ()))
-    return StageResult(output, DEAD_LETTER_SCHEMA.empty_table(), shards, 0.0, time.perf_counter() - t0,
+    return StageResult(output, SideOutputs.empty(), shards, 0.0, time.perf_counter() - t0,
                        enrichments=plan.enrichment_reads(ran=False), figures=figures)
 
 
