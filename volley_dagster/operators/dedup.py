@@ -90,6 +90,7 @@ _EXACT_JSON = {"timestampFormat": "yyyy-MM-dd'T'HH:mm:ss.SSSSSSXXX", "timestampN
 SEEN_NS, SEEN_BY_DEADLINE_NS = 7, 8  # ns | key group | key -> event time; ns | key group | deadline | key
 DUPLICATES = "duplicates"  # the epoch's figures: records dropped as duplicates,
 DEDUP_LATE = "dedup_late"  # and as late (event time + within at or before the watermark the epoch starts from)
+DEDUP_FIGURES = (DUPLICATES, DEDUP_LATE)
 REASON_DUPLICATE, REASON_LATE = "duplicate", "late"  # the duplicates side output's ``reason``
 DROPPED_COLUMNS = [columns.POS, columns.DEDUP_KEY, columns.DEDUP_TIME, columns.DEDUP_LATE]  # of a dropped record
 _MAX = np.iinfo(np.int64).max
@@ -430,7 +431,7 @@ class ResolvedUniqueRecords:
         return kept, self.dedup.side_output(dropped, rng)
 
     def epoch_figures(self, shards: Sequence[OperatorStats]) -> dict[str, int]:
-        return summed(shards, [DUPLICATES, DEDUP_LATE])
+        return summed(shards, DEDUP_FIGURES)
 
     def apply(self, txn: ShardTransaction, data: pa.Table, step: ShardStep) -> tuple[list[pa.Array], OperatorStats]:
         key_groups = data.column(columns.KEY_GROUP).to_numpy(zero_copy_only=False).astype(np.int64)

@@ -25,7 +25,7 @@ from pyspark.sql import functions as F
 from volley_dagster import columns
 from volley_dagster.checkpoint.s3_snapshots import S3SnapshotStore
 from volley_dagster.checkpoint.snapshots import SnapshotRef, on_this_machine
-from volley_dagster.operators.dedup import DEDUP_LATE, DROPPED_COLUMNS, DUPLICATES, Deduplication, decide
+from volley_dagster.operators.dedup import DEDUP_FIGURES, DEDUP_LATE, DROPPED_COLUMNS, DUPLICATES, Deduplication, decide
 from volley_dagster.sources.offsets import EpochRange
 from volley_dagster.spark.partitioning import partition_of_shard, per_shard, with_shard
 from volley_dagster.spark.task_errors import engine_errors
@@ -80,7 +80,7 @@ class ProbeDuplicates:
     aggregate or window: the probe job, whose dropped records never reach the operator."""
 
     dedup: Deduplication
-    figure_names: tuple[str, ...] = (DUPLICATES, DEDUP_LATE)
+    figure_names: tuple[str, ...] = DEDUP_FIGURES
 
     def run(self, rows: DataFrame, layout: ShardLayout, watermark: int | None, merge: ShardMerge) -> ProbedEpoch:
         probe = DuplicateProbe(self.dedup, watermark, merge.previous, merge.rocksdb, merge.verify_checksums,

@@ -5,6 +5,7 @@ Nothing runs until the stage (``spark/stage.py``) asks for results."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
@@ -40,7 +41,7 @@ class PlannedEpoch:
         """What the shard tasks run: the operator, after a deduplication also remembering its keys."""
         return self.operator if self.dedup is None else Deduplicated(self.operator, self.dedup)
 
-    @property
+    @cached_property
     def pre_step(self) -> PreStep | None:
         """What runs between the valid rows and the operator (a deduplication's probe)."""
         return ProbeDuplicates(self.dedup) if self.dedup is not None else None
