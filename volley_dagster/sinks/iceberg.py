@@ -7,8 +7,10 @@ expiry and compaction. (Tables written before marks had ``volley.epoch.<pipeline
 
 pyiceberg retries a failed commit by itself (``commit.retry.num-retries``,
 default 4) by rebasing the append onto the winner, which would land a racing
-epoch twice. Our tables set it to 0 and the shared loop (``sinks/table.py``)
-refreshes, re-reads the committed mark, and skips or tries again.
+epoch twice. The sink's own transactions start from the table's metadata with that
+count at 0, in memory only (``_without_retries``): the table's properties stay its
+owner's, and its other writers keep their retries. The shared loop
+(``sinks/table.py``) refreshes, re-reads the committed mark, and skips or tries again.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from volley_dagster.sinks.base import CommitContext, SinkHistory, SinkLocation, 
 from volley_dagster.sinks.lineage import ForeignLineage, SinkCommit, SinkMark
 from volley_dagster.sinks.table import Mode, TableSink
 
-NO_RETRIES = {"commit.retry.num-retries": "0"}
+NUM_RETRIES = "commit.retry.num-retries"
 
 
 def sqlite_catalog(path: str | os.PathLike[str]) -> dict[str, str]:
@@ -143,11 +145,6 @@ class IcebergSink(TableSink[Table]):
                 self._table = self._create(create_with)
         else:
             self._table.refresh()
-        if create_with is not None and self._table.properties.get("commit.retry.num-retries") != "0":
-            # A table made elsewhere: pyiceberg reads the retry count from the metadata
-            # a transaction starts from, so fix it in its own commit first.
-            self._table.transaction().set_properties(NO_RETRIES).commit_transaction()
-            self._table.refresh()
         return self._table
 
     def _forget(self) -> None:
@@ -184,7 +181,7 @@ class IcebergSink(TableSink[Table]):
     def _write(self, table: Table | None, output: pa.Table, ctx: CommitContext,
                keys: tuple[str, ...], expired: pa.Table) -> SinkWrite:
         assert table is not None  # ``_load(create_with=...)`` created it
-        txn = table.transaction()
+        txn = _without_retries(table).transaction()
         stats = self._stage(txn, table, output, keys, commit_tags(ctx, output.num_rows + expired.num_rows),
                             ctx.replace, expired)
         prefix = mark_prefix(ctx.pipeline, self.name)
@@ -233,7 +230,7 @@ class IcebergSink(TableSink[Table]):
         return {"upserted": output.num_rows, "rewritten": kept, "expired": expired.num_rows}
 
     def _create(self, schema: pa.Schema) -> Table:
-        """Create the namespace and table (retries off) on first use; a racing
+        """Create the namespace and table on first use; a racing
         creator loses with TableAlreadyExistsError and loads the winner's table."""
         try:
             self.catalog.create_namespace_if_not_exists(self.namespace)
@@ -242,7 +239,7 @@ class IcebergSink(TableSink[Table]):
             if not self.catalog.namespace_exists(self.namespace):
                 raise
         try:
-            self._table = self.catalog.create_table(self.identifier, schema=schema, properties=NO_RETRIES)
+            self._table = self.catalog.create_table(self.identifier, schema=schema)
         except TableAlreadyExistsError:
             self._table = self.catalog.load_table(self.identifier)
         return self._table
@@ -362,3 +359,13 @@ def _first_snapshot(snapshot: Snapshot) -> bool:
 def _snapshot_id(table: Table) -> int | None:
     snapshot = table.current_snapshot()
     return None if snapshot is None else snapshot.snapshot_id
+
+
+def _without_retries(table: Table) -> Table:
+    """``table`` as the sink's transaction starts from it: pyiceberg takes the retry
+    count from the metadata a transaction starts from, so only this copy says 0. The
+    commit sends no property change: the catalog keeps the owner's value."""
+    if table.properties.get(NUM_RETRIES) == "0":
+        return table
+    metadata = table.metadata.model_copy(update={"properties": {**table.metadata.properties, NUM_RETRIES: "0"}})
+    return Table(table.name(), metadata, table.metadata_location, table.io, table.catalog)
