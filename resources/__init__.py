@@ -111,26 +111,38 @@ class CheckpointResource(ConfigurableResource):
 class TablesResource(ConfigurableResource):
     """Where the pipelines' Delta tables and Iceberg catalog live.
 
-    ``iceberg_catalog_uri`` empty means the embedded SQLite catalog under
-    ``warehouse``; a ``postgresql+psycopg2://...`` URI selects PostgreSQL.
+    The Iceberg catalog is any catalog pyiceberg loads (``load_catalog``):
+    ``iceberg_catalog_properties`` are its properties as pyiceberg documents them
+    (``type``: ``rest``, ``sql``, ``glue``, ``hive``; ``uri``, ``warehouse``, ...), merged by
+    pyiceberg over its own configuration of the catalog named ``volley`` (``.pyiceberg.yaml``,
+    ``PYICEBERG_CATALOG__VOLLEY__*``: where a token or credential belongs). Without them,
+    ``iceberg_catalog_uri`` selects a SQL catalog (``postgresql+psycopg2://...``), and
+    with neither the embedded SQLite catalog under ``warehouse``.
     ``on_foreign_lineage``: "fail", "replace" or "continue" when a table holds the
     pipelines' epochs from another checkpoint root (``volley_dagster/sinks/lineage.py``)."""
 
     warehouse: str
     iceberg_catalog_uri: Optional[str] = None
+    iceberg_catalog_properties: dict[str, str] = {}
     s3: Optional[S3Resource] = None
     on_foreign_lineage: str = "fail"
 
     def settings(self) -> TableSettings:
         endpoint = self.s3.endpoint() if self.s3 is not None else None
-        if self.iceberg_catalog_uri:
+        if self.iceberg_catalog_properties and self.iceberg_catalog_uri:
+            raise ValueError("tables: set iceberg_catalog_properties or iceberg_catalog_uri, not both "
+                             "(a SQL catalog's uri goes among the properties)")
+        if self.iceberg_catalog_properties:
+            catalog = dict(self.iceberg_catalog_properties)
+        elif self.iceberg_catalog_uri:
             catalog = {"type": "sql", "uri": self.iceberg_catalog_uri, "warehouse": f"{self.warehouse}/iceberg"}
         elif self.warehouse.startswith("s3://"):
-            raise ValueError("an S3 warehouse needs iceberg_catalog_uri (the SQLite catalog file must be local)")
+            raise ValueError("an S3 warehouse needs an Iceberg catalog (iceberg_catalog_properties or "
+                             "iceberg_catalog_uri): the SQLite catalog file must be local")
         else:
             catalog = sqlite_catalog(f"{self.warehouse}/iceberg")
         if endpoint is not None:
-            catalog = {**catalog, **endpoint.iceberg_properties()}
+            catalog = {**endpoint.iceberg_properties(), **catalog}
         return TableSettings(
             warehouse=self.warehouse,
             iceberg_catalog=catalog,
