@@ -28,17 +28,25 @@ class SparkResource(ConfigurableResource):
     Spark: a supervised local Spark Connect server that every run reaches in about a
     second (``volley_dagster/spark/warm.py``), under ``warm_home`` (default
     ``$DAGSTER_HOME/warm-spark``); a run that cannot reach it falls back to a local
-    Spark of its own, and says so. ``warm=False``: a local Spark per run."""
+    Spark of its own, and says so. ``warm=False``: a local Spark per run.
+
+    ``spark_config``: any ``spark.*`` key (as ``dagster_pyspark.PySparkResource`` takes
+    it), applied over the engine's defaults; on a cluster whose executors run on
+    other machines, ``spark.driver.host`` and ``spark.driver.bindAddress`` name the
+    driver's address (127.0.0.1 is only the default of a local or loopback master).
+    The warm Spark is shared and started with the defaults, so a run with a
+    ``spark_config`` starts its own."""
 
     master: Optional[str] = None
     remote: Optional[str] = None
     warm: bool = True
     warm_home: Optional[str] = None
+    spark_config: dict[str, str] = {}
 
     def session(self, log: Optional[Callable[[str], None]] = None) -> SparkSession:
         say = log or (lambda _message: None)
-        if self.master or self.remote or not self.warm or _classic_session_active():
-            spark = get_or_create_spark(master=self.master, remote=self.remote)
+        if self.master or self.remote or not self.warm or self.spark_config or _classic_session_active():
+            spark = get_or_create_spark(master=self.master, remote=self.remote, conf=self.spark_config)
             say(f"Spark: {self.remote or spark.sparkContext.master}")
             return spark
         try:

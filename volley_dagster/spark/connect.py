@@ -43,7 +43,7 @@ class ConnectServer:
 def connect_command(port: int, master: str, extra_conf: dict[str, str] | None = None) -> list[str]:
     home = Path(pyspark.__file__).parent
     conf = {
-        **default_conf(),
+        **default_conf(master),
         "spark.master": master,
         "spark.connect.grpc.binding.address": "127.0.0.1",
         "spark.connect.grpc.binding.port": str(port),

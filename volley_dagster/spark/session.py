@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from pyspark.sql import SparkSession
 
@@ -43,12 +44,22 @@ def java_major_version(java: str | None = None) -> int:
 _LOG4J = Path(__file__).with_name("log4j2.properties")
 
 
-def default_conf() -> dict[str, str]:
+def on_loopback(master: str) -> bool:
+    """A local master, or a standalone master on this machine's loopback: the driver
+    listens on loopback too. Executors elsewhere reach the driver at the address Spark
+    picks, or the ``spark.driver.host`` of the user's configuration."""
+    if master.startswith("local"):
+        return True
+    return urlsplit(master).hostname in ("127.0.0.1", "localhost", "::1")
+
+
+def default_conf(master: str = "local[*]") -> dict[str, str]:
+    """What a session on ``master`` starts with; the user's configuration goes over it."""
     cores = os.cpu_count() or 2
     log4j = f"-Dlog4j2.configurationFile=file:{_LOG4J}"
+    loopback = {"spark.driver.host": "127.0.0.1", "spark.driver.bindAddress": "127.0.0.1"} if on_loopback(master) else {}
     return {
-        "spark.driver.host": "127.0.0.1",
-        "spark.driver.bindAddress": "127.0.0.1",
+        **loopback,
         "spark.driver.extraJavaOptions": log4j,
         "spark.executor.extraJavaOptions": log4j,
         "spark.sql.shuffle.partitions": str(max(4, 2 * cores)),
@@ -67,22 +78,27 @@ def get_or_create_spark(
     conf: dict[str, Any] | None = None,
     app_name: str = "volley",
 ) -> SparkSession:
-    """The active session if there is one, else a new one on ``master``/``remote``."""
+    """The active session if there is one, else a new one on ``master``/``remote``;
+    ``conf``: the user's Spark configuration (any ``spark.*`` key), applied last."""
     active = SparkSession.getActiveSession()
     if active is not None:
         return active
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
-    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")  # bind to loopback unless told otherwise
     builder = SparkSession.builder.appName(app_name)
     if remote:
         builder = builder.remote(remote)
+        settings = dict(conf or {})  # the server's own configuration stands; these are the session's
     else:
         version = java_major_version()
         if version < MIN_JAVA:
             raise ConfigError(f"Spark needs Java {MIN_JAVA}+, found Java {version}; set JAVA_HOME to a JDK 17")
-        builder = builder.master(master or os.environ.get("VOLLEY_SPARK_MASTER", "local[*]"))
-        for key, value in {**default_conf(), **(conf or {})}.items():
-            builder = builder.config(key, str(value))
+        master = master or os.environ.get("VOLLEY_SPARK_MASTER", "local[*]")
+        if on_loopback(master):
+            os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")  # bind to loopback unless told otherwise
+        builder = builder.master(master)
+        settings = {**default_conf(master), **(conf or {})}
+    for key, value in settings.items():
+        builder = builder.config(key, str(value))
     spark = builder.getOrCreate()
     return spark
