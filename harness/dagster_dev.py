@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
+import psutil
 import requests
 
 from harness.dagster_graphql import BACKFILL_DAEMONS, DEFAULT_DAGSTER_YAML, DagsterGraphQL, GraphQLError
@@ -60,16 +61,14 @@ _TOKEN_VAR = "VOLLEY_TEST_DAGSTER_DEV"
 def _pids_with_env(var: str, value: str) -> list[int]:
     """Processes whose environment has ``var=value``: with the per-server token set only
     in the server's environment, its descendants even if one left the process group."""
-    needle = f"{var}={value}".encode()
     pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
+    for process in psutil.process_iter():
+        if process.pid == os.getpid():
             continue
         try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                if needle in f.read().split(b"\0"):
-                    pids.append(int(entry))
-        except OSError:
+            if process.environ().get(var) == value:
+                pids.append(process.pid)
+        except psutil.Error:
             continue
     return pids
 

@@ -1,8 +1,7 @@
-"""Ports, waiting for a process to come up, a log's tail, and a process's family (from /proc)."""
+"""Ports, waiting for a process to come up, a log's tail, and a process's family (psutil)."""
 
 from __future__ import annotations
 
-import os
 import re
 import socket
 import subprocess
@@ -10,6 +9,10 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
+
+import psutil
+
+from volley_dagster.process import parent_pid
 
 
 def free_ports(n: int) -> list[int]:
@@ -49,45 +52,27 @@ def tail(log: Path, lines: int = 40) -> str:
 
 def proc_cmdline(pid: int) -> str:
     try:
-        with open(f"/proc/{pid}/cmdline", "rb") as fh:
-            return fh.read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
+        return " ".join(psutil.Process(pid).cmdline())
+    except psutil.Error:
         return ""
 
 
-def _proc_parent(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            # "pid (comm) state ppid ...": comm may hold spaces and parentheses
-            return int(fh.read().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
 def proc_ancestors(pid: int) -> list[int]:
-    """``pid``'s parent, grandparent, ... up to (not including) pid 1, from /proc."""
+    """``pid``'s parent, grandparent, ... up to (not including) pid 1."""
     chain = []
-    parent = _proc_parent(pid)
+    parent = parent_pid(pid)
     while parent and parent > 1:
         chain.append(parent)
-        parent = _proc_parent(parent)
+        parent = parent_pid(parent)
     return chain
 
 
 def proc_descendants(pid: int) -> list[int]:
-    """Every live descendant of ``pid``, from /proc (parents before children)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            parent = _proc_parent(int(entry))
-            if parent is not None:
-                children.setdefault(parent, []).append(int(entry))
-    out, todo = [], list(children.get(pid, []))
-    while todo:
-        p = todo.pop(0)
-        out.append(p)
-        todo.extend(children.get(p, []))
-    return out
+    """Every live descendant of ``pid`` (parents before children)."""
+    try:
+        return [child.pid for child in psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        return []
 
 
 def free_port() -> int:

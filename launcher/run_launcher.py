@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -63,6 +64,8 @@ class WarmRunLauncher(DefaultRunLauncher):
             run, cls=type(self))
 
     def _fork(self, run: DagsterRun) -> tuple[int, int]:
+        if not sys.platform.startswith("linux"):
+            raise ForkServerUnavailable("the fork server needs Linux (an abstract Unix socket, SO_PEERCRED)")
         origin = run.job_code_origin
         if origin is None:
             raise ForkServerUnavailable("the run has no code origin")

@@ -8,7 +8,7 @@ from typing import Optional
 
 from dagster import DagsterEventType, DagsterInstance, RunRecord
 
-from volley_dagster.process import started_at
+from volley_dagster.process import process_start
 
 
 def run_worker_pid(instance: DagsterInstance, run_id: str) -> Optional[int]:
@@ -26,13 +26,13 @@ def run_worker_pid(instance: DagsterInstance, run_id: str) -> Optional[int]:
 
 def worker_gone(instance: DagsterInstance, record: RunRecord) -> Optional[str]:
     """Why the run's worker is known dead (its pid names no process, or one started
-    outside the run's lifetime: a reused pid), or None while it lives or has not said
-    its pid yet."""
+    outside the run's lifetime: a reused pid), or None while it lives, has not said its
+    pid yet, or its start time cannot be read (unknown is never dead)."""
     pid = run_worker_pid(instance, record.dagster_run.run_id)
     if pid is None:
         return None
-    began = started_at(pid)
+    start = process_start(pid)
     latest = (record.start_time or time.time()) + 1
-    if began is not None and record.create_timestamp.timestamp() - 1 <= began <= latest:
+    if start.exists and (start.at is None or record.create_timestamp.timestamp() - 1 <= start.at <= latest):
         return None
     return f"the run's process {pid} is gone (killed, or the machine restarted)"

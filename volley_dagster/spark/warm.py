@@ -32,7 +32,7 @@ from typing import Any
 
 from volley_dagster.errors import ConfigError, VolleyError
 from volley_dagster.io.atomic import read_json, write_json_atomic
-from volley_dagster.process import boot_id, is_alive, start_ticks
+from volley_dagster.process import boot_id, command_line, is_alive, parent_pid, start_ticks
 from volley_dagster.spark.connect import ConnectServer, listening, start_connect_server
 
 __all__ = ["WarmSpark", "WarmSparkUnavailable", "dagster_dev_ancestor", "default_home", "find_or_start", "read_record", "stop", "warm_session"]
@@ -84,12 +84,10 @@ def dagster_dev_ancestor(pid: int | None = None) -> int:
     what the server should live as long as."""
     current = os.getppid() if pid is None else pid
     while current > 1:
-        try:
-            cmdline = Path(f"/proc/{current}/cmdline").read_bytes().split(b"\0")
-            parent = int(Path(f"/proc/{current}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
+        parent = parent_pid(current)
+        if parent is None:
             break
-        words = [Path(w.decode(errors="replace")).name for w in cmdline if w]
+        words = [Path(w).name for w in command_line(current) if w]
         if "dev" in words and any(w == "dagster" or w.endswith("/dagster") for w in words):
             return current
         current = parent
