@@ -130,7 +130,7 @@ def epoch_metadata(pipeline: Pipeline, result: EpochResult,
         md: dict[str, Any] = {
             "epoch": MetadataValue.int(result.epoch),
             "noop_already_committed": MetadataValue.int(int(result.already_committed or commit.skipped)),
-            "rows": MetadataValue.int(commit.rows or 0),
+            "dagster/partition_row_count": MetadataValue.int(commit.rows or 0),  # the epoch's rows
             "seconds_commit": MetadataValue.float(commit.seconds or 0.0),
             "lineage": MetadataValue.text(commit.lineage or ""),  # the checkpoint root that wrote it
             "sink_epoch": MetadataValue.int(commit.sink_epoch if commit.sink_epoch is not None else result.epoch),

@@ -183,12 +183,12 @@ def test_each_epoch_carries_its_metadata_on_the_state_and_table_assets(scenario)
     delta_md = processed(scenario.instance, DELTA, 3)
     assert delta_md["delta_table_version"].value == 2 and delta_md["dagster/uri"].value.endswith("merchant_balances")
     iceberg_md = processed(scenario.instance, ICEBERG, 3)
-    assert iceberg_md["rows"].value > 0 and iceberg_md["dagster/table_name"].value == "payments.merchant_changes"
+    assert iceberg_md["dagster/partition_row_count"].value > 0 and iceberg_md["dagster/table_name"].value == "payments.merchant_changes"
     assert [c.name for c in iceberg_md["dagster/column_schema"].schema.columns][:2] == ["merchant_id", "total"]
     # the tables' sizes from their own metadata, and the first rows each epoch wrote
     assert delta_md["dagster/row_count"].value == DeltaTable(str(scenario.base / "tables" / "delta" /
                                                                  "merchant_balances")).to_pyarrow_table().num_rows
-    assert iceberg_md["dagster/row_count"].value >= iceberg_md["rows"].value > 0
+    assert iceberg_md["dagster/row_count"].value >= iceberg_md["dagster/partition_row_count"].value > 0
     assert iceberg_md["preview"].value.startswith("| merchant_id | total |")
 
 

@@ -43,10 +43,10 @@ def test_window_epochs_as_partitions(location_for, tmp_path):
         mark = datetime.fromisoformat(state[epoch_key(epoch)]["watermark"].value)
         assert (latest - mark).total_seconds() == 30  # max event time so far - 30 s out-of-orderness
         assert state[epoch_key(epoch)]["late_records"].value == runner.result(epoch).late_records
-        assert minutes[epoch_key(epoch)]["rows"].value == state[epoch_key(epoch)]["records_out"].value > 0
+        assert minutes[epoch_key(epoch)]["dagster/partition_row_count"].value == state[epoch_key(epoch)]["records_out"].value > 0
 
     fired = DeltaTable(str(base / "tables" / "delta" / "merchant_minutes")).to_pyarrow_table()
-    assert fired.num_rows == sum(m["rows"].value for m in minutes.values())
+    assert fired.num_rows == sum(m["dagster/partition_row_count"].value for m in minutes.values())
     assert fired.group_by(["merchant_id", "window_start"]).aggregate([]).num_rows == fired.num_rows  # each once
     late = sum(runner.result(e).late_records for e in (1, 2, 3))
     still_open = pc.sum(runner.read_state().column("events")).as_py()

@@ -56,7 +56,7 @@ def test_graphql_backfill_then_ui_backfill(server):
     assert state[epoch_key(2)]["metadata"]["noop_already_committed"] == 0
     assert isinstance(state[epoch_key(2)]["metadata"]["seconds_total"], float)
     delta = client.latest_materializations("payments/delta_balances")[epoch_key(2)]["metadata"]
-    assert delta["delta_table_version"] == 1 and delta["rows"] > 0
+    assert delta["delta_table_version"] == 1 and delta["dagster/partition_row_count"] > 0
 
     with dagster_ui(srv.url, artifacts_prefix="dagster_dev-") as ui:
         ui.open_lineage(group="payments", expect=["source", "state", "delta_balances", "iceberg_changes"])
