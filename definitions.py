@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from dagster import EnvVar
+from dagster import EnvVar, in_process_executor
 
 from assets.location import build_definitions
 from resources import CheckpointResource, S3Resource, SparkResource, TablesResource
@@ -46,4 +46,5 @@ defs = build_definitions(
     # neither set: the warm Spark (a supervised local Spark Connect server), unless VOLLEY_SPARK_WARM=0
     spark=SparkResource(master=os.environ.get("VOLLEY_SPARK_MASTER"), remote=os.environ.get("VOLLEY_SPARK_REMOTE"),
                         warm=os.environ.get("VOLLEY_SPARK_WARM", "1") != "0"),
+    executor=in_process_executor,  # this location's own default too: one step per run, Spark in the run's process
 )

@@ -20,6 +20,7 @@ from dagster import (
     MetadataValue,
     ObserveResult,
     RetryRequested,
+    in_process_executor,
     multi_asset,
     observable_source_asset,
 )
@@ -52,6 +53,10 @@ from volley_dagster.verify import CheckOutcome, check_freshness, check_latest_sn
 # (run_retries must still be enabled there): a run whose process died is re-run; a failed
 # step already had its retries.
 RUN_RETRY_TAGS = {"dagster/max_retries": "3", "dagster/retry_on_asset_or_op_failure": "false"}
+# Each of the pipelines' jobs: one step per run, and Spark in the run's own process (a
+# second process buys nothing); named on the job, so a project merging these
+# definitions keeps its own default executor.
+EPOCH_EXECUTOR = in_process_executor
 
 
 def epochs_job_name(pipeline: str) -> str:
@@ -102,9 +107,9 @@ def epoch_assets(deployment: Deployment, spec_settings: TableSettings) -> list:
         group_name=pipeline.name,
         metadata={"dagster/uri": pipeline.source_log.uri, **pipeline.source_log.describe()},
     )
-    def source(checkpoints: CheckpointResource, tables: TablesResource) -> ObserveResult:
+    def source(volley_checkpoints: CheckpointResource, volley_tables: TablesResource) -> ObserveResult:
         """Observed by hand here; the sensor reports the same numbers on every tick."""
-        runner = make_runner(deployment, checkpoints, tables)
+        runner = make_runner(deployment, volley_checkpoints, volley_tables)
         now = runner.pipeline.source_log.snapshot()
         return ObserveResult(data_version=DataVersion(now.version),
                              metadata={**now.metadata, **source_observation(runner, runner.backlog(), time.time())})
@@ -159,14 +164,15 @@ def epoch_assets(deployment: Deployment, spec_settings: TableSettings) -> list:
         pool=pipeline_pool(pipeline.name),
     )
     def epochs(
-        context: AssetExecutionContext, spark: SparkResource, checkpoints: CheckpointResource, tables: TablesResource
+        context: AssetExecutionContext, volley_spark: SparkResource, volley_checkpoints: CheckpointResource,
+        volley_tables: TablesResource,
     ):
         """Runs the partitions' epochs in ascending order on one SparkSession, holding
         the pipeline's lease; committed epochs come back as no-ops, and an epoch whose
         predecessor is not committed fails naming it. Each epoch is materialized as it
         commits, so a run that fails at epoch K keeps the epochs before K. Then the
         checks run, still under the lease, on what the run left."""
-        runner = make_runner(deployment, checkpoints, tables, spark, log=context.log.info)
+        runner = make_runner(deployment, volley_checkpoints, volley_tables, volley_spark, log=context.log.info)
         attempt = {"run_retry": int(context.run.tags.get("dagster/retry_number", 0)), "step_retry": context.retry_number}
         if any(attempt.values()):
             context.log.info(f"retrying: run retry {attempt['run_retry']}, step retry {attempt['step_retry']}")

@@ -1,21 +1,25 @@
-"""Assemble a code location from pipeline deployments and resources."""
+"""Assemble Dagster definitions from pipeline deployments and resources: what this
+repository's code location serves, and what a team's own project merges in
+(``Definitions.merge``). Resource keys carry the ``volley_`` prefix, and each job
+names its own executor, so neither meets the project's own ``spark`` resource or
+executor."""
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 from dagster import (
     AssetsDefinition,
     AssetSelection,
     AssetSpec,
     Definitions,
+    ExecutorDefinition,
     JobDefinition,
     ScheduleDefinition,
     SensorDefinition,
     SourceAsset,
     define_asset_job,
-    in_process_executor,
 )
 
-from assets.epochs import PIPELINE_TAG, RUN_RETRY_TAGS, epoch_assets, epochs_job_name, epochs_partitions
+from assets.epochs import EPOCH_EXECUTOR, PIPELINE_TAG, RUN_RETRY_TAGS, epoch_assets, epochs_job_name, epochs_partitions
 from assets.migrate import migrate_job
 from assets.rescale import rescale_job
 from assets.state_export import state_export_asset
@@ -28,8 +32,11 @@ if TYPE_CHECKING:  # what define_asset_job returns; Dagster does not export the 
 
 
 def build_definitions(
-    deployments: list[Deployment], checkpoints: CheckpointResource, tables: TablesResource, spark: SparkResource
+    deployments: list[Deployment], checkpoints: CheckpointResource, tables: TablesResource, spark: SparkResource,
+    executor: Optional[ExecutorDefinition] = None,
 ) -> Definitions:
+    """``executor``: the definitions' default, for what runs outside the pipelines' own
+    jobs (None: leave it to the project these definitions merge into)."""
     assets: list[AssetsDefinition | SourceAsset | AssetSpec] = []
     jobs: list[JobDefinition | UnresolvedAssetJobDefinition] = []
     sensors: list[SensorDefinition] = []
@@ -42,6 +49,7 @@ def build_definitions(
             selection=AssetSelection.assets(epochs),  # with its checks: they run after the epochs
             partitions_def=epochs_partitions(deployment),
             tags={PIPELINE_TAG: deployment.name, **RUN_RETRY_TAGS},
+            executor_def=EPOCH_EXECUTOR,
         )
         export, export_job = state_export_asset(deployment, tables.settings())
         assets.append(export)
@@ -55,7 +63,6 @@ def build_definitions(
         jobs=jobs,
         sensors=sensors,
         schedules=schedules,
-        resources={"spark": spark, "checkpoints": checkpoints, "tables": tables},
-        # One step per run, and Spark in the run's own process: a second process buys nothing.
-        executor=in_process_executor,
+        resources={"volley_spark": spark, "volley_checkpoints": checkpoints, "volley_tables": tables},
+        executor=executor,
     )

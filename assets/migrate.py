@@ -11,7 +11,7 @@ from typing import Optional
 
 from dagster import AssetObservation, Config, JobDefinition, MetadataValue, OpExecutionContext, job, op
 
-from assets.epochs import PIPELINE_TAG, RUN_RETRY_TAGS, make_runner
+from assets.epochs import EPOCH_EXECUTOR, PIPELINE_TAG, RUN_RETRY_TAGS, make_runner
 from assets.metadata import state_key
 from assets.runs import pipeline_pool
 from resources import CheckpointResource, SparkResource, TablesResource
@@ -30,12 +30,12 @@ def migrate_job(deployment: Deployment, spec_settings: TableSettings) -> JobDefi
     tags = {PIPELINE_TAG: pipeline.name}
 
     @op(name=f"{pipeline.name}_migrate", tags=tags, pool=pipeline_pool(pipeline.name))
-    def migrate(context: OpExecutionContext, config: MigrateConfig, spark: SparkResource,
-                checkpoints: CheckpointResource, tables: TablesResource) -> None:
+    def migrate(context: OpExecutionContext, config: MigrateConfig, volley_spark: SparkResource,
+                volley_checkpoints: CheckpointResource, volley_tables: TablesResource) -> None:
         """Rewrites the last committed epoch's state for the pipeline as this code
         location builds it now; the next epoch runs it. Refused, naming the options,
         for a change state cannot follow and while an epoch is cut but not committed."""
-        runner = make_runner(deployment, checkpoints, tables, spark, log=context.log.info)
+        runner = make_runner(deployment, volley_checkpoints, volley_tables, volley_spark, log=context.log.info)
         target: Pipeline = runner.pipeline
         with runner.lease(owner=f"dagster run {context.run_id}", on_wait=context.log.info):
             result = runner.migrate(target, renames=config.renames, initial=dict(config.initial),
@@ -56,7 +56,8 @@ def migrate_job(deployment: Deployment, spec_settings: TableSettings) -> JobDefi
             },
         ))
 
-    @job(name=f"{pipeline.name}_migrate_job", tags={**tags, **RUN_RETRY_TAGS},  # a killed migration left the old layout
+    @job(name=f"{pipeline.name}_migrate_job", tags={**tags, **RUN_RETRY_TAGS}, executor_def=EPOCH_EXECUTOR,
+         # a killed migration left the old layout
          description=f"Rewrite the state of {pipeline.name!r} for its changed pipeline between two epochs.")
     def migrate_pipeline() -> None:
         migrate()

@@ -8,7 +8,7 @@ holds the pipeline's lease while it rewrites the state.
 
 from dagster import AssetObservation, Config, JobDefinition, MetadataValue, OpExecutionContext, job, op
 
-from assets.epochs import PIPELINE_TAG, RUN_RETRY_TAGS, make_runner
+from assets.epochs import EPOCH_EXECUTOR, PIPELINE_TAG, RUN_RETRY_TAGS, make_runner
 from assets.metadata import state_key
 from assets.runs import pipeline_pool
 from resources import CheckpointResource, TablesResource
@@ -25,11 +25,12 @@ def rescale_job(deployment: Deployment, spec_settings: TableSettings) -> JobDefi
 
     @op(name=f"{pipeline.name}_rescale", tags=tags, pool=pipeline_pool(pipeline.name))
     def rescale(
-        context: OpExecutionContext, config: RescaleConfig, checkpoints: CheckpointResource, tables: TablesResource
+        context: OpExecutionContext, config: RescaleConfig, volley_checkpoints: CheckpointResource,
+        volley_tables: TablesResource,
     ) -> None:
         """Rewrites the last committed epoch's state into ``num_shards`` shards; the next
         epoch runs with them. Fails while an epoch is cut but not committed."""
-        runner = make_runner(deployment, checkpoints, tables)
+        runner = make_runner(deployment, volley_checkpoints, volley_tables)
         with runner.lease(owner=f"dagster run {context.run_id}", on_wait=context.log.info):
             result = runner.rescale(config.num_shards)
         context.log.info(result.describe())
@@ -50,7 +51,8 @@ def rescale_job(deployment: Deployment, spec_settings: TableSettings) -> JobDefi
             },
         ))
 
-    @job(name=f"{pipeline.name}_rescale_job", tags={**tags, **RUN_RETRY_TAGS},  # a killed rescale left the old layout
+    @job(name=f"{pipeline.name}_rescale_job", tags={**tags, **RUN_RETRY_TAGS}, executor_def=EPOCH_EXECUTOR,
+         # a killed rescale left the old layout
          description=f"Change the shard count of {pipeline.name!r} between two epochs (config: num_shards).")
     def rescale_pipeline() -> None:
         rescale()

@@ -22,7 +22,7 @@ from dagster import (
 )
 from deltalake import DeltaTable
 
-from assets.epochs import epochs_partitions, make_runner, parse_epoch
+from assets.epochs import EPOCH_EXECUTOR, epochs_partitions, make_runner, parse_epoch
 from assets.metadata import column_schema, state_key
 from resources import CheckpointResource, SparkResource, TablesResource
 from volley_dagster.checkpoint.epoch_log import epoch_key
@@ -50,13 +50,13 @@ def state_export_asset(deployment: Deployment, spec_settings: TableSettings) -> 
         group_name=pipeline.name,
         description=f"The keyed state of {pipeline.name!r} at an epoch, exported to a Delta table.",
     )
-    def state_export(context: AssetExecutionContext, spark: SparkResource, checkpoints: CheckpointResource,
-                     tables: TablesResource) -> MaterializeResult:
+    def state_export(context: AssetExecutionContext, volley_spark: SparkResource, volley_checkpoints: CheckpointResource,
+                     volley_tables: TablesResource) -> MaterializeResult:
         """Reads the state at the partition's epoch in Spark tasks (one per shard) and
         writes it as a new Delta table; the epoch must be committed and retained."""
         epoch = parse_epoch(context.partition_key)
-        runner = make_runner(deployment, checkpoints, tables, spark, log=context.log.info)
-        uri = export_uri(tables.warehouse, pipeline.name, epoch)
+        runner = make_runner(deployment, volley_checkpoints, volley_tables, volley_spark, log=context.log.info)
+        uri = export_uri(volley_tables.warehouse, pipeline.name, epoch)
         description = f"state of {pipeline.name!r} at epoch {epoch} (lineage {runner.log.lineage().id})"
         exported = not DeltaTable.is_deltatable(uri)
         if exported:
@@ -79,6 +79,6 @@ def state_export_asset(deployment: Deployment, spec_settings: TableSettings) -> 
         })
 
     job = define_asset_job(f"{pipeline.name}_state_export_job", selection=[export_key(pipeline.name)],
-                           partitions_def=epochs_partitions(deployment),
+                           partitions_def=epochs_partitions(deployment), executor_def=EPOCH_EXECUTOR,
                            description=f"Export the state of {pipeline.name!r} at an epoch to a Delta table.")
     return state_export, job

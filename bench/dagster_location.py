@@ -6,6 +6,8 @@ Spark per run, the old default)."""
 import os
 from pathlib import Path
 
+from dagster import in_process_executor
+
 from assets.location import build_definitions
 from resources import CheckpointResource, SparkResource, TablesResource
 from volley_dagster.demo.payments import merchant_minutes_deployment, payments_deployment
@@ -19,4 +21,5 @@ defs = build_definitions(
     checkpoints=CheckpointResource(root=str(BASE / "state")),
     tables=TablesResource(warehouse=str(BASE / "tables")),
     spark=SparkResource(warm=os.environ.get("VOLLEY_BENCH_SPARK", "warm") == "warm"),
+    executor=in_process_executor,  # as definitions.py
 )

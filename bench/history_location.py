@@ -6,6 +6,8 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
+from dagster import in_process_executor
+
 from assets.location import build_definitions
 from resources import CheckpointResource, SparkResource, TablesResource
 from volley_dagster.demo.payments import payments_deployment
@@ -23,7 +25,8 @@ def resources(base: Path) -> tuple[CheckpointResource, TablesResource]:
 def definitions(base: Path):
     checkpoints, tables = resources(base)
     return build_definitions([deployment(base)], checkpoints=checkpoints, tables=tables,
-                             spark=SparkResource(warm=False))  # in process: the bench's own local Spark
+                             spark=SparkResource(warm=False),  # in process: the bench's own local Spark
+                             executor=in_process_executor)
 
 
 if "VOLLEY_BENCH_BASE" in os.environ:

@@ -160,11 +160,11 @@ def epoch_sensor(deployment: Deployment, job):
         + (f" or records waited {deployment.max_wait_s:.0f}s" if deployment.max_wait_s else "")
         + "; runs uncommitted epochs in order, one run at a time, and requests a failed epoch again with backoff",
     )
-    def new_data(context: SensorEvaluationContext, checkpoints: CheckpointResource, tables: TablesResource):
+    def new_data(context: SensorEvaluationContext, volley_checkpoints: CheckpointResource, volley_tables: TablesResource):
         cursor = {"waiting_since": None, "fresh": None, "progress": None, **(json.loads(context.cursor or "{}"))}
         _heal_orphans(context, deployment)
         try:
-            runner = make_runner(deployment, checkpoints, tables)
+            runner = make_runner(deployment, volley_checkpoints, volley_tables)
             waiting_since, backlog = cursor["waiting_since"], runner.backlog()  # an idle tick lists the source once
             for _ in range(MAX_CUTS_PER_TICK):
                 cut, waiting_since = _should_cut(backlog.records, deployment, waiting_since, time.time())
@@ -213,11 +213,11 @@ def epoch_schedule(deployment: Deployment, job):
         description=f"Cuts an epoch of {deployment.name!r} on a clock; runs uncommitted epochs in order, and "
                     "requests a failed epoch again with backoff, as the sensor does",
     )
-    def clock(context: ScheduleEvaluationContext, checkpoints: CheckpointResource, tables: TablesResource):
+    def clock(context: ScheduleEvaluationContext, volley_checkpoints: CheckpointResource, volley_tables: TablesResource):
         instance = context.instance
         _heal_orphans(context, deployment)
         try:
-            runner = make_runner(deployment, checkpoints, tables)
+            runner = make_runner(deployment, volley_checkpoints, volley_tables)
             runner.cut_next()
         except VolleyError as exc:
             return _cannot_cut(context, deployment, exc)

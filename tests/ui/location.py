@@ -12,6 +12,8 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
+from dagster import in_process_executor
+
 from assets.location import build_definitions
 from resources import CheckpointResource, S3Resource, SparkResource, TablesResource
 from volley_dagster.demo.payments import payments_deployment
@@ -37,4 +39,5 @@ defs = build_definitions(
                                    s3=S3),
     tables=TablesResource(warehouse=str(BASE / "tables")),
     spark=SparkResource() if WARM else SparkResource(master="local[2]"),
+    executor=in_process_executor,  # as definitions.py
 )
