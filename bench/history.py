@@ -38,7 +38,7 @@ Measured at each size, median of ``--repeat``:
 - run overhead for one empty epoch: an epoch cut with nothing new, run by the epochs
   job's ``execute_in_process`` (no Spark job: shards carried forward, empty sink
   commits, then the run's checks); and the no-op re-run of an already committed epoch;
-- the asset checks (``assets/epochs.check_results``);
+- the asset checks (``volley_dagster/dagster/epochs.check_results``);
 - the backlog of a local file log read through its N-th file, one file waiting (what a
   tick lists: from the read position on);
 - the UI's partition query (``assetNodeOrError { partitionKeys assetPartitionStatuses }``
@@ -72,12 +72,12 @@ from dagster import AssetKey, AssetMaterialization, DagsterInstance, build_senso
 from sqlalchemy import event  # noqa: E402
 from sqlalchemy.engine import Engine  # noqa: E402
 
-from assets.epochs import check_results, make_runner, partitions_name  # noqa: E402
-from assets.metadata import sink_key, state_key  # noqa: E402
 from bench.common import finish  # noqa: E402
 from bench.history_location import definitions, deployment, resources  # noqa: E402
 from harness.dagster_dev import dagster_dev  # noqa: E402
 from volley_dagster.checkpoint.epoch_log import epoch_key  # noqa: E402
+from volley_dagster.dagster.epochs import check_results, make_runner, partitions_name  # noqa: E402
+from volley_dagster.dagster.metadata import sink_key, state_key  # noqa: E402
 from volley_dagster.demo.events import generate  # noqa: E402
 from volley_dagster.io.atomic import dump_json, read_json, write_json_atomic  # noqa: E402
 from volley_dagster.sinks.base import CommitContext  # noqa: E402

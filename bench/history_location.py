@@ -8,8 +8,8 @@ from pathlib import Path
 
 from dagster import in_process_executor
 
-from assets.location import build_definitions
-from resources import CheckpointResource, SparkResource, TablesResource
+from volley_dagster.dagster.location import build_definitions
+from volley_dagster.dagster.resources import CheckpointResource, SparkResource, TablesResource
 from volley_dagster.demo.payments import payments_deployment
 from volley_dagster.deploy import Deployment
 

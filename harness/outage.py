@@ -20,10 +20,10 @@ from typing import Callable
 
 from dagster import DagsterRunStatus
 
-from assets.runs import pool_runs, run_in_flight
 from harness.dagster_dev import dagster_dev
 from harness.seaweedfs import start_seaweedfs
 from volley_dagster import EpochRunner
+from volley_dagster.dagster.runs import pool_runs, run_in_flight
 from volley_dagster.demo.events import generate
 from volley_dagster.demo.payments import local_tables, payments_pipeline
 

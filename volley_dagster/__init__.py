@@ -1,7 +1,9 @@
 """volley-dagster: exactly-once, stateful stream processing as checkpoint epochs on PySpark.
 
-The engine is importable and testable without Dagster; the Dagster code
-location (``assets/``, ``resources/``, ``sensors/``) is a thin layer over it.
+The engine is importable and testable without Dagster; the Dagster integration
+(``volley_dagster.dagster``, which this package never imports) is a thin layer over it,
+and this repository's code location (``assets/``, ``resources/``, ``sensors/``) the demo
+built on that.
 """
 
 from volley_dagster.checkpoint.s3_snapshots import S3SnapshotStore

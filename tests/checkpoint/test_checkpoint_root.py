@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from dagster import EnvVar, asset, materialize
 
-from resources import CheckpointResource
 from volley_dagster.checkpoint.epoch_log import EpochLog
+from volley_dagster.dagster.resources import CheckpointResource
 from volley_dagster.errors import ConfigError
 
 URIS = ["s3://bucket/ckpt", "s3a://bucket/ckpt/", "gs://bucket", "file:///tmp/ckpt"]

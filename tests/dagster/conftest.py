@@ -11,8 +11,8 @@ from typing import Callable, Iterator
 import pytest
 from dagster import DagsterInstance, Definitions
 
-from assets.location import build_definitions
-from resources import CheckpointResource, SparkResource, TablesResource
+from volley_dagster.dagster.location import build_definitions
+from volley_dagster.dagster.resources import CheckpointResource, SparkResource, TablesResource
 from volley_dagster.demo.payments import payments_deployment
 from volley_dagster.deploy import Deployment
 

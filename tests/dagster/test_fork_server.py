@@ -1,4 +1,4 @@
-"""The warm run launcher (launcher/): runs start as workers forked from a fork server,
+"""The warm run launcher (volley_dagster/dagster/launcher/): runs start as workers forked from a fork server,
 on a real DagsterInstance and real processes, without Spark. A worker killed with
 ``kill -9`` fails its run at once; a changed source file retires the fork server."""
 
@@ -18,10 +18,15 @@ from dagster._core.definitions.reconstruct import ReconstructableRepository
 from dagster._core.launcher import LaunchRunContext, WorkerStatus
 from dagster._serdes import serialize_value
 
-from launcher import WarmRunLauncher
-from launcher.fork_server import ForkServerStale, ForkServerUnavailable, fork_run_worker, server_address
-from launcher.run_launcher import FORK_SERVER_TAG
-from launcher.workers import run_worker_pid
+from volley_dagster.dagster.launcher import WarmRunLauncher
+from volley_dagster.dagster.launcher.fork_server import (
+    ForkServerStale,
+    ForkServerUnavailable,
+    fork_run_worker,
+    server_address,
+)
+from volley_dagster.dagster.launcher.run_launcher import FORK_SERVER_TAG
+from volley_dagster.dagster.launcher.workers import run_worker_pid
 
 JOBS = textwrap.dedent('''
     import os, time
@@ -39,7 +44,7 @@ JOBS = textwrap.dedent('''
     def quick():
         record_pid()
 
-    # in one process, as the volley location runs its jobs (assets/location.py): Dagster's
+    # in one process, as the volley location runs its jobs (volley_dagster/dagster/location.py): Dagster's
     # multiprocess executor loses a termination that arrives while it is starting a
     # step's subprocess, which runs on to its end (upstream, whichever launcher)
     @job(executor_def=in_process_executor)
@@ -56,7 +61,7 @@ def instance(tmp_path: Path):
     (tmp_path / "home").mkdir()
     (tmp_path / "code" / "jobs.py").write_text(JOBS)
     with DagsterInstance.local_temp(str(tmp_path / "home"), overrides={
-            "run_launcher": {"module": "launcher", "class": "WarmRunLauncher"}}) as inst:
+            "run_launcher": {"module": "volley_dagster.dagster.launcher", "class": "WarmRunLauncher"}}) as inst:
         yield inst
         for server in {run.tags.get(FORK_SERVER_TAG) for run in inst.get_runs()} - {None}:
             with contextlib.suppress(ProcessLookupError):

@@ -9,9 +9,9 @@ from dataclasses import replace
 
 from dagster import AssetKey, DagsterRunStatus, DynamicPartitionsDefinition
 
-from assets.runs import pool_runs
 from tests.dagster.test_location import range_of, run_range, tick
 from volley_dagster.checkpoint.epoch_log import EpochLog, epoch_key
+from volley_dagster.dagster.runs import pool_runs
 from volley_dagster.demo.events import generate
 from volley_dagster.demo.payments import payments_deployment
 

@@ -23,10 +23,10 @@ from dagster import (
 )
 from deltalake import DeltaTable
 
-from launcher.workers import run_worker_pid
 from tests.dagster.conftest import build_location, payments_cutting_at_3000
 from tests.helpers import assert_state_equal, log_records, reference_state
 from volley_dagster.checkpoint.epoch_log import EpochLog, epoch_key
+from volley_dagster.dagster.launcher.workers import run_worker_pid
 from volley_dagster.demo.events import generate
 
 STATE = AssetKey(["payments", "state"])

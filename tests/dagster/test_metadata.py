@@ -4,8 +4,8 @@ its number, not an exception that fails the run after its epoch committed."""
 
 from __future__ import annotations
 
-from assets.metadata import epoch_metadata, state_key
 from volley_dagster import EpochResult
+from volley_dagster.dagster.metadata import epoch_metadata, state_key
 from volley_dagster.demo.payments import local_tables, merchant_minutes_pipeline
 from volley_dagster.operators.event_time import describe_event_time
 

@@ -8,10 +8,10 @@ from dataclasses import replace
 
 from dagster import AssetKey
 
-from assets.location import build_definitions
-from resources import CheckpointResource, SparkResource, TablesResource
 from volley_dagster import EpochRunner, sum_
 from volley_dagster.checkpoint.epoch_log import epoch_key
+from volley_dagster.dagster.location import build_definitions
+from volley_dagster.dagster.resources import CheckpointResource, SparkResource, TablesResource
 from volley_dagster.demo.events import generate
 from volley_dagster.demo.payments import local_tables, payments_deployment, payments_pipeline
 from volley_dagster.settings import RunSettings

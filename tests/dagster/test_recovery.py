@@ -16,12 +16,12 @@ from dataclasses import replace
 import pytest
 from dagster import AssetKey, DagsterInstance, DynamicPartitionsDefinition, build_schedule_context
 
-from assets.location import build_definitions
-from resources import CheckpointResource, SparkResource, TablesResource
 from tests.dagster.conftest import ROOT
 from tests.dagster.test_location import range_of, run_range, tick
 from volley_dagster.checkpoint.epoch_log import epoch_key
 from volley_dagster.checkpoint.lease import PipelineLease
+from volley_dagster.dagster.location import build_definitions
+from volley_dagster.dagster.resources import CheckpointResource, SparkResource, TablesResource
 from volley_dagster.demo.events import generate
 from volley_dagster.demo.payments import payments_deployment
 from volley_dagster.recovery import Backoff

@@ -9,9 +9,9 @@ import pytest
 from pyiceberg.catalog import load_catalog
 
 from harness.postgres import Postgres
-from resources import S3Resource, TablesResource
 from tests.sinks.commit_worker import epoch_output
 from tests.sinks.helpers import ROWS, ctx
+from volley_dagster.dagster.resources import S3Resource, TablesResource
 from volley_dagster.sinks.iceberg import IcebergSink
 
 TABLE = "volley.changes"

@@ -5,7 +5,7 @@ something no Spark accepts). Prints what the run logged and the Spark it got."""
 import json
 import sys
 
-from resources import SparkResource
+from volley_dagster.dagster.resources import SparkResource
 
 if __name__ == "__main__":
     said: list[str] = []

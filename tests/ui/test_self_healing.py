@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 from dagster import AssetKey, DagsterRunStatus, RunsFilter
 
-from assets.runs import pool_limits_ensured, pool_runs, run_in_flight
 from harness.dagster_dev import dagster_dev
 from harness.processes import proc_descendants
 from tests.helpers import assert_state_equal, log_records, reference_state
 from volley_dagster import EpochRunner
 from volley_dagster.checkpoint.epoch_log import epoch_key
 from volley_dagster.checkpoint.lease import current_holder
+from volley_dagster.dagster.runs import pool_limits_ensured, pool_runs, run_in_flight
 from volley_dagster.demo.events import generate
 from volley_dagster.demo.payments import local_tables, payments_pipeline
 from volley_dagster.spark.warm import WarmSpark, read_record
@@ -59,7 +59,7 @@ def runner_for(base: Path) -> EpochRunner:
 
 def lease_holder(state: Path) -> int | None:
     """The pid of the run worker holding the pipeline's lease now, if one does. Runs
-    are workers forked from the fork server (launcher/), or spawned by the code server."""
+    are workers forked from the fork server (volley_dagster/dagster/launcher/), or spawned by the code server."""
     holder = current_holder(state)
     return holder.pid if holder is not None and holder.released_at is None else None
 
@@ -181,7 +181,7 @@ def test_kill_9_mid_epoch_heals_without_anyone(healing):
         assert all("Spark: the warm Spark Connect server at sc://127.0.0.1:" in run_logs(instance, run_id)
                    for run_id in succeeded)
         assert all(any("Forked run worker" in (e.message or "") for e in instance.all_logs(run_id))
-                   for run_id in succeeded)  # the launcher's engine event (launcher/)
+                   for run_id in succeeded)  # the launcher's engine event (volley_dagster/dagster/launcher/)
         for run_id in succeeded:
             checks = [e.dagster_event.event_specific_data for e in instance.all_logs(run_id)
                       if e.is_dagster_event and e.dagster_event.event_type_value == "ASSET_CHECK_EVALUATION"]

@@ -7,9 +7,9 @@ from typing import Optional
 
 from dagster import DagsterEventType, DagsterInstance, DagsterRunStatus, DefaultRunLauncher, RunRecord, RunsFilter
 
-from launcher.workers import worker_gone
 from volley_dagster import EpochRunner
 from volley_dagster.checkpoint.epoch_log import epoch_key
+from volley_dagster.dagster.launcher.workers import worker_gone
 from volley_dagster.deploy import Deployment
 from volley_dagster.recovery import FailedRun, RecoveryDecision, decide
 

@@ -1,5 +1,5 @@
 """Is a run's worker process alive? Shared by the launcher's health check (run
-monitoring) and the sensor's watchdog (assets/runs.py), whichever launched the run."""
+monitoring) and the sensor's watchdog (volley_dagster/dagster/runs.py), whichever launched the run."""
 
 from __future__ import annotations
 

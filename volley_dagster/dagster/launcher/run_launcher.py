@@ -1,5 +1,5 @@
 """The run launcher of ``./dev dagster``: runs start as workers forked from a fork
-server that has everything imported (launcher/fork_server.py), in a fraction of a
+server that has everything imported (volley_dagster/dagster/launcher/fork_server.py), in a fraction of a
 second; Dagster's default launcher spawns a Python per run that re-imports it all.
 
 Anything the fork server cannot do (still starting, code changed, gone) falls back to
@@ -23,14 +23,14 @@ from dagster._core.storage.tags import GRPC_INFO_TAG
 from dagster._serdes import ConfigurableClassData, serialize_value
 from typing_extensions import Self
 
-from launcher.fork_server import (
+from volley_dagster.dagster.launcher.fork_server import (
     ForkServerStale,
     ForkServerUnavailable,
     fork_run_worker,
     server_address,
     start_fork_server,
 )
-from launcher.workers import run_worker_pid, worker_gone
+from volley_dagster.dagster.launcher.workers import run_worker_pid, worker_gone
 
 FORK_SERVER_TAG = "volley/fork_server"  # on runs started by a fork server: its pid
 RESTART_AFTER_S = 30.0  # a fork server started this long ago and still not answering is started again

@@ -6,9 +6,9 @@ __all__ = ["WarmRunLauncher"]
 
 
 def __getattr__(name: str) -> Any:
-    # lazy, so that ``python -m launcher.fork_server`` does not import itself twice
+    # lazy, so that ``python -m volley_dagster.dagster.launcher.fork_server`` does not import itself twice
     if name == "WarmRunLauncher":
-        from launcher.run_launcher import WarmRunLauncher
+        from volley_dagster.dagster.launcher.run_launcher import WarmRunLauncher
 
         return WarmRunLauncher
     raise AttributeError(name)

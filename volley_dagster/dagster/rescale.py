@@ -8,10 +8,10 @@ holds the pipeline's lease while it rewrites the state.
 
 from dagster import AssetObservation, Config, JobDefinition, MetadataValue, OpExecutionContext, job, op
 
-from assets.epochs import EPOCH_EXECUTOR, PIPELINE_TAG, RUN_RETRY_TAGS, make_runner
-from assets.metadata import state_key
-from assets.runs import pipeline_pool
-from resources import CheckpointResource, TablesResource
+from volley_dagster.dagster.epochs import EPOCH_EXECUTOR, PIPELINE_TAG, RUN_RETRY_TAGS, make_runner
+from volley_dagster.dagster.metadata import state_key
+from volley_dagster.dagster.resources import CheckpointResource, TablesResource
+from volley_dagster.dagster.runs import pipeline_pool
 from volley_dagster.deploy import Deployment, TableSettings
 
 

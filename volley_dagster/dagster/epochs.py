@@ -25,7 +25,9 @@ from dagster import (
     observable_source_asset,
 )
 
-from assets.metadata import (
+from volley_dagster import ConfigError, EpochRunner
+from volley_dagster.checkpoint.epoch_log import epoch_key
+from volley_dagster.dagster.metadata import (
     dimension_key,
     epoch_metadata,
     sink_key,
@@ -36,10 +38,8 @@ from assets.metadata import (
     state_key,
     state_preview,
 )
-from assets.runs import FAILURE_KIND, PIPELINE_TAG, pipeline_pool, recovery_decision
-from resources import CheckpointResource, SparkResource, TablesResource
-from volley_dagster import ConfigError, EpochRunner
-from volley_dagster.checkpoint.epoch_log import epoch_key
+from volley_dagster.dagster.resources import CheckpointResource, SparkResource, TablesResource
+from volley_dagster.dagster.runs import FAILURE_KIND, PIPELINE_TAG, pipeline_pool, recovery_decision
 from volley_dagster.deploy import Deployment, TableSettings
 from volley_dagster.errors import is_retryable
 from volley_dagster.settings import RunSettings

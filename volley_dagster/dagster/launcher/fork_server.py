@@ -61,7 +61,7 @@ def start_fork_server(address: str, job_origin_json: str, executable: str) -> No
     accepts). A second one for the same address exits at once: the socket is its lock."""
     import subprocess
 
-    subprocess.Popen([executable, "-m", "launcher.fork_server", "--address", address.lstrip("\0"),
+    subprocess.Popen([executable, "-m", "volley_dagster.dagster.launcher.fork_server", "--address", address.lstrip("\0"),
                       "--job-origin", job_origin_json, "--parent", str(os.getpid())],
                      stdin=subprocess.DEVNULL, close_fds=True)
 

@@ -22,10 +22,10 @@ from dagster import (
 )
 from deltalake import DeltaTable
 
-from assets.epochs import EPOCH_EXECUTOR, epochs_partitions, make_runner, parse_epoch
-from assets.metadata import column_schema, state_key
-from resources import CheckpointResource, SparkResource, TablesResource
 from volley_dagster.checkpoint.epoch_log import epoch_key
+from volley_dagster.dagster.epochs import EPOCH_EXECUTOR, epochs_partitions, make_runner, parse_epoch
+from volley_dagster.dagster.metadata import column_schema, state_key
+from volley_dagster.dagster.resources import CheckpointResource, SparkResource, TablesResource
 from volley_dagster.deploy import Deployment, TableSettings
 from volley_dagster.errors import ConfigError
 from volley_dagster.spark.delta_export import export_to_delta

@@ -19,12 +19,19 @@ from dagster import (
     define_asset_job,
 )
 
-from assets.epochs import EPOCH_EXECUTOR, PIPELINE_TAG, RUN_RETRY_TAGS, epoch_assets, epochs_job_name, epochs_partitions
-from assets.migrate import migrate_job
-from assets.rescale import rescale_job
-from assets.state_export import state_export_asset
-from resources import CheckpointResource, SparkResource, TablesResource
-from sensors import epoch_schedule, epoch_sensor
+from volley_dagster.dagster.epochs import (
+    EPOCH_EXECUTOR,
+    PIPELINE_TAG,
+    RUN_RETRY_TAGS,
+    epoch_assets,
+    epochs_job_name,
+    epochs_partitions,
+)
+from volley_dagster.dagster.migrate import migrate_job
+from volley_dagster.dagster.rescale import rescale_job
+from volley_dagster.dagster.resources import CheckpointResource, SparkResource, TablesResource
+from volley_dagster.dagster.sensors import epoch_schedule, epoch_sensor
+from volley_dagster.dagster.state_export import state_export_asset
 from volley_dagster.deploy import Deployment
 
 if TYPE_CHECKING:  # what define_asset_job returns; Dagster does not export the name

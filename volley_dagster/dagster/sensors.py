@@ -1,0 +1,238 @@
+"""Cutting epochs: a sensor when data arrives, a schedule on a clock.
+
+The epoch log is the source of truth. A tick first marks failed the pipeline's runs
+shown as started whose process is gone (``volley_dagster/dagster/runs.fail_orphaned_runs``), so that
+Dagster retries them; it cuts new epochs (the sensor when records wait, the schedule
+on each tick), then requests one run of every epoch cut but not committed, from the
+earliest, but only while no run of the pipeline is queued, running or about to be
+retried: so a run never starts on an epoch whose predecessor is not committed. An
+epoch whose run failed is requested again by a later tick, with a new run key, after
+an exponential backoff with jitter (``volley_dagster/recovery.py``: the deployment's
+``backoff``); that goes on until it commits, which resets the budget. A run that
+failed permanently (configuration, lineage, a corrupt snapshot) stops the requests:
+the tick names the error and the ``epochs_progress`` check fails, saying what to do.
+The sensor and the schedule share this (``request_uncommitted``), so a schedule-only
+deployment heals as a sensor one does. A tick also observes the source (records and
+files waiting, the oldest file's age) when that changed, and reports the ``freshness`` and
+``epochs_progress`` checks when their verdicts change. The cursor holds since when
+records have waited and the last verdicts, so a restarted daemon neither skips nor
+repeats an epoch; the backoff is read from the instance's runs, not the cursor.
+Each tick also keeps the instance's history bounded (``volley_dagster/dagster/runs.prune_history``):
+partitions of old committed epochs and old ended runs are removed.
+A source or checkpoint root that cannot be read (a missing folder, a hand-broken
+``pipeline.json``) skips the tick naming it, instead of crashing the sensor.
+"""
+
+import hashlib
+import json
+import time
+from typing import Optional
+
+from dagster import (
+    AssetCheckEvaluation,
+    AssetObservation,
+    DefaultScheduleStatus,
+    DefaultSensorStatus,
+    RunRequest,
+    ScheduleEvaluationContext,
+    SensorEvaluationContext,
+    SensorResult,
+    SkipReason,
+    schedule,
+    sensor,
+)
+
+from volley_dagster import EpochRunner
+from volley_dagster.checkpoint.epoch_log import epoch_key
+from volley_dagster.dagster.epochs import (
+    PIPELINE_TAG,
+    check_fields,
+    check_progress,
+    epochs_job_name,
+    epochs_partitions,
+    make_runner,
+    partitions_name,
+)
+from volley_dagster.dagster.metadata import source_key, source_observation, state_key
+from volley_dagster.dagster.resources import CheckpointResource, TablesResource
+from volley_dagster.dagster.runs import (
+    fail_orphaned_runs,
+    pool_limits_ensured,
+    prune_history,
+    recovery_decision,
+    run_in_flight,
+)
+from volley_dagster.deploy import Deployment
+from volley_dagster.errors import VolleyError
+from volley_dagster.verify import CheckOutcome, check_freshness
+
+MAX_CUTS_PER_TICK = 10
+
+
+def range_request(deployment: Deployment, first: int, last: int, run_key: Optional[str] = None) -> RunRequest:
+    """One run over epochs ``first..last`` (one partition range, run in order)."""
+    tags, job = {PIPELINE_TAG: deployment.name}, epochs_job_name(deployment.name)
+    if first == last:
+        return RunRequest(partition_key=epoch_key(first), run_key=run_key, tags=tags, job_name=job)
+    return RunRequest(run_key=run_key, job_name=job, tags={**tags, "dagster/asset_partition_range_start": epoch_key(first),
+                                                           "dagster/asset_partition_range_end": epoch_key(last)})
+
+
+def _should_cut(waiting: int, deployment: Deployment, waiting_since: Optional[float], now: float):
+    """(cut now?, waiting_since to remember), with ``waiting`` records in the source."""
+    if waiting == 0:
+        return False, None
+    if waiting >= deployment.min_records:
+        return True, None
+    since = waiting_since if waiting_since is not None else now
+    return deployment.max_wait_s is not None and now - since >= deployment.max_wait_s, since
+
+
+def check_evaluation(runner: EpochRunner, outcome: CheckOutcome) -> AssetCheckEvaluation:
+    """A state check's result reported by the sensor, between the runs that also report it."""
+    return AssetCheckEvaluation(asset_key=state_key(runner.pipeline), **check_fields(outcome))
+
+
+def _heal_orphans(context, deployment: Deployment) -> None:
+    """Pool limits first, then the runs shown as started whose process is gone."""
+    pool_limits_ensured(context.instance, [deployment.name])
+    for run_id in fail_orphaned_runs(context.instance, deployment.name):
+        context.log.warning(f"run {run_id} showed as started but its process is gone: marked failed, to be retried")
+
+
+def _cannot_cut(context, deployment: Deployment, exc: VolleyError) -> SkipReason:
+    """A source or checkpoint root that cannot be read: the tick names it and skips."""
+    context.log.error(f"{deployment.name}: {type(exc).__name__}: {exc}")
+    return SkipReason(f"cannot cut epochs of {deployment.name!r}: {type(exc).__name__}: {exc}")
+
+
+def _prune(context, runner: EpochRunner, deployment: Deployment) -> None:
+    partitions, runs = prune_history(context.instance, runner, deployment, partitions_name(deployment))
+    if partitions or runs:
+        context.log.info(f"{deployment.name}: removed {partitions} partition(s) of epochs older than the last "
+                         f"{deployment.partitions_kept} committed, and {runs} run(s) of them (the epoch log and the "
+                         "tables keep their history)")
+
+
+def _observation_digest(metadata: dict) -> str:
+    """What an observation says, but the waiting file's age (which changes every tick):
+    the sensor writes an observation only when the source or the backlog changed."""
+    said = {k: getattr(v, "value", v) for k, v in metadata.items() if k != "oldest_waiting_file_age_s"}
+    return hashlib.sha256(json.dumps(said, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def unregistered_partitions(instance, deployment: Deployment, last_cut: int) -> list[str]:
+    """Keys of the cut epochs not yet dynamic partitions: walked back from the last cut
+    to the newest registered one, so a tick costs what was cut since, not the history."""
+    name, keys = partitions_name(deployment), []
+    for epoch in range(last_cut, 0, -1):
+        if instance.has_dynamic_partition(name, epoch_key(epoch)):
+            break
+        keys.append(epoch_key(epoch))
+    return keys[::-1]
+
+
+def request_uncommitted(instance, runner: EpochRunner, deployment: Deployment, now: float):
+    """(run requests, skip reason, the recovery decision or None): one run over every
+    epoch cut but not committed, unless one is in flight, the last failure was
+    permanent, or the backoff after a transient one has not passed."""
+    first, last = runner.committed_epoch() + 1, runner.log.last_cut()
+    if first > last:
+        return [], "no epoch to run: every cut epoch is committed", None
+    if (busy := run_in_flight(instance, deployment.name)) is not None:
+        return [], f"epochs {first}..{last} wait: {busy}", None
+    decision = recovery_decision(instance, runner, deployment, now)
+    if not decision.request:
+        return [], decision.reason, decision
+    key = f"{deployment.name}-{first}-{last}-r{decision.failures}"  # new after each failure: never deduped away
+    return [range_request(deployment, first, last, run_key=key)], None, decision
+
+
+def _progress_event(instance, runner: EpochRunner, deployment: Deployment, reported: Optional[bool]):
+    """The epochs_progress check, when its verdict changed since ``reported``."""
+    progress = check_progress(instance, runner, deployment)
+    return progress.passed, ([check_evaluation(runner, progress)] if progress.passed != reported else [])
+
+
+def epoch_sensor(deployment: Deployment, job):
+    partitions = epochs_partitions(deployment)
+
+    @sensor(
+        name=f"{deployment.name}_new_data",
+        jobs=[job],
+        minimum_interval_seconds=deployment.sensor_interval_s,
+        default_status=DefaultSensorStatus.RUNNING if deployment.sensor_running else DefaultSensorStatus.STOPPED,
+        description=f"Cuts an epoch of {deployment.name!r} when {deployment.min_records}+ records wait"
+        + (f" or records waited {deployment.max_wait_s:.0f}s" if deployment.max_wait_s else "")
+        + "; runs uncommitted epochs in order, one run at a time, and requests a failed epoch again with backoff",
+    )
+    def new_data(context: SensorEvaluationContext, volley_checkpoints: CheckpointResource, volley_tables: TablesResource):
+        cursor = {"waiting_since": None, "fresh": None, "progress": None, **(json.loads(context.cursor or "{}"))}
+        _heal_orphans(context, deployment)
+        try:
+            runner = make_runner(deployment, volley_checkpoints, volley_tables)
+            waiting_since, backlog = cursor["waiting_since"], runner.backlog()  # an idle tick lists the source once
+            for _ in range(MAX_CUTS_PER_TICK):
+                cut, waiting_since = _should_cut(backlog.records, deployment, waiting_since, time.time())
+                if not cut:
+                    break
+                runner.cut_next()
+                backlog = runner.backlog()  # for the next cut, the observation and the freshness check
+            now = time.time()
+        except VolleyError as exc:
+            return SensorResult(skip_reason=_cannot_cut(context, deployment, exc), cursor=context.cursor)
+        observed = source_observation(runner, backlog, now)
+        seen = _observation_digest(observed)
+        events: list = ([AssetObservation(asset_key=source_key(runner.pipeline), metadata=observed)]
+                        if seen != cursor.get("observed") else [])
+        new_keys = unregistered_partitions(context.instance, deployment, runner.log.last_cut())
+        add = [partitions.build_add_request(new_keys)] if new_keys else []
+
+        requests, skip, decision = request_uncommitted(context.instance, runner, deployment, now)
+        if decision is not None and decision.failures and requests:
+            context.log.info(decision.reason)
+        _prune(context, runner, deployment)
+        progress, reported = _progress_event(context.instance, runner, deployment, cursor["progress"])
+        events += reported
+        freshness = check_freshness(runner, deployment.freshness_bound_s, now, backlog)
+        if freshness.passed != cursor["fresh"]:
+            events.append(check_evaluation(runner, freshness))
+        new_cursor = json.dumps({"waiting_since": waiting_since, "fresh": freshness.passed, "progress": progress,
+                                 "observed": seen})
+        if not requests and not add:
+            return SensorResult(skip_reason=SkipReason(skip), cursor=new_cursor, asset_events=events)
+        return SensorResult(run_requests=requests, dynamic_partitions_requests=add, cursor=new_cursor,
+                            asset_events=events)
+
+    return new_data
+
+
+def epoch_schedule(deployment: Deployment, job):
+    if deployment.cron is None:
+        raise ValueError(f"deployment {deployment.name!r} has no cron, so no schedule")
+
+    @schedule(
+        name=f"{deployment.name}_clock",
+        cron_schedule=deployment.cron,
+        job=job,
+        default_status=DefaultScheduleStatus.RUNNING if deployment.schedule_running else DefaultScheduleStatus.STOPPED,
+        description=f"Cuts an epoch of {deployment.name!r} on a clock; runs uncommitted epochs in order, and "
+                    "requests a failed epoch again with backoff, as the sensor does",
+    )
+    def clock(context: ScheduleEvaluationContext, volley_checkpoints: CheckpointResource, volley_tables: TablesResource):
+        instance = context.instance
+        _heal_orphans(context, deployment)
+        try:
+            runner = make_runner(deployment, volley_checkpoints, volley_tables)
+            runner.cut_next()
+        except VolleyError as exc:
+            return _cannot_cut(context, deployment, exc)
+        # A schedule cannot return partition requests: add the partitions directly.
+        new_keys = unregistered_partitions(instance, deployment, runner.log.last_cut())
+        if new_keys:
+            instance.add_dynamic_partitions(partitions_name(deployment), new_keys)
+        requests, skip, _ = request_uncommitted(instance, runner, deployment, time.time())
+        _prune(context, runner, deployment)
+        return requests or SkipReason(skip)
+
+    return clock
