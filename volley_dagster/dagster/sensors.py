@@ -30,9 +30,11 @@ from typing import Optional
 
 from dagster import (
     AssetCheckEvaluation,
+    AssetMaterialization,
     AssetObservation,
     DefaultScheduleStatus,
     DefaultSensorStatus,
+    MetadataValue,
     RunRequest,
     ScheduleEvaluationContext,
     SensorEvaluationContext,
@@ -53,7 +55,7 @@ from volley_dagster.dagster.epochs import (
     make_runner,
     partitions_name,
 )
-from volley_dagster.dagster.metadata import source_key, source_observation, state_key
+from volley_dagster.dagster.metadata import epoch_metadata, source_key, source_observation, state_key
 from volley_dagster.dagster.resources import CheckpointResource, TablesResource
 from volley_dagster.dagster.runs import (
     fail_orphaned_runs,
@@ -132,6 +134,22 @@ def unregistered_partitions(instance, deployment: Deployment, last_cut: int) -> 
     return keys[::-1]
 
 
+def committed_elsewhere(runner: EpochRunner, deployment: Deployment, new_keys: list[str]) -> list[AssetMaterialization]:
+    """Epochs already committed when they become partitions (by the CLI, the API or
+    ``./dev demo``): their materializations, from their manifests, so the UI shows them
+    materialized. Only the last ``partitions_kept``: the older ones are pruned anyway."""
+    committed = runner.committed_epoch()
+    epochs = [int(k) for k in new_keys if int(k) <= committed][-deployment.partitions_kept:]
+    events = []
+    for epoch in epochs:
+        result = runner.result(epoch)
+        for asset_key, metadata in epoch_metadata(runner.pipeline, result).items():
+            events.append(AssetMaterialization(asset_key=asset_key, partition=epoch_key(epoch), metadata={
+                **metadata, "committed_outside_dagster": MetadataValue.bool(True)},
+                description="committed before this instance knew the epoch (the CLI, the API or ./dev demo)"))
+    return events
+
+
 def request_uncommitted(instance, runner: EpochRunner, deployment: Deployment, now: float):
     """(run requests, skip reason, the recovery decision or None): one run over every
     epoch cut but not committed, unless one is in flight, the last failure was
@@ -187,6 +205,7 @@ def epoch_sensor(deployment: Deployment, job):
                         if seen != cursor.get("observed") else [])
         new_keys = unregistered_partitions(context.instance, deployment, runner.log.last_cut())
         add = [partitions.build_add_request(new_keys)] if new_keys else []
+        events += committed_elsewhere(runner, deployment, new_keys)
 
         requests, skip, decision = request_uncommitted(context.instance, runner, deployment, now)
         if decision is not None and decision.failures and requests:
