@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -22,7 +24,7 @@ from tests.helpers import assert_state_equal, log_records, reference_state
 from volley_dagster import EpochRunner
 from volley_dagster.checkpoint.epoch_log import epoch_key
 from volley_dagster.checkpoint.lease import current_holder
-from volley_dagster.dagster.runs import pool_limits_ensured, pool_runs, run_in_flight
+from volley_dagster.dagster.runs import pool_limit_problem, pool_runs, run_in_flight
 from volley_dagster.demo.events import generate
 from volley_dagster.demo.payments import local_tables, payments_pipeline
 from volley_dagster.spark.warm import WarmSpark, read_record
@@ -196,7 +198,10 @@ def test_two_backfills_and_the_sensor_never_overlap(healing):
     srv, base = healing
     runner = runner_for(base)
     with srv.instance() as instance:
-        pool_limits_ensured(instance, ["payments"])
+        # the pool's own limit, as Dagster documents it (and ./dev dagster does)
+        subprocess.run([sys.executable, "-m", "dagster", "instance", "concurrency", "set", "volley_payments", "1"],
+                       env={**os.environ, "DAGSTER_HOME": str(base / "dagster_home")}, check=True, capture_output=True)
+        assert pool_limit_problem(instance, "payments") is None
         started = time.time()
         for i in range(LANDED, LANDED + LATER):
             generate(base / "events", 1, PER_FILE, KEYS, first_file=i)

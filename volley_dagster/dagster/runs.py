@@ -131,15 +131,23 @@ def prune_history(instance: DagsterInstance, runner: EpochRunner, deployment: De
     return len(doomed), len(doomed_runs)
 
 
-def pool_limits_ensured(instance: DagsterInstance, pipelines: list[str]) -> None:
-    """Give each pipeline's pool its limit before its first run: Dagster applies
-    dagster.yaml's ``default_limit`` to a pool only from the first dequeue that sees it,
-    so two runs queued before that could start together."""
+def pool_limit_problem(instance: DagsterInstance, pipeline: str) -> Optional[str]:
+    """What is wrong with the pipeline's pool limit, read only (None: one run at a time).
+    The limit is the instance's to set, as Dagster documents it: ``dagster instance
+    concurrency set volley_<pipeline> 1`` (``./dev dagster`` does, for the demo), or a
+    ``concurrency.pools.default_limit`` of 1. Without it, the engine's lease still keeps
+    two runs from both writing, but the second one waits for the lease, or fails."""
+    pool = pipeline_pool(pipeline)
     storage = instance.event_log_storage
-    known = storage.get_concurrency_keys()
-    for pool in (pipeline_pool(p) for p in pipelines):
-        if pool not in known and not storage.initialize_concurrency_limit_to_default(pool):
-            storage.set_concurrency_slots(pool, 1)
+    if pool in storage.get_concurrency_keys():
+        limit: Optional[int] = storage.get_concurrency_info(pool).slot_count
+    else:
+        limit = instance.global_op_concurrency_default_limit
+    if limit == 1:
+        return None
+    return (f"pool {pool} admits {'any number of' if limit is None else limit} runs at a time: set it to one with "
+            f"`dagster instance concurrency set {pool} 1` (the pipeline's lease keeps a second run from writing "
+            "meanwhile, as it waits)")
 
 
 def fail_orphaned_runs(instance: DagsterInstance, pipeline: str) -> list[str]:

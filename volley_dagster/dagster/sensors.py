@@ -59,7 +59,7 @@ from volley_dagster.dagster.metadata import epoch_metadata, source_key, source_o
 from volley_dagster.dagster.resources import CheckpointResource, TablesResource
 from volley_dagster.dagster.runs import (
     fail_orphaned_runs,
-    pool_limits_ensured,
+    pool_limit_problem,
     prune_history,
     recovery_decision,
     run_in_flight,
@@ -96,8 +96,10 @@ def check_evaluation(runner: EpochRunner, outcome: CheckOutcome) -> AssetCheckEv
 
 
 def _heal_orphans(context, deployment: Deployment) -> None:
-    """Pool limits first, then the runs shown as started whose process is gone."""
-    pool_limits_ensured(context.instance, [deployment.name])
+    """Says when the pool admits more than one run; marks failed the runs shown as
+    started whose process is gone."""
+    if (problem := pool_limit_problem(context.instance, deployment.name)) is not None:
+        context.log.warning(f"{deployment.name}: {problem}")
     for run_id in fail_orphaned_runs(context.instance, deployment.name):
         context.log.warning(f"run {run_id} showed as started but its process is gone: marked failed, to be retried")
 
