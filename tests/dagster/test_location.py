@@ -140,7 +140,9 @@ def test_a_tick_observes_the_source_and_reports_its_checks_when_they_change(scen
         EpochLog(scenario.base / "state" / "payments").offsets(e).records for e in (1, 2))
     assert md["files_waiting"] == (1 if md["records_waiting"] else 0) and md["oldest_waiting_file_age_s"] >= 0
     first = [e for e in scenario.ticks["first"].asset_events if isinstance(e, AssetCheckEvaluation)]
-    assert sorted((e.check_name, e.passed) for e in first) == [("epochs_progress", True), ("freshness", True)]
+    assert sorted((e.check_name, e.asset_key.to_user_string(), e.passed) for e in first) == [
+        ("epochs_progress", "payments/state", True), ("freshness", "payments/delta_balances", True),
+        ("freshness", "payments/iceberg_changes", True), ("freshness", "payments/state", True)]
     assert not [e for e in second.asset_events if isinstance(e, AssetCheckEvaluation)]  # unchanged: not again
     last = scenario.ticks["fourth"].cursor
     for _ in range(2):  # nothing landed, cut or committed since: no observation, however often it ticks
@@ -208,8 +210,8 @@ def test_a_partition_key_added_by_hand_is_refused_not_run_empty(scenario):
 
 
 def test_asset_checks_run_after_the_epochs_pass_and_catch_a_corrupted_snapshot(scenario):
-    assert len(scenario.checks_clean) == 9 and all(scenario.checks_clean.values()), scenario.checks_clean
-    assert (STATE, "freshness") in scenario.checks_clean
+    assert len(scenario.checks_clean) == 11 and all(scenario.checks_clean.values()), scenario.checks_clean
+    assert {(STATE, "freshness"), (DELTA, "freshness"), (ICEBERG, "freshness")} <= set(scenario.checks_clean)
     failed = [k for k, passed in scenario.checks_corrupt.items() if not passed]
     assert failed == [(STATE, "snapshot_checksums")]
 

@@ -187,7 +187,7 @@ def test_kill_9_mid_epoch_heals_without_anyone(healing):
         for run_id in succeeded:
             checks = [e.dagster_event.event_specific_data for e in instance.all_logs(run_id)
                       if e.is_dagster_event and e.dagster_event.event_type_value == "ASSET_CHECK_EVALUATION"]
-            assert len(checks) == 9 and all(c.passed for c in checks), [(c.check_name, c.description) for c in checks]
+            assert len(checks) == 11 and all(c.passed for c in checks), [(c.check_name, c.description) for c in checks]
         observed = instance.fetch_observations(AssetKey(["payments", "source"]), limit=1000).records
         assert len(observed) >= LANDED  # the sensor observes the source on every tick
         assert {"records_waiting", "files_waiting", "oldest_waiting_file_age_s"} <= set(

@@ -28,6 +28,7 @@ from dagster import (
 from volley_dagster import ConfigError, EpochRunner
 from volley_dagster.checkpoint.epoch_log import epoch_key
 from volley_dagster.dagster.metadata import (
+    code_references,
     dimension_key,
     epoch_metadata,
     sink_key,
@@ -100,12 +101,13 @@ def epoch_assets(deployment: Deployment, spec_settings: TableSettings) -> list:
     pipeline = deployment.build(spec_settings)
     partitions = epochs_partitions(deployment)
     state = state_key(pipeline)
+    code = code_references(deployment)
 
     @observable_source_asset(
         key=source_key(pipeline),
         description=f"The log {pipeline.source_log.uri} that {pipeline.name!r} reads.",
         group_name=pipeline.name,
-        metadata={"dagster/uri": pipeline.source_log.uri, **pipeline.source_log.describe()},
+        metadata={"dagster/uri": pipeline.source_log.uri, **pipeline.source_log.describe(), **code},
     )
     def source(volley_checkpoints: CheckpointResource, volley_tables: TablesResource) -> ObserveResult:
         """Observed by hand here; the sensor reports the same numbers on every tick."""
@@ -134,7 +136,7 @@ def epoch_assets(deployment: Deployment, spec_settings: TableSettings) -> list:
             skippable=True,  # materialized per committed epoch, by events (see the op)
             group_name=pipeline.name,
             metadata={"initial_shards": pipeline.layout.num_shards, "key_groups": pipeline.layout.num_key_groups,
-                      "key": pipeline.key_column},
+                      "key": pipeline.key_column, **code},
         )
     ] + [
         AssetSpec(
@@ -142,7 +144,7 @@ def epoch_assets(deployment: Deployment, spec_settings: TableSettings) -> list:
             deps=[state],
             kinds={sink_kind(sink)},
             description=f"{sink_kind(sink).title()} table written by sink {sink.name!r}, one commit per epoch.",
-            metadata=sink_location(sink),
+            metadata={**sink_location(sink), **code},
             skippable=True,
             group_name=pipeline.name,
         )
@@ -210,7 +212,7 @@ def epoch_assets(deployment: Deployment, spec_settings: TableSettings) -> list:
 
 
 STATE_CHECKS = ("snapshot_checksums", "epochs_progress", "freshness")
-SINK_CHECKS = ("recorded_epoch", "no_duplicate_epochs", "row_counts")
+SINK_CHECKS = ("recorded_epoch", "no_duplicate_epochs", "row_counts", "freshness")  # the state's freshness, per table
 
 
 def check_results(instance: DagsterInstance, runner: EpochRunner, deployment: Deployment,
@@ -225,7 +227,7 @@ def check_results(instance: DagsterInstance, runner: EpochRunner, deployment: De
     for outcome in outcomes:
         yield AssetCheckResult(asset_key=state, **check_fields(outcome))
     for sink in runner.pipeline.sinks:
-        for outcome in check_sink(runner, sink, epochs=epochs):
+        for outcome in [*check_sink(runner, sink, epochs=epochs), outcomes[-1]]:  # a table is as fresh as the state
             yield AssetCheckResult(asset_key=sink_key(runner.pipeline, sink), **check_fields(outcome))
 
 

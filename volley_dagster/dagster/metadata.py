@@ -1,12 +1,22 @@
 """What the Dagster UI shows per epoch: plottable numbers on the right asset."""
 
+import inspect
 from collections import Counter
+from pathlib import Path
 from typing import Any, Optional
 
 import pyarrow as pa
-from dagster import AssetKey, MetadataValue, TableColumn, TableSchema
+from dagster import (
+    AssetKey,
+    CodeReferencesMetadataValue,
+    LocalFileCodeReference,
+    MetadataValue,
+    TableColumn,
+    TableSchema,
+)
 
 from volley_dagster import ConfigError, EpochResult, EpochRunner, Pipeline
+from volley_dagster.deploy import Deployment
 from volley_dagster.operators.event_time import describe_event_time
 from volley_dagster.sinks import Sink, SinkCommitResult
 from volley_dagster.sources.offsets import Backlog
@@ -87,6 +97,20 @@ def source_observation(runner: EpochRunner, backlog: Backlog, now: float) -> dic
         "last_cut_epoch": MetadataValue.int(cut),
         **{f"records_waiting_partition_{name}": MetadataValue.int(n) for name, n in sorted(backlog.per_partition.items())},
     }
+
+
+def code_references(deployment: Deployment) -> dict[str, CodeReferencesMetadataValue]:
+    """Where the pipeline is built (the user's ``Deployment.build``), for the UI's code link."""
+    try:
+        lines, first = inspect.getsourcelines(deployment.build)
+        path = inspect.getsourcefile(deployment.build)
+    except (OSError, TypeError):
+        return {}
+    if path is None:
+        return {}
+    return {"dagster/code_references": CodeReferencesMetadataValue(
+        code_references=[LocalFileCodeReference(file_path=str(Path(path).resolve()), line_number=first,
+                                                label=f"{deployment.name} pipeline")])}
 
 
 def epoch_metadata(pipeline: Pipeline, result: EpochResult,

@@ -55,7 +55,7 @@ from volley_dagster.dagster.epochs import (
     make_runner,
     partitions_name,
 )
-from volley_dagster.dagster.metadata import epoch_metadata, source_key, source_observation, state_key
+from volley_dagster.dagster.metadata import epoch_metadata, sink_key, source_key, source_observation, state_key
 from volley_dagster.dagster.resources import CheckpointResource, TablesResource
 from volley_dagster.dagster.runs import (
     fail_orphaned_runs,
@@ -93,6 +93,13 @@ def _should_cut(waiting: int, deployment: Deployment, waiting_since: Optional[fl
 def check_evaluation(runner: EpochRunner, outcome: CheckOutcome) -> AssetCheckEvaluation:
     """A state check's result reported by the sensor, between the runs that also report it."""
     return AssetCheckEvaluation(asset_key=state_key(runner.pipeline), **check_fields(outcome))
+
+
+def freshness_evaluations(runner: EpochRunner, outcome: CheckOutcome) -> list[AssetCheckEvaluation]:
+    """The freshness check of the state and of each table: a table is as fresh as the state."""
+    pipeline = runner.pipeline
+    return [AssetCheckEvaluation(asset_key=key, **check_fields(outcome))
+            for key in [state_key(pipeline), *(sink_key(pipeline, sink) for sink in pipeline.sinks)]]
 
 
 def _heal_orphans(context, deployment: Deployment) -> None:
@@ -217,7 +224,7 @@ def epoch_sensor(deployment: Deployment, job):
         events += reported
         freshness = check_freshness(runner, deployment.freshness_bound_s, now, backlog)
         if freshness.passed != cursor["fresh"]:
-            events.append(check_evaluation(runner, freshness))
+            events += freshness_evaluations(runner, freshness)
         new_cursor = json.dumps({"waiting_since": waiting_since, "fresh": freshness.passed, "progress": progress,
                                  "observed": seen})
         if not requests and not add:
