@@ -1,4 +1,7 @@
-"""A Spark standalone cluster (a master and workers from the pyspark package's own jars) on 127.0.0.1."""
+"""A Spark standalone cluster (a master and workers from the pyspark package's own jars)
+on 127.0.0.1, or on a veth pair's address with some workers inside a network namespace
+(``harness/netns.py``), so that the driver and the master must be reached at an address
+other than 127.0.0.1, as on a cluster of several machines."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from harness.netns import VethNamespace
 from harness.processes import free_ports, proc_ancestors, proc_cmdline, proc_descendants, tail, wait_ready
 
 EXECUTOR_CLASS = "CoarseGrainedExecutorBackend"
@@ -74,10 +78,13 @@ class SparkCluster:
     env: dict[str, str]
     cores_per_worker: int
     memory: str
+    host: str = "127.0.0.1"  # the master's address, and the driver's
+    netns: VethNamespace | None = None  # where the workers of ``netns_workers`` run
+    netns_workers: frozenset[int] = frozenset()
 
     @property
     def webui_url(self) -> str:
-        return f"http://127.0.0.1:{self.master_webui_port}"
+        return f"http://{self.host}:{self.master_webui_port}"
 
     def state(self) -> dict[str, Any]:
         """The master's JSON status: workers (with ``state`` ALIVE/DEAD), apps, ..."""
@@ -169,14 +176,20 @@ def _start_worker(cluster: SparkCluster, i: int) -> SparkWorker:
     work_dir = cluster.root / f"worker-{i}"
     (work_dir / "local").mkdir(parents=True, exist_ok=True)
     log = cluster.root / f"worker-{i}-{port}.log"
+    inside = cluster.netns if i in cluster.netns_workers else None
+    host = inside.ns_address if inside is not None else cluster.host
     env = {
         **cluster.env,
+        "SPARK_LOCAL_IP": host,
+        "SPARK_LOCAL_HOSTNAME": host,
         "SPARK_WORKER_DIR": str(work_dir),
         "SPARK_LOCAL_DIRS": str(work_dir / "local"),  # executors' shuffle and block files
     }
     args = ["bash", str(spark_home() / "bin" / "spark-class"), "org.apache.spark.deploy.worker.Worker",
-            cluster.master_url, "--host", "127.0.0.1", "--port", str(port), "--webui-port", str(webui),
+            cluster.master_url, "--host", host, "--port", str(port), "--webui-port", str(webui),
             "--cores", str(cluster.cores_per_worker), "--memory", cluster.memory, "--work-dir", str(work_dir)]
+    if inside is not None:
+        args = inside.command(args)
     with open(log, "wb") as fh:
         proc = subprocess.Popen(args, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 cwd=work_dir, env=env, start_new_session=True)
@@ -184,13 +197,17 @@ def _start_worker(cluster: SparkCluster, i: int) -> SparkWorker:
 
 
 def start_spark_cluster(root: Path, workers: int = 2, cores_per_worker: int = 1, memory: str = "1g",
-                        worker_timeout_s: int = 10, timeout: float = 90.0) -> SparkCluster:
+                        worker_timeout_s: int = 10, timeout: float = 90.0, netns: VethNamespace | None = None,
+                        netns_workers: frozenset[int] = frozenset()) -> SparkCluster:
     """A Spark standalone master and ``workers`` workers on 127.0.0.1, from the pyspark
     package's own jars and ``bin/spark-class`` (the pip package has no sbin/start-*.sh),
     each JVM in the foreground as our child, with small heaps. The master declares a
     worker dead after ``worker_timeout_s`` without heartbeats (Spark's default: 60 s);
     the workers get the same setting, as they heartbeat every quarter of it.
+    With ``netns``, the master (and the driver) listen on its host-side address, and the
+    workers of ``netns_workers`` run inside it.
     Returns once the master's JSON status lists every worker ALIVE."""
+    host = netns.host_address if netns is not None else "127.0.0.1"
     root = Path(root)
     conf_dir = root / "conf"  # empty: no spark-env.sh or spark-defaults.conf from elsewhere
     conf_dir.mkdir(parents=True, exist_ok=True)
@@ -200,8 +217,8 @@ def start_spark_cluster(root: Path, workers: int = 2, cores_per_worker: int = 1,
         "JAVA_HOME": _java_home(),
         "SPARK_HOME": str(home),
         "SPARK_CONF_DIR": str(conf_dir),
-        "SPARK_LOCAL_IP": "127.0.0.1",
-        "SPARK_LOCAL_HOSTNAME": "127.0.0.1",
+        "SPARK_LOCAL_IP": host,
+        "SPARK_LOCAL_HOSTNAME": host,
         "SPARK_DAEMON_MEMORY": "512m",
         # both sides: the master's deadline, and the workers' heartbeat interval (timeout / 4)
         "SPARK_MASTER_OPTS": f"-Dspark.worker.timeout={worker_timeout_s} -Dspark.deploy.retainedApplications=10",
@@ -211,12 +228,12 @@ def start_spark_cluster(root: Path, workers: int = 2, cores_per_worker: int = 1,
     port, webui = free_ports(2)
     log = root / "master.log"
     args = ["bash", str(home / "bin" / "spark-class"), "org.apache.spark.deploy.master.Master",
-            "--host", "127.0.0.1", "--port", str(port), "--webui-port", str(webui)]
+            "--host", host, "--port", str(port), "--webui-port", str(webui)]
     with open(log, "wb") as fh:
         master = subprocess.Popen(args, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                   cwd=root, env=env, start_new_session=True)
-    cluster = SparkCluster(root, f"spark://127.0.0.1:{port}", master, port, webui, log, [], env,
-                           cores_per_worker, memory)
+    cluster = SparkCluster(root, f"spark://{host}:{port}", master, port, webui, log, [], env,
+                           cores_per_worker, memory, host, netns, netns_workers)
     try:
         wait_ready(lambda: cluster.state()["status"] == "ALIVE", timeout, "Spark master", master, log)
         cluster.workers = [_start_worker(cluster, i) for i in range(workers)]

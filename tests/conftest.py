@@ -15,6 +15,7 @@ from typing import Iterator
 import pytest
 
 from harness.kafka import KafkaCluster, start_kafka
+from harness.netns import VethNamespace
 from harness.postgres import Postgres, start_postgres
 from harness.seaweedfs import SeaweedFS, start_seaweedfs
 from harness.spark_cluster import SparkCluster, start_spark_cluster
@@ -116,9 +117,17 @@ def postgres() -> Iterator[Postgres]:
 @pytest.fixture(scope="session")
 def spark_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SparkCluster]:
     """A standalone master and two 1-core workers (each with its own work dir); tests
-    drive it from their own processes (tests/engine/cluster_worker.py)."""
-    cluster = start_spark_cluster(tmp_path_factory.mktemp("spark-cluster"), workers=2, cores_per_worker=1)
+    drive it from their own processes (tests/engine/cluster_worker.py). The master and
+    the driver listen on a veth pair's address, and worker 1 runs inside a network
+    namespace of its own (harness/netns.py): its executors reach them as a remote
+    machine's would, never at 127.0.0.1."""
+    netns = VethNamespace.create()
     try:
-        yield cluster
+        cluster = start_spark_cluster(tmp_path_factory.mktemp("spark-cluster"), workers=2, cores_per_worker=1,
+                                      netns=netns, netns_workers=frozenset({1}))
+        try:
+            yield cluster
+        finally:
+            cluster.stop()
     finally:
-        cluster.stop()
+        netns.delete()

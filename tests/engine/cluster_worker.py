@@ -55,8 +55,9 @@ def kind(pid: int) -> str:
 
 
 if __name__ == "__main__":
-    master, base, max_records = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
-    conf = dict(CONF)
+    master, base, max_records, driver_host = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    # a master off loopback: the engine leaves the driver's address to the configuration
+    conf = {**CONF, "spark.driver.host": driver_host, "spark.driver.bindAddress": driver_host}
     for env in (PAUSE_DIR_ENV, PAUSE_MAX_ENV):
         if env in os.environ:
             conf[f"spark.executorEnv.{env}"] = os.environ[env]

@@ -34,8 +34,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def start_driver(cluster: SparkCluster, base: Path, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    """The driver, listening on the cluster's address (``spark_config``'s driver host)."""
     return subprocess.Popen(
-        [sys.executable, "-m", "tests.engine.cluster_worker", cluster.master_url, str(base), str(PER_FILE)],
+        [sys.executable, "-m", "tests.engine.cluster_worker", cluster.master_url, str(base), str(PER_FILE),
+         cluster.host],
         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )
@@ -156,6 +158,13 @@ def test_killed_worker_during_shard_stage(spark_cluster: SparkCluster, tmp_path:
         assert (tmp_path / "state" / "snapshots" / f"{epoch:010d}" / killed_snapshot).is_dir()
         executors = victim.executor_pids()
         assert set(executors) & set(proc_ancestors(paused_pid)), (executors, proc_ancestors(paused_pid))
+        # the stage started once both executors registered: the one inside the network
+        # namespace reached the driver at the veth address, where 127.0.0.1 is its own
+        assert spark_cluster.netns is not None
+        inside = [w for w in spark_cluster.workers if w.index in spark_cluster.netns_workers]
+        in_netns = {p for w in inside for p in w.executor_pids()}
+        assert in_netns and in_netns <= spark_cluster.netns.pids(), (in_netns, spark_cluster.netns.pids())
+        assert not spark_cluster.host.startswith("127."), spark_cluster.host
         t_kill = time.monotonic()
         killed = spark_cluster.kill_worker(victim.index)
         assert paused_pid in killed and set(executors) <= set(killed)
