@@ -84,19 +84,29 @@ def assert_exactly_once(base: Path) -> EpochRunner:
     return runner
 
 
-def assert_ran_in_executors(lines: list[dict], workers: set[int]) -> dict[tuple[int, str], int]:
+def assert_ran_in_executors(lines: list[dict], workers: set[int],
+                            killed: dict[int, int] | None = None) -> dict[tuple[int, str], int]:
     """Each shard task ran in a Python worker under an executor JVM under one of
     ``workers`` (Worker JVM pids), none of them the driver or under it. Returns the
-    worker pid per (epoch, shard)."""
+    worker pid per (epoch, shard). A Python worker that exited before the driver read its
+    ancestors (a task killed when Spark resubmitted a stage ends its worker) has the
+    ancestors read when it ran an earlier task; ``killed``: pids the test killed, by
+    their Worker's pid."""
     ran_on = {}
+    known = {info["task_pid"]: info["ancestors"] for line in lines for info in line["shards"].values()
+             if info["ancestors"]}
     for line in lines:
         driver, driver_tree = line["driver_pid"], set(line["driver_descendants"])
         assert driver_tree, "the driver's JVM should be a child of the driver process"
         for shard, info in line["shards"].items():
-            pid, chain = info["task_pid"], info["ancestors"]  # [[pid, kind], ...], parent first
+            pid = info["task_pid"]
+            chain = info["ancestors"] or known.get(pid, [])  # [[pid, kind], ...], parent first
             pids, kinds = [a for a, _ in chain], [k for _, k in chain]
             where = f"epoch {line['epoch']} shard {shard}: pid {pid}, ancestors {chain}"
             assert pid != driver and pid not in driver_tree and driver not in pids, where
+            if not chain and killed and pid in killed:
+                ran_on[(line["epoch"], shard)] = killed[pid]
+                continue
             assert kinds.count("executor") == 1, where
             at = kinds.index("executor")  # the executor JVM is a child of a Worker JVM of the cluster
             assert at + 1 < len(pids) and pids[at + 1] in workers and kinds[at + 1] == "worker", where
@@ -176,7 +186,7 @@ def test_killed_worker_during_shard_stage(spark_cluster: SparkCluster, tmp_path:
         assert not [pid for pid in killed if running(pid)]
 
         assert [line["epoch"] for line in lines] == list(range(1, FILES + 1)), lines
-        ran_on = assert_ran_in_executors(lines, {victim.pid, survivor.pid})
+        ran_on = assert_ran_in_executors(lines, {victim.pid, survivor.pid}, {pid: victim.pid for pid in killed})
         retried = next(line for line in lines if line["epoch"] == epoch)["shards"][str(shard)]
         assert retried["task_pid"] != paused_pid
         assert ran_on[(epoch, str(shard))] == survivor.pid  # the retry ran on the other worker
