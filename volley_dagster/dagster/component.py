@@ -2,14 +2,15 @@
 (``defs/<name>/defs.yaml``), each named by the function that returns its
 ``Deployment``, with the settings of the resources they share::
 
-    type: volley_dagster.dagster.VolleyPipelines
+    type: volley_dagster.dagster.component.VolleyPipelines
     attributes:
       deployments: [my_project.pipelines:payments_deployment]
       checkpoints_root: /data/volley/state
       warehouse: /data/volley/tables
 
 Relative paths are relative to the project's root. One component holds a project's
-pipelines: they share its ``volley_`` resources."""
+pipelines: they share its ``volley_`` resources. (No ``from __future__ import
+annotations`` here: Dagster reads the fields' types at runtime to build the YAML model.)"""
 
 import importlib
 from dataclasses import dataclass, field
