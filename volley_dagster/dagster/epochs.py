@@ -4,7 +4,7 @@ partitioned by epoch. A thin layer: every decision is the engine's."""
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Callable, Optional, TypedDict
 
 from dagster import (
     AssetCheckResult,
@@ -28,6 +28,7 @@ from dagster import (
 from volley_dagster import ConfigError, EpochRunner
 from volley_dagster.checkpoint.epoch_log import epoch_key
 from volley_dagster.dagster.metadata import (
+    DagsterMetadata,
     code_references,
     dimension_key,
     epoch_metadata,
@@ -231,8 +232,16 @@ def check_results(instance: DagsterInstance, runner: EpochRunner, deployment: De
             yield AssetCheckResult(asset_key=sink_key(runner.pipeline, sink), **check_fields(outcome))
 
 
-def check_fields(outcome: CheckOutcome) -> dict[str, Any]:
+class CheckFields(TypedDict):
     """An engine check's outcome as Dagster's check results and evaluations take it."""
+
+    check_name: str
+    passed: bool
+    description: str
+    metadata: DagsterMetadata
+
+
+def check_fields(outcome: CheckOutcome) -> CheckFields:
     return {"check_name": outcome.name, "passed": outcome.passed, "description": outcome.description,
             "metadata": outcome.metadata}
 

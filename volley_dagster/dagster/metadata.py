@@ -21,6 +21,9 @@ from volley_dagster.operators.event_time import describe_event_time
 from volley_dagster.sinks import Sink, SinkCommitResult
 from volley_dagster.sources.offsets import Backlog
 
+# What Dagster shows on an asset: a MetadataValue, or a raw value it wraps (free-form, by its nature)
+DagsterMetadata = dict[str, Any]
+
 
 def sink_kind(sink: Sink) -> str:
     return sink.location().kind
@@ -43,7 +46,7 @@ def dimension_key(pipeline: Pipeline, table: str) -> AssetKey:
     return AssetKey([pipeline.name, f"dimension_{table}"])
 
 
-def sink_location(sink: Sink) -> dict[str, Any]:
+def sink_location(sink: Sink) -> DagsterMetadata:
     """Where the table lives, under Dagster's metadata conventions."""
     location = sink.location()
     shown = {"dagster/uri": location.uri, "dagster/table_name": location.table_name, "mode": location.mode}
@@ -83,7 +86,7 @@ def _cell(value: Any) -> str:
     return text.replace("|", "\\|")
 
 
-def source_observation(runner: EpochRunner, backlog: Backlog, now: float) -> dict[str, Any]:
+def source_observation(runner: EpochRunner, backlog: Backlog, now: float) -> DagsterMetadata:
     """What waits to be committed (``backlog``: the source's, as ``runner.backlog()``
     gives it), as numbers that plot: one observation per sensor tick."""
     committed, cut = runner.committed_epoch(), runner.log.last_cut()
@@ -114,11 +117,11 @@ def code_references(deployment: Deployment) -> dict[str, CodeReferencesMetadataV
 
 
 def epoch_metadata(pipeline: Pipeline, result: EpochResult,
-                   row_counts: Optional[dict[str, Optional[int]]] = None) -> dict[AssetKey, dict[str, Any]]:
+                   row_counts: Optional[dict[str, Optional[int]]] = None) -> dict[AssetKey, DagsterMetadata]:
     """``row_counts``: each sink's table size after the epoch (``dagster/row_count``)."""
     row_counts = row_counts or {}
     d = result.durations
-    state: dict[str, Any] = {
+    state: DagsterMetadata = {
         "epoch": MetadataValue.int(result.epoch),
         "noop_already_committed": MetadataValue.int(int(result.already_committed)),
         "offset_range": MetadataValue.json(result.range),
@@ -151,7 +154,7 @@ def epoch_metadata(pipeline: Pipeline, result: EpochResult,
     out = {state_key(pipeline): state}
     for sink in pipeline.sinks:
         commit = result.sinks.get(sink.name, SinkCommitResult(skipped=False))
-        md: dict[str, Any] = {
+        md: DagsterMetadata = {
             "epoch": MetadataValue.int(result.epoch),
             "noop_already_committed": MetadataValue.int(int(result.already_committed or commit.skipped)),
             "dagster/partition_row_count": MetadataValue.int(commit.rows or 0),  # the epoch's rows

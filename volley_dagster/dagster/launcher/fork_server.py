@@ -30,7 +30,9 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable, NoReturn
+from typing import Callable, NoReturn
+
+from volley_dagster.json_records import JsonObject
 
 __all__ = ["ForkServerStale", "ForkServerUnavailable", "fork_run_worker", "server_address", "start_fork_server"]
 
@@ -258,7 +260,7 @@ def _fail_if_unfinished(run_id: str, instance_ref_json: str, exit_code: int) -> 
         instance.report_run_failed(run)
 
 
-def _reply(conn: socket.socket, answer: dict[str, Any]) -> None:
+def _reply(conn: socket.socket, answer: JsonObject) -> None:
     conn.sendall(json.dumps(answer).encode() + b"\n")
 
 
