@@ -43,16 +43,10 @@ class ProcessStart:
 
 def process_start(pid: int) -> ProcessStart:
     try:
-        process = psutil.Process(pid)
+        return ProcessStart(True, psutil.Process(pid).create_time())
     except psutil.NoSuchProcess:
         return ProcessStart(False)
     except psutil.Error:  # no permission to look: it exists
-        return ProcessStart(True)
-    try:
-        return ProcessStart(True, process.create_time())
-    except psutil.NoSuchProcess:
-        return ProcessStart(False)
-    except psutil.Error:
         return ProcessStart(True)
 
 

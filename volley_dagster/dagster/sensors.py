@@ -53,6 +53,7 @@ from volley_dagster.dagster.epochs import (
     epochs_job_name,
     epochs_partitions,
     make_runner,
+    parse_epoch,
     partitions_name,
 )
 from volley_dagster.dagster.metadata import epoch_metadata, sink_key, source_key, source_observation, state_key
@@ -98,8 +99,8 @@ def check_evaluation(runner: EpochRunner, outcome: CheckOutcome) -> AssetCheckEv
 def freshness_evaluations(runner: EpochRunner, outcome: CheckOutcome) -> list[AssetCheckEvaluation]:
     """The freshness check of the state and of each table: a table is as fresh as the state."""
     pipeline = runner.pipeline
-    return [AssetCheckEvaluation(asset_key=key, **check_fields(outcome))
-            for key in [state_key(pipeline), *(sink_key(pipeline, sink) for sink in pipeline.sinks)]]
+    tables = [AssetCheckEvaluation(asset_key=sink_key(pipeline, sink), **check_fields(outcome)) for sink in pipeline.sinks]
+    return [check_evaluation(runner, outcome), *tables]
 
 
 def _heal_orphans(context, deployment: Deployment) -> None:
@@ -148,7 +149,7 @@ def committed_elsewhere(runner: EpochRunner, deployment: Deployment, new_keys: l
     ``./dev demo``): their materializations, from their manifests, so the UI shows them
     materialized. Only the last ``partitions_kept``: the older ones are pruned anyway."""
     committed = runner.committed_epoch()
-    epochs = [int(k) for k in new_keys if int(k) <= committed][-deployment.partitions_kept:]
+    epochs = [e for e in map(parse_epoch, new_keys) if e <= committed][-deployment.partitions_kept:]
     events = []
     for epoch in epochs:
         result = runner.result(epoch)
