@@ -77,7 +77,7 @@ from bench.history_location import definitions, deployment, resources  # noqa: E
 from harness.dagster_dev import dagster_dev  # noqa: E402
 from volley_dagster.checkpoint.epoch_log import epoch_key  # noqa: E402
 from volley_dagster.dagster.epochs import check_results, make_runner, partitions_name  # noqa: E402
-from volley_dagster.dagster.metadata import sink_key, state_key  # noqa: E402
+from volley_dagster.dagster.keys import PipelineKeys  # noqa: E402
 from volley_dagster.demo.events import generate  # noqa: E402
 from volley_dagster.io.atomic import dump_json, read_json, write_json_atomic  # noqa: E402
 from volley_dagster.sinks.base import CommitContext  # noqa: E402
@@ -179,7 +179,8 @@ class Bench:
         self.materialized_through = self.sink_marks_through = e
 
     def _asset_keys(self) -> list[AssetKey]:
-        return [state_key(self.pipeline)] + [sink_key(self.pipeline, sink) for sink in self.pipeline.sinks]
+        keys = PipelineKeys(self.pipeline.name)
+        return [keys.state] + [keys.sink(sink) for sink in self.pipeline.sinks]
 
     # -- the synthesised history ---------------------------------------------------------
 

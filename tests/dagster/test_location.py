@@ -169,7 +169,7 @@ def test_a_backfill_over_committed_epochs_runs_them_in_order_as_noops(scenario):
     state_events = materializations(scenario.instance, STATE)
     assert [p for p, _ in state_events[:2]] == [epoch_key(1), epoch_key(2)]  # one event per epoch, as it commits
     in_backfill = dict(state_events[2:5])
-    assert {p: m["noop_already_committed"].value for p, m in in_backfill.items()} == {epoch_key(1): 1, epoch_key(2): 1, epoch_key(3): 0}
+    assert {p: m["noop_already_committed"].value for p, m in in_backfill.items()} == {epoch_key(1): True, epoch_key(2): True, epoch_key(3): False}
     messages = [e.user_message for e in scenario.instance.all_logs(backfill.run_id) if e.user_message.startswith("epoch ")]
     assert [m.split(":")[0] for m in messages] == [  # processed in ascending epoch order
         "epoch 1 was already committed", "epoch 2 was already committed", "epoch 3 committed"]

@@ -1,7 +1,7 @@
 """A team's own Dagster project adopts a pipeline: ``Definitions.merge`` of ours with a
 project that has its own ``spark`` and ``io_manager`` resources and its own executor.
-An epoch and a downstream asset of the team's, reading our Delta table, both
-materialize in the merged project."""
+An epoch and a downstream asset of the team's, reading our Delta table through the
+maintained ``dagster-deltalake`` resource, both materialize in the merged project."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from dagster import (
     in_process_executor,
     multiprocess_executor,
 )
-from deltalake import DeltaTable
+from dagster_deltalake import DeltaTableResource, LocalConfig
 
 from tests.dagster.conftest import payments_cutting_at_3000
 from tests.dagster.test_location import tick
@@ -42,15 +42,16 @@ def test_a_project_with_its_own_spark_io_manager_and_executor_merges_ours_and_ru
     balances_uri = str(base / "tables" / "delta" / "merchant_balances")
 
     @asset(deps=[BALANCES], group_name="team")
-    def merchant_report(spark: TeamSpark) -> dict:
-        """The team's asset: reads our Delta table as any downstream reader would."""
-        table = DeltaTable(balances_uri).to_pyarrow_table()
+    def merchant_report(spark: TeamSpark, balances: DeltaTableResource) -> dict:
+        """The team's asset: reads our Delta table as a Dagster project reads any."""
+        table = balances.load().to_pyarrow_table()
         return {"made_by": spark.app_name, "merchants": table.num_rows, "total": pc.sum(table.column("total")).as_py()}
 
     theirs = Definitions(
         assets=[merchant_report],
         jobs=[define_asset_job("team_report_job", selection=[merchant_report])],
-        resources={"spark": TeamSpark(), "io_manager": FilesystemIOManager(base_dir=str(base / "team_io"))},
+        resources={"spark": TeamSpark(), "io_manager": FilesystemIOManager(base_dir=str(base / "team_io")),
+                   "balances": DeltaTableResource(url=balances_uri, storage_options=LocalConfig())},
         executor=multiprocess_executor,
     )
     merged = Definitions.merge(ours, theirs)  # raised on the shared "spark" key and executor before

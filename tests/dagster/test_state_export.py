@@ -43,7 +43,7 @@ def test_the_export_job_writes_the_state_at_an_epoch_to_delta(location_for, tmp_
     (materialization,) = first.asset_materializations_for_node("payments__state_export")
     md = materialization.metadata
     uri = md["dagster/uri"].value
-    assert uri.endswith("state_exports/payments/epoch-0000000001") and md["noop_already_exported"].value == 0
+    assert uri.endswith("state_exports/payments/epoch-0000000001") and md["noop_already_exported"].value is False
     exported = DeltaTable(uri).to_pyarrow_table()
     assert md["dagster/row_count"].value == exported.num_rows
     columns = ["merchant_id", "total", "events", "avg_amount", "largest", "last_seen"]
@@ -52,5 +52,5 @@ def test_the_export_job_writes_the_state_at_an_epoch_to_delta(location_for, tmp_
 
     again = job.execute_in_process(instance=instance, partition_key=epoch_key(1))
     (materialization,) = again.asset_materializations_for_node("payments__state_export")
-    assert materialization.metadata["noop_already_exported"].value == 1
+    assert materialization.metadata["noop_already_exported"].value is True
     assert DeltaTable(uri).version() == md["delta_table_version"].value  # not written twice

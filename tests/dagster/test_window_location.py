@@ -4,7 +4,7 @@ windows land in the Delta table once, with the watermark and late records shown.
 from __future__ import annotations
 
 from dataclasses import replace
-from datetime import datetime
+from datetime import datetime, timezone
 
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -40,7 +40,7 @@ def test_window_epochs_as_partitions(location_for, tmp_path):
     active = [t.filter(pc.equal(t.column("status"), "active")) for t in events]  # what the pipeline keeps
     for epoch in (1, 2, 3):
         latest = max(pc.max(t.column("event_time")).as_py() for t in active[:epoch])
-        mark = datetime.fromisoformat(state[epoch_key(epoch)]["watermark"].value)
+        mark = datetime.fromtimestamp(state[epoch_key(epoch)]["watermark"].value, tz=timezone.utc)  # a timestamp
         assert (latest - mark).total_seconds() == 30  # max event time so far - 30 s out-of-orderness
         assert state[epoch_key(epoch)]["late_records"].value == runner.result(epoch).late_records
         assert minutes[epoch_key(epoch)]["dagster/partition_row_count"].value == state[epoch_key(epoch)]["records_out"].value > 0

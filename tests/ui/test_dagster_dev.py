@@ -53,7 +53,7 @@ def test_graphql_backfill_then_ui_backfill(server):
     state = client.latest_materializations("payments/state")
     assert sorted(state) == [epoch_key(1), epoch_key(2)]
     assert state[epoch_key(2)]["metadata"]["records_in"] == 1_500
-    assert state[epoch_key(2)]["metadata"]["noop_already_committed"] == 0
+    assert state[epoch_key(2)]["metadata"]["noop_already_committed"] is False
     assert isinstance(state[epoch_key(2)]["metadata"]["seconds_total"], float)
     delta = client.latest_materializations("payments/delta_balances")[epoch_key(2)]["metadata"]
     assert delta["delta_table_version"] == 1 and delta["dagster/partition_row_count"] > 0
@@ -80,7 +80,7 @@ def test_graphql_backfill_then_ui_backfill(server):
     latest = client.asset_materializations("payments/state")
     by_partition = {m["partition"]: m["metadata"] for m in latest[-4:]}
     assert {p: md["noop_already_committed"] for p, md in by_partition.items()} == {
-        epoch_key(1): 1, epoch_key(2): 1, epoch_key(3): 0, epoch_key(4): 0}
+        epoch_key(1): True, epoch_key(2): True, epoch_key(3): False, epoch_key(4): False}
     runner = EpochRunner(payments_pipeline(base / "events", local_tables(base / "tables")),
                          base / "state" / "payments")
     assert runner.committed_epoch() == 4

@@ -14,30 +14,23 @@ from dagster import (
     AssetSpec,
     BackfillPolicy,
     DagsterInstance,
-    DataVersion,
     DynamicPartitionsDefinition,
     Failure,
     MetadataValue,
-    ObserveResult,
     RetryRequested,
     in_process_executor,
     multi_asset,
-    observable_source_asset,
 )
 
-from volley_dagster import ConfigError, EpochRunner
+from volley_dagster import ConfigError, EpochRunner, Pipeline
 from volley_dagster.checkpoint.epoch_log import epoch_key
+from volley_dagster.dagster.cadence import freshness_bound_s
+from volley_dagster.dagster.keys import PipelineKeys, sink_kind
 from volley_dagster.dagster.metadata import (
     DagsterMetadata,
     code_references,
-    dimension_key,
     epoch_metadata,
-    sink_key,
-    sink_kind,
     sink_location,
-    source_key,
-    source_observation,
-    state_key,
     state_preview,
 )
 from volley_dagster.dagster.resources import CheckpointResource, SparkResource, TablesResource
@@ -82,7 +75,7 @@ def make_runner(
 ) -> EpochRunner:
     """The engine's runner for this deployment; Spark only starts if ``spark`` is given
     and an epoch is actually processed. ``log`` hears which Spark the run uses."""
-    pipeline = deployment.build(tables.settings())
+    pipeline = built_pipeline(deployment, tables.settings())
     settings = RunSettings(keep_epochs=checkpoints.keep_epochs, max_records_per_epoch=checkpoints.max_records_per_epoch,
                            lease_wait_s=checkpoints.lease_wait_s, snapshot_store=checkpoints.snapshot_store(pipeline.name),
                            resident_state=checkpoints.resident_state())
@@ -96,64 +89,71 @@ def parse_epoch(key: str) -> int:
     return int(key)
 
 
+def built_pipeline(deployment: Deployment, settings: TableSettings) -> Pipeline:
+    """The deployment's pipeline, refused when it is named apart from the deployment:
+    asset keys, partitions, pools and run tags all go by the one name."""
+    pipeline = deployment.build(settings)
+    if pipeline.name != deployment.name:
+        raise ConfigError(f"deployment {deployment.name!r} builds a pipeline named {pipeline.name!r}; "
+                          "give both the same name")
+    return pipeline
+
+
 def epoch_assets(deployment: Deployment, spec_settings: TableSettings) -> list:
     """The source, the epochs multi-asset and its checks. ``spec_settings`` only names
     table locations for the asset specs; runs use the resources' settings."""
-    pipeline = deployment.build(spec_settings)
+    pipeline = built_pipeline(deployment, spec_settings)
     partitions = epochs_partitions(deployment)
-    state = state_key(pipeline)
+    keys = PipelineKeys.of(deployment)
     code = code_references(deployment)
+    team = deployment.assets
+    owners, tags = list(team.owners), dict(team.tags)
 
-    @observable_source_asset(
-        key=source_key(pipeline),
+    source = AssetSpec(  # observed by the sensor on every tick that sees it change
+        keys.source,
         description=f"The log {pipeline.source_log.uri} that {pipeline.name!r} reads.",
-        group_name=pipeline.name,
         metadata={"dagster/uri": pipeline.source_log.uri, **pipeline.source_log.describe(), **code},
+        group_name=pipeline.name, owners=owners, tags=tags,
     )
-    def source(volley_checkpoints: CheckpointResource, volley_tables: TablesResource) -> ObserveResult:
-        """Observed by hand here; the sensor reports the same numbers on every tick."""
-        runner = make_runner(deployment, volley_checkpoints, volley_tables)
-        now = runner.pipeline.source_log.snapshot()
-        return ObserveResult(data_version=DataVersion(now.version),
-                             metadata={**now.metadata, **source_observation(runner, runner.backlog(), time.time())})
-
     dimensions = [
         AssetSpec(
-            dimension_key(pipeline, step.name),
+            keys.dimension(step.name),
             kinds={step.table.kind},
             description=f"Dimension table {step.table.uri} that {pipeline.name!r} joins on {list(step.on)} ({step.how}); "
                         "each epoch reads the version pinned when it was cut.",
-            group_name=pipeline.name,
             metadata={"dagster/uri": step.table.uri, **step.table.describe()},
+            group_name=pipeline.name, owners=owners, tags=tags,
         )
         for step in pipeline.enrichments
     ]
     specs = [
         AssetSpec(
-            state,
-            deps=[source_key(pipeline)] + [d.key for d in dimensions],
+            keys.state,
+            deps=[keys.source] + [d.key for d in dimensions],
             kinds={"spark", "rocksdb"},
             description=f"Keyed state of {pipeline.name!r} after each epoch (RocksDB snapshots).",
             skippable=True,  # materialized per committed epoch, by events (see the op)
-            group_name=pipeline.name,
             metadata={"initial_shards": pipeline.layout.num_shards, "key_groups": pipeline.layout.num_key_groups,
                       "key": pipeline.key_column, **code},
+            code_version=team.code_version,
+            group_name=pipeline.name, owners=owners, tags=tags,
         )
     ] + [
         AssetSpec(
-            sink_key(pipeline, sink),
-            deps=[state],
+            keys.sink(sink),
+            deps=[keys.state],
             kinds={sink_kind(sink)},
             description=f"{sink_kind(sink).title()} table written by sink {sink.name!r}, one commit per epoch.",
             metadata={**sink_location(sink), **code},
             skippable=True,
-            group_name=pipeline.name,
+            code_version=team.code_version,
+            group_name=pipeline.name, owners=owners, tags=tags,
         )
         for sink in pipeline.sinks
     ]
 
-    check_specs = [AssetCheckSpec(name, asset=state) for name in STATE_CHECKS] + [
-        AssetCheckSpec(name, asset=sink_key(pipeline, sink)) for sink in pipeline.sinks for name in SINK_CHECKS
+    check_specs = [AssetCheckSpec(name, asset=keys.state) for name in STATE_CHECKS] + [
+        AssetCheckSpec(name, asset=keys.sink(sink)) for sink in pipeline.sinks for name in SINK_CHECKS
     ]
 
     @multi_asset(
@@ -191,8 +191,8 @@ def epoch_assets(deployment: Deployment, spec_settings: TableSettings) -> list:
                     row_counts = {sink.name: sink.row_count() for sink in runner.pipeline.sinks}
                     by = deployment.state_preview_by
                     preview = {"top_keys": state_preview(runner, result.epoch, by)} if by and not result.already_committed else {}
-                    for asset_key, metadata in epoch_metadata(runner.pipeline, result, row_counts).items():
-                        shown = {**metadata, **extra, **(preview if asset_key == state else {})}
+                    for asset_key, metadata in epoch_metadata(keys, runner.pipeline, result, row_counts).items():
+                        shown = {**metadata, **extra, **(preview if asset_key == keys.state else {})}
                         yield AssetMaterialization(asset_key=asset_key, partition=key, metadata=shown)
                     verb = "was already committed" if result.already_committed else "committed"
                     context.log.info(f"epoch {result.epoch} {verb}: {result.records_in} records in, "
@@ -221,15 +221,15 @@ def check_results(instance: DagsterInstance, runner: EpochRunner, deployment: De
     """Every check of the pipeline, as of now: the state's, then each table's. ``epochs``:
     what the run committed, so that the checks cost what it changed (the files new since
     the epoch before them, those epochs' rows in each table); None: the latest epoch's."""
-    state = state_key(runner.pipeline)
+    keys = PipelineKeys.of(deployment)
     since = epochs.start - 1 if epochs else None
     outcomes = [check_latest_snapshot(runner, since=since), check_progress(instance, runner, deployment),
-                check_freshness(runner, deployment.freshness_bound_s, time.time())]
+                check_freshness(runner, freshness_bound_s(deployment), time.time())]
     for outcome in outcomes:
-        yield AssetCheckResult(asset_key=state, **check_fields(outcome))
+        yield AssetCheckResult(asset_key=keys.state, **check_fields(outcome))
     for sink in runner.pipeline.sinks:
         for outcome in [*check_sink(runner, sink, epochs=epochs), outcomes[-1]]:  # a table is as fresh as the state
-            yield AssetCheckResult(asset_key=sink_key(runner.pipeline, sink), **check_fields(outcome))
+            yield AssetCheckResult(asset_key=keys.sink(sink), **check_fields(outcome))
 
 
 class CheckFields(TypedDict):

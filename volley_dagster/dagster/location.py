@@ -15,7 +15,6 @@ from dagster import (
     JobDefinition,
     ScheduleDefinition,
     SensorDefinition,
-    SourceAsset,
     define_asset_job,
 )
 
@@ -25,7 +24,6 @@ from volley_dagster.dagster.epochs import (
     RUN_RETRY_TAGS,
     epoch_assets,
     epochs_job_name,
-    epochs_partitions,
 )
 from volley_dagster.dagster.migrate import migrate_job
 from volley_dagster.dagster.rescale import rescale_job
@@ -44,7 +42,7 @@ def build_definitions(
 ) -> Definitions:
     """``executor``: the definitions' default, for what runs outside the pipelines' own
     jobs (None: leave it to the project these definitions merge into)."""
-    assets: list[AssetsDefinition | SourceAsset | AssetSpec] = []
+    assets: list[AssetsDefinition | AssetSpec] = []
     jobs: list[JobDefinition | UnresolvedAssetJobDefinition] = []
     sensors: list[SensorDefinition] = []
     schedules: list[ScheduleDefinition] = []
@@ -54,7 +52,6 @@ def build_definitions(
         job = define_asset_job(
             epochs_job_name(deployment.name),
             selection=AssetSelection.assets(epochs),  # with its checks: they run after the epochs
-            partitions_def=epochs_partitions(deployment),
             tags={PIPELINE_TAG: deployment.name, **RUN_RETRY_TAGS},
             executor_def=EPOCH_EXECUTOR,
         )

@@ -2,6 +2,7 @@
 
 import inspect
 from collections import Counter
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Optional
 
@@ -16,6 +17,7 @@ from dagster import (
 )
 
 from volley_dagster import ConfigError, EpochResult, EpochRunner, Pipeline
+from volley_dagster.dagster.keys import PipelineKeys
 from volley_dagster.deploy import Deployment
 from volley_dagster.operators.event_time import describe_event_time
 from volley_dagster.sinks import Sink, SinkCommitResult
@@ -23,27 +25,6 @@ from volley_dagster.sources.offsets import Backlog
 
 # What Dagster shows on an asset: a MetadataValue, or a raw value it wraps (free-form, by its nature)
 DagsterMetadata = dict[str, Any]
-
-
-def sink_kind(sink: Sink) -> str:
-    return sink.location().kind
-
-
-def source_key(pipeline: Pipeline) -> AssetKey:
-    return AssetKey([pipeline.name, "source"])
-
-
-def state_key(pipeline: Pipeline) -> AssetKey:
-    return AssetKey([pipeline.name, "state"])
-
-
-def sink_key(pipeline: Pipeline, sink: Sink) -> AssetKey:
-    return AssetKey([pipeline.name, f"{sink_kind(sink)}_{sink.name}"])
-
-
-def dimension_key(pipeline: Pipeline, table: str) -> AssetKey:
-    """A dimension table an enrichment joins: upstream of the state, written by others."""
-    return AssetKey([pipeline.name, f"dimension_{table}"])
 
 
 def sink_location(sink: Sink) -> DagsterMetadata:
@@ -102,6 +83,16 @@ def source_observation(runner: EpochRunner, backlog: Backlog, now: float) -> Dag
     }
 
 
+def event_time_value(micros: int) -> MetadataValue:
+    """A timestamp, which the UI shows in the viewer's zone; one a datetime cannot hold
+    (a wild record moved the watermark there) as its text, so showing it never fails."""
+    try:
+        datetime.fromtimestamp(micros / 1e6, tz=timezone.utc)
+    except (OverflowError, ValueError, OSError):
+        return MetadataValue.text(describe_event_time(micros))
+    return MetadataValue.timestamp(micros / 1e6)
+
+
 def code_references(deployment: Deployment) -> dict[str, CodeReferencesMetadataValue]:
     """Where the pipeline is built (the user's ``Deployment.build``), for the UI's code link."""
     try:
@@ -116,14 +107,14 @@ def code_references(deployment: Deployment) -> dict[str, CodeReferencesMetadataV
                                                 label=f"{deployment.name} pipeline")])}
 
 
-def epoch_metadata(pipeline: Pipeline, result: EpochResult,
+def epoch_metadata(keys: PipelineKeys, pipeline: Pipeline, result: EpochResult,
                    row_counts: Optional[dict[str, Optional[int]]] = None) -> dict[AssetKey, DagsterMetadata]:
     """``row_counts``: each sink's table size after the epoch (``dagster/row_count``)."""
     row_counts = row_counts or {}
     d = result.durations
     state: DagsterMetadata = {
         "epoch": MetadataValue.int(result.epoch),
-        "noop_already_committed": MetadataValue.int(int(result.already_committed)),
+        "noop_already_committed": MetadataValue.bool(result.already_committed),
         "offset_range": MetadataValue.json(result.range),
         "records_in": MetadataValue.int(result.records_in),
         "records_aggregated": MetadataValue.int(result.records_aggregated),
@@ -141,7 +132,7 @@ def epoch_metadata(pipeline: Pipeline, result: EpochResult,
         **{f"seconds_{phase}": MetadataValue.float(float(v)) for phase, v in d.items()},
     }
     if result.watermark is not None:  # event time: windows, event-time TTL
-        state["watermark"] = MetadataValue.text(describe_event_time(result.watermark))
+        state["watermark"] = event_time_value(result.watermark)
         state["late_records"] = MetadataValue.int(result.late_records)
     # the operator's own: keys_expired (state TTL), duplicates and dedup_late, windows_fired, ...
     state.update({name: MetadataValue.int(n) for name, n in sorted(result.figures.items())})
@@ -151,12 +142,12 @@ def epoch_metadata(pipeline: Pipeline, result: EpochResult,
         state[f"{name}_version"] = MetadataValue.text(read.version)
         state[f"{name}_unmatched"] = MetadataValue.int(read.unmatched)
         state[f"{name}_dropped"] = MetadataValue.int(read.dropped)
-    out = {state_key(pipeline): state}
+    out = {keys.state: state}
     for sink in pipeline.sinks:
         commit = result.sinks.get(sink.name, SinkCommitResult(skipped=False))
         md: DagsterMetadata = {
             "epoch": MetadataValue.int(result.epoch),
-            "noop_already_committed": MetadataValue.int(int(result.already_committed or commit.skipped)),
+            "noop_already_committed": MetadataValue.bool(bool(result.already_committed or commit.skipped)),
             "dagster/partition_row_count": MetadataValue.int(commit.rows or 0),  # the epoch's rows
             "seconds_commit": MetadataValue.float(commit.seconds or 0.0),
             "lineage": MetadataValue.text(commit.lineage or ""),  # the checkpoint root that wrote it
@@ -172,5 +163,5 @@ def epoch_metadata(pipeline: Pipeline, result: EpochResult,
             md["preview"] = table_preview(result.output)
         if (rows := row_counts.get(sink.name)) is not None:
             md["dagster/row_count"] = MetadataValue.int(rows)
-        out[sink_key(pipeline, sink)] = md
+        out[keys.sink(sink)] = md
     return out

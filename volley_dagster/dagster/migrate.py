@@ -12,7 +12,7 @@ from typing import Optional
 from dagster import AssetObservation, Config, JobDefinition, MetadataValue, OpExecutionContext, job, op
 
 from volley_dagster.dagster.epochs import EPOCH_EXECUTOR, PIPELINE_TAG, RUN_RETRY_TAGS, make_runner
-from volley_dagster.dagster.metadata import state_key
+from volley_dagster.dagster.keys import PipelineKeys
 from volley_dagster.dagster.resources import CheckpointResource, SparkResource, TablesResource
 from volley_dagster.dagster.runs import pipeline_pool
 from volley_dagster.deploy import Deployment, TableSettings
@@ -43,7 +43,7 @@ def migrate_job(deployment: Deployment, spec_settings: TableSettings) -> JobDefi
         context.log.info(result.describe())
         rewrite = result.rewrite
         context.log_event(AssetObservation(
-            asset_key=state_key(pipeline),
+            asset_key=PipelineKeys.of(deployment).state,
             description=result.describe(),
             metadata={
                 "changes": MetadataValue.json(result.changes),

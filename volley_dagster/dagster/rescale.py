@@ -9,7 +9,7 @@ holds the pipeline's lease while it rewrites the state.
 from dagster import AssetObservation, Config, JobDefinition, MetadataValue, OpExecutionContext, job, op
 
 from volley_dagster.dagster.epochs import EPOCH_EXECUTOR, PIPELINE_TAG, RUN_RETRY_TAGS, make_runner
-from volley_dagster.dagster.metadata import state_key
+from volley_dagster.dagster.keys import PipelineKeys
 from volley_dagster.dagster.resources import CheckpointResource, TablesResource
 from volley_dagster.dagster.runs import pipeline_pool
 from volley_dagster.deploy import Deployment, TableSettings
@@ -35,7 +35,7 @@ def rescale_job(deployment: Deployment, spec_settings: TableSettings) -> JobDefi
             result = runner.rescale(config.num_shards)
         context.log.info(result.describe())
         context.log_event(AssetObservation(
-            asset_key=state_key(pipeline),
+            asset_key=PipelineKeys.of(deployment).state,
             description=result.describe(),
             metadata={
                 "shards": MetadataValue.int(result.new_shards),

@@ -46,6 +46,7 @@ from dagster import (
 
 from volley_dagster import EpochRunner
 from volley_dagster.checkpoint.epoch_log import epoch_key
+from volley_dagster.dagster.cadence import freshness_bound_s
 from volley_dagster.dagster.epochs import (
     PIPELINE_TAG,
     check_fields,
@@ -56,7 +57,8 @@ from volley_dagster.dagster.epochs import (
     parse_epoch,
     partitions_name,
 )
-from volley_dagster.dagster.metadata import epoch_metadata, sink_key, source_key, source_observation, state_key
+from volley_dagster.dagster.keys import PipelineKeys
+from volley_dagster.dagster.metadata import DagsterMetadata, epoch_metadata, source_observation
 from volley_dagster.dagster.resources import CheckpointResource, TablesResource
 from volley_dagster.dagster.runs import (
     fail_orphaned_runs,
@@ -68,6 +70,8 @@ from volley_dagster.dagster.runs import (
 from volley_dagster.deploy import Deployment
 from volley_dagster.errors import VolleyError
 from volley_dagster.verify import CheckOutcome, check_freshness
+
+DATA_VERSION_TAG = "dagster/data_version"  # the tag an observation's data version travels in
 
 MAX_CUTS_PER_TICK = 10
 
@@ -91,16 +95,24 @@ def _should_cut(waiting: int, deployment: Deployment, waiting_since: Optional[fl
     return deployment.max_wait_s is not None and now - since >= deployment.max_wait_s, since
 
 
-def check_evaluation(runner: EpochRunner, outcome: CheckOutcome) -> AssetCheckEvaluation:
+def check_evaluation(keys: PipelineKeys, outcome: CheckOutcome) -> AssetCheckEvaluation:
     """A state check's result reported by the sensor, between the runs that also report it."""
-    return AssetCheckEvaluation(asset_key=state_key(runner.pipeline), **check_fields(outcome))
+    return AssetCheckEvaluation(asset_key=keys.state, **check_fields(outcome))
 
 
-def freshness_evaluations(runner: EpochRunner, outcome: CheckOutcome) -> list[AssetCheckEvaluation]:
+def freshness_evaluations(keys: PipelineKeys, runner: EpochRunner, outcome: CheckOutcome) -> list[AssetCheckEvaluation]:
     """The freshness check of the state and of each table: a table is as fresh as the state."""
     pipeline = runner.pipeline
-    tables = [AssetCheckEvaluation(asset_key=sink_key(pipeline, sink), **check_fields(outcome)) for sink in pipeline.sinks]
-    return [check_evaluation(runner, outcome), *tables]
+    tables = [AssetCheckEvaluation(asset_key=keys.sink(sink), **check_fields(outcome)) for sink in pipeline.sinks]
+    return [check_evaluation(keys, outcome), *tables]
+
+
+def source_changed(runner: EpochRunner, keys: PipelineKeys, observed: DagsterMetadata) -> AssetObservation:
+    """The source asset's observation: what waits, what it holds, and its data version
+    (which changes when data lands), as an observable source asset would report it."""
+    now = runner.pipeline.source_log.snapshot()
+    return AssetObservation(asset_key=keys.source, metadata={**now.metadata, **observed},
+                            tags={DATA_VERSION_TAG: now.version})
 
 
 def _heal_orphans(context, deployment: Deployment) -> None:
@@ -153,7 +165,7 @@ def committed_elsewhere(runner: EpochRunner, deployment: Deployment, new_keys: l
     events = []
     for epoch in epochs:
         result = runner.result(epoch)
-        for asset_key, metadata in epoch_metadata(runner.pipeline, result).items():
+        for asset_key, metadata in epoch_metadata(PipelineKeys.of(deployment), runner.pipeline, result).items():
             events.append(AssetMaterialization(asset_key=asset_key, partition=epoch_key(epoch), metadata={
                 **metadata, "committed_outside_dagster": MetadataValue.bool(True)},
                 description="committed before this instance knew the epoch (the CLI, the API or ./dev demo)"))
@@ -179,7 +191,7 @@ def request_uncommitted(instance, runner: EpochRunner, deployment: Deployment, n
 def _progress_event(instance, runner: EpochRunner, deployment: Deployment, reported: Optional[bool]):
     """The epochs_progress check, when its verdict changed since ``reported``."""
     progress = check_progress(instance, runner, deployment)
-    return progress.passed, ([check_evaluation(runner, progress)] if progress.passed != reported else [])
+    return progress.passed, ([check_evaluation(PipelineKeys.of(deployment), progress)] if progress.passed != reported else [])
 
 
 def epoch_sensor(deployment: Deployment, job):
@@ -209,10 +221,10 @@ def epoch_sensor(deployment: Deployment, job):
             now = time.time()
         except VolleyError as exc:
             return SensorResult(skip_reason=_cannot_cut(context, deployment, exc), cursor=context.cursor)
+        keys = PipelineKeys.of(deployment)
         observed = source_observation(runner, backlog, now)
         seen = _observation_digest(observed)
-        events: list = ([AssetObservation(asset_key=source_key(runner.pipeline), metadata=observed)]
-                        if seen != cursor.get("observed") else [])
+        events: list = [source_changed(runner, keys, observed)] if seen != cursor.get("observed") else []
         new_keys = unregistered_partitions(context.instance, deployment, runner.log.last_cut())
         add = [partitions.build_add_request(new_keys)] if new_keys else []
         events += committed_elsewhere(runner, deployment, new_keys)
@@ -223,9 +235,9 @@ def epoch_sensor(deployment: Deployment, job):
         _prune(context, runner, deployment)
         progress, reported = _progress_event(context.instance, runner, deployment, cursor["progress"])
         events += reported
-        freshness = check_freshness(runner, deployment.freshness_bound_s, now, backlog)
+        freshness = check_freshness(runner, freshness_bound_s(deployment), now, backlog)
         if freshness.passed != cursor["fresh"]:
-            events += freshness_evaluations(runner, freshness)
+            events += freshness_evaluations(keys, runner, freshness)
         new_cursor = json.dumps({"waiting_since": waiting_since, "fresh": freshness.passed, "progress": progress,
                                  "observed": seen})
         if not requests and not add:

@@ -13,7 +13,6 @@ from typing import Any
 import pyarrow as pa
 from dagster import (
     AssetExecutionContext,
-    AssetKey,
     AssetsDefinition,
     MaterializeResult,
     MetadataValue,
@@ -24,15 +23,12 @@ from deltalake import DeltaTable
 
 from volley_dagster.checkpoint.epoch_log import epoch_key
 from volley_dagster.dagster.epochs import EPOCH_EXECUTOR, epochs_partitions, make_runner, parse_epoch
-from volley_dagster.dagster.metadata import column_schema, state_key
+from volley_dagster.dagster.keys import PipelineKeys
+from volley_dagster.dagster.metadata import column_schema
 from volley_dagster.dagster.resources import CheckpointResource, SparkResource, TablesResource
 from volley_dagster.deploy import Deployment, TableSettings
 from volley_dagster.errors import ConfigError
 from volley_dagster.spark.delta_export import export_to_delta
-
-
-def export_key(pipeline: str) -> AssetKey:
-    return AssetKey([pipeline, "state_export"])
 
 
 def export_uri(warehouse: str, pipeline: str, epoch: int) -> str:
@@ -43,11 +39,14 @@ def state_export_asset(deployment: Deployment, spec_settings: TableSettings) -> 
     pipeline = deployment.build(spec_settings)  # its name and the state asset's key
 
     @asset(
-        key=export_key(pipeline.name),
-        deps=[state_key(pipeline)],
+        key=PipelineKeys.of(deployment).export,
+        deps=[PipelineKeys.of(deployment).state],
         partitions_def=epochs_partitions(deployment),
         kinds={"spark", "delta"},
         group_name=pipeline.name,
+        owners=list(deployment.assets.owners),
+        tags=dict(deployment.assets.tags),
+        code_version=deployment.assets.code_version,
         description=f"The keyed state of {pipeline.name!r} at an epoch, exported to a Delta table.",
     )
     def state_export(context: AssetExecutionContext, volley_spark: SparkResource, volley_checkpoints: CheckpointResource,
@@ -74,11 +73,11 @@ def state_export_asset(deployment: Deployment, spec_settings: TableSettings) -> 
             "dagster/uri": MetadataValue.path(uri),
             "dagster/row_count": MetadataValue.int(rows),
             "delta_table_version": MetadataValue.int(version),
-            "noop_already_exported": MetadataValue.int(int(again)),
+            "noop_already_exported": MetadataValue.bool(again),
             "dagster/column_schema": column_schema(schema),
         })
 
-    job = define_asset_job(f"{pipeline.name}_state_export_job", selection=[export_key(pipeline.name)],
-                           partitions_def=epochs_partitions(deployment), executor_def=EPOCH_EXECUTOR,
+    job = define_asset_job(f"{pipeline.name}_state_export_job", selection=[PipelineKeys.of(deployment).export],
+                           executor_def=EPOCH_EXECUTOR,
                            description=f"Export the state of {pipeline.name!r} at an epoch to a Delta table.")
     return state_export, job

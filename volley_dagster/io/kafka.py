@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-__all__ = ["KafkaQuiet", "batches", "consumer", "partitions", "watermarks"]
+__all__ = ["KafkaQuiet", "batches", "consumer", "partitions", "require_client", "watermarks"]
 
 POLL_S = 0.05
 METADATA_TIMEOUT_S = 15.0
@@ -20,6 +20,17 @@ METADATA_TIMEOUT_S = 15.0
 
 class KafkaQuiet(Exception):
     """No record and no event for the whole quiet spell; the caller names what it waited for."""
+
+
+def require_client(what: str) -> None:
+    """Kafka's client is an optional extra: refuse at construction, naming how to get it."""
+    import importlib.util
+
+    from volley_dagster.errors import ConfigError
+
+    if importlib.util.find_spec("confluent_kafka") is None:
+        raise ConfigError(f"{what} needs Kafka's client, confluent-kafka, which is not installed: "
+                          "pip install 'volley-dagster[kafka]'")
 
 
 def consumer(bootstrap_servers: str, group_id: str, isolation_level: str = "read_committed",

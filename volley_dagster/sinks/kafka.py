@@ -55,6 +55,7 @@ class KafkaSink(Sink):
     def __init__(self, topic: str, bootstrap_servers: str, name: str = "kafka", *,
                  key_columns: tuple[str, ...] | None = None, on_foreign_lineage: ForeignLineage = "fail",
                  config: Mapping[str, Any] | None = None, timeout_s: float = TIMEOUT_S) -> None:
+        kafka.require_client(f"KafkaSink({topic!r})")
         self.topic = topic
         self.bootstrap_servers = bootstrap_servers
         self.name = name

@@ -99,6 +99,7 @@ class KafkaSource(Source):
     def __init__(self, topic: str, bootstrap_servers: str, schema: pa.Schema, *,
                  decode: Callable[[pa.BinaryArray], pa.Table] | None = None, commit_group: str | None = None,
                  isolation_level: str = "read_committed", config: Mapping[str, Any] | None = None) -> None:
+        kafka.require_client(f"KafkaSource({topic!r})")
         if isolation_level not in ("read_committed", "read_uncommitted"):
             raise ConfigError(f"isolation_level {isolation_level!r}: use 'read_committed' or 'read_uncommitted'")
         self.decode = decode

@@ -1,0 +1,49 @@
+"""The asset keys of one pipeline, in one place: the assets, the events the runs and
+the sensor report, and the checks all name them from here, so the deployment's key
+prefix reaches every one."""
+
+from dataclasses import dataclass
+
+from dagster import AssetKey
+
+from volley_dagster.deploy import Deployment
+from volley_dagster.sinks import Sink
+
+
+def sink_kind(sink: Sink) -> str:
+    return sink.location().kind
+
+
+@dataclass(frozen=True)
+class PipelineKeys:
+    """``[*prefix, pipeline, part]`` for each part: source, state, one per sink table,
+    one per dimension table, the state export."""
+
+    pipeline: str
+    prefix: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, deployment: Deployment) -> "PipelineKeys":
+        return cls(deployment.name, tuple(deployment.assets.key_prefix))
+
+    def _key(self, part: str) -> AssetKey:
+        return AssetKey([*self.prefix, self.pipeline, part])
+
+    @property
+    def source(self) -> AssetKey:
+        return self._key("source")
+
+    @property
+    def state(self) -> AssetKey:
+        return self._key("state")
+
+    @property
+    def export(self) -> AssetKey:
+        return self._key("state_export")
+
+    def sink(self, sink: Sink) -> AssetKey:
+        return self._key(f"{sink_kind(sink)}_{sink.name}")
+
+    def dimension(self, table: str) -> AssetKey:
+        """A dimension table an enrichment joins: upstream of the state, written by others."""
+        return self._key(f"dimension_{table}")
