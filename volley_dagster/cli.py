@@ -319,7 +319,8 @@ def _pair(text: str, flag: str, form: str) -> tuple[str, str]:
     return name, value
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """Every command and its flags; the README's commands are checked against it."""
     parser = argparse.ArgumentParser(prog="volley", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="generate payment events and run epochs on the embedded defaults")
@@ -387,7 +388,11 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--epoch", type=int, default=None)
     for p in (show, diff):
         p.add_argument("--limit", type=int, default=20)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     return args.func(args)
 
 

@@ -27,6 +27,7 @@ from tests.dagster.conftest import build_location, payments_cutting_at_3000
 from tests.helpers import assert_state_equal, log_records, reference_state
 from volley_dagster.checkpoint.epoch_log import EpochLog, epoch_key
 from volley_dagster.dagster.launcher.workers import run_worker_pid
+from volley_dagster.dagster.runs import FAILURE_KIND, permanent_failure
 from volley_dagster.demo.events import generate
 
 STATE = AssetKey(["payments", "state"])
@@ -116,9 +117,9 @@ def scenario(tmp_path_factory, spark) -> Iterator[Scenario]:
         data = bytearray(sst.read_bytes())
         data[-1] ^= 1
         sst.write_bytes(bytes(data))
-        corrupt = run_range(defs, instance, 3)  # a no-op over the committed epoch; its checks still run
+        runs["corrupt"] = run_range(defs, instance, 3)  # a no-op over the committed epoch; its checks still run
         yield Scenario(defs, instance, base, ticks, runs, delta_after_3, check_results(runs["backfill 1..3"]),
-                       check_results(corrupt))
+                       check_results(runs["corrupt"]))
 
 
 def test_the_sensor_cuts_once_enough_records_wait_and_requests_one_run(scenario):
@@ -214,9 +215,16 @@ def test_asset_checks_run_after_the_epochs_pass_and_catch_a_corrupted_snapshot(s
     assert {(STATE, "freshness"), (DELTA, "freshness"), (ICEBERG, "freshness")} <= set(scenario.checks_clean)
     failed = [k for k, passed in scenario.checks_corrupt.items() if not passed]
     assert failed == [(STATE, "snapshot_checksums")]
+    # a blocking check: the run fails once, permanently, naming it; the sensor asks a person
+    run = scenario.runs["corrupt"]
+    assert not run.success
+    (failure,) = [e.event_specific_data.user_failure_data for e in run.all_events if e.is_step_failure]
+    assert "blocking checks failed: payments/state snapshot_checksums" in failure.description
+    assert failure.metadata[FAILURE_KIND].value == "permanent"
+    assert permanent_failure(scenario.instance, run.run_id) == failure.description
 
 
 def test_the_watchdog_finds_the_process_of_each_run(scenario):
     """What the sensor's watchdog checks before failing an orphaned run: the pid the run
     worker reported (in process here, so this test's own)."""
-    assert [run_worker_pid(scenario.instance, run.run_id) for run in scenario.runs.values()] == [os.getpid()] * 4
+    assert [run_worker_pid(scenario.instance, run.run_id) for run in scenario.runs.values()] == [os.getpid()] * len(scenario.runs)

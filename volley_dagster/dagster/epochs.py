@@ -152,8 +152,9 @@ def epoch_assets(deployment: Deployment, spec_settings: TableSettings) -> list:
         for sink in pipeline.sinks
     ]
 
-    check_specs = [AssetCheckSpec(name, asset=keys.state) for name in STATE_CHECKS] + [
-        AssetCheckSpec(name, asset=keys.sink(sink)) for sink in pipeline.sinks for name in SINK_CHECKS
+    check_specs = [AssetCheckSpec(name, asset=keys.state, blocking=name in BLOCKING_CHECKS) for name in STATE_CHECKS] + [
+        AssetCheckSpec(name, asset=keys.sink(sink), blocking=name in BLOCKING_CHECKS)
+        for sink in pipeline.sinks for name in SINK_CHECKS
     ]
 
     @multi_asset(
@@ -180,7 +181,7 @@ def epoch_assets(deployment: Deployment, spec_settings: TableSettings) -> list:
         if any(attempt.values()):
             context.log.info(f"retrying: run retry {attempt['run_retry']}, step retry {attempt['step_retry']}")
         try:
-            with runner.lease(owner=f"dagster run {context.run_id}", on_wait=context.log.info) as lease:
+            with runner.lease(owner=f"dagster run {context.run.run_id}", on_wait=context.log.info) as lease:
                 context.log.info(f"holding the lease of {pipeline.name!r} (fencing token {lease.fence.token}, "
                                  f"waited {lease.waited_s:.1f}s)")
                 for key in sorted(context.partition_keys, key=parse_epoch):
@@ -205,14 +206,25 @@ def epoch_assets(deployment: Deployment, spec_settings: TableSettings) -> list:
             if not is_retryable(exc):  # the sensor and schedule read FAILURE_KIND and stop requesting
                 raise Failure(description=f"{type(exc).__name__}: {exc}", allow_retries=False,
                               metadata={FAILURE_KIND: "permanent", "error": type(exc).__name__}) from exc
-            wait = deployment.backoff.delay_s(context.retry_number + 1, salt=context.run_id)
+            wait = deployment.backoff.delay_s(context.retry_number + 1, salt=context.run.run_id)
             raise RetryRequested(max_retries=deployment.backoff.retries_in_run, seconds_to_wait=wait) from exc
         yield from checks
+        if failed := [f"{c.asset_key.to_user_string()} {c.check_name}" for c in checks
+                      if not c.passed and c.check_name in BLOCKING_CHECKS]:
+            # after the checks are recorded; permanent, so the sensor asks a person rather than retry
+            raise Failure(description=f"blocking checks failed: {', '.join(failed)}. The epochs this run committed "
+                                      "stay committed; what follows them in this run does not run. Each check's "
+                                      "description says what is wrong and what to do.",
+                          allow_retries=False, metadata={FAILURE_KIND: "permanent", "failed_checks": failed})
 
     return [source, epochs, *dimensions]
 
 
 STATE_CHECKS = ("snapshot_checksums", "epochs_progress", "freshness")
+# The checks that say the data is wrong (a corrupt snapshot, a table missing an epoch or
+# holding one twice, rows lost): they stop downstream work. Progress and freshness say
+# it is late, which retries and the sensor already handle: they warn.
+BLOCKING_CHECKS = frozenset({"snapshot_checksums", "recorded_epoch", "no_duplicate_epochs", "row_counts"})
 SINK_CHECKS = ("recorded_epoch", "no_duplicate_epochs", "row_counts", "freshness")  # the state's freshness, per table
 
 

@@ -1,0 +1,121 @@
+"""The README's commands, taken from the README itself: every `./dev` and `volley`
+command names a command and flags that exist, the YAML names a component and its
+real attributes, the Python blocks import what exists, and the first command and the
+first pipeline run as a newcomer would run them (on a smaller log)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from volley_dagster.cli import build_parser
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+
+
+def blocks(language: str) -> list[str]:
+    return re.findall(rf"```{language}\n(.*?)```", README, flags=re.S)
+
+
+def commands() -> list[list[str]]:
+    """Each command line of the README's bash blocks, without its comment."""
+    lines = [line.split("  #")[0].strip() for block in blocks("bash") for line in block.splitlines()]
+    return [shlex.split(line) for line in lines if line and not line.startswith("#")]
+
+
+def dev_commands() -> set[str]:
+    return set(re.findall(r"^  ([a-z-]+)\)", (ROOT / "dev").read_text(), flags=re.M))
+
+
+def test_the_readme_has_the_two_commands_first():
+    assert commands()[:2] == [["./dev", "demo"], ["./dev", "test"]]
+
+
+def bench_help(scripts: set[str]) -> dict[str, str]:
+    """Each bench script's ``--help``, the scripts started together (they import Spark's client)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    running = {name: subprocess.Popen([sys.executable, str(ROOT / "bench" / f"{name}.py"), "--help"], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for name in scripts}
+    helps = {}
+    for name, proc in running.items():
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, f"./dev bench {name} --help failed: {err[-2000:]}"
+        helps[name] = out
+    return helps
+
+
+def test_every_dev_and_volley_command_exists_with_its_flags():
+    benches = [argv for argv in commands() if argv[:2] == ["./dev", "bench"]]
+    helps = bench_help({argv[2] for argv in benches})
+    checked = 0
+    for argv in commands():
+        if argv[0] == "./dev":
+            assert argv[1] in dev_commands(), f"./dev has no command {argv[1]!r}: {argv}"
+            if argv[1] == "bench":
+                for flag in (a for a in argv[3:] if a.startswith("--")):
+                    assert flag in helps[argv[2]], f"./dev bench {argv[2]} takes no {flag}: {argv}"
+            elif argv[1] in ("demo", "spark-connect"):  # ./dev passes the rest to `volley <command>`
+                build_parser().parse_args([argv[1], *argv[2:]])
+        else:
+            assert argv[0] == ".venv/bin/volley", f"a README command this test does not know: {argv}"
+            build_parser().parse_args(argv[1:])  # exits 2 naming an unknown command or flag
+        checked += 1
+    assert checked >= 10
+
+
+def test_the_component_yaml_names_the_component_and_its_attributes():
+    (block,) = blocks("yaml")
+    spec = yaml.safe_load(block)
+    module, name = spec["type"].rsplit(".", 1)
+    component = getattr(importlib.import_module(module), name)
+    fields = {f.name for f in dataclasses.fields(component)}
+    assert set(spec["attributes"]) <= fields, set(spec["attributes"]) - fields
+
+
+def test_the_python_blocks_import_what_exists():
+    for block in blocks("python"):
+        compile(block, "README.md", "exec")
+        imports = "\n".join(line for line in block.splitlines() if line.startswith(("from ", "import ")))
+        exec(compile(imports, "README.md", "exec"), {})
+
+
+@pytest.fixture
+def newcomer(tmp_path) -> dict[str, str]:
+    """A shell as the README's reader has one: at the checkout, the venv's Python for Spark."""
+    return {**os.environ, "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable}
+
+
+def test_the_first_command_and_the_pipeline_in_a_few_lines_run(tmp_path, newcomer, spark):
+    work = tmp_path / "demo"
+    small = ["--workdir", str(work), "--files", "2", "--records-per-file", "2000", "--keys", "300",
+             "--max-records", "2000"]
+    demo = subprocess.run([str(ROOT / "dev"), "demo", *small], env=newcomer, capture_output=True, text=True,
+                          timeout=600)
+    assert demo.returncode == 0, demo.stderr[-3000:]
+    assert "http://127.0.0.1:3000" in demo.stdout and "checkpoint layout" in demo.stdout
+    for argv in commands():  # the README's own commands over the demo's state
+        if argv[0] == ".venv/bin/volley":
+            line = [str(ROOT / argv[0]), *(a.replace("demo/", f"{work}/") for a in argv[1:])]
+            done = subprocess.run(line, env=newcomer, capture_output=True, text=True, timeout=300)
+            assert done.returncode == 0, (argv, done.stderr[-3000:])
+
+    # the first Python block, in a folder with events where it reads them
+    from volley_dagster.demo.events import generate
+
+    os.chdir(tmp_path)
+    generate(tmp_path / "data" / "events", 2, 1_000, 100)
+    scope: dict = {}
+    exec(compile(blocks("python")[0], "README.md", "exec"), scope)
+    state = scope["runner"].read_state()
+    assert state.num_rows > 0 and scope["runner"].committed_epoch() >= 1
+    assert (tmp_path / "out").exists()
