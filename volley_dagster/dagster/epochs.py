@@ -209,7 +209,7 @@ def epoch_assets(deployment: Deployment, spec_settings: TableSettings) -> list:
             wait = deployment.backoff.delay_s(context.retry_number + 1, salt=context.run.run_id)
             raise RetryRequested(max_retries=deployment.backoff.retries_in_run, seconds_to_wait=wait) from exc
         yield from checks
-        if failed := [f"{c.asset_key.to_user_string()} {c.check_name}" for c in checks
+        if failed := [f"{c.asset_key and c.asset_key.to_user_string()} {c.check_name}" for c in checks
                       if not c.passed and c.check_name in BLOCKING_CHECKS]:
             # after the checks are recorded; permanent, so the sensor asks a person rather than retry
             raise Failure(description=f"blocking checks failed: {', '.join(failed)}. The epochs this run committed "
