@@ -150,7 +150,7 @@ def epoch_metadata(keys: PipelineKeys, pipeline: Pipeline, result: EpochResult,
             "noop_already_committed": MetadataValue.bool(bool(result.already_committed or commit.skipped)),
             "dagster/partition_row_count": MetadataValue.int(commit.rows or 0),  # the epoch's rows
             "seconds_commit": MetadataValue.float(commit.seconds or 0.0),
-            "lineage": MetadataValue.text(commit.lineage or ""),  # the checkpoint root that wrote it
+            "lineage": MetadataValue.text(commit.lineage or ""),  # the id of the checkpoint lineage that wrote it
             "sink_epoch": MetadataValue.int(commit.sink_epoch if commit.sink_epoch is not None else result.epoch),
             **sink_location(sink),
         }
