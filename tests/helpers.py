@@ -56,6 +56,19 @@ def payments(
                        on_foreign_lineage=on_foreign_lineage)
 
 
+def channels(base: Path, shards: int = 3) -> Pipeline:
+    """Two logs of payment events, ``web`` and ``store``, read as one stream."""
+    return (
+        Pipeline("channels")
+        .sources({"web": FileLog(base / "web"), "store": FileLog(base / "store")}, source_column="channel")
+        .where("status = 'active'")
+        .key_by("merchant_id")
+        .aggregate(total=sum_("amount"), events=count(), largest=max_("amount"))
+        .sink(ParquetSink(base / "out", on_foreign_lineage="fail"))
+        .with_shards(shards)
+    )
+
+
 def with_tables(pipeline: Pipeline, tables: Path | None, delta_mode: str, iceberg_table: str,
                 on_foreign_lineage: str = "fail", iceberg_mode: str = "append") -> Pipeline:
     """``pipeline`` plus a Delta table (``delta_mode``) and an Iceberg table

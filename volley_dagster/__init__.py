@@ -43,6 +43,7 @@ from volley_dagster.settings import RunSettings
 from volley_dagster.sinks import DeltaSink, IcebergSink, MemorySink, ParquetSink, S3Endpoint, Sink
 from volley_dagster.sources.base import Source
 from volley_dagster.sources.file_log import FileLog
+from volley_dagster.sources.multi import MultiSource
 from volley_dagster.spark.session import get_or_create_spark
 
 __all__ = [
@@ -67,6 +68,7 @@ __all__ = [
     "RunSettings",
     "FencedError",
     "FileLog",
+    "MultiSource",
     "Source",
     "MalformedRecordError",
     "MemorySink",

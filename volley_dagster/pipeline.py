@@ -7,6 +7,7 @@ pipeline can be shared and specialised without surprises.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Callable, Literal, TypeVar
 
@@ -23,6 +24,7 @@ from volley_dagster.operators.ttl import DEFAULT_MAX_RESIDENT_ENTRIES, EXPIRED, 
 from volley_dagster.operators.window import WindowedAggregate, Windowing, Windows
 from volley_dagster.sinks.base import Sink
 from volley_dagster.sources.base import Source
+from volley_dagster.sources.multi import MultiSource
 from volley_dagster.state.keys import DEFAULT_KEY_GROUPS, ShardLayout
 
 Transform = Callable[[DataFrame], DataFrame]
@@ -80,6 +82,14 @@ class Pipeline:
     def source(self, log: Source) -> Pipeline:
         """The log the pipeline reads: ``FileLog(...)``, or any ``sources.base.Source``."""
         return replace(self, source_given=log)
+
+    def sources(self, named: Mapping[str, Source], *, source_column: str | None = None) -> Pipeline:
+        """Two or more logs read as one stream, e.g. ``{"orders": FileLog(...), "refunds":
+        KafkaSource(...)}``: each epoch records a range of every one before its first
+        attempt, and every attempt reads exactly those (``sources/multi.py``). Their
+        records share columns by name; ``source_column`` names a column that says which
+        source a record came from."""
+        return replace(self, source_given=MultiSource(named, source_column))
 
     def transform(self, fn: Transform) -> Pipeline:
         """Any DataFrame -> DataFrame function; keep the ``_volley_*`` columns."""

@@ -31,6 +31,7 @@ from volley_dagster.dagster.metadata import (
     code_references,
     epoch_metadata,
     sink_location,
+    source_parts,
     state_preview,
 )
 from volley_dagster.dagster.resources import CheckpointResource, SparkResource, TablesResource
@@ -100,8 +101,9 @@ def built_pipeline(deployment: Deployment, settings: TableSettings) -> Pipeline:
 
 
 def epoch_assets(deployment: Deployment, spec_settings: TableSettings) -> list:
-    """The source, the epochs multi-asset and its checks. ``spec_settings`` only names
-    table locations for the asset specs; runs use the resources' settings."""
+    """The epochs multi-asset with its checks, then its sources and dimension tables.
+    ``spec_settings`` only names table locations for the asset specs; runs use the
+    resources' settings."""
     pipeline = built_pipeline(deployment, spec_settings)
     partitions = epochs_partitions(deployment)
     keys = PipelineKeys.of(deployment)
@@ -109,12 +111,15 @@ def epoch_assets(deployment: Deployment, spec_settings: TableSettings) -> list:
     team = deployment.assets
     owners, tags = list(team.owners), dict(team.tags)
 
-    source = AssetSpec(  # observed by the sensor on every tick that sees it change
-        keys.source,
-        description=f"The log {pipeline.source_log.uri} that {pipeline.name!r} reads.",
-        metadata={"dagster/uri": pipeline.source_log.uri, **pipeline.source_log.describe(), **code},
-        group_name=pipeline.name, owners=owners, tags=tags,
-    )
+    sources = [
+        AssetSpec(  # observed by the sensor on every tick that sees it change
+            keys.source_part(name),
+            description=f"The log {log.uri} that {pipeline.name!r} reads" + (f" as source {name!r}." if name else "."),
+            metadata={"dagster/uri": log.uri, **log.describe(), **code},
+            group_name=pipeline.name, owners=owners, tags=tags,
+        )
+        for name, log in source_parts(pipeline.source_log).items()
+    ]
     dimensions = [
         AssetSpec(
             keys.dimension(step.name),
@@ -129,7 +134,7 @@ def epoch_assets(deployment: Deployment, spec_settings: TableSettings) -> list:
     specs = [
         AssetSpec(
             keys.state,
-            deps=[keys.source] + [d.key for d in dimensions],
+            deps=[s.key for s in sources] + [d.key for d in dimensions],
             kinds={"spark", "rocksdb"},
             description=f"Keyed state of {pipeline.name!r} after each epoch (RocksDB snapshots).",
             skippable=True,  # materialized per committed epoch, by events (see the op)
@@ -217,7 +222,7 @@ def epoch_assets(deployment: Deployment, spec_settings: TableSettings) -> list:
                                       "description says what is wrong and what to do.",
                           allow_retries=False, metadata={FAILURE_KIND: "permanent", "failed_checks": failed})
 
-    return [source, epochs, *dimensions]
+    return [epochs, *sources, *dimensions]
 
 
 STATE_CHECKS = ("snapshot_checksums", "epochs_progress", "freshness")

@@ -33,6 +33,10 @@ class PipelineKeys:
     def source(self) -> AssetKey:
         return self._key("source")
 
+    def source_part(self, name: str | None) -> AssetKey:
+        """One of several named sources (``Pipeline.sources``); None: the only one."""
+        return self.source if name is None else self._key(f"source_{name}")
+
     @property
     def state(self) -> AssetKey:
         return self._key("state")

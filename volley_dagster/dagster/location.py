@@ -47,8 +47,8 @@ def build_definitions(
     sensors: list[SensorDefinition] = []
     schedules: list[ScheduleDefinition] = []
     for deployment in deployments:
-        source, epochs, *dimensions = epoch_assets(deployment, tables.settings())
-        assets.extend([source, epochs, *dimensions])
+        epochs, *specs = epoch_assets(deployment, tables.settings())
+        assets.extend([epochs, *specs])
         job = define_asset_job(
             epochs_job_name(deployment.name),
             selection=AssetSelection.assets(epochs),  # with its checks: they run after the epochs

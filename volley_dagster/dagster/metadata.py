@@ -21,6 +21,8 @@ from volley_dagster.dagster.keys import PipelineKeys
 from volley_dagster.deploy import Deployment
 from volley_dagster.operators.event_time import describe_event_time
 from volley_dagster.sinks import Sink, SinkCommitResult
+from volley_dagster.sources.base import Source
+from volley_dagster.sources.multi import MultiSource
 from volley_dagster.sources.offsets import Backlog
 
 # What Dagster shows on an asset: a MetadataValue, or a raw value it wraps (free-form, by its nature)
@@ -67,11 +69,34 @@ def _cell(value: Any) -> str:
     return text.replace("|", "\\|")
 
 
-def source_observation(runner: EpochRunner, backlog: Backlog, now: float) -> DagsterMetadata:
-    """What waits to be committed (``backlog``: the source's, as ``runner.backlog()``
-    gives it), as numbers that plot: one observation per sensor tick."""
+def source_parts(log: Source) -> dict[Optional[str], Source]:
+    """The sources a pipeline reads, each its own asset: a ``MultiSource``'s by name,
+    else the one (None)."""
+    parts: dict[Optional[str], Source] = {None: log}
+    if isinstance(log, MultiSource):
+        parts = {name: source for name, source in log.parts.items()}
+    return parts
+
+
+def source_backlogs(runner: EpochRunner, backlog: Backlog) -> dict[Optional[str], Backlog]:
+    """``backlog`` (the pipeline's, as ``runner.backlog()`` gives it) per source."""
+    log = runner.pipeline.source_log
+    if not isinstance(log, MultiSource):
+        return {None: backlog}
+    last = runner.log.last_cut()
+    return {name: waiting for name, waiting in log.backlogs(runner.log.offsets(last).end if last else {}).items()}
+
+
+def source_observation(runner: EpochRunner, backlog: Backlog, now: float, part: Optional[str] = None) -> DagsterMetadata:
+    """What waits to be committed in the source (``part``: one of several, with its own
+    ``backlog``), as numbers that plot: one observation per sensor tick."""
     committed, cut = runner.committed_epoch(), runner.log.last_cut()
-    in_cut_epochs = sum(runner.log.offsets(e).records for e in range(committed + 1, cut + 1))
+    log = runner.pipeline.source_log
+    ranges = [runner.log.offsets(e) for e in range(committed + 1, cut + 1)]
+    if part is not None:
+        assert isinstance(log, MultiSource)
+        ranges = [log.range_of(part, r) for r in ranges]
+    in_cut_epochs = sum(r.records for r in ranges)
     return {
         "records_waiting": MetadataValue.int(backlog.records),  # not yet in an epoch
         "records_uncommitted": MetadataValue.int(backlog.records + in_cut_epochs),

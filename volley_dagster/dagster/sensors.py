@@ -58,7 +58,13 @@ from volley_dagster.dagster.epochs import (
     partitions_name,
 )
 from volley_dagster.dagster.keys import PipelineKeys
-from volley_dagster.dagster.metadata import DagsterMetadata, epoch_metadata, source_observation
+from volley_dagster.dagster.metadata import (
+    DagsterMetadata,
+    epoch_metadata,
+    source_backlogs,
+    source_observation,
+    source_parts,
+)
 from volley_dagster.dagster.resources import CheckpointResource, TablesResource
 from volley_dagster.dagster.runs import (
     fail_orphaned_runs,
@@ -107,11 +113,13 @@ def freshness_evaluations(keys: PipelineKeys, runner: EpochRunner, outcome: Chec
     return [check_evaluation(keys, outcome), *tables]
 
 
-def source_changed(runner: EpochRunner, keys: PipelineKeys, observed: DagsterMetadata) -> AssetObservation:
-    """The source asset's observation: what waits, what it holds, and its data version
-    (which changes when data lands), as an observable source asset would report it."""
-    now = runner.pipeline.source_log.snapshot()
-    return AssetObservation(asset_key=keys.source, metadata={**now.metadata, **observed},
+def source_changed(runner: EpochRunner, keys: PipelineKeys, part: Optional[str],
+                   observed: DagsterMetadata) -> AssetObservation:
+    """A source asset's observation (``part``: one of several sources, or None): what
+    waits, what it holds, and its data version (which changes when data lands), as an
+    observable source asset would report it."""
+    now = source_parts(runner.pipeline.source_log)[part].snapshot()
+    return AssetObservation(asset_key=keys.source_part(part), metadata={**now.metadata, **observed},
                             tags={DATA_VERSION_TAG: now.version})
 
 
@@ -141,7 +149,7 @@ def _prune(context, runner: EpochRunner, deployment: Deployment) -> None:
 def _observation_digest(metadata: dict) -> str:
     """What an observation says, but the waiting file's age (which changes every tick):
     the sensor writes an observation only when the source or the backlog changed."""
-    said = {k: getattr(v, "value", v) for k, v in metadata.items() if k != "oldest_waiting_file_age_s"}
+    said = {k: getattr(v, "value", v) for k, v in metadata.items() if not k.endswith("oldest_waiting_file_age_s")}
     return hashlib.sha256(json.dumps(said, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -222,9 +230,11 @@ def epoch_sensor(deployment: Deployment, job):
         except VolleyError as exc:
             return SensorResult(skip_reason=_cannot_cut(context, deployment, exc), cursor=context.cursor)
         keys = PipelineKeys.of(deployment)
-        observed = source_observation(runner, backlog, now)
-        seen = _observation_digest(observed)
-        events: list = [source_changed(runner, keys, observed)] if seen != cursor.get("observed") else []
+        observed = {part: source_observation(runner, waiting, now, part)
+                    for part, waiting in source_backlogs(runner, backlog).items()}
+        seen = _observation_digest({f"{part}:{k}": v for part, md in observed.items() for k, v in md.items()})
+        events: list = ([source_changed(runner, keys, part, md) for part, md in observed.items()]
+                        if seen != cursor.get("observed") else [])
         new_keys = unregistered_partitions(context.instance, deployment, runner.log.last_cut())
         add = [partitions.build_add_request(new_keys)] if new_keys else []
         events += committed_elsewhere(runner, deployment, new_keys)

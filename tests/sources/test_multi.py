@@ -1,0 +1,86 @@
+"""Several sources in one epoch: one recorded range of every source, shared fairly,
+read back exactly, each source checking and reading its own part. No Spark."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import pytest
+
+from volley_dagster.demo.events import generate
+from volley_dagster.errors import ConfigError, SourceChangedError, SourceError
+from volley_dagster.sources.file_log import FileLog
+from volley_dagster.sources.multi import MultiSource
+from volley_dagster.sources.offsets import EpochRange, Position
+
+
+def two_logs(tmp_path, web_files: int = 3, store_files: int = 1) -> MultiSource:
+    generate(tmp_path / "web", web_files, 100, 10)
+    generate(tmp_path / "store", store_files, 100, 10, seed=8)
+    return MultiSource({"web": FileLog(tmp_path / "web"), "store": FileLog(tmp_path / "store")}, source_column="channel")
+
+
+def test_each_cut_records_a_range_of_every_source_shared_fairly(tmp_path):
+    sources = two_logs(tmp_path)
+    first = sources.cut(1, {}, 250)  # web has 300 waiting, store 100: store takes all, web the rest
+    by_source = {name: sources.range_of(name, first) for name in ("web", "store")}
+    assert (by_source["web"].records, by_source["store"].records) == (150, 100)
+    assert [s.id for s in first.segments] == list(range(len(first.segments)))  # positions tell every segment apart
+    assert first.end == {"web/": Position("events-000001.parquet", 1, 50), "store/": Position("events-000000.parquet", 0, 100)}
+    assert EpochRange.from_dict(first.to_dict()) == first  # offsets.json holds both
+    second = sources.cut(2, first.end, 1_000)
+    assert sources.range_of("web", second).records == 150 and sources.range_of("store", second).records == 0
+    assert sources.cut(3, second.end, 1_000).records == 0
+    generate(tmp_path / "store", 1, 100, 10, first_file=1, seed=8)  # one source moves on alone
+    third = sources.cut(3, second.end, 1_000)
+    assert {s.partition for s in third.segments} == {"store/"} and third.records == 100
+    assert sources.backlog(second.end).records == 100 and sources.backlogs(second.end)["web"].records == 0
+
+
+def test_a_segment_is_read_by_its_source_in_the_columns_of_all(tmp_path):
+    generate(tmp_path / "web", 1, 50, 10)
+    pq.write_table(pa.table({"merchant_id": pa.array([1, 2], pa.int64()), "refund": [3.5, 4.5]}),
+                   tmp_path / "refunds.parquet")
+    (tmp_path / "store").mkdir()
+    (tmp_path / "refunds.parquet").rename(tmp_path / "store" / "refunds-000000.parquet")
+    sources = MultiSource({"web": FileLog(tmp_path / "web"), "store": FileLog(tmp_path / "store")},
+                          source_column="channel")
+    schema = sources.schema()
+    assert schema.names[-2:] == ["refund", "channel"] and "amount" in schema.names
+    rng = sources.cut(1, {}, None)
+    store = next(s for s in rng.segments if s.partition == "store/")
+    table = sources.read_segment(store, schema, 1)
+    assert table.column_names[:len(schema)] == schema.names
+    assert table.column("refund").to_pylist() == [3.5, 4.5] and table.column("amount").null_count == 2
+    assert set(table.column("channel").to_pylist()) == {"store"}
+    positions = table.column("_volley_pos").to_pylist()
+    assert rng.where_in_log(pa.array(positions))[1].to_pylist() == ["refunds-000000.parquet"] * 2
+    web = sources.read_segment(next(s for s in rng.segments if s.partition == "web/"), schema, 1)
+    assert pc.all(pc.is_null(web.column("refund"))).as_py() and web.num_rows == 50
+
+
+def test_a_changed_file_in_one_source_is_named_by_that_source(tmp_path):
+    sources = two_logs(tmp_path)
+    rng = sources.cut(1, {}, None)
+    pq.write_table(pq.read_table(tmp_path / "store" / "events-000000.parquet").slice(0, 10),
+                   tmp_path / "store" / "events-000000.parquet")
+    with pytest.raises(SourceChangedError, match="store/events-000000.parquet"):
+        sources.verify(rng)
+
+
+def test_sources_that_cannot_be_read_as_one_are_refused_by_name(tmp_path):
+    generate(tmp_path / "web", 1, 10, 5)
+    (tmp_path / "store").mkdir()
+    pq.write_table(pa.table({"amount": ["ten"]}), tmp_path / "store" / "x-000000.parquet")
+    both = MultiSource({"web": FileLog(tmp_path / "web"), "store": FileLog(tmp_path / "store")})
+    with pytest.raises(ConfigError, match="'amount' is double in source 'web' and string in source 'store'"):
+        both.schema()
+    with pytest.raises(ConfigError, match="two or more"):
+        MultiSource({"web": FileLog(tmp_path / "web")})
+    with pytest.raises(ConfigError, match="source name 'we/b'"):
+        MultiSource({"we/b": FileLog(tmp_path / "web"), "store": FileLog(tmp_path / "store")})
+    with pytest.raises(ConfigError, match="source_column 'amount' is already a column of source 'web'"):
+        MultiSource({"web": FileLog(tmp_path / "web"), "other": FileLog(tmp_path / "web")}, "amount").schema()
+    with pytest.raises(SourceError, match="names no source"):
+        both.cut(2, {"": Position("events-000000.parquet", 0, 10)}, None)  # a single source's positions
