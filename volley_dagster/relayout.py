@@ -29,7 +29,8 @@ def rescale(runner: EpochRunner, num_shards: int) -> RescaleResult:
     log, settings = runner.log, runner.settings
     with runner.lease() as lease:
         SinkCommitter(runner.pipeline, log, lease.check).refuse_held_uncommitted(log.last_committed())
-        return rescale_state(log, num_shards, lease, settings.rocksdb, settings.verify_checksums, uncommitted_ok=True)
+        return rescale_state(log, num_shards, lease, settings.rocksdb, settings.verify_checksums, uncommitted_ok=True,
+                             store=settings.snapshot_store)
 
 
 def migrate(runner: EpochRunner, pipeline: Pipeline, renames: Mapping[str, str] | None,
@@ -55,4 +56,5 @@ def migrate(runner: EpochRunner, pipeline: Pipeline, renames: Mapping[str, str] 
         # planned, not run: resolves the new operator against the source's columns
         plan = plan_epoch(runner.spark, pipeline, log.offsets(committed))
         return migrate_state(log, identity_of(pipeline, plan.state_operator, plan.key_kind), lease, renames, initial,
-                             num_shards, settings.rocksdb, settings.verify_checksums, uncommitted_ok=True)
+                             num_shards, settings.rocksdb, settings.verify_checksums, uncommitted_ok=True,
+                             store=settings.snapshot_store)

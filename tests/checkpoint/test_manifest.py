@@ -90,3 +90,11 @@ def test_a_manifest_written_before_typed_records_reads_back_whole() -> None:
     written = result.to_manifest()
     assert written["sinks"] == MANIFEST_BEFORE["sinks"] and written["enrichments"] == MANIFEST_BEFORE["enrichments"]
     assert written["figures"] == {"duplicates": 15, "dedup_late": 5} and "duplicates" not in written
+
+
+def test_a_sink_entry_keeps_its_counts_and_passes_over_a_field_a_later_version_added() -> None:
+    entry = {"skipped": False, "rows": 12, "mode": "upsert", "version": 4, "inserted": 7, "updated": 5,
+             "commit_strategy": "merge-on-read", "verified": True}
+    result = SinkCommitResult.from_dict(entry)
+    assert result.counts == {"inserted": 7, "updated": 5} and result.position == SinkPosition(version=4)
+    assert result.rows == 12 and result.mode == "upsert"

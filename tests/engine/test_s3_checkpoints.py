@@ -139,3 +139,26 @@ def test_a_driver_without_local_snapshots_keeps_s3_whole_across_empty_epochs(spa
     after = runner.run_next()  # its tasks restore epoch 10 from S3
     assert all(s.download is not None for s in after.shards.values())
     assert_state_equal(runner.read_state(), reference_state(log_records(files + 1, PER_FILE, KEYS)))
+
+
+def test_a_rescale_uploads_its_rewrite_so_executors_on_their_own_disks_restore_it(spark, seaweedfs: SeaweedFS,
+                                                                                     tmp_path):
+    """The rewrite of a rescale goes to the store as the rescaled epoch's shards (its own
+    attempt id); the next epoch's tasks restore it from there when the checkpoint root's
+    copy is not on their disk, and retention keeps the rewrite while the epoch is kept."""
+    generate(tmp_path / "events", FILES, PER_FILE, KEYS)
+    store = S3SnapshotStore(f"s3://{BUCKET}/rescale-{uuid.uuid4().hex[:8]}", seaweedfs.s3)
+    runner = runner_for(tmp_path, spark, store)
+    runner.run_next(), runner.run_next()
+    result = runner.rescale(5)
+    rewrite = runner.log.state_shards(2)
+    assert len(rewrite) == 5 and all(s.stored_remotely and s.attempt for s in rewrite.values())
+    assert {store.manifest(2, shard, snap.attempt).shard for shard, snap in rewrite.items()} == set(range(5))
+    shutil.rmtree(runner.log.root / "snapshots")  # an executor's view: nothing of the root on its disk
+    third = runner.run_next()  # restores the 5 rewritten shards from S3
+    assert len(third.shards) == 5 and all(s.download is not None for s in third.shards.values()), result.describe()
+    assert_state_equal(runner.read_state(2), reference_state(log_records(2, PER_FILE, KEYS)))  # the rewrite, kept
+    fourth = runner.run_next()
+    assert fourth.epoch == 4
+    assert_state_equal(runner.read_state(), reference_state(log_records(FILES, PER_FILE, KEYS)))
+    assert store.epochs() == [3, 4]

@@ -22,7 +22,8 @@ __all__ = ["ShardEntry", "ShardSnapshot", "SnapshotDownload", "SnapshotUpload"]
 class ShardSnapshot:
     """A shard's state at an epoch: the snapshot directory (relative to the checkpoint
     root once recorded), its files' digests, and whether the snapshot store holds a
-    copy. ``attempt`` is the epoch attempt that wrote it (None: a rescale's rewrite)."""
+    copy. ``attempt`` is the epoch attempt or rescale that wrote it (None: a rescale's
+    rewrite kept on the checkpoint root only)."""
 
     path: str
     files: FileDigests

@@ -31,6 +31,7 @@ import numpy as np
 from volley_dagster.checkpoint.epoch_log import EpochLog
 from volley_dagster.checkpoint.lease import PipelineLease
 from volley_dagster.checkpoint.rescale import RescaleResult, rescale
+from volley_dagster.checkpoint.s3_snapshots import S3SnapshotStore
 from volley_dagster.errors import ConfigError, EpochOrderError, StateLayoutError
 from volley_dagster.json_records import JsonObject
 from volley_dagster.operators import recorded_operator, without_dedup
@@ -172,9 +173,10 @@ def migrate(
     log: EpochLog, proposed: JsonObject, lease: PipelineLease, renames: Mapping[str, str] | None = None,
     initial: Mapping[str, float | None] | None = None, num_shards: int | None = None,
     rocksdb: RocksDBOptions | None = None, verify_checksums: bool = False, uncommitted_ok: bool = False,
+    store: S3SnapshotStore | None = None,
 ) -> MigrationResult:
     """Rewrite the last committed epoch's state for the ``proposed`` pipeline identity
-    (and ``num_shards``), under the pipeline's ``lease``; refused before the first
+    (and ``num_shards``, and into ``store``), under the pipeline's ``lease``; refused before the first
     epoch, and while an epoch is cut but not committed unless ``uncommitted_ok``
     (``rescale``'s rules)."""
     if not log.has_identity() or log.last_committed() == 0:
@@ -185,11 +187,11 @@ def migrate(
     shards = num_shards or current.num_shards
     if _without_layout(recorded) == _without_layout(proposed):  # already migrated (a re-run): renames are history
         return MigrationResult([], rescale(log, shards, lease, rocksdb, verify_checksums,
-                                           uncommitted_ok=uncommitted_ok))
+                                           uncommitted_ok=uncommitted_ok, store=store))
     migration = plan_migration(recorded, proposed, renames or {}, initial or {})
     conversion = migration if migration.changes else None
     return MigrationResult(migration.changes, rescale(log, shards, lease, rocksdb, verify_checksums, conversion,
-                                                      uncommitted_ok))
+                                                      uncommitted_ok, store))
 
 
 def _without_layout(identity: JsonObject) -> JsonObject:

@@ -15,7 +15,8 @@ builds each new shard from the old shards whose ranges overlap its own:
 
 The SSTs (``rocksdict.SstFileWriter``) are ingested into a fresh DB per new shard,
 which is checkpointed with file digests (``ShardStore.snapshot``) into
-``snapshots/<E>/rescale-<seq>-<attempt>/shard-NNNN``. The rescale commits with one
+``snapshots/<E>/rescale-<seq>-<attempt>/shard-NNNN``, and, with a snapshot store,
+uploaded to it as epoch E's shard under the rescale's attempt id. The rescale commits with one
 exclusive, atomic write of ``layouts/<seq>.json`` (the layout, the first epoch it
 applies to, the new snapshots and their digests). Before that file exists the old
 layout is in force and the attempt's directories are garbage (retention removes
@@ -52,6 +53,7 @@ from volley_dagster import faults
 from volley_dagster.checkpoint.epoch_log import EpochLog, LayoutChange
 from volley_dagster.checkpoint.lease import PipelineLease
 from volley_dagster.checkpoint.manifest import ShardSnapshot
+from volley_dagster.checkpoint.s3_snapshots import S3SnapshotStore
 from volley_dagster.errors import EpochOrderError, FencedError, StateLayoutError
 from volley_dagster.json_records import JsonObject
 from volley_dagster.operators import recorded_namespaces
@@ -107,6 +109,7 @@ class ValueConversion(Protocol):
 def rescale(
     log: EpochLog, num_shards: int, lease: PipelineLease, rocksdb: RocksDBOptions | None = None,
     verify_checksums: bool = False, conversion: ValueConversion | None = None, uncommitted_ok: bool = False,
+    store: S3SnapshotStore | None = None,
 ) -> RescaleResult:
     """Rewrite the last committed epoch's state into ``num_shards`` shards (and with a
     ``conversion``, into another operator's layout) and record the layout for the
@@ -115,7 +118,8 @@ def rescale(
     the old layout meanwhile, and a holder that lost or outlived its lease writes
     nothing. ``uncommitted_ok``: the caller checked that no sink holds an epoch cut
     after the last committed one, so no attempt of those epochs has written anything
-    that stays: they run in the new layout."""
+    that stays: they run in the new layout. ``store``: the pipeline's snapshot store,
+    which gets each new shard too, so executors on their own disks restore it there."""
     if not lease.held or lease.root != log.root.absolute():
         raise FencedError(f"rescaling {log.root}: the caller must hold the pipeline's lease of that root "
                           f"({'held for ' + str(lease.root) if lease.held else 'not held'})")
@@ -161,7 +165,11 @@ def rescale(
         totals = {"keys": 0, "keys_moved": 0, "pending_entries": 0, "pending_resident": 0, "bytes_written": 0}
         for shard in range(num_shards):
             info, counts = writer.build(shard, new, work_root / f"shard-{shard:04d}", snap_root / f"shard-{shard:04d}")
-            shards[shard] = ShardSnapshot.of(info).relative_to(log.root)
+            snapshot = ShardSnapshot.of(info)
+            if store is not None:  # under the rescale's own attempt id: the epoch's original manifests stay apart
+                store.upload(epoch, shard, info.path, attempt=attempt)
+                snapshot = ShardSnapshot.of(info, attempt=attempt, stored_remotely=True)
+            shards[shard] = snapshot.relative_to(log.root)
             for k, v in counts.items():
                 totals[k] += v
             totals["bytes_written"] += info.bytes_total

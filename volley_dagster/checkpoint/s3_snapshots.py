@@ -378,11 +378,13 @@ class S3SnapshotStore:
     def retain_committed(self, log: EpochLog, committed: int, keep: int,
                          before_delete: Callable[[str], None] | None = None) -> PruneResult:
         """Keep what the root keeps after ``committed``: the last ``keep`` committed epochs
-        and, within them, the attempts their manifests name, read now from the root's
+        and, within them, the attempts their state is read from (a rescale's, when one
+        rewrote the epoch; else those their manifests name), read now from the root's
         manifests (``EpochLog.retained_epochs``: never from a listing of this machine's
         disk, nor from a view taken before)."""
         retained = log.retained_epochs(committed, keep)
-        winners = {(e, s): entry.snapshot.attempt for e in retained for s, entry in log.committed_manifest(e).shards.items()}
+        # an epoch's state as it is read now: a rescale's rewrite where there is one
+        winners = {(e, s): snap.attempt for e in retained for s, snap in log.state_shards(e).items()}
         return self.prune(retained, winners, before_delete=before_delete)
 
     def retain(self, last_k: int) -> PruneResult:

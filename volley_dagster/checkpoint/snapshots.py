@@ -75,7 +75,8 @@ def on_this_machine(ref: SnapshotRef | None, store: S3SnapshotStore | None,
     if ref.remote_epoch is None:
         raise SnapshotError(
             f"snapshot {ref.path} of shard {ref.shard} is not on this machine and the snapshot store has no copy of "
-            "it (a rescale's rewrite is kept on the checkpoint root only)"
+            "it: a rescale or migration run without the snapshot store rewrote it on the checkpoint root only. Run "
+            "the next epoch where the checkpoint root is on disk (a local Spark); its snapshots go to the store again"
         )
     restored = store.restore(ref.remote_epoch, ref.shard, Path(cache_root), attempt=ref.remote_attempt)
     try:

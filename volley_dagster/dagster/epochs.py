@@ -38,6 +38,7 @@ from volley_dagster.dagster.resources import CheckpointResource, SparkResource, 
 from volley_dagster.dagster.runs import FAILURE_KIND, PIPELINE_TAG, pipeline_pool, recovery_decision
 from volley_dagster.deploy import Deployment, TableSettings
 from volley_dagster.errors import is_retryable
+from volley_dagster.recovery import RecoveryDecision
 from volley_dagster.settings import RunSettings
 from volley_dagster.verify import CheckOutcome, check_freshness, check_latest_snapshot, check_sink
 
@@ -263,14 +264,16 @@ def check_fields(outcome: CheckOutcome) -> CheckFields:
             "metadata": outcome.metadata}
 
 
-def check_progress(instance: DagsterInstance, runner: EpochRunner, deployment: Deployment) -> CheckOutcome:
+def check_progress(instance: DagsterInstance, runner: EpochRunner, deployment: Deployment,
+                   decision: Optional[RecoveryDecision] = None) -> CheckOutcome:
     """Fails when the earliest uncommitted epoch failed permanently (a person must act),
-    or transiently in ``backoff.alert_after`` runs since the last commit (retries go on)."""
+    or transiently in ``backoff.alert_after`` runs since the last commit (retries go on).
+    ``decision``: the recovery decision the caller made this moment, if it made one."""
     committed, cut = runner.committed_epoch(), runner.log.last_cut()
     if committed == cut:
         return CheckOutcome("epochs_progress", True, f"every cut epoch is committed (the last is {committed})",
                             {"committed_epoch": committed, "failed_runs": 0})
-    decision = recovery_decision(instance, runner, deployment)
+    decision = decision or recovery_decision(instance, runner, deployment)
     return CheckOutcome(
         "epochs_progress", not decision.alert,
         f"epoch {committed + 1} (of {cut} cut) is not committed; {decision.reason}",

@@ -28,17 +28,20 @@ def pipeline_pool(name: str) -> str:
 
 
 def pool_runs(instance: DagsterInstance, pipeline: str, statuses: list[DagsterRunStatus],
-              limit: Optional[int] = None, created_after: Optional[float] = None) -> list[RunRecord]:
-    """Runs of the pipeline, newest first, whoever launched them: Dagster tags each run
-    it creates in a pool with it; runs of the pipeline's jobs (sensor, schedule, rescale,
-    in-process ones too) carry the pipeline's run tag."""
-    after = datetime.fromtimestamp(created_after, timezone.utc) if created_after is not None else None
+              limit: Optional[int] = None, created_after: Optional[float] = None,
+              created_before: Optional[float] = None, oldest_first: bool = False) -> list[RunRecord]:
+    """Runs of the pipeline, newest first (or ``oldest_first``), whoever launched them:
+    Dagster tags each run it creates in a pool with it; runs of the pipeline's jobs
+    (sensor, schedule, rescale, in-process ones too) carry the pipeline's run tag."""
+    after, before = (datetime.fromtimestamp(t, timezone.utc) if t is not None else None
+                     for t in (created_after, created_before))
     found: dict[str, RunRecord] = {}
     for tags in ({f".dagster/pool/{pipeline_pool(pipeline)}": "true"}, {PIPELINE_TAG: pipeline}):
-        for record in instance.get_run_records(RunsFilter(tags=tags, statuses=statuses, created_after=after), limit=limit):
+        runs = RunsFilter(tags=tags, statuses=statuses, created_after=after, created_before=before)
+        for record in instance.get_run_records(runs, limit=limit, ascending=oldest_first):
             found[record.dagster_run.run_id] = record
-    newest_first = sorted(found.values(), key=lambda r: r.create_timestamp, reverse=True)
-    return newest_first[:limit] if limit is not None else newest_first
+    ordered = sorted(found.values(), key=lambda r: r.create_timestamp, reverse=not oldest_first)
+    return ordered[:limit] if limit is not None else ordered
 
 
 def run_in_flight(instance: DagsterInstance, pipeline: str) -> Optional[str]:
@@ -120,12 +123,8 @@ def prune_history(instance: DagsterInstance, runner: EpochRunner, deployment: De
         instance.delete_dynamic_partition(partitions_name, key)
     kept_since = datetime.fromisoformat(runner.result(oldest_kept - 1).committed_at)  # later runs touched kept epochs
     ended = [DagsterRunStatus.SUCCESS, DagsterRunStatus.FAILURE, DagsterRunStatus.CANCELED]
-    runs: dict[str, RunRecord] = {}
-    for tags in ({f".dagster/pool/{pipeline_pool(deployment.name)}": "true"}, {PIPELINE_TAG: deployment.name}):
-        for record in instance.get_run_records(RunsFilter(tags=tags, statuses=ended, created_before=kept_since),
-                                               limit=PRUNED_PER_TICK, ascending=True):
-            runs[record.dagster_run.run_id] = record
-    doomed_runs = list(runs)[:PRUNED_PER_TICK]
+    doomed_runs = [r.dagster_run.run_id for r in pool_runs(instance, deployment.name, ended, limit=PRUNED_PER_TICK,
+                                                           created_before=kept_since.timestamp(), oldest_first=True)]
     for run_id in doomed_runs:
         instance.delete_run(run_id)
     return len(doomed), len(doomed_runs)

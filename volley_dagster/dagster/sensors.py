@@ -75,6 +75,7 @@ from volley_dagster.dagster.runs import (
 )
 from volley_dagster.deploy import Deployment
 from volley_dagster.errors import VolleyError
+from volley_dagster.recovery import RecoveryDecision
 from volley_dagster.verify import CheckOutcome, check_freshness
 
 DATA_VERSION_TAG = "dagster/data_version"  # the tag an observation's data version travels in
@@ -196,9 +197,11 @@ def request_uncommitted(instance, runner: EpochRunner, deployment: Deployment, n
     return [range_request(deployment, first, last, run_key=key)], None, decision
 
 
-def _progress_event(instance, runner: EpochRunner, deployment: Deployment, reported: Optional[bool]):
-    """The epochs_progress check, when its verdict changed since ``reported``."""
-    progress = check_progress(instance, runner, deployment)
+def _progress_event(instance, runner: EpochRunner, deployment: Deployment, reported: Optional[bool],
+                    decision: Optional[RecoveryDecision]):
+    """The epochs_progress check, when its verdict changed since ``reported``
+    (``decision``: the tick's recovery decision, when it made one)."""
+    progress = check_progress(instance, runner, deployment, decision)
     return progress.passed, ([check_evaluation(PipelineKeys.of(deployment), progress)] if progress.passed != reported else [])
 
 
@@ -243,7 +246,7 @@ def epoch_sensor(deployment: Deployment, job):
         if decision is not None and decision.failures and requests:
             context.log.info(decision.reason)
         _prune(context, runner, deployment)
-        progress, reported = _progress_event(context.instance, runner, deployment, cursor["progress"])
+        progress, reported = _progress_event(context.instance, runner, deployment, cursor["progress"], decision)
         events += reported
         freshness = check_freshness(runner, freshness_bound_s(deployment), now, backlog)
         if freshness.passed != cursor["fresh"]:

@@ -87,7 +87,7 @@ class SinkCommitResult:
     position: SinkPosition = field(default_factory=SinkPosition)
     counts: dict[str, int] = field(default_factory=dict)
     seconds: float | None = None
-    lineage: str | None = None  # the checkpoint root that committed it
+    lineage: str | None = None  # the id of the checkpoint lineage that committed it
     sink_epoch: int | None = None  # the number the sink stores (``CommitContext.sink_epoch``)
 
     def to_dict(self) -> JsonObject:
@@ -97,7 +97,9 @@ class SinkCommitResult:
     @classmethod
     def from_dict(cls, d: JsonObject) -> SinkCommitResult:
         position = SinkPosition(**{k: v for k, v in d.items() if k in _POSITION_KEYS})
-        counts = {k: int(v) for k, v in d.items() if k not in _POSITION_KEYS | _RESULT_KEYS}
+        # the rest are the sink's row counts; a field a later version adds (not a count) is not one
+        counts = {k: v for k, v in d.items() if k not in _POSITION_KEYS | _RESULT_KEYS
+                  and isinstance(v, int) and not isinstance(v, bool)}
         return cls(position=position, counts=counts, **{k: v for k, v in d.items() if k in _RESULT_KEYS})
 
 
