@@ -7,16 +7,20 @@ from __future__ import annotations
 
 import json
 import signal
+import uuid
 
 import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
+from confluent_kafka import Consumer, TopicPartition
 
 from tests.engine.test_crash_recovery import run_until_killed
 from tests.helpers import channels, log_records
-from volley_dagster import EpochRunner, FileLog, ParquetSink, Pipeline, RunSettings, count
-from volley_dagster.demo.events import generate
+from volley_dagster import EpochRunner, FileLog, ParquetSink, Pipeline, RunSettings, count, sum_
+from volley_dagster.demo.events import EVENT_SCHEMA, generate
+from volley_dagster.demo.kafka import produce_events
+from volley_dagster.sources.kafka import KafkaSource
 
 PER_FILE, KEYS = 1_000, 300
 
@@ -96,3 +100,33 @@ def test_killed_mid_read_resumes_reading_both_recorded_ranges_not_what_landed_si
     got = runner.read_state().to_pandas().sort_values("merchant_id").reset_index(drop=True)
     pd.testing.assert_frame_equal(got[["merchant_id", "total", "events", "largest"]], reference(everything),
                                   check_exact=False, rtol=1e-9)
+
+
+def test_a_file_log_and_a_kafka_topic_are_cut_together(spark, kafka, tmp_path):
+    """One source of each kind: the topic's offsets and the log's files in one recorded
+    range per epoch; the topic's consumer group learns the topic's own end offsets."""
+    topic = f"store-{uuid.uuid4().hex[:8]}"
+    generate(tmp_path / "web", 2, PER_FILE, KEYS)
+    produce_events(kafka.bootstrap_servers, topic, 2, PER_FILE, KEYS, seed=8)
+    store = KafkaSource(topic, kafka.bootstrap_servers, EVENT_SCHEMA, commit_group=f"volley-{topic}")
+    pipeline = (Pipeline("mixed").sources({"web": FileLog(tmp_path / "web"), "store": store})
+                .key_by("merchant_id").aggregate(total=sum_("amount"), events=count()).sink(ParquetSink(tmp_path / "out")))
+    runner = EpochRunner(pipeline, tmp_path / "state", RunSettings(max_records_per_epoch=1_500), spark=spark)
+    results = runner.run_available()
+    assert sum(r.records_in for r in results) == 4 * PER_FILE
+    first = runner.log.offsets(1)
+    parts = {name: pipeline.source_log.range_of(name, first).records for name in ("web", "store")}
+    assert parts["web"] == 750 and 700 < parts["store"] <= 750  # the budget shared; a topic splits its share by partition
+    everything = pa.concat_tables([log_records(2, PER_FILE, KEYS), log_records(2, PER_FILE, KEYS, seed=8)]).to_pandas()
+    state = runner.read_state().to_pandas().set_index("merchant_id").sort_index()
+    expected = everything.groupby("merchant_id")["amount"].agg(["sum", "size"])
+    assert (state["events"] == expected["size"]).all()
+    pd.testing.assert_series_equal(state["total"], expected["sum"], check_names=False, rtol=1e-9)
+    ends = {p.split("/", 1)[1]: pos.offset for p, pos in runner.log.offsets(runner.committed_epoch()).end.items()
+            if p.startswith("store/")}
+    group = Consumer({"bootstrap.servers": kafka.bootstrap_servers, "group.id": f"volley-{topic}"})
+    try:
+        committed = group.committed([TopicPartition(topic, int(p)) for p in ends], timeout=10)
+        assert {str(tp.partition): tp.offset for tp in committed} == ends
+    finally:
+        group.close()
