@@ -15,7 +15,7 @@ from deltalake import DeltaTable
 
 from tests.sinks.commit_worker import epoch_output, race
 from tests.sinks.helpers import PIPELINE, ROWS, ctx, frame, reference
-from volley_dagster.errors import SinkCommitError, is_retryable
+from volley_dagster.errors import ConfigError, SinkCommitError, is_retryable
 from volley_dagster.io.s3 import S3Endpoint
 from volley_dagster.sinks.base import CommitContext, SinkCommitResult, SinkPosition
 from volley_dagster.sinks.delta import DeltaSink
@@ -170,3 +170,17 @@ def test_a_commit_the_table_refuses_is_a_sink_commit_error_naming_sink_table_and
         sink.commit(wrong, ctx(2))
     assert err.value.__cause__ is not None and "volley" not in type(err.value.__cause__).__module__
     assert sink.committed_epoch(PIPELINE) == 1 and is_retryable(err.value)
+
+
+def test_an_epoch_column_holds_the_epoch_that_last_wrote_each_row(tmp_path: Path) -> None:
+    sink = DeltaSink(str(tmp_path / "table"), mode="upsert", epoch_column="written_in")
+    outputs = {epoch: epoch_output(epoch, ROWS) for epoch in (1, 2)}
+    for epoch, output in outputs.items():
+        sink.commit(output, ctx(epoch))
+    rows = sink.read().to_pandas().set_index("merchant_id")["written_in"]
+    last_written = {k: epoch for epoch, out in outputs.items() for k in out.column("merchant_id").to_pylist()}
+    assert rows.to_dict() == {k: f"{e:010d}" for k, e in last_written.items()}  # the Dagster partition key
+    assert sink.location().epoch_column == "written_in"
+    clash = DeltaSink(str(tmp_path / "other"), epoch_column="total")
+    with pytest.raises(ConfigError, match="epoch_column 'total' is already an output column"):
+        clash.commit(epoch_output(1, ROWS), ctx(1))

@@ -32,7 +32,9 @@ DagsterMetadata = dict[str, Any]
 def sink_location(sink: Sink) -> DagsterMetadata:
     """Where the table lives, under Dagster's metadata conventions."""
     location = sink.location()
-    shown = {"dagster/uri": location.uri, "dagster/table_name": location.table_name, "mode": location.mode}
+    shown = {"dagster/uri": location.uri, "dagster/table_name": location.table_name, "mode": location.mode,
+             # the column a Dagster IO manager filters an epoch's partition on (``TableSink.epoch_column``)
+             "partition_expr": location.epoch_column}
     return {k: v for k, v in shown.items() if v is not None}
 
 

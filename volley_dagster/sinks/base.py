@@ -130,12 +130,14 @@ class SinkHistory:
 @dataclass(frozen=True)
 class SinkLocation:
     """Where a sink's table lives, as an orchestrator shows it: its kind ("delta",
-    "iceberg", ...), a URI or a catalog table name, and its write mode."""
+    "iceberg", ...), a URI or a catalog table name, its write mode, and the column that
+    holds each row's epoch when it writes one."""
 
     kind: str
     uri: str | None = None
     table_name: str | None = None
     mode: str | None = None
+    epoch_column: str | None = None
 
 
 class Sink(ABC):

@@ -55,7 +55,10 @@ class DeltaSink(TableSink[DeltaTable]):
     for running aggregates. The table is created on the first commit with the
     output's schema; ``uri`` is a local path or ``s3://`` (pass ``s3`` or
     ``storage_options``). ``on_foreign_lineage``: what to do when the table holds the
-    pipeline's epochs from another checkpoint lineage (``sinks/lineage.py``)."""
+    pipeline's epochs from another checkpoint lineage (``sinks/lineage.py``).
+    ``epoch_column``: a string column holding the epoch that wrote each row (an upsert
+    row: the last that changed it) as its Dagster partition key, so that a team's
+    per-epoch asset reads one epoch's rows through ``dagster-deltalake``'s IO manager."""
 
     conflicts = (CommitFailedError,)
     process_local = ("_table",)  # a loaded DeltaTable is process-local
@@ -71,8 +74,9 @@ class DeltaSink(TableSink[DeltaTable]):
         s3: S3Endpoint | None = None,
         max_attempts: int = 10,
         on_foreign_lineage: ForeignLineage = "fail",
+        epoch_column: str | None = None,
     ) -> None:
-        super().__init__(name, mode, key_columns, max_attempts, on_foreign_lineage)
+        super().__init__(name, mode, key_columns, max_attempts, on_foreign_lineage, epoch_column)
         self.uri = table_uri(uri)
         self.storage_options = {**(s3.delta_storage_options() if s3 else {}), **(storage_options or {})}
         self.partition_by = list(partition_by) if partition_by else None
@@ -222,7 +226,7 @@ class DeltaSink(TableSink[DeltaTable]):
         return pa.table({}) if table is None else table.to_pyarrow_table()
 
     def location(self) -> SinkLocation:
-        return SinkLocation("delta", uri=self.uri, mode=self.mode)
+        return SinkLocation("delta", uri=self.uri, mode=self.mode, epoch_column=self.epoch_column)
 
     def describe(self) -> JsonObject:
         return {**super().describe(), "uri": self.uri, "mode": self.mode,

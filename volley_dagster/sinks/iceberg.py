@@ -116,8 +116,9 @@ class IcebergSink(TableSink[Table]):
         catalog_name: str = "volley",
         max_attempts: int = 10,
         on_foreign_lineage: ForeignLineage = "fail",
+        epoch_column: str | None = None,
     ) -> None:
-        super().__init__(name, mode, key_columns, max_attempts, on_foreign_lineage)
+        super().__init__(name, mode, key_columns, max_attempts, on_foreign_lineage, epoch_column)
         self.identifier = table
         self.namespace, self.table_name = split_identifier(table)
         self.catalog_properties = catalog_properties(catalog, path, s3, "IcebergSink")
@@ -280,7 +281,8 @@ class IcebergSink(TableSink[Table]):
         return pa.table({}) if table is None else table.scan().to_arrow()
 
     def location(self) -> SinkLocation:
-        return SinkLocation("iceberg", table_name=self.identifier, mode=self.mode)
+        return SinkLocation("iceberg", table_name=self.identifier, mode=self.mode,
+                            epoch_column=self.epoch_column)
 
     def describe(self) -> JsonObject:
         return {**super().describe(), "table": self.identifier, "mode": self.mode,

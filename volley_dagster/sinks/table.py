@@ -28,6 +28,7 @@ from typing import ClassVar, Generic, Literal, TypeVar
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from volley_dagster.checkpoint.epoch_archive import epoch_key
 from volley_dagster.errors import ConfigError, SinkCommitError, VolleyError
 from volley_dagster.sinks.base import CommitContext, Sink, SinkCommitResult, SinkPosition, SinkWrite, upsert_keys
 from volley_dagster.sinks.lineage import ForeignLineage, SinkMark, check_choice
@@ -45,7 +46,7 @@ class TableSink(Sink, Generic[Table]):
     process_local: ClassVar[tuple[str, ...]] = ()  # cached clients and tables: reopened where the sink is used
 
     def __init__(self, name: str, mode: Mode, key_columns: tuple[str, ...] | list[str] | None,
-                 max_attempts: int, on_foreign_lineage: ForeignLineage) -> None:
+                 max_attempts: int, on_foreign_lineage: ForeignLineage, epoch_column: str | None = None) -> None:
         if mode not in ("append", "upsert"):
             raise ConfigError(f"{type(self).__name__} mode must be 'append' or 'upsert', not {mode!r}")
         if max_attempts < 1:
@@ -55,6 +56,7 @@ class TableSink(Sink, Generic[Table]):
         self.key_columns = tuple(key_columns) if key_columns else None
         self.max_attempts = max_attempts
         self.on_foreign_lineage = check_choice(name, on_foreign_lineage)
+        self.epoch_column = epoch_column
 
     def __getstate__(self) -> dict[str, object]:
         return {**self.__dict__, **{attr: None for attr in self.process_local}}
@@ -110,7 +112,7 @@ class TableSink(Sink, Generic[Table]):
 
     def commit(self, output: pa.Table, ctx: CommitContext) -> SinkCommitResult:
         keys = upsert_keys(self, self.mode, self.key_columns, ctx)
-        output, expired = _split_expired(output, ctx.expiry_column, keys)
+        output, expired = _split_expired(_with_epoch(output, self.epoch_column, ctx.epoch), ctx.expiry_column, keys)
         conflicts, lost_to = 0, None
         for _ in range(self.max_attempts):
             try:
@@ -160,6 +162,16 @@ class TableSink(Sink, Generic[Table]):
     def describe_target(self) -> str:
         location = self.location()
         return f"{location.kind} {location.uri or location.table_name}"
+
+
+def _with_epoch(output: pa.Table, column: str | None, epoch: int) -> pa.Table:
+    """The rows tagged with the epoch that wrote them (an upsert row: the last that
+    changed it), as its Dagster partition key, which a per-epoch reader filters on."""
+    if column is None:
+        return output
+    if column in output.column_names:
+        raise ConfigError(f"epoch_column {column!r} is already an output column; name it otherwise")
+    return output.append_column(pa.field(column, pa.string()), pa.repeat(pa.scalar(epoch_key(epoch)), output.num_rows))
 
 
 def _split_expired(output: pa.Table, expiry_column: str | None, keys: tuple[str, ...]) -> tuple[pa.Table, pa.Table]:
