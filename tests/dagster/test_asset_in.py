@@ -12,7 +12,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.compute as pc
 from dagster import AssetIn, AssetKey, Definitions, FilesystemIOManager, asset, define_asset_job
-from dagster_deltalake import DeltaLakePyArrowIOManager, LocalConfig
+from dagster_deltalake import DeltaLakePyarrowIOManager, LocalConfig
 from deltalake import DeltaTable
 
 from tests.dagster.conftest import build_location
@@ -48,7 +48,7 @@ def test_a_partitioned_team_asset_reads_each_epochs_rows_through_the_delta_io_ma
 
     with ExitStack() as stack:
         ours, instance, base = build_location(deployment, tmp_path, stack)
-        reader = DeltaLakePyArrowIOManager(root_uri=str(base / "tables"), storage_options=LocalConfig())
+        reader = DeltaLakePyarrowIOManager(root_uri=str(base / "tables"), storage_options=LocalConfig())
         theirs = Definitions(assets=[epoch_summary], jobs=[define_asset_job("team_summary_job", [epoch_summary])],
                              resources={"delta_reader": reader,
                                         "io_manager": FilesystemIOManager(base_dir=str(base / "team_io"))})
