@@ -7,12 +7,16 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from volley_dagster.checkpoint.epoch_log import EpochLog
 from volley_dagster.checkpoint.lease import current_holder
+from volley_dagster.errors import ConfigError
 from volley_dagster.settings import RunSettings
 from volley_dagster.sinks import DeltaSink, IcebergSink
+
+if TYPE_CHECKING:
+    from volley_dagster.checkpoint.s3_snapshots import S3SnapshotStore
 
 
 def _human(n: float) -> str:
@@ -215,6 +219,24 @@ def inspect_root(args: argparse.Namespace) -> int:
     return 0
 
 
+def snapshot_store(args: argparse.Namespace, pipeline: str) -> S3SnapshotStore | None:
+    """The pipeline's snapshot store, as ``CheckpointResource.snapshot_store`` names it
+    (``<uri>/<pipeline>``), so that executors on their own disks find a rewrite there;
+    the credentials are boto3's usual environment variables."""
+    if not args.snapshot_store:
+        return None
+    from volley_dagster.checkpoint.s3_snapshots import S3SnapshotStore
+    from volley_dagster.io.s3 import S3Endpoint
+
+    endpoint = None
+    if args.s3_endpoint:
+        missing = [v for v in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY") if not os.environ.get(v)]
+        if missing:
+            raise ConfigError(f"--s3-endpoint needs {' and '.join(missing)} set in the environment")
+        endpoint = S3Endpoint(args.s3_endpoint, os.environ["AWS_ACCESS_KEY_ID"], os.environ["AWS_SECRET_ACCESS_KEY"])
+    return S3SnapshotStore(f"{args.snapshot_store.rstrip('/')}/{pipeline}", endpoint)
+
+
 def rescale_root(args: argparse.Namespace) -> int:
     """Rewrite the last committed epoch's state into ``--shards`` shards, from the
     checkpoint root alone (no pipeline code, no Spark), holding the pipeline's lease:
@@ -229,7 +251,7 @@ def rescale_root(args: argparse.Namespace) -> int:
         name = log.identity().get("pipeline", "") if log.has_identity() else ""
         with PipelineLease(root, owner=f"volley rescale (pid {os.getpid()})", wait_s=args.wait, pipeline=name,
                            on_wait=lambda message: print(f"volley rescale: {message}", file=sys.stderr)) as lease:
-            result = rescale(log, args.shards, lease)
+            result = rescale(log, args.shards, lease, store=snapshot_store(args, name))
     except VolleyError as exc:
         print(f"volley rescale: {exc}", file=sys.stderr)
         return 1
@@ -303,7 +325,8 @@ def migrate_root(args: argparse.Namespace) -> int:
     try:
         renames = dict(_pair(r, "--rename", "OLD=NEW") for r in args.rename)
         initial = {k: float(v) for k, v in (_pair(i, "--initial", "NAME=0") for i in args.initial)}
-        runner = EpochRunner(pipeline, Path(args.checkpoint_root))
+        runner = EpochRunner(pipeline, Path(args.checkpoint_root),
+                             RunSettings(snapshot_store=snapshot_store(args, pipeline.name)))
         result = runner.migrate(pipeline, renames=renames, initial=initial, num_shards=args.shards)
     except (VolleyError, ValueError) as exc:
         print(f"volley migrate: {exc}", file=sys.stderr)
@@ -317,6 +340,14 @@ def _pair(text: str, flag: str, form: str) -> tuple[str, str]:
     if not sep or not name or not value:
         raise ValueError(f"{flag} takes {form}, got {text!r}")
     return name, value
+
+
+def _store_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--snapshot-store", metavar="s3://BUCKET/PREFIX",
+                        help="the pipelines' snapshot store (as CheckpointResource.snapshot_store_uri): the rewrite is "
+                             "uploaded there too, for executors that keep snapshots on their own disks")
+    parser.add_argument("--s3-endpoint", metavar="URL", help="with --snapshot-store: an S3-compatible endpoint "
+                        "(credentials from AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -359,6 +390,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--shards", type=int, required=True, help="the new number of shards (1..key groups)")
     r.add_argument("--wait", type=float, default=120.0,
                    help="seconds to wait for the pipeline's lease while a run holds it (default 120)")
+    _store_options(r)
     r.set_defaults(func=rescale_root)
     m = sub.add_parser("migrate", help="rewrite a checkpoint root's last committed state for a changed pipeline; "
                                        "the next epoch runs it")
@@ -368,6 +400,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--initial", action="append", default=[], metavar="NAME=0",
                    help="an added sum_ starts from 0 for existing keys (default: null)")
     m.add_argument("--shards", type=int, default=None, help="also rescale to this many shards")
+    _store_options(m)
     m.set_defaults(func=migrate_root)
     s = sub.add_parser("state", help="the state at a retained epoch as a table, the changes between two, or an "
                                      "export to Delta").add_subparsers(dest="action", required=True)

@@ -17,6 +17,7 @@ from tests.conftest import BUCKET
 from tests.helpers import assert_state_equal, log_records, payments, reference_state
 from volley_dagster import EpochRunner
 from volley_dagster.checkpoint.s3_snapshots import S3SnapshotStore
+from volley_dagster.cli import main
 from volley_dagster.demo.events import generate
 from volley_dagster.errors import SnapshotStorageError, StorageFullError
 from volley_dagster.settings import RunSettings
@@ -141,22 +142,32 @@ def test_a_driver_without_local_snapshots_keeps_s3_whole_across_empty_epochs(spa
     assert_state_equal(runner.read_state(), reference_state(log_records(files + 1, PER_FILE, KEYS)))
 
 
+@pytest.mark.parametrize("by", ["api", "cli"])
 def test_a_rescale_uploads_its_rewrite_so_executors_on_their_own_disks_restore_it(spark, seaweedfs: SeaweedFS,
-                                                                                     tmp_path):
-    """The rewrite of a rescale goes to the store as the rescaled epoch's shards (its own
-    attempt id); the next epoch's tasks restore it from there when the checkpoint root's
-    copy is not on their disk, and retention keeps the rewrite while the epoch is kept."""
+                                                                                     tmp_path, monkeypatch, by):
+    """The rewrite of a rescale (``runner.rescale``, or ``volley rescale --snapshot-store``)
+    goes to the store as the rescaled epoch's shards (its own attempt id); the next
+    epoch's tasks restore it from there when the checkpoint root's copy is not on their
+    disk, and retention keeps the rewrite while the epoch is kept."""
     generate(tmp_path / "events", FILES, PER_FILE, KEYS)
-    store = S3SnapshotStore(f"s3://{BUCKET}/rescale-{uuid.uuid4().hex[:8]}", seaweedfs.s3)
+    prefix = f"s3://{BUCKET}/rescale-{uuid.uuid4().hex[:8]}"
+    store = S3SnapshotStore(f"{prefix}/payments", seaweedfs.s3)  # as CheckpointResource names a pipeline's
     runner = runner_for(tmp_path, spark, store)
     runner.run_next(), runner.run_next()
-    result = runner.rescale(5)
+    if by == "api":
+        result = runner.rescale(5).describe()
+    else:
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", seaweedfs.s3.access_key_id)
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", seaweedfs.s3.secret_access_key)
+        assert main(["rescale", str(runner.log.root), "--shards", "5", "--snapshot-store", prefix,
+                     "--s3-endpoint", seaweedfs.s3.endpoint_url]) == 0
+        result = "volley rescale"
     rewrite = runner.log.state_shards(2)
     assert len(rewrite) == 5 and all(s.stored_remotely and s.attempt for s in rewrite.values())
     assert {store.manifest(2, shard, snap.attempt).shard for shard, snap in rewrite.items()} == set(range(5))
     shutil.rmtree(runner.log.root / "snapshots")  # an executor's view: nothing of the root on its disk
     third = runner.run_next()  # restores the 5 rewritten shards from S3
-    assert len(third.shards) == 5 and all(s.download is not None for s in third.shards.values()), result.describe()
+    assert len(third.shards) == 5 and all(s.download is not None for s in third.shards.values()), result
     assert_state_equal(runner.read_state(2), reference_state(log_records(2, PER_FILE, KEYS)))  # the rewrite, kept
     fourth = runner.run_next()
     assert fourth.epoch == 4
