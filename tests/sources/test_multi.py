@@ -35,7 +35,7 @@ def test_each_cut_records_a_range_of_every_source_shared_fairly(tmp_path):
     generate(tmp_path / "store", 1, 100, 10, first_file=1, seed=8)  # one source moves on alone
     third = sources.cut(3, second.end, 1_000)
     assert {s.partition for s in third.segments} == {"store/"} and third.records == 100
-    assert sources.backlog(second.end).records == 100 and sources.backlogs(second.end)["web"].records == 0
+    assert sources.backlog(second.end).records == 100 and sources.backlog(second.end).parts["web"].records == 0
 
 
 def test_a_segment_is_read_by_its_source_in_the_columns_of_all(tmp_path):

@@ -80,13 +80,13 @@ def source_parts(log: Source) -> dict[Optional[str], Source]:
     return parts
 
 
-def source_backlogs(runner: EpochRunner, backlog: Backlog) -> dict[Optional[str], Backlog]:
-    """``backlog`` (the pipeline's, as ``runner.backlog()`` gives it) per source."""
-    log = runner.pipeline.source_log
-    if not isinstance(log, MultiSource):
-        return {None: backlog}
-    last = runner.log.last_cut()
-    return {name: waiting for name, waiting in log.backlogs(runner.log.offsets(last).end if last else {}).items()}
+def source_backlogs(backlog: Backlog) -> dict[Optional[str], Backlog]:
+    """``backlog`` (the pipeline's, as ``runner.backlog()`` gives it) per source: the
+    parts of several sources read as one, else the one (None)."""
+    parts: dict[Optional[str], Backlog] = {None: backlog}
+    if backlog.parts:
+        parts = {name: waiting for name, waiting in backlog.parts.items()}
+    return parts
 
 
 def source_observation(runner: EpochRunner, backlog: Backlog, now: float, part: Optional[str] = None) -> DagsterMetadata:

@@ -234,7 +234,7 @@ def epoch_sensor(deployment: Deployment, job):
             return SensorResult(skip_reason=_cannot_cut(context, deployment, exc), cursor=context.cursor)
         keys = PipelineKeys.of(deployment)
         observed = {part: source_observation(runner, waiting, now, part)
-                    for part, waiting in source_backlogs(runner, backlog).items()}
+                    for part, waiting in source_backlogs(backlog).items()}
         seen = _observation_digest({f"{part}:{k}": v for part, md in observed.items() for k, v in md.items()})
         events: list = ([source_changed(runner, keys, part, md) for part, md in observed.items()]
                         if seen != cursor.get("observed") else [])

@@ -106,16 +106,15 @@ class MultiSource(Source):
             end.update({f"{name}{SEPARATOR}{p}": pos for p, pos in part.end.items()})
         return EpochRange(epoch, start, end, tuple(segments))
 
-    def backlogs(self, after: Mapping[str, SourcePosition]) -> dict[str, Backlog]:
-        split = self.split(after)
-        return {name: source.backlog(split[name]) for name, source in self.parts.items()}
-
     def backlog(self, after: Mapping[str, SourcePosition]) -> Backlog:
-        parts = self.backlogs(after)
+        """What waits in all of them, and in each (``parts``: the sensor observes each)."""
+        split = self.split(after)
+        parts = {name: source.backlog(split[name]) for name, source in self.parts.items()}
         oldest = [b.oldest_written_at for b in parts.values() if b.oldest_written_at]
         return Backlog(sum(b.records for b in parts.values()), sum(b.files for b in parts.values()),
                        min(oldest) if oldest else None,
-                       {f"{name}{SEPARATOR}{p}": n for name, b in parts.items() for p, n in b.per_partition.items()})
+                       {f"{name}{SEPARATOR}{p}": n for name, b in parts.items() for p, n in b.per_partition.items()},
+                       parts)
 
     def verify(self, rng: EpochRange) -> None:
         for name, source in self.parts.items():

@@ -194,6 +194,7 @@ class Backlog:
     files: int = 0  # the files holding them (a Kafka topic: the partitions)
     oldest_written_at: float | None = None
     per_partition: dict[str, int] = field(default_factory=dict)  # records waiting, where a source tells (Kafka lag)
+    parts: dict[str, Backlog] = field(default_factory=dict)  # several sources read as one: each one's
 
     def oldest_age_s(self, now: float) -> float:
         """How long the oldest waiting record has waited (0 when nothing waits)."""
