@@ -31,7 +31,6 @@ from volley_dagster.dagster.metadata import (
     code_references,
     epoch_metadata,
     sink_location,
-    source_parts,
     state_preview,
 )
 from volley_dagster.dagster.resources import CheckpointResource, SparkResource, TablesResource
@@ -119,7 +118,7 @@ def epoch_assets(deployment: Deployment, spec_settings: TableSettings) -> list:
             metadata={"dagster/uri": log.uri, **log.describe(), **code},
             group_name=pipeline.name, owners=owners, tags=tags,
         )
-        for name, log in source_parts(pipeline.source_log).items()
+        for name, log in pipeline.source_log.parts().items()
     ]
     dimensions = [
         AssetSpec(

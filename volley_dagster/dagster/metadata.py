@@ -21,8 +21,6 @@ from volley_dagster.dagster.keys import PipelineKeys
 from volley_dagster.deploy import Deployment
 from volley_dagster.operators.event_time import describe_event_time
 from volley_dagster.sinks import Sink, SinkCommitResult
-from volley_dagster.sources.base import Source
-from volley_dagster.sources.multi import MultiSource
 from volley_dagster.sources.offsets import Backlog
 
 # What Dagster shows on an asset: a MetadataValue, or a raw value it wraps (free-form, by its nature)
@@ -71,15 +69,6 @@ def _cell(value: Any) -> str:
     return text.replace("|", "\\|")
 
 
-def source_parts(log: Source) -> dict[Optional[str], Source]:
-    """The sources a pipeline reads, each its own asset: a ``MultiSource``'s by name,
-    else the one (None)."""
-    parts: dict[Optional[str], Source] = {None: log}
-    if isinstance(log, MultiSource):
-        parts = {name: source for name, source in log.parts.items()}
-    return parts
-
-
 def source_backlogs(backlog: Backlog) -> dict[Optional[str], Backlog]:
     """``backlog`` (the pipeline's, as ``runner.backlog()`` gives it) per source: the
     parts of several sources read as one, else the one (None)."""
@@ -94,11 +83,7 @@ def source_observation(runner: EpochRunner, backlog: Backlog, now: float, part: 
     ``backlog``), as numbers that plot: one observation per sensor tick."""
     committed, cut = runner.committed_epoch(), runner.log.last_cut()
     log = runner.pipeline.source_log
-    ranges = [runner.log.offsets(e) for e in range(committed + 1, cut + 1)]
-    if part is not None:
-        assert isinstance(log, MultiSource)
-        ranges = [log.range_of(part, r) for r in ranges]
-    in_cut_epochs = sum(r.records for r in ranges)
+    in_cut_epochs = sum(log.range_of(part, runner.log.offsets(e)).records for e in range(committed + 1, cut + 1))
     return {
         "records_waiting": MetadataValue.int(backlog.records),  # not yet in an epoch
         "records_uncommitted": MetadataValue.int(backlog.records + in_cut_epochs),
@@ -114,10 +99,9 @@ def event_time_value(micros: int) -> MetadataValue:
     """A timestamp, which the UI shows in the viewer's zone; one a datetime cannot hold
     (a wild record moved the watermark there) as its text, so showing it never fails."""
     try:
-        datetime.fromtimestamp(micros / 1e6, tz=timezone.utc)
+        return MetadataValue.timestamp(datetime.fromtimestamp(micros / 1e6, tz=timezone.utc))
     except (OverflowError, ValueError, OSError):
         return MetadataValue.text(describe_event_time(micros))
-    return MetadataValue.timestamp(micros / 1e6)
 
 
 def code_references(deployment: Deployment) -> dict[str, CodeReferencesMetadataValue]:

@@ -63,7 +63,6 @@ from volley_dagster.dagster.metadata import (
     epoch_metadata,
     source_backlogs,
     source_observation,
-    source_parts,
 )
 from volley_dagster.dagster.resources import CheckpointResource, TablesResource
 from volley_dagster.dagster.runs import (
@@ -119,7 +118,7 @@ def source_changed(runner: EpochRunner, keys: PipelineKeys, part: Optional[str],
     """A source asset's observation (``part``: one of several sources, or None): what
     waits, what it holds, and its data version (which changes when data lands), as an
     observable source asset would report it."""
-    now = source_parts(runner.pipeline.source_log)[part].snapshot()
+    now = runner.pipeline.source_log.parts()[part].snapshot()
     return AssetObservation(asset_key=keys.source_part(part), metadata={**now.metadata, **observed},
                             tags={DATA_VERSION_TAG: now.version})
 

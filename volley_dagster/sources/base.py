@@ -82,6 +82,15 @@ class Source(ABC):
         Best effort: the epoch log, not this, is where the pipeline resumes."""
         return None  # a file log has nothing to tell
 
+    def parts(self) -> dict[str | None, Source]:
+        """The sources this one reads, each shown as its own asset: by name for several
+        read as one (``sources/multi.py``); a single source is its one, unnamed part."""
+        return {None: self}
+
+    def range_of(self, name: str | None, rng: EpochRange) -> EpochRange:
+        """Part ``name``'s share of a recorded range (a single source's: all of it)."""
+        return rng
+
     @abstractmethod
     def snapshot(self) -> SourceSnapshot:
         """The source as its Dagster asset shows it."""

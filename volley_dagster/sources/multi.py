@@ -37,19 +37,19 @@ class MultiSource(Source):
         for name in sources:
             if not _NAME.match(name):
                 raise ConfigError(f"source name {name!r}: use a letter, then letters, digits or '_' (max 64)")
-        self.parts = dict(sources)
+        self.sources = dict(sources)
         self.source_column = source_column
-        self.uri = ", ".join(f"{name}={source.uri}" for name, source in self.parts.items())
+        self.uri = ", ".join(f"{name}={source.uri}" for name, source in self.sources.items())
         self._schema: pa.Schema | None = None
 
     def describe(self) -> JsonObject:
         return {"type": "sources", "source_column": self.source_column,
-                "sources": {name: source.describe() for name, source in self.parts.items()}}
+                "sources": {name: source.describe() for name, source in self.sources.items()}}
 
     def schema(self) -> pa.Schema:
         if self._schema is None:
             fields: dict[str, tuple[str, pa.Field]] = {}
-            for name, source in self.parts.items():
+            for name, source in self.sources.items():
                 for f in source.schema():
                     seen = fields.setdefault(f.name, (name, f))
                     if not seen[1].type.equals(f.type):
@@ -68,18 +68,24 @@ class MultiSource(Source):
 
     def split(self, positions: Mapping[str, SourcePosition]) -> dict[str, dict[str, SourcePosition]]:
         """``<source>/<partition>`` positions back into each source's own."""
-        parts: dict[str, dict[str, SourcePosition]] = {name: {} for name in self.parts}
+        parts: dict[str, dict[str, SourcePosition]] = {name: {} for name in self.sources}
         for key, pos in positions.items():
             name, sep, partition = key.partition(SEPARATOR)
             if not sep or name not in parts:
-                raise SourceError(f"position {key!r} names no source of {sorted(self.parts)}; was the pipeline's "
+                raise SourceError(f"position {key!r} names no source of {sorted(self.sources)}; was the pipeline's "
                                   "set of sources changed? A checkpoint root reads the sources it started with")
             parts[name][partition] = pos
         return parts
 
-    def range_of(self, name: str, rng: EpochRange) -> EpochRange:
+    def parts(self) -> dict[str | None, Source]:
+        return {name: source for name, source in self.sources.items()}
+
+    def range_of(self, name: str | None, rng: EpochRange) -> EpochRange:
         """Source ``name``'s part of a combined range, in its own partition names (the
-        segments keep their combined ids, which the records' positions are built on)."""
+        segments keep their combined ids, which the records' positions are built on);
+        None: all of it."""
+        if name is None:
+            return rng
         prefix = name + SEPARATOR
         own = lambda d: {p[len(prefix):]: pos for p, pos in d.items() if p.startswith(prefix)}  # noqa: E731
         segments = tuple(replace(s, partition=s.partition[len(prefix):]) for s in rng.segments
@@ -91,14 +97,14 @@ class MultiSource(Source):
         """Each source's range from where it stopped, at most ``max_records`` together,
         shared fairly between the sources (a quiet one leaves its share to the others)."""
         split = self.split(after)
-        quota: dict[str, int | None] = dict.fromkeys(self.parts)
+        quota: dict[str, int | None] = dict.fromkeys(self.sources)
         if max_records is not None:
-            waiting = {name: source.available_records(split[name]) for name, source in self.parts.items()}
+            waiting = {name: source.available_records(split[name]) for name, source in self.sources.items()}
             quota = dict(fair_shares(waiting, max_records))
         segments: list[Segment] = []
         start: dict[str, SourcePosition] = {}
         end: dict[str, SourcePosition] = {}
-        for name, source in self.parts.items():
+        for name, source in self.sources.items():
             part = source.cut(epoch, split[name], quota[name], final)
             for seg in part.segments:
                 segments.append(replace(seg, id=len(segments), partition=f"{name}{SEPARATOR}{seg.partition}"))
@@ -109,7 +115,7 @@ class MultiSource(Source):
     def backlog(self, after: Mapping[str, SourcePosition]) -> Backlog:
         """What waits in all of them, and in each (``parts``: the sensor observes each)."""
         split = self.split(after)
-        parts = {name: source.backlog(split[name]) for name, source in self.parts.items()}
+        parts = {name: source.backlog(split[name]) for name, source in self.sources.items()}
         oldest = [b.oldest_written_at for b in parts.values() if b.oldest_written_at]
         return Backlog(sum(b.records for b in parts.values()), sum(b.files for b in parts.values()),
                        min(oldest) if oldest else None,
@@ -117,11 +123,11 @@ class MultiSource(Source):
                        parts)
 
     def verify(self, rng: EpochRange) -> None:
-        for name, source in self.parts.items():
+        for name, source in self.sources.items():
             source.verify(self.range_of(name, rng))
 
     def committed(self, rng: EpochRange) -> None:
-        for name, source in self.parts.items():
+        for name, source in self.sources.items():
             source.committed(self.range_of(name, rng))
 
     # -- reading (in Spark tasks) ------------------------------------------------------------
@@ -130,7 +136,7 @@ class MultiSource(Source):
         """The segment read by its own source, in that source's columns, then laid out in
         the combined ones: nulls where the source has no such column."""
         name, _, partition = seg.partition.partition(SEPARATOR)
-        source = self.parts[name]
+        source = self.sources[name]
         table = source.read_segment(replace(seg, partition=partition), source.schema(), epoch)
         columns = []
         for f in schema:
@@ -144,6 +150,6 @@ class MultiSource(Source):
         return pa.table(columns + [table.column(n) for n in meta], names=schema.names + meta)
 
     def snapshot(self) -> SourceSnapshot:
-        parts = {name: source.snapshot() for name, source in self.parts.items()}
+        parts = {name: source.snapshot() for name, source in self.sources.items()}
         return SourceSnapshot(str(sorted((name, s.version) for name, s in parts.items())),
                               {f"{name}_{k}": v for name, s in parts.items() for k, v in s.metadata.items()})
