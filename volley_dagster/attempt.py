@@ -154,7 +154,7 @@ class EpochAttempt:
     def _stage(self, plan: PlannedEpoch, merge: ShardMerge) -> StageResult:
         before = self.start.previous
         due = next_due([s.operator.figures for s in before.shards.values()]) if before is not None else None
-        stage = run_stage(self.spark, self.pipeline, self.rng, plan, merge, self.start.watermark,
+        stage = run_stage(self.spark, self.pipeline, self.rng, plan, merge, self.start.watermarks,
                           self.rng.end_of_stream, due)
         if stage.side.dead_letters.num_rows and self.pipeline.bad_records == "fail":
             raise MalformedRecordError(_describe_bad(self.epoch, stage.side.dead_letters, self.pipeline.quote_bad_records))
@@ -190,6 +190,7 @@ class EpochAttempt:
             sinks=sinks,
             durations=self.durations,
             watermark=stage.watermark,
+            input_watermarks=stage.input_watermarks,
             late_records=stage.side.late.num_rows if stage.side.late is not None else 0,
             figures=stage.figures,
             end_of_stream=rng.end_of_stream,

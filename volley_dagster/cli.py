@@ -72,6 +72,7 @@ def describe_checkpoints(root: Path) -> str:
 def demo(args: argparse.Namespace) -> int:
     from volley_dagster import EpochRunner
     from volley_dagster.demo.payments import local_tables, merchant_minutes_pipeline, payments_pipeline
+    from volley_dagster.demo.refunds import refunds_pipeline
 
     work = Path(args.workdir).absolute()
     generate_events(args)
@@ -84,6 +85,7 @@ def demo(args: argparse.Namespace) -> int:
     print("\ncheckpoint layout:")
     print(describe_checkpoints(runner.log.root))
     demo_windows(merchant_minutes_pipeline(work / "events", tables, shards=args.shards), work, args, runner.spark)
+    demo_join(refunds_pipeline(work / "streams", tables, shards=args.shards), work, args, runner.spark)
     print(f"\nnext: './dev dagster' serves the Dagster UI at http://127.0.0.1:3000 over {work}; "
           f"'.venv/bin/volley generate --workdir {args.workdir}' appends events for its sensor to cut")
     return 0
@@ -181,6 +183,22 @@ def demo_windows(pipeline, work: Path, args: argparse.Namespace, spark) -> None:
           f"{runner.read_state().num_rows:,} still open")
 
 
+def demo_join(pipeline, work: Path, args: argparse.Namespace, spark) -> None:
+    """Payments joined with their refunds within 30 minutes: pairs, payments never refunded, late refunds."""
+    from volley_dagster import EpochRunner
+
+    runner = EpochRunner(pipeline, work / "state" / pipeline.name, RunSettings(max_records_per_epoch=args.max_records, keep_epochs=args.keep), spark=spark)
+    print(f"\n{pipeline.name}: payments joined with their refunds within 30 minutes (left outer, "
+          "each side's watermark 1 minute behind its latest event, the join's the lesser)")
+    print(f"{'epoch':>5} {'records':>9} {'pairs':>7} {'unrefunded':>10} {'late':>5} {'waiting':>8} {'seconds':>8}")
+    for r in runner.run_available():
+        waiting = r.figures.get("join_left_rows", 0) + r.figures.get("join_right_rows", 0)
+        print(f"{r.epoch:>5} {r.records_in:>9,} {r.figures.get('join_pairs', 0):>7,} "
+              f"{r.figures.get('join_unmatched', 0):>10,} {r.late_records:>5} {waiting:>8,} {r.durations['total']:>8.2f}")
+    joined = pipeline.sinks[0]
+    print(f"Delta table {joined.uri} (upsert by payment and both row ids): {joined.read().num_rows:,} rows")
+
+
 def _generate(args: argparse.Namespace) -> int:
     generate_events(args)
     return 0
@@ -188,11 +206,16 @@ def _generate(args: argparse.Namespace) -> int:
 
 def generate_events(args: argparse.Namespace) -> None:
     from volley_dagster.demo.events import generate
+    from volley_dagster.demo.refunds import write_refund_logs
 
     events = Path(args.workdir).absolute() / "events"
     existing = len(list(events.glob("events-*.parquet"))) if events.exists() else 0
     files = generate(events, args.files, args.records_per_file, args.keys, first_file=existing, seed=args.seed)
     print(f"appended {len(files)} files of {args.records_per_file:,} payment events to {events}")
+    streams = Path(args.workdir).absolute() / "streams"
+    written = len(list((streams / "payments").glob("*.parquet"))) if (streams / "payments").exists() else 0
+    write_refund_logs(streams, args.files, args.records_per_file, args.keys, first_file=written, seed=args.seed)
+    print(f"appended {args.files} files of payments and of their refunds to {streams}")
 
 
 def spark_connect(args: argparse.Namespace) -> int:

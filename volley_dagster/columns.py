@@ -22,3 +22,7 @@ DEDUP_KEY = "_volley_dkey"  # deduplication: a record's key over the ``on`` colu
 DEDUP_TIME = "_volley_dtime"  # its event time in microseconds
 DUPLICATE = "_volley_dup"  # deduplication's verdict: the record repeats a key kept before it
 DEDUP_LATE = "_volley_dlate"  # and: the record is late (event time + within at or before the epoch's starting watermark)
+JOIN_SIDE = "_volley_jside"  # an interval join: which side a row is on (0 left, 1 right)
+JOIN_TIME = "_volley_jtime"  # its event time in microseconds, from its side's column
+JOIN_ROW = "_volley_jrow"  # its side's columns as one JSON text (operators/join_rows.py)
+SOURCE = "_volley_source"  # which source of several a record came from, when the pipeline names no column for it

@@ -79,6 +79,12 @@ class AggregateOverflowError(VolleyError):
     fails naming the aggregate, the keys and the epoch."""
 
 
+class StateLimitError(VolleyError):
+    """An operator's state would grow past the bound its pipeline set (a join's
+    ``max_state_rows``): the epoch fails, committing nothing, and the message says how
+    to size the bound."""
+
+
 class SnapshotError(VolleyError):
     """A state snapshot is missing, pruned or does not match its manifest."""
 

@@ -14,12 +14,14 @@ from typing import Callable, Literal, TypeVar
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 
+from volley_dagster import columns
 from volley_dagster.dimensions.base import DimensionTable, Enrichment, How
 from volley_dagster.errors import ConfigError
 from volley_dagster.operators.accumulators import Accumulator
 from volley_dagster.operators.aggregate import Aggregate
 from volley_dagster.operators.dedup import Deduplication, UniqueRecords
 from volley_dagster.operators.event_time import Duration, EventTime, duration_us
+from volley_dagster.operators.join import IntervalJoin, JoinHow, signed_duration_us
 from volley_dagster.operators.ttl import DEFAULT_MAX_RESIDENT_ENTRIES, EXPIRED, StateTtl
 from volley_dagster.operators.window import WindowedAggregate, Windowing, Windows
 from volley_dagster.sinks.base import Sink
@@ -42,6 +44,7 @@ class Pipeline:
     operator_given: Aggregate | None = None
     windowing: Windowing | None = None
     dedup: Deduplication | None = None
+    joining: IntervalJoin | None = None
     sinks: tuple[Sink, ...] = ()
     bad_records: BadRecordPolicy = "fail"
     quote_bad_records: bool = True
@@ -68,7 +71,7 @@ class Pipeline:
     def only_deduplicates(self) -> bool:
         """``deduplicate(...)`` with no key_by, aggregate or window after it: its sinks get the kept records."""
         return (self.dedup is not None and self.key_given is None and self.operator_given is None
-                and self.windowing is None)
+                and self.windowing is None and self.joining is None)
 
     @property
     def operator(self) -> Aggregate:
@@ -213,7 +216,59 @@ class Pipeline:
         )
         return replace(self, windowing=windowing)
 
-    def stateful_operator(self) -> Aggregate | WindowedAggregate | UniqueRecords:
+    def join(
+        self,
+        *,
+        left: str,
+        right: str,
+        on: str,
+        left_time: str,
+        right_time: str,
+        between: tuple[Duration, Duration],
+        how: JoinHow = "inner",
+        max_out_of_orderness: Duration = "0 seconds",
+        max_event_time_skew: Duration | None = None,
+        left_columns: list[str] | None = None,
+        right_columns: list[str] | None = None,
+        max_state_rows: int | None = None,
+    ) -> Pipeline:
+        """Join two of the pipeline's sources (``sources({...})``) on ``on``, by event
+        time: a ``left`` row at ``left_time`` tl and a ``right`` row at ``right_time`` tr
+        match when ``tl + between[0] <= tr <= tl + between[1]``, e.g.
+        ``between=("-10 minutes", "+30 minutes")``. Each pair is emitted once;
+        ``how="left"`` (``"right"``, ``"full"``) also emits each row of that side that
+        never matched, with nulls, once the watermark (the latest event time of both
+        sides less ``max_out_of_orderness``) passes the last time it could have. Rows
+        wait in state until then; records at or before the watermark are late (counted,
+        written to the epoch's late records). Each side carries its own source's
+        columns (``left_columns=``/``right_columns=`` choose); a name both have is
+        prefixed with its source's name. ``max_state_rows``: per shard, the epoch
+        fails instead of holding more rows. The rules: ``volley_dagster.operators.join``."""
+        sources = self.source_given
+        if not isinstance(sources, MultiSource):
+            raise ConfigError(f"pipeline {self.name!r}: join(...) joins two of the pipeline's sources; read them with "
+                              "sources({...}) first, e.g. sources({'orders': FileLog(...), 'payments': FileLog(...)})")
+        unknown = [name for name in (left, right) if name not in sources.sources]
+        if unknown or len(sources.sources) != 2:
+            raise ConfigError(f"pipeline {self.name!r}: join(left={left!r}, right={right!r}) must name the pipeline's "
+                              f"two sources; it reads {sorted(sources.sources)}")
+        if sources.source_column is None:  # the join must know each record's side
+            sources = MultiSource(sources.sources, columns.SOURCE)
+        lower, upper = (signed_duration_us(b, "join(between=...)") for b in between)
+        joining = IntervalJoin(
+            left, right, on, left_time, right_time, lower, upper, how, sources.source_column or columns.SOURCE,
+            duration_us(max_out_of_orderness, "max_out_of_orderness"),
+            None if max_event_time_skew is None else duration_us(max_event_time_skew, "max_event_time_skew"),
+            None if left_columns is None else tuple(left_columns), None if right_columns is None else tuple(right_columns),
+            max_state_rows, sources)
+        return replace(self, source_given=sources, key_given=on, joining=joining)
+
+    def stateful_operator(self) -> Aggregate | WindowedAggregate | UniqueRecords | IntervalJoin:
+        if self.joining is not None:
+            if self.operator_given is not None or self.windowing is not None or self.dedup is not None:
+                raise ConfigError(f"pipeline {self.name!r}: join(...) is the pipeline's stateful operator: its pairs "
+                                  "go to the sinks; it does not combine with aggregate(), window() or deduplicate()")
+            return self.joining
         if self.only_deduplicates:
             assert self.dedup is not None
             return UniqueRecords(self.dedup)
@@ -252,7 +307,16 @@ class Pipeline:
         if self.only_deduplicates:
             assert self.dedup is not None
             return self.dedup.on
+        if self.joining is not None:
+            return (self.key_column, *self.joining.row_ids)
         return (self.key_column, "window_start") if self.windowing is not None else (self.key_column,)
+
+    def state_keys(self) -> tuple[str, ...] | None:
+        """The columns that identify one row of ``read_state`` (None: its first column, a
+        deduplication's remembered key)."""
+        if self.only_deduplicates:
+            return None
+        return (self.key_column, "source", "row") if self.joining is not None else self.output_keys()
 
     def sink(self, sink: Sink) -> Pipeline:
         if any(s.name == sink.name for s in self.sinks):
@@ -273,7 +337,7 @@ class Pipeline:
 
     def validate(self) -> None:
         required: list[tuple[str, object]] = [("source(...)", self.source_given)]
-        if not self.only_deduplicates:
+        if self.joining is None and not self.only_deduplicates:
             required += [("key_by(...)", self.key_given), ("aggregate(...)", self.operator_given)]
         missing = [what for what, value in required if value is None]
         if missing:

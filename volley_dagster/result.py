@@ -33,6 +33,7 @@ class EpochResult:
     durations: dict[str, float]
     dead_letter_path: str | None = None
     watermark: int | None = None  # windows, event-time TTL: event time (microseconds) the next epoch starts from
+    input_watermarks: dict[str, int] = field(default_factory=dict)  # a join: each side's; ``watermark`` is the least
     late_records: int = 0  # (record, window) pairs whose window had closed, records an event-time TTL refused
     late_records_path: str | None = None
     # the operator's figures (``epoch_figures``: keys_expired, duplicates, dedup_late,

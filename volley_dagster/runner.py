@@ -236,8 +236,6 @@ class EpochRunner:
         from its snapshots (without modifying them): each key's aggregate, or for windows
         every open window (key, window_start, window_end, aggregates). For state too big
         for the driver, ``state_tables().at(epoch)`` reads it in Spark tasks. A pipeline
-        that only deduplicates: the keys it remembers."""
+        that only deduplicates: the keys it remembers; a join: the rows waiting on each side."""
         epoch = self.log.last_committed() if epoch is None else epoch
-        # a pipeline that only deduplicates holds its remembered keys, one column
-        keys = None if self.pipeline.only_deduplicates else self.pipeline.output_keys()
-        return read_state(self.log, epoch, self.settings.reading, keys)
+        return read_state(self.log, epoch, self.settings.reading, self.pipeline.state_keys())

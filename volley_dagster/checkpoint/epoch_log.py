@@ -52,6 +52,7 @@ from volley_dagster.result import EpochResult
 from volley_dagster.sinks.lineage import Lineage, SinkBinding
 from volley_dagster.sources.offsets import EpochRange
 from volley_dagster.state.keys import ShardLayout
+from volley_dagster.watermarks import Watermarks
 
 LAYOUT_VERSION = 1
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]+:$")  # "s3:" is what pathlib leaves of "s3://bucket"
@@ -137,6 +138,13 @@ class EpochStart:
     def watermark(self) -> int | None:
         """The event time N starts from (windows, event-time TTL, deduplication)."""
         return self.previous.watermark if self.previous is not None else None
+
+    @property
+    def watermarks(self) -> Watermarks:
+        """The watermark N starts from, with each input's own (a join's sides)."""
+        if self.previous is None:
+            return Watermarks()
+        return Watermarks(self.previous.watermark, dict(self.previous.input_watermarks))
 
 
 class EpochLog:

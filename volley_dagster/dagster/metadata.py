@@ -145,6 +145,8 @@ def epoch_metadata(keys: PipelineKeys, pipeline: Pipeline, result: EpochResult,
     if result.watermark is not None:  # event time: windows, event-time TTL
         state["watermark"] = event_time_value(result.watermark)
         state["late_records"] = MetadataValue.int(result.late_records)
+    for name, mark in sorted(result.input_watermarks.items()):  # a join: each side's; the join's is the least
+        state[f"watermark_{name}"] = event_time_value(mark)
     # the operator's own: keys_expired (state TTL), duplicates and dedup_late, windows_fired, ...
     state.update({name: MetadataValue.int(n) for name, n in sorted(result.figures.items())})
     if result.duplicates_path is not None:  # the records the operator dropped, and why

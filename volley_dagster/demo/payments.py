@@ -44,10 +44,10 @@ def payments_pipeline(events: str | Path | Source, tables: TableSettings, shards
 
 
 def payments_deployment(events: str | Path | Source) -> Deployment:
-    return _demo_deployment("payments", lambda tables: payments_pipeline(events, tables))
+    return demo_deployment("payments", lambda tables: payments_pipeline(events, tables))
 
 
-def _demo_deployment(name: str, build: Callable[[TableSettings], Pipeline]) -> Deployment:
+def demo_deployment(name: str, build: Callable[[TableSettings], Pipeline]) -> Deployment:
     """Under Dagster: the sensor runs from the start, on every loop of the Dagster
     daemon (every 5 s; an interval of exactly 5 s would alias to every other loop, 10 s),
     and cuts an epoch as soon as any event waits, for fresh tables; a
@@ -71,4 +71,4 @@ def merchant_minutes_pipeline(events: str | Path, tables: TableSettings, shards:
 
 
 def merchant_minutes_deployment(events: str | Path) -> Deployment:
-    return _demo_deployment("merchant_minutes", lambda tables: merchant_minutes_pipeline(events, tables))
+    return demo_deployment("merchant_minutes", lambda tables: merchant_minutes_pipeline(events, tables))

@@ -13,6 +13,8 @@ from volley_dagster.operators.dedup import (
     ResolvedUniqueRecords,
     dedup_namespaces,
 )
+from volley_dagster.operators.join import JOIN_NAMESPACES, IntervalJoin, ResolvedJoin
+from volley_dagster.operators.join_rows import RowCodec
 from volley_dagster.operators.ttl import StateTtl, with_ttl_namespaces
 from volley_dagster.operators.window_state import WINDOW_NAMESPACES
 
@@ -22,6 +24,8 @@ def recorded_namespaces(layout: JsonObject) -> StateNamespaces:
     recorded (``pipeline.json``): for tools that have no pipeline (``volley rescale``)."""
     if "unique_records" in layout:
         return StateNamespaces((SEEN_NS, SEEN_BY_DEADLINE_NS))
+    if "join" in layout:
+        return JOIN_NAMESPACES
     if "windowing" in layout:
         namespaces = WINDOW_NAMESPACES
     else:
@@ -39,6 +43,9 @@ def recorded_operator(layout: JsonObject) -> StatefulOperator:
 
     if "unique_records" in layout:
         return ResolvedUniqueRecords(Deduplication.recorded(layout["dedup"]))
+    if "join" in layout:
+        join = IntervalJoin.recorded(layout)
+        return ResolvedJoin(join, RowCodec((), ()), RowCodec((), ()), ((), ()))
     kinds: dict[str, type[acc.Accumulator]] = {
         c.__name__: c for c in (acc.Count, acc.Sum, acc.Min, acc.Max, acc.Mean, acc.First, acc.Last)
     }

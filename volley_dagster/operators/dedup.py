@@ -85,7 +85,7 @@ from volley_dagster.state.transaction import ShardTransaction
 
 # a key over several columns: every value exactly (microseconds, in UTC whatever the
 # session's time zone), and a null as a null, so equal keys and only they match
-_EXACT_JSON = {"timestampFormat": "yyyy-MM-dd'T'HH:mm:ss.SSSSSSXXX", "timestampNTZFormat": "yyyy-MM-dd'T'HH:mm:ss.SSSSSS",
+EXACT_JSON = {"timestampFormat": "yyyy-MM-dd'T'HH:mm:ss.SSSSSSXXX", "timestampNTZFormat": "yyyy-MM-dd'T'HH:mm:ss.SSSSSS",
                "timeZone": "UTC", "ignoreNullFields": "false"}
 SEEN_NS, SEEN_BY_DEADLINE_NS = 7, 8  # ns | key group | key -> event time; ns | key group | deadline | key
 DUPLICATES = "duplicates"  # the epoch's figures: records dropped as duplicates,
@@ -149,7 +149,7 @@ class Deduplication:
                 return F.col(self.on[0]).cast("long"), "int"
             if isinstance(kind, T.StringType):
                 return F.col(self.on[0]), "str"
-        return F.to_json(F.struct(*[F.col(c) for c in self.on]), options=_EXACT_JSON), "str"
+        return F.to_json(F.struct(*[F.col(c) for c in self.on]), options=EXACT_JSON), "str"
 
     @property
     def key_name(self) -> str:

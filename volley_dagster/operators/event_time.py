@@ -29,6 +29,7 @@ from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
 from volley_dagster.errors import ConfigError
+from volley_dagster.watermarks import Watermarks
 
 Duration = str | timedelta
 
@@ -85,8 +86,17 @@ class EventTime:
                 f"got {schema[column].dataType.simpleString()}"
             )
 
+    def column(self) -> Column:
+        """Each record's event time (a join takes each side's from its own column)."""
+        return F.col(self.time_column)
+
+    @property
+    def shown(self) -> str:
+        """How errors and dead letters name the event time."""
+        return repr(self.time_column)
+
     def event_us(self) -> Column:
-        return F.unix_micros(F.col(self.time_column).cast("timestamp"))
+        return F.unix_micros(self.column().cast("timestamp"))
 
     def event_time_bound(self, watermark: int | None, cut_at_us: int | None) -> int | None:
         """The latest event time an epoch believes: ``max_event_time_skew`` past the wall
@@ -101,6 +111,15 @@ class EventTime:
             return None
         anchor = cut_at_us if cut_at_us is not None else watermark
         return None if anchor is None else anchor + self.max_skew_us
+
+    def maxima(self, valid_time: Column) -> dict[str, Column]:
+        """What the side-output job observes of the epoch's valid event times (microseconds):
+        their maximum; per input for a clock of several."""
+        return {"": F.max(valid_time)}
+
+    def advance_all(self, previous: Watermarks, maxima: dict[str, int | None]) -> Watermarks:
+        """The watermarks after an epoch whose observed ``maxima`` are these."""
+        return Watermarks(self.advance(previous.value, maxima.get("")))
 
     def advance(self, previous: int | None, max_event_us: int | None) -> int | None:
         """The watermark after an epoch whose latest event time is ``max_event_us``."""

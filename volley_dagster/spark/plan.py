@@ -73,7 +73,7 @@ def plan_epoch(spark: SparkSession, pipeline: Pipeline, rng: EpochRange, pins: d
     now, for a plan that never runs); ``verified``: tables whose pin was checked already."""
     source = pipeline.source_log
     schema = source.schema()
-    reserved = [n for n in schema.names if n.startswith("_volley_")]
+    reserved = [n for n in schema.names if n.startswith("_volley_") and n != columns.SOURCE]
     if reserved:
         raise ConfigError(f"source columns {reserved} use the engine's reserved prefix _volley_")
     read = read_range(spark, source, rng, schema)

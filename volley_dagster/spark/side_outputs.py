@@ -58,7 +58,7 @@ class EpochSideOutputs:
         self._watermark, self._bound = watermark, bound
         self._found: pa.Table | None = None  # the job's rows, positions not yet resolved
         self._late_columns: list[str] = []
-        self.max_event_us: int | None = None  # event time: the latest believable event time of the epoch
+        self.maxima: dict[str, int | None] = {}  # event time: the latest believable one of the epoch (per input)
 
     def valid_rows(self) -> DataFrame:
         """The rows state sees: none of ``_bad_records``. One filter per condition, which
@@ -76,7 +76,9 @@ class EpochSideOutputs:
             self._found = _side_output_frame(plan, self._pipeline, late, self._bound, latest).toArrow()
         self._late_columns = late.columns if late is not None else []
         if latest is not None:
-            self.max_event_us = latest.get[_MAX_EVENT]
+            observed = latest.get
+            assert plan.event_time is not None
+            self.maxima = {name: observed[f"{_MAX_EVENT}{name}"] for name in plan.event_time.maxima(F.lit(0))}
 
     @property
     def bad_records(self) -> int:
@@ -113,11 +115,10 @@ def _bad_records(plan: PlannedEpoch, pipeline: Pipeline, bound: int | None) -> l
         bad.append((F.col(columns.DEDUP_KEY).isNull(), plan.dedup.describe_null()))
     clock = plan.event_time
     if clock is not None:
-        column = clock.time_column
-        bad.append((F.col(column).isNull(), f"null event time: {column!r} is null"))
+        bad.append((clock.column().isNull(), f"null event time: {clock.shown} is null"))
         if bound is not None:
             bad.append((clock.event_us() > F.lit(bound),
-                        f"event time beyond max_event_time_skew: {column!r} is later than {describe_event_time(bound)} "
+                        f"event time beyond max_event_time_skew: {clock.shown} is later than {describe_event_time(bound)} "
                         "(the wall clock when the epoch was cut plus the skew)"))
     return bad
 
@@ -141,7 +142,8 @@ def _dead_letter_frame(plan: PlannedEpoch, pipeline: Pipeline, bound: int | None
     if latest is not None:
         assert plan.event_time is not None
         valid_time = F.when(F.col(_REASON).isNull(), plan.event_time.event_us())
-        tagged = tagged.observe(latest, F.max(valid_time).alias(_MAX_EVENT))
+        maxima = plan.event_time.maxima(valid_time)
+        tagged = tagged.observe(latest, *[m.alias(f"{_MAX_EVENT}{name}") for name, m in maxima.items()])
     bad = tagged.where(F.col(_REASON).isNotNull()).select(
         pos.alias(columns.POS), F.col(_REASON).alias("reason"), F.to_json(F.struct(*user_cols)).alias("raw"))
     if not plan.may_have_bad_records:  # a native Parquet read: every record parsed

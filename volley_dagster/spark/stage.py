@@ -36,8 +36,10 @@ from volley_dagster.spark.side_outputs import EpochSideOutputs, SideOutputs
 from volley_dagster.spark.task_errors import engine_errors
 from volley_dagster.spark.tasks import ShardMerge, attempt_id, snapshot_name, snapshot_upload
 from volley_dagster.state.store import SnapshotInfo, carry_forward
+from volley_dagster.watermarks import Watermarks
 
 __all__ = ["PlannedEpoch", "StageResult", "plan_epoch", "run_stage"]
+_NO_WATERMARK = Watermarks()
 
 @dataclass
 class StageResult:
@@ -47,6 +49,7 @@ class StageResult:
     read_transform_s: float
     state_stage_s: float
     watermark: int | None = None  # windows, event-time TTL: after this epoch, microseconds
+    input_watermarks: dict[str, int] = field(default_factory=dict)  # a join: each side's (``Watermarks``)
     enrichments: dict[str, EnrichmentRead] = field(default_factory=dict)  # per enrichment: version, unmatched records
     figures: dict[str, int] = field(default_factory=dict)  # the operator's (``epoch_figures``)
 
@@ -76,19 +79,20 @@ def run_stage(
     rng: EpochRange,
     plan: PlannedEpoch,
     merge: ShardMerge,
-    watermark: int | None = None,
+    watermarks: Watermarks = _NO_WATERMARK,
     end_of_stream: bool = False,
     expiry_next: int | None = None,
 ) -> StageResult:
-    """``watermark``: the one the epoch starts from (event time); ``expiry_next``: with
+    """``watermarks``: what the epoch starts from (event time); ``expiry_next``: with
     ``ttl_epochs``, the earliest deadline the previous epoch left (None: unknown). Each
     step takes the frame the previous one returned; the stage never asks which
     operator it has."""
     layout, operator, clock = pipeline.layout, plan.operator, plan.event_time
+    watermark = watermarks.value
     nothing_due = not operator.runs_without_records or (expiry_next is not None and expiry_next > merge.step.epoch)
     if not rng.segments and nothing_due and len(merge.previous) == layout.num_shards:
         carried = _carry_forward_stage(spark, pipeline, rng, plan, merge, expiry_next)
-        return replace(carried, watermark=watermark)
+        return replace(carried, watermark=watermark, input_watermarks=watermarks.inputs)
     bound = clock.event_time_bound(watermark, rng.cut_at_us) if clock is not None else None
     side = EpochSideOutputs(plan, pipeline, rng, watermark, bound)
     # A Python-decoded read is cached for the side-output job and the state stage to
@@ -100,7 +104,7 @@ def run_stage(
     pre: PreStepRun | None = None
     try:
         t0 = time.perf_counter()
-        new_watermark, kept = watermark, None
+        ends, kept = watermarks, None
         if plan.single_job:  # null keys ride along: they fold into one partial row, counted per shard
             assigned = operator.assign(plan.keyed)
             epoch_clock, step = StageClock(end_of_stream=end_of_stream), merge.step
@@ -114,9 +118,9 @@ def run_stage(
             if side.bad_records and pipeline.bad_records == "fail":
                 return StageResult(pa.table({}), side.resolve(), {}, time.perf_counter() - t0, 0.0)
             if clock is not None:
-                new_watermark = clock.advance(watermark, side.max_event_us)
-            epoch_clock = StageClock(watermark, new_watermark, end_of_stream)
-            step = replace(merge.step, watermark_before=watermark, watermark=new_watermark)
+                ends = clock.advance_all(watermarks, side.maxima)
+            epoch_clock = StageClock(watermark, ends.value, end_of_stream)
+            step = replace(merge.step, watermark_before=watermark, watermark=ends.value)
         routed, step = operator.shard_input(assigned, epoch_clock, step)
         partials = operator.partials(route_to_shards(routed, layout, kept))
         merge = replace(merge, step=step)
@@ -139,8 +143,8 @@ def run_stage(
         if pre is not None:
             pre.release()
     output = output.sort_by([(c, "ascending") for c in pipeline.output_keys()])
-    return StageResult(output, outputs, shards, t1 - t0, t2 - t1, new_watermark, plan.enrichment_reads(ran=True),
-                       figures)
+    return StageResult(output, outputs, shards, t1 - t0, t2 - t1, ends.value, ends.inputs,
+                       plan.enrichment_reads(ran=True), figures)
 
 
 def shard_entries(stats: list[str], epoch: int) -> dict[int, ShardEntry]:

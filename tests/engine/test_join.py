@@ -1,0 +1,168 @@
+"""The interval join on real Spark, RocksDB, Delta and Iceberg, over the demo's two logs
+(payments and refunds, ``volley_dagster/demo/refunds.py``): every epoch's rows equal
+``tests/join_reference.py`` fed the records the epoch recorded; files land in both logs
+between epochs and a rescale moves the waiting rows; a committed epoch re-run changes
+nothing; state, late records and both tables say the same; ``kill -9`` at the fault
+points, with both sources advancing, heals to what a clean run writes."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from deltalake import DeltaTable
+
+from tests.engine.test_crash_recovery import run_until_killed
+from tests.join_reference import JoinReference, Row
+from volley_dagster import EpochRunner, RunSettings
+from volley_dagster.columns import POS_OFFSET_BITS
+from volley_dagster.demo.payments import local_tables
+from volley_dagster.demo.refunds import refunds_pipeline, write_refund_logs
+from volley_dagster.errors import StateLimitError
+from volley_dagster.operators.event_time import duration_us
+from volley_dagster.sinks.iceberg import IcebergSink
+
+PER_FILE, MAX = 600, 700
+SIDES = {"payments": (0, "paid_at"), "refunds": (1, "refunded_at")}
+LEFT_COLUMNS, RIGHT_COLUMNS = ("merchant_id", "amount", "paid_at"), ("refund_amount", "refunded_at")
+
+
+def epoch_rows(runner: EpochRunner, events: Path, epoch: int) -> tuple[list[Row], dict[str, dict[str, object]]]:
+    """The records ``epoch`` recorded, as the reference takes them (rid: the engine's row
+    id, ``"<epoch>:<position>"``), and each one's columns by rid."""
+    rows: list[Row] = []
+    values: dict[str, dict[str, object]] = {}
+    for seg in runner.log.offsets(epoch).segments:
+        source = seg.partition.split("/")[0]
+        side, time_column = SIDES[source]
+        records = pq.read_table(events / source / seg.file).slice(seg.start, seg.records)
+        times = records.column(time_column).cast(pa.int64()).to_pylist()
+        for i, record in enumerate(records.to_pylist()):
+            rid = f"{epoch}:{(seg.id << POS_OFFSET_BITS) + i}"
+            rows.append((side, record["payment_id"], times[i], rid))
+            values[rid] = record
+    return rows, values
+
+
+def emitted(output: pa.Table) -> set[tuple[object, object, object]]:
+    return set(zip(*(output.column(c).to_pylist() for c in ("payment_id", "payments_row", "refunds_row")),
+                   strict=True))
+
+
+@pytest.mark.parametrize("how", ["left", "full"])
+def test_the_join_equals_the_reference_epoch_by_epoch(spark, tmp_path, how):
+    events = tmp_path / "events"
+    write_refund_logs(events, 3, PER_FILE)
+    pipeline = refunds_pipeline(events, local_tables(tmp_path / "tables"), shards=3, how=how)
+    runner = EpochRunner(pipeline, tmp_path / "state", RunSettings(max_records_per_epoch=MAX), spark=spark)
+    reference = JoinReference(0, duration_us("30 minutes", "upper"), how, duration_us("1 minute", "ooo"))
+    results, columns_of = [], {}
+    while True:
+        if len(results) == 2:
+            write_refund_logs(events, 2, PER_FILE, first_file=3)  # both logs advance between epochs
+        if len(results) == 3:
+            runner.rescale(4)  # the waiting rows move with their key groups
+        result = runner.run_next()
+        if result is None:
+            break
+        rows, values = epoch_rows(runner, events, result.epoch)
+        columns_of.update(values)
+        pairs, outer, late = reference.run(rows)
+        assert emitted(result.output) == pairs | outer, f"epoch {result.epoch}"
+        assert result.records_out == len(pairs) + len(outer)
+        assert (result.figures["join_pairs"], result.figures["join_unmatched"]) == (len(pairs), len(outer))
+        assert result.late_records == len(late), f"epoch {result.epoch}: late records"
+        assert (result.figures["join_left_rows"], result.figures["join_right_rows"]) == reference.held()
+        assert result.watermark == reference.watermark
+        assert result.input_watermarks == {"payments": reference.side_marks[0], "refunds": reference.side_marks[1]}
+        _carries_its_records_columns(result.output, columns_of)
+        if late:
+            written = runner.late_records(result.epoch)
+            assert written is not None
+            assert set(written.column("source").to_pylist()) <= {"payments", "refunds"}
+            assert written.num_rows == len(late)
+        results.append(result)
+    assert len(results) >= 5 and sum(r.records_in for r in results) == _log_size(events)
+    assert sum(r.late_records for r in results) > 0 and sum(r.figures["join_unmatched"] for r in results) > 0
+
+    waiting = runner.read_state()
+    assert set(zip(waiting.column("payment_id").to_pylist(), waiting.column("row").to_pylist(), strict=True)) == {
+        (row.key, row.rid) for row in reference.waiting}
+    everything = {row for r in results for row in emitted(r.output)}
+    delta = DeltaTable(str(tmp_path / "tables" / "delta" / "payment_refunds")).to_pyarrow_table()
+    assert emitted(delta) == everything and delta.num_rows == len(everything)  # upsert by key and both row ids
+    iceberg = next(s for s in pipeline.sinks if isinstance(s, IcebergSink)).read()
+    assert iceberg.num_rows == sum(r.records_out for r in results)
+
+    again = runner.run(results[2].epoch)  # committed: nothing runs, nothing is written
+    assert again.already_committed and again.records_out == results[2].records_out
+    assert DeltaTable(str(tmp_path / "tables" / "delta" / "payment_refunds")).to_pyarrow_table().num_rows == len(everything)
+
+
+def _carries_its_records_columns(output: pa.Table, columns_of: dict[str, dict[str, object]]) -> None:
+    """Each side's columns are those of the record its row id names (nulls for a missing side)."""
+    for row in output.to_pylist():
+        for id_column, names in (("payments_row", LEFT_COLUMNS), ("refunds_row", RIGHT_COLUMNS)):
+            record = columns_of.get(row[id_column]) if row[id_column] is not None else None
+            assert {n: row[n] for n in names} == {n: record[n] if record else None for n in names}, row
+
+
+def _log_size(events: Path) -> int:
+    return sum(pq.read_metadata(f).num_rows for f in events.rglob("*.parquet"))
+
+
+def test_a_join_refuses_to_hold_more_than_max_state_rows_and_commits_nothing(spark, tmp_path):
+    events = tmp_path / "events"
+    write_refund_logs(events, 1, PER_FILE)
+    bounded = refunds_pipeline(events, local_tables(tmp_path / "tables"), shards=2, max_state_rows=100)
+    runner = EpochRunner(bounded, tmp_path / "state", spark=spark)
+    with pytest.raises(StateLimitError, match=r"past max_state_rows=100; nothing was committed") as failure:
+        runner.run_next()
+    assert "'payments'" in str(failure.value) and "epoch 1 shard" in str(failure.value)
+    assert runner.committed_epoch() == 0
+    sized = refunds_pipeline(events, local_tables(tmp_path / "tables"), shards=2, max_state_rows=10_000)
+    result = EpochRunner(sized, tmp_path / "state", spark=spark).run_next()  # the same recorded range, now fits
+    assert result is not None and result.epoch == 1 and result.records_in == _log_size(events)
+
+
+@pytest.mark.parametrize(("point", "shard"), [("shard_after_snapshot", 1), ("after_sink_refunds", None)])
+def test_killed_mid_epoch_heals_to_a_clean_runs_tables(spark, tmp_path, point, shard):
+    """kill -9 in epoch 2 (a shard task after its snapshot; or the driver after the Delta
+    commit, before Iceberg and the manifest); files then land in both logs; the resumed
+    run and a clean run under the same schedule write the same tables."""
+    for run in ("crashed", "clean"):
+        write_refund_logs(tmp_path / run / "events", 3, PER_FILE)
+    crashed = run_until_killed(tmp_path / "crashed", point, 2, shard, kind="refunds", max_records=MAX)
+    assert crashed.returncode == -signal.SIGKILL, crashed.stderr[-3000:]
+
+    def runner(run: str) -> EpochRunner:
+        base = tmp_path / run
+        return EpochRunner(refunds_pipeline(base / "events", local_tables(base / "tables")), base / "state",
+                           RunSettings(max_records_per_epoch=MAX), spark=spark)
+
+    resumed = runner("crashed")
+    assert (resumed.committed_epoch(), resumed.log.last_cut()) == (1, 2)
+    clean = runner("clean")
+    clean.run_next(), clean.run_next()
+    for run in ("crashed", "clean"):
+        write_refund_logs(tmp_path / run / "events", 1, PER_FILE, first_file=3)
+    results = {"crashed": resumed.run_available(), "clean": clean.run_available()}
+    assert [r.epoch for r in results["crashed"]] == [2, *[r.epoch for r in results["clean"]]]
+    for run in ("crashed", "clean"):
+        assert runner(run).committed_epoch() == results["clean"][-1].epoch
+    tables = {run: _sorted(DeltaTable(str(tmp_path / run / "tables" / "delta" / "payment_refunds")).to_pyarrow_table())
+              for run in ("crashed", "clean")}
+    assert tables["crashed"].num_rows > 0 and tables["crashed"].equals(tables["clean"])
+    icebergs = {run: _sorted(next(s for s in runner(run).pipeline.sinks if isinstance(s, IcebergSink)).read())
+                for run in ("crashed", "clean")}
+    assert icebergs["crashed"].equals(icebergs["clean"])  # the crashed epoch's rows once, not twice
+    shutil.rmtree(tmp_path)
+
+
+def _sorted(table: pa.Table) -> pa.Table:
+    table = table.select(sorted(c for c in table.column_names if not c.startswith("_volley")))
+    return table.sort_by([(c, "ascending") for c in ("payment_id", "payments_row", "refunds_row")]).combine_chunks()

@@ -1,0 +1,152 @@
+"""The interval join's shard side without Spark, on a real RocksDB: random streams of
+both sides, cut into random epochs, each epoch folded by ``apply_join`` as a shard task
+does (late records left out, as the stage does) and compared with the record-by-record
+``tests/join_reference.py``: the pairs, the outer rows, the rows left waiting. Each
+epoch runs twice: its first attempt's transaction is dropped unflushed (the attempt
+died), and the retry must emit exactly the same rows."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import rocksdict
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pyspark.sql import types as T
+
+from tests.join_reference import JoinReference, Row
+from volley_dagster import columns
+from volley_dagster.errors import ConfigError, StateLimitError
+from volley_dagster.operators.base import ShardStep
+from volley_dagster.operators.join import JOIN_NAMESPACES, IntervalJoin, signed_duration_us
+from volley_dagster.operators.join_rows import RowCodec
+from volley_dagster.operators.join_state import JoinBounds, JoinShard, apply_join
+from volley_dagster.state.keys import ShardLayout
+from volley_dagster.state.options import RocksDBOptions
+from volley_dagster.state.transaction import ShardTransaction, scan_prefix
+
+LAYOUT = ShardLayout(1, 8)
+CODEC = RowCodec(("rid", "note"), (T.LongType(), T.StringType()))
+
+
+def _table(rows: list[Row], kind: str) -> pa.Table:
+    """One shard's input, as the stage routes it: key, key group, row id, side, time, columns."""
+    keys = [k for _, k, _, _ in rows]
+    groups = [(k if kind == "int" else len(k)) % 8 for k in keys]
+    return pa.table({
+        columns.KEY: pa.array(keys, pa.int64() if kind == "int" else pa.string()),
+        columns.KEY_GROUP: pa.array(groups, pa.int32()),
+        columns.POS: pa.array(range(len(rows)), pa.int64()),  # positions restart each epoch: ids are epoch:position
+        columns.JOIN_SIDE: pa.array([s for s, *_ in rows], pa.int8()),
+        columns.JOIN_TIME: pa.array([t for _, _, t, _ in rows], pa.int64()),
+        columns.JOIN_ROW: pa.array([json.dumps({"rid": r, "note": f"n{r}"}) for *_, r in rows], pa.string()),
+        columns.ROWS: pa.array([1] * len(rows), pa.int32()),
+    })
+
+
+@st.composite
+def epochs(draw: st.DrawFn, kind: str) -> list[list[Row]]:
+    pool = draw(st.lists(st.integers(-3, 5) if kind == "int" else st.text("abc", max_size=3), min_size=1, max_size=4,
+                         unique=True))
+    n = draw(st.integers(0, 60))
+    clock, records = 0, []
+    for rid in range(n):
+        clock += draw(st.integers(0, 5))
+        records.append((draw(st.integers(0, 1)), draw(st.sampled_from(pool)), clock - draw(st.integers(0, 12)), rid))
+    cuts = sorted(draw(st.lists(st.integers(0, n), max_size=6)))
+    bounds = [0, *cuts, n]
+    return [records[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=False)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_each_epoch_equals_the_reference_and_a_retry_emits_the_same(tmp_path_factory, data):
+    kind = data.draw(st.sampled_from(["int", "str"]), label="kind")
+    how = data.draw(st.sampled_from(["inner", "left", "right", "full"]), label="how")
+    lower = data.draw(st.integers(-8, 4), label="lower")
+    upper = data.draw(st.integers(lower, lower + 10), label="upper")
+    lateness = data.draw(st.integers(0, 6), label="out_of_orderness")
+    cut = data.draw(epochs(kind), label="epochs")
+    reference = JoinReference(lower, upper, how, lateness)
+    shard = JoinShard(JoinBounds(lower, upper, _outer(how)), (CODEC, CODEC), None, ("l", "r"))
+    db = rocksdict.Rdict(str(tmp_path_factory.mktemp("join") / "db"), RocksDBOptions().build())
+    ids: dict[str, int] = {}  # row id -> the record's rid
+    try:
+        for number, records in enumerate(cut, start=1):
+            before = reference.watermark
+            pairs, outer, late = reference.run(list(records))
+            on_time = [r for r in records if r[3] not in set(late)]
+            step = ShardStep(number, kind, watermark_before=before, watermark=reference.watermark, layout=LAYOUT,
+                             shard=0)
+            ids.update({f"{number}:{position}": r[3] for position, r in enumerate(on_time)})
+            first = _emitted(apply_join(shard, ShardTransaction(db), _table(on_time, kind), step)[0], ids)
+            txn = ShardTransaction(db)  # the first attempt died unflushed: the retry starts from the same state
+            outputs, stats = apply_join(shard, txn, _table(on_time, kind), step)
+            txn.flush()
+            again = _emitted(outputs, ids)
+            assert again == first, f"epoch {number}: a retry emitted other rows"
+            assert again == (pairs, outer), f"epoch {number}"
+            assert (stats.figures["join_left_rows"], stats.figures["join_right_rows"]) == reference.held()
+            assert stats.figures["join_pairs"] == len(pairs) and stats.figures["join_unmatched"] == len(outer)
+        _state_is_only_what_waits(db, reference)
+    finally:
+        db.close()
+
+
+def _outer(how: str) -> tuple[bool, bool]:
+    return {"inner": (False, False), "left": (True, False), "right": (False, True), "full": (True, True)}[how]
+
+
+def _emitted(outputs: list[pa.Array],
+             ids: dict[str, int]) -> tuple[set[tuple[object, object, object]], set[tuple[object, object, object]]]:
+    """(pairs, outer rows) as (key, left rid, right rid); each row id ("<epoch>:<position>")
+    must name the record whose columns the row carries."""
+    key, left_id, right_id, left, left_note, right, right_note = (a.to_pylist() for a in outputs)
+    assert [None if i is None else ids[i] for i in left_id] == left
+    assert [None if i is None else ids[i] for i in right_id] == right
+    assert left_note == [None if r is None else f"n{r}" for r in left]
+    assert right_note == [None if r is None else f"n{r}" for r in right]
+    rows = list(zip(key, left, right, strict=False))
+    assert len(rows) == len(set(rows)), "a row was emitted twice"
+    return ({r for r in rows if None not in r[1:]}, {r for r in rows if None in r[1:]})
+
+
+def _state_is_only_what_waits(db: rocksdict.Rdict, reference: JoinReference) -> None:
+    """Every namespace holds exactly the waiting rows: none leaks after it leaves."""
+    left, right = reference.held()
+    entries = {ns: list(scan_prefix(db, ns.to_bytes(2, "big"))) for ns in JOIN_NAMESPACES.keyed}
+    index, rows, by_bound, counts = (entries[ns] for ns in JOIN_NAMESPACES.keyed)
+    assert len(rows) == len(by_bound) == left + right
+    held = sum(np.frombuffer(v, "<i8").reshape(2) for _, v in counts) if counts else np.zeros(2)
+    assert tuple(int(x) for x in held) == (left, right)
+    assert len(index) == len({r.key for r in reference.waiting})
+
+
+def test_state_past_max_state_rows_is_refused_naming_how_to_size_it(tmp_path):
+    shard = JoinShard(JoinBounds(0, 100, (False, False)), (CODEC, CODEC), 3, ("orders", "payments"))
+    db = rocksdict.Rdict(str(tmp_path / "db"), RocksDBOptions().build())
+    try:
+        rows = [(0, 1, 10, 0), (0, 2, 11, 1), (1, 3, 12, 2), (1, 4, 13, 3)]
+        step = ShardStep(7, "int", watermark_before=None, watermark=5, layout=LAYOUT, shard=0)
+        with pytest.raises(StateLimitError) as failure:
+            apply_join(shard, ShardTransaction(db), _table(rows, "int"), step)
+        message = str(failure.value)
+        assert "epoch 7 shard 0" in message and "max_state_rows=3" in message
+        assert "2 of 'orders', 2 of 'payments'" in message and "nothing was committed" in message
+        assert "between=" in message and "max_out_of_orderness" in message
+    finally:
+        db.close()
+
+
+def test_a_join_is_configured_with_named_errors():
+    assert signed_duration_us("-10 minutes", "b") == -600_000_000
+    assert signed_duration_us("+30 minutes", "b") == 1_800_000_000
+    with pytest.raises(ConfigError, match="lower bound"):
+        IntervalJoin("a", "b", "k", "t", "u", 10, -10)
+    with pytest.raises(ConfigError, match="how='outer'"):
+        IntervalJoin("a", "b", "k", "t", "u", 0, 10, "outer")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="two different sources"):
+        IntervalJoin("a", "a", "k", "t", "u", 0, 10)
