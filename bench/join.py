@@ -32,10 +32,9 @@ bench/results/join.json. The machine is shared and noisy: compare ratios within 
 
 Why the state and unmatched figures differ although the pairs agree: Spark evicts
 and emits in batch N with the watermark of batch N-1 (one batch later than our
-epoch N, which uses its own W[N]), so it holds about one epoch more of each side;
-and its global watermark is the minimum of the two sides' (the default
-``multipleWatermarkPolicy``), ours the latest event time of both, so by the end we
-have emitted the unmatched payments of a few more seconds.
+epoch N, which uses its own W[N]), so it holds about one epoch more of each side and
+emits each unmatched payment a batch later. Both take the lesser of the two sides'
+watermarks (Spark's default ``multipleWatermarkPolicy``, ours by rule).
 """
 
 from __future__ import annotations
@@ -65,14 +64,14 @@ from bench.common import finish  # noqa: E402
 from bench.peer_sss import (  # noqa: E402
     ENGINE,
     PEER_CONF,
-    _batch_entry,
     _delta_writer,
     _dir_bytes,
-    _progress_dict,
     _restore_confs,
     _set_confs,
+    executed_batches,
     order_file_mtimes,
     read_peer_table,
+    run_to_end,
 )
 from volley_dagster.demo.events import START_US  # noqa: E402
 from volley_dagster.settings import RunSettings  # noqa: E402
@@ -248,18 +247,12 @@ def run_peer(spark: SparkSession, staged: tuple[Path, Path], work: Path, files_p
         query = (joined.writeStream.queryName(f"peer_join_{os.getpid()}_{int(time.time())}")
                  .outputMode("append").option("checkpointLocation", str(checkpoint))
                  .trigger(availableNow=True)
-                 .foreachBatch(_delta_writer(delta_uri, "peer-join", False, sink_stats)).start())
-        t0 = time.perf_counter()
-        query.awaitTermination()
-        wall = time.perf_counter() - t0
-        if query.exception() is not None:
-            raise RuntimeError(f"peer query failed: {query.exception()}")
-        progresses = [_progress_dict(x) for x in query.recentProgress]
+                 .foreachBatch(_delta_writer(delta_uri, "peer-join", False, sink_stats)))
+        progresses, wall = run_to_end(query)
     finally:
         _restore_confs(spark, previous)
 
-    executed = [_batch_entry(x, sink_stats.get(x["batchId"])) for x in progresses
-                if "addBatch" in x.get("durationMs", {})]
+    executed = executed_batches(progresses, sink_stats)
     sides = peer_state_sides(spark, checkpoint, [b["batch_id"] for b in executed])
     rows = [{"epoch": b["batch_id"] + 1, "records": b["records"], "seconds": b["seconds"],
              "records_out": (b["sink"] or {}).get("rows"), "state_rows_total": b["state"].get("numRowsTotal"),

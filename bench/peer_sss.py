@@ -193,6 +193,23 @@ def _delta_writer(delta_uri: str, app_id: str, upsert: bool,
     return write_batch
 
 
+def run_to_end(writer: Any) -> tuple[list[dict], float]:
+    """Start a streaming query (``availableNow``), wait for its end: its progress
+    reports and wall-clock seconds; a failed query raises."""
+    t0 = time.perf_counter()
+    query = writer.start()
+    query.awaitTermination()
+    wall = time.perf_counter() - t0
+    if query.exception() is not None:
+        raise RuntimeError(f"peer query failed: {query.exception()}")
+    return [_progress_dict(p) for p in query.recentProgress], wall
+
+
+def executed_batches(progresses: list[dict], sink_stats: dict) -> list[dict]:
+    """The batches that ran (an idle trigger adds no batch), with what the sink wrote."""
+    return [_batch_entry(p, sink_stats.get(p["batchId"])) for p in progresses if "addBatch" in p.get("durationMs", {})]
+
+
 def _batch_entry(p: dict[str, Any], sink: dict[str, Any] | None) -> dict[str, Any]:
     """One progress as {batch_id, records, seconds, phases (s), state, watermark, sink}."""
     dur = p.get("durationMs", {})
@@ -248,18 +265,11 @@ def run_peer(spark: SparkSession, events_dir: Path, workdir: Path, workload: str
                   .option("checkpointLocation", str(checkpoint))
                   .trigger(availableNow=True)
                   .foreachBatch(_delta_writer(delta_uri, app_id, workload == "A", sink_stats)))
-        t0 = time.perf_counter()
-        query = writer.start()
-        query.awaitTermination()
-        wall = time.perf_counter() - t0
-        if query.exception() is not None:
-            raise RuntimeError(f"peer query failed: {query.exception()}")
-        progresses = [_progress_dict(p) for p in query.recentProgress]
+        progresses, wall = run_to_end(writer)
     finally:
         _restore_confs(spark, previous)
 
-    executed = [_batch_entry(p, sink_stats.get(p["batchId"])) for p in progresses
-                if "addBatch" in p.get("durationMs", {})]
+    executed = executed_batches(progresses, sink_stats)
     batches = [b for b in executed if b["records"] > 0]
     empty = [b for b in executed if b["records"] == 0]
     idle = [p for p in progresses if "addBatch" not in p.get("durationMs", {})]

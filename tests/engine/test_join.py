@@ -19,10 +19,11 @@ from deltalake import DeltaTable
 from tests.engine.test_crash_recovery import run_until_killed
 from tests.join_reference import JoinReference, Row
 from volley_dagster import EpochRunner, RunSettings
+from volley_dagster.checkpoint.migrate import plan_migration
 from volley_dagster.columns import POS_OFFSET_BITS
 from volley_dagster.demo.payments import local_tables
 from volley_dagster.demo.refunds import refunds_pipeline, write_refund_logs
-from volley_dagster.errors import StateLimitError
+from volley_dagster.errors import StateLayoutError, StateLimitError
 from volley_dagster.operators.event_time import duration_us
 from volley_dagster.sinks.iceberg import IcebergSink
 
@@ -53,11 +54,13 @@ def emitted(output: pa.Table) -> set[tuple[object, object, object]]:
                    strict=True))
 
 
-@pytest.mark.parametrize("how", ["left", "full"])
+@pytest.mark.parametrize("how", ["left", pytest.param("full", marks=pytest.mark.deep)])  # the property test: all four
 def test_the_join_equals_the_reference_epoch_by_epoch(spark, tmp_path, how):
     events = tmp_path / "events"
     write_refund_logs(events, 3, PER_FILE)
-    pipeline = refunds_pipeline(events, local_tables(tmp_path / "tables"), shards=3, how=how)
+    tables = local_tables(tmp_path / "tables")
+    upserted = IcebergSink("payments.refunds_by_row", catalog=tables.iceberg_catalog, name="by_row", mode="upsert")
+    pipeline = refunds_pipeline(events, tables, shards=3, how=how).sink(upserted)  # keyed by key and both row ids
     runner = EpochRunner(pipeline, tmp_path / "state", RunSettings(max_records_per_epoch=MAX), spark=spark)
     reference = JoinReference(0, duration_us("30 minutes", "upper"), how, duration_us("1 minute", "ooo"))
     results, columns_of = [], {}
@@ -96,7 +99,9 @@ def test_the_join_equals_the_reference_epoch_by_epoch(spark, tmp_path, how):
     delta = DeltaTable(str(tmp_path / "tables" / "delta" / "payment_refunds")).to_pyarrow_table()
     assert emitted(delta) == everything and delta.num_rows == len(everything)  # upsert by key and both row ids
     iceberg = next(s for s in pipeline.sinks if isinstance(s, IcebergSink)).read()
-    assert iceberg.num_rows == sum(r.records_out for r in results)
+    assert iceberg.num_rows == sum(r.records_out for r in results)  # the changelog: each epoch's rows appended
+    by_row = upserted.read()
+    assert emitted(by_row) == everything and by_row.num_rows == len(everything)  # outer rows' null ids match null-safely
 
     again = runner.run(results[2].epoch)  # committed: nothing runs, nothing is written
     assert again.already_committed and again.records_out == results[2].records_out
@@ -115,7 +120,7 @@ def _log_size(events: Path) -> int:
     return sum(pq.read_metadata(f).num_rows for f in events.rglob("*.parquet"))
 
 
-def test_a_join_refuses_to_hold_more_than_max_state_rows_and_commits_nothing(spark, tmp_path):
+def test_a_join_refuses_to_hold_more_than_max_state_rows_and_commits_nothing_and_to_migrate(spark, tmp_path):
     events = tmp_path / "events"
     write_refund_logs(events, 1, PER_FILE)
     bounded = refunds_pipeline(events, local_tables(tmp_path / "tables"), shards=2, max_state_rows=100)
@@ -125,11 +130,19 @@ def test_a_join_refuses_to_hold_more_than_max_state_rows_and_commits_nothing(spa
     assert "'payments'" in str(failure.value) and "epoch 1 shard" in str(failure.value)
     assert runner.committed_epoch() == 0
     sized = refunds_pipeline(events, local_tables(tmp_path / "tables"), shards=2, max_state_rows=10_000)
-    result = EpochRunner(sized, tmp_path / "state", spark=spark).run_next()  # the same recorded range, now fits
+    runner = EpochRunner(sized, tmp_path / "state", spark=spark)
+    result = runner.run_next()  # the same recorded range, now fits
     assert result is not None and result.epoch == 1 and result.records_in == _log_size(events)
 
+    recorded = runner.log.identity()  # the bound is no part of it; the interval is, and no migration moves it
+    assert recorded["aggregate"]["join"]["upper_us"] == duration_us("30 minutes", "upper")
+    proposed = {**recorded, "aggregate": {"join": {**recorded["aggregate"]["join"], "upper_us": 1}}}
+    with pytest.raises(StateLayoutError, match="a join's waiting rows are keyed, dated and bounded"):
+        plan_migration(recorded, proposed, {}, {})
 
-@pytest.mark.parametrize(("point", "shard"), [("shard_after_snapshot", 1), ("after_sink_refunds", None)])
+
+@pytest.mark.parametrize(("point", "shard"), [pytest.param("shard_after_snapshot", 1, marks=pytest.mark.deep),
+                                              ("after_sink_refunds", None)])
 def test_killed_mid_epoch_heals_to_a_clean_runs_tables(spark, tmp_path, point, shard):
     """kill -9 in epoch 2 (a shard task after its snapshot; or the driver after the Delta
     commit, before Iceberg and the manifest); files then land in both logs; the resumed

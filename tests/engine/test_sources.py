@@ -17,7 +17,7 @@ from confluent_kafka import Consumer, TopicPartition
 
 from tests.engine.test_crash_recovery import run_until_killed
 from tests.helpers import channels, log_records
-from volley_dagster import EpochRunner, FileLog, ParquetSink, Pipeline, RunSettings, count, sum_
+from volley_dagster import EpochRunner, FileLog, ParquetSink, Pipeline, RunSettings, count, max_, sum_
 from volley_dagster.demo.events import EVENT_SCHEMA, generate
 from volley_dagster.demo.kafka import produce_events
 from volley_dagster.sources.kafka import KafkaSource
@@ -130,3 +130,29 @@ def test_a_file_log_and_a_kafka_topic_are_cut_together(spark, kafka, tmp_path):
         assert {str(tp.partition): tp.offset for tp in committed} == ends
     finally:
         group.close()
+
+
+def test_a_pipeline_of_two_sources_migrates_like_one(spark, tmp_path):
+    """A migration rewrites the state of a two-source pipeline and the next epochs read
+    both logs on: an accumulator renamed, another added (null for the keys it finds)."""
+    generate(tmp_path / "web", 2, PER_FILE, KEYS)
+    generate(tmp_path / "store", 2, PER_FILE, KEYS, seed=8)
+    runner = EpochRunner(channels(tmp_path), tmp_path / "state", RunSettings(max_records_per_epoch=2_000), spark=spark)
+    first = runner.run_next()
+    assert first is not None and first.records_in == 2_000  # the first file of each
+    evolved = (Pipeline("channels")
+               .sources({"web": FileLog(tmp_path / "web"), "store": FileLog(tmp_path / "store")}, source_column="channel")
+               .where("status = 'active'").key_by("merchant_id")
+               .aggregate(total=sum_("amount"), n_events=count(), largest=max_("amount"), seen_since=count())
+               .sink(ParquetSink(tmp_path / "out", on_foreign_lineage="fail")).with_shards(3))
+    migration = runner.migrate(evolved, renames={"events": "n_events"})
+    assert migration.rewrite.from_epoch == 2 and "'events' renamed to 'n_events'" in migration.changes
+    rest = runner.run_available()
+    assert sum(r.records_in for r in [first, *rest]) == 4 * PER_FILE
+    web, store = log_records(2, PER_FILE, KEYS), log_records(2, PER_FILE, KEYS, seed=8)
+    got = runner.read_state().to_pandas().sort_values("merchant_id").reset_index(drop=True)
+    want = reference(pa.concat_tables([web, store])).rename(columns={"events": "n_events"})
+    pd.testing.assert_frame_equal(got[["merchant_id", "total", "n_events", "largest"]], want, check_exact=False,
+                                  rtol=1e-9)
+    since = pa.concat_tables([web.slice(PER_FILE), store.slice(PER_FILE)])  # the second file of each
+    assert got["seen_since"].sum() == pc.sum(pc.equal(since.column("status"), "active")).as_py()

@@ -58,7 +58,7 @@ def epochs(draw: st.DrawFn, kind: str) -> list[list[Row]]:
         records.append((draw(st.integers(0, 1)), draw(st.sampled_from(pool)), clock - draw(st.integers(0, 12)), rid))
     cuts = sorted(draw(st.lists(st.integers(0, n), max_size=6)))
     bounds = [0, *cuts, n]
-    return [records[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=False)]
+    return [records[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
 
 
 @settings(max_examples=60, deadline=None)
@@ -109,7 +109,7 @@ def _emitted(outputs: list[pa.Array],
     assert [None if i is None else ids[i] for i in right_id] == right
     assert left_note == [None if r is None else f"n{r}" for r in left]
     assert right_note == [None if r is None else f"n{r}" for r in right]
-    rows = list(zip(key, left, right, strict=False))
+    rows = list(zip(key, left, right, strict=True))
     assert len(rows) == len(set(rows)), "a row was emitted twice"
     return ({r for r in rows if None not in r[1:]}, {r for r in rows if None in r[1:]})
 

@@ -102,8 +102,13 @@ class SideTimes(EventTime):
         return f"{self.times[0]!r} (of {self.sides[0]!r}) or {self.times[1]!r} (of {self.sides[1]!r})"
 
     def check(self, schema: T.StructType, what: str) -> None:
-        for side, column in zip(self.sides, self.times, strict=False):
-            EventTime(column).check(schema, f"{what}({side}_time)")
+        for argument, column in zip(("left_time", "right_time"), self.times, strict=True):
+            if column not in schema.names:
+                raise ConfigError(f"{what}({argument}={column!r}): no such column; columns are {schema.names}")
+            kind = schema[column].dataType
+            if not isinstance(kind, (T.TimestampType, T.TimestampNTZType)):
+                raise ConfigError(f"{what}({argument}={column!r}): an event-time column must be a timestamp, "
+                                  f"got {kind.simpleString()}")
 
     def maxima(self, valid_time: Column) -> dict[str, Column]:
         side = F.col(self.source_column)
@@ -242,8 +247,9 @@ class ResolvedJoin:
 
     def output_ddl(self) -> list[str]:
         ids = [f"`{name}` string" for name in self.join.row_ids]
-        return ids + [f"`{name}` {kind.simpleString()}" for codec, side in zip((self.left, self.right), self.names, strict=False)
-                      for name, kind in zip(side, codec.types, strict=False)]
+        carried = zip((self.left, self.right), self.names, strict=True)
+        return ids + [f"`{name}` {kind.simpleString()}" for codec, side in carried
+                      for name, kind in zip(side, codec.types, strict=True)]
 
     def output_names(self) -> list[str]:
         return [*self.join.row_ids, *self.names[0], *self.names[1]]

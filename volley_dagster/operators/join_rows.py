@@ -62,12 +62,13 @@ class RowCodec:
 
     @property
     def arrow_schema(self) -> pa.Schema:
-        return pa.schema([pa.field(n, to_arrow_type(t, timezone="UTC")) for n, t in zip(self.names, self.types, strict=False)])
+        return pa.schema([pa.field(n, to_arrow_type(t, timezone="UTC"))
+                          for n, t in zip(self.names, self.types, strict=True)])
 
     def encode(self) -> Column:
         """Each row's columns as one JSON text (a Spark expression)."""
         fields = [F.col(n).cast("string").alias(n) if isinstance(t, _AS_TEXT) else F.col(n)
-                  for n, t in zip(self.names, self.types, strict=False)]
+                  for n, t in zip(self.names, self.types, strict=True)]
         return F.to_json(F.struct(*fields), options=EXACT_JSON)
 
     def decode(self, texts: pa.Array) -> pa.Table:
@@ -76,7 +77,7 @@ class RowCodec:
             return pa.table({})  # the side carries its key and row id only
         schema = self.arrow_schema
         read_as = pa.schema([pa.field(f.name, pa.string()) if isinstance(t, _AS_TEXT) else f
-                             for f, t in zip(schema, self.types, strict=False)])
+                             for f, t in zip(schema, self.types, strict=True)])
         valid = texts.is_valid().to_numpy(zero_copy_only=False)
         present = texts.filter(pa.array(valid)).cast(pa.large_string())
         if len(present) == 0:
@@ -89,7 +90,7 @@ class RowCodec:
             read = pj.read_json(pa.BufferReader(data), read_options=pj.ReadOptions(block_size=_BLOCK),
                                 parse_options=pj.ParseOptions(explicit_schema=read_as))
         rows = pa.table([read.column(f.name).cast(f.type) if isinstance(t, _AS_TEXT) else read.column(f.name)
-                         for f, t in zip(schema, self.types, strict=False)], schema=schema)
+                         for f, t in zip(schema, self.types, strict=True)], schema=schema)
         if bool(valid.all()):
             return rows
         return rows.take(pa.array(np.cumsum(valid) - 1, pa.int64(), mask=~valid))

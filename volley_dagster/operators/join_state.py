@@ -244,7 +244,7 @@ def _write(txn: ShardTransaction, join: JoinShard, step: ShardStep, w: _Waiting,
     kept = counts > 0
     starts = ends - counts * ENTRY.itemsize
     txn.set_many([index_keys[i] for i in np.flatnonzero(kept)],
-                 [blob[s:e] for s, e in zip(starts[kept].tolist(), ends[kept].tolist(), strict=False)])
+                 [blob[s:e] for s, e in zip(starts[kept].tolist(), ends[kept].tolist(), strict=True)])
     txn.delete_many([index_keys[i] for i in np.flatnonzero(~kept)])
     n_old = int((~w.new).sum())
     stored_new = np.flatnonzero(w.new & stays)
