@@ -237,8 +237,9 @@ class Pipeline:
         match when ``tl + between[0] <= tr <= tl + between[1]``, e.g.
         ``between=("-10 minutes", "+30 minutes")``. Each pair is emitted once;
         ``how="left"`` (``"right"``, ``"full"``) also emits each row of that side that
-        never matched, with nulls, once the watermark (the latest event time of both
-        sides less ``max_out_of_orderness``) passes the last time it could have. Rows
+        never matched, with nulls, once the watermark passes the last time it could have
+        (each side's trails its own latest event time by ``max_out_of_orderness``; the
+        join's is the lesser). Rows
         wait in state until then; records at or before the watermark are late (counted,
         written to the epoch's late records). Each side carries its own source's
         columns (``left_columns=``/``right_columns=`` choose); a name both have is

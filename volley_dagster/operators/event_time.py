@@ -112,6 +112,11 @@ class EventTime:
         anchor = cut_at_us if cut_at_us is not None else watermark
         return None if anchor is None else anchor + self.max_skew_us
 
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        """The inputs with a watermark of their own ("": the pipeline's one)."""
+        return ("",)
+
     def maxima(self, valid_time: Column) -> dict[str, Column]:
         """What the side-output job observes of the epoch's valid event times (microseconds):
         their maximum; per input for a clock of several."""

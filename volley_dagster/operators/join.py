@@ -110,6 +110,10 @@ class SideTimes(EventTime):
                 raise ConfigError(f"{what}({argument}={column!r}): an event-time column must be a timestamp, "
                                   f"got {kind.simpleString()}")
 
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        return self.sides
+
     def maxima(self, valid_time: Column) -> dict[str, Column]:
         side = F.col(self.source_column)
         return {name: F.max(F.when(side == name, valid_time)) for name in self.sides}
@@ -237,9 +241,9 @@ class ResolvedJoin:
         times = entries["time"].astype(np.int64)
         sides = entries["side"]
         bounds = JoinBounds(self.join.lower_us, self.join.upper_us, _OUTER[self.join.how])
-        everyone = np.arange(len(entries))
         return pa.table(front + [pa.array(np.where(sides == LEFT, self.join.left, self.join.right)),
-                                 row_ids(entries["epoch"].astype(np.int64), entries["row"].astype(np.int64), everyone),
+                                 row_ids(entries["epoch"].astype(np.int64), entries["row"].astype(np.int64),
+                                         np.arange(len(entries))),
                                  pa.array(times).cast(ts),
                                  pa.array(entries["matched"].astype(bool)),
                                  pa.array(bounds.leaves_at(sides, times)).cast(ts)],

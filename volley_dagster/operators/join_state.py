@@ -99,8 +99,7 @@ def apply_join(join: JoinShard, txn: ShardTransaction, data: pa.Table,
     keys_new = data.column(columns.KEY).combine_chunks()
     due_kg, due_keys = _due(txn, step, step.key_kind)
     kg_new = data.column(columns.KEY_GROUP).to_numpy(zero_copy_only=False).astype(np.int64)
-    all_keys = pa.concat_arrays([keys_new.cast(due_keys.type) if len(due_keys) else keys_new, due_keys]) \
-        if len(due_keys) else keys_new
+    all_keys = pa.concat_arrays([keys_new.cast(due_keys.type), due_keys]) if len(due_keys) else keys_new
     encoded = all_keys.dictionary_encode()
     ki_all = encoded.indices.to_numpy(zero_copy_only=False).astype(np.int64)
     keys = encoded.dictionary

@@ -78,7 +78,7 @@ class EpochSideOutputs:
         if latest is not None:
             observed = latest.get
             assert plan.event_time is not None
-            self.maxima = {name: observed[f"{_MAX_EVENT}{name}"] for name in plan.event_time.maxima(F.lit(0))}
+            self.maxima = {name: observed[f"{_MAX_EVENT}{name}"] for name in plan.event_time.inputs}
 
     @property
     def bad_records(self) -> int:
