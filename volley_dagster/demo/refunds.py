@@ -8,8 +8,9 @@ File ``i`` of each log covers the same 10 minutes of event time and depends only
 - refunds: a fifth of the payments of the last few files are refunded, 0-40 minutes
   after they were paid (those past 30 minutes match nothing under the demo's bound),
   in the file whose span holds the refund's time; plus a few refunds of payments that
-  never existed, and a few that arrive a file too late (dated before the watermark:
-  late records).
+  never existed, and a few dated two files back: late records when the join's
+  watermark has passed them by the epoch that reads them (it does when files land
+  one at a time; a backlog read at once lets them join).
 """
 
 from __future__ import annotations
