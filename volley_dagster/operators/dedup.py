@@ -78,7 +78,7 @@ from volley_dagster.operators.base import (
 from volley_dagster.operators.event_time import EventTime
 from volley_dagster.sources.offsets import EpochRange
 from volley_dagster.spark.partitioning import ShardRoute
-from volley_dagster.state.keys import decode_keys, encode_keys, key_columns, namespace_prefix
+from volley_dagster.state.keys import decode_keys, encode_keys, key_columns, namespace_prefix, packed_records
 from volley_dagster.state.pending_index import ordered_us
 from volley_dagster.state.resident import ResidentRecords
 from volley_dagster.state.transaction import ShardTransaction
@@ -249,9 +249,8 @@ class SeenKeys:
         seen = encode_keys(SEEN_NS, key_groups, keys)
         prefix = np.empty(len(seen), dtype=[("ns", ">u2"), ("kg", ">u2"), ("deadline", ">u8")])
         prefix["ns"], prefix["kg"], prefix["deadline"] = SEEN_BY_DEADLINE_NS, key_groups, ordered_us(deadlines)
-        prefixes = pa.FixedSizeBinaryArray.from_buffers(pa.binary(12), len(seen), [None, pa.py_buffer(prefix.tobytes())])
         suffixes = pc.binary_slice(pa.array(seen, pa.binary()), 4, 1 << 30)
-        by_deadline = pc.binary_join_element_wise(prefixes.cast(pa.binary()), suffixes, pa.scalar(b"", pa.binary()))
+        by_deadline = pc.binary_join_element_wise(packed_records(prefix), suffixes, pa.scalar(b"", pa.binary()))
         self.txn.set_many(seen, np.ascontiguousarray(times, dtype="<i8").view("V8").tolist())
         self.txn.set_many(by_deadline.to_pylist(), [b""] * len(seen))
         return len(seen)

@@ -31,7 +31,7 @@ from volley_dagster import columns
 from volley_dagster.errors import SnapshotError, StateLimitError
 from volley_dagster.operators.base import OperatorStats, ShardStep, partial_records
 from volley_dagster.operators.join_rows import RowCodec
-from volley_dagster.state.keys import decode_keys, encode_keys, namespace_prefix
+from volley_dagster.state.keys import decode_keys, encode_keys, namespace_prefix, packed_records
 from volley_dagster.state.pending_index import ordered_us
 from volley_dagster.state.transaction import ShardTransaction
 
@@ -105,7 +105,7 @@ def apply_join(join: JoinShard, txn: ShardTransaction, data: pa.Table,
     keys = encoded.dictionary
     key_groups = np.zeros(len(keys), dtype=np.int64)
     key_groups[ki_all] = np.concatenate([kg_new, due_kg])
-    index_keys = encode_keys(INDEX_NS, key_groups, keys)
+    index_keys = encode_keys(INDEX_NS, key_groups, keys)  # ns | kg | key: the other namespaces' keys derive from it
     stored = txn.get_many(index_keys, namespace_prefix(INDEX_NS))
 
     old = _decode_index(stored)
@@ -129,9 +129,10 @@ def apply_join(join: JoinShard, txn: ShardTransaction, data: pa.Table,
     alone = np.flatnonzero(leaves & ~w.matched & outer)
     alone_left, alone_right = alone[w.side[alone] == LEFT], alone[w.side[alone] == RIGHT]
 
-    row_keys = _row_keys(key_groups, keys, w)
+    encoded_keys = pa.array(index_keys, pa.binary())
+    row_keys = _row_keys(encoded_keys, w)
     texts = _texts(txn, w, n_old, row_keys, data, np.concatenate([left_i, right_i, alone]))  # before they leave
-    _write(txn, join, step, w, leaves, key_groups, keys, index_keys, row_keys, data)
+    _write(txn, join, w, leaves, key_groups, encoded_keys, index_keys, row_keys, data)
     held = _count(txn, step, key_groups, w, leaves, join)
     n_pairs = len(left_i)
     left_out = np.concatenate([left_i, alone_left, np.full(len(alone_right), -1)]).astype(np.int64)
@@ -200,34 +201,29 @@ def _pairs(bounds: JoinBounds, w: _Waiting) -> tuple[np.ndarray, np.ndarray]:
     return li[keep], ri[keep]
 
 
-def _row_keys(key_groups: np.ndarray, keys: pa.Array, w: _Waiting) -> pa.Array:
-    """Namespace 10's key of every row: ns | kg | key | side | epoch | position."""
-    base = pa.array(encode_keys(ROWS_NS, key_groups, keys), pa.binary()).take(pa.array(w.ki))
+def _row_keys(encoded_keys: pa.Array, w: _Waiting) -> pa.Array:
+    """Namespace 10's key of every row: ns | kg | key | side | epoch | position (from the
+    index keys ``encoded_keys``, ns 9 | kg | key)."""
     suffix = np.empty(len(w.ki), dtype=_ROW_SUFFIX)
     suffix["side"], suffix["epoch"], suffix["row"] = w.side, w.epoch, w.row
-    return pc.binary_join_element_wise(base, _fixed(suffix), pa.scalar(b""))
+    group_and_key = pc.binary_slice(encoded_keys, 2, 1 << 30).take(pa.array(w.ki))
+    return pc.binary_join_element_wise(pa.scalar(namespace_prefix(ROWS_NS)), group_and_key, packed_records(suffix),
+                                       pa.scalar(b""))
 
 
-def _fixed(records: np.ndarray) -> pa.Array:
-    return pa.FixedSizeBinaryArray.from_buffers(pa.binary(records.dtype.itemsize), len(records),
-                                                [None, pa.py_buffer(records.tobytes())]).cast(pa.binary())
-
-
-def _bound_keys(key_groups: np.ndarray, keys: pa.Array, w: _Waiting, rows: np.ndarray,
+def _bound_keys(key_groups: np.ndarray, encoded_keys: pa.Array, w: _Waiting, rows: np.ndarray,
                 bounds: JoinBounds) -> list[bytes]:
     """Namespace 11's key of ``rows``: ns | kg | bound | side | epoch | position | key."""
     prefix = np.empty(len(rows), dtype=_BOUND_PREFIX)
     prefix["ns"], prefix["kg"] = BY_BOUND_NS, key_groups[w.ki[rows]]
     prefix["bound"] = ordered_us(bounds.leaves_at(w.side[rows], w.time[rows]))
     prefix["side"], prefix["epoch"], prefix["row"] = w.side[rows], w.epoch[rows], w.row[rows]
-    key_bytes = pc.binary_slice(pa.array(encode_keys(BY_BOUND_NS, key_groups, keys), pa.binary()), 4, 1 << 30)
-    return pc.binary_join_element_wise(_fixed(prefix), key_bytes.take(pa.array(w.ki[rows])),
-                                       pa.scalar(b"")).to_pylist()
+    key_bytes = pc.binary_slice(encoded_keys, 4, 1 << 30).take(pa.array(w.ki[rows]))
+    return pc.binary_join_element_wise(packed_records(prefix), key_bytes, pa.scalar(b"")).to_pylist()
 
 
-def _write(txn: ShardTransaction, join: JoinShard, step: ShardStep, w: _Waiting, leaves: np.ndarray,
-           key_groups: np.ndarray, keys: pa.Array, index_keys: list[bytes], row_keys: pa.Array,
-           data: pa.Table) -> None:
+def _write(txn: ShardTransaction, join: JoinShard, w: _Waiting, leaves: np.ndarray, key_groups: np.ndarray,
+           encoded_keys: pa.Array, index_keys: list[bytes], row_keys: pa.Array, data: pa.Table) -> None:
     """Every change of the epoch into the transaction (one ``WriteBatch`` at flush):
     each key's index rewritten (the matched flags, the rows that came and left), the
     new rows that stay stored, the rows that leave deleted."""
@@ -250,11 +246,11 @@ def _write(txn: ShardTransaction, join: JoinShard, step: ShardStep, w: _Waiting,
     if len(stored_new):
         texts = data.column(columns.JOIN_ROW).combine_chunks().take(pa.array(stored_new - n_old)).cast(pa.binary())
         txn.set_many(row_keys.take(pa.array(stored_new)).to_pylist(), texts.to_pylist())
-        txn.set_many(_bound_keys(key_groups, keys, w, stored_new, join.bounds), [b""] * len(stored_new))
+        txn.set_many(_bound_keys(key_groups, encoded_keys, w, stored_new, join.bounds), [b""] * len(stored_new))
     gone = np.flatnonzero(~w.new & leaves)
     if len(gone):
         txn.delete_many(row_keys.take(pa.array(gone)).to_pylist())
-        txn.delete_many(_bound_keys(key_groups, keys, w, gone, join.bounds))
+        txn.delete_many(_bound_keys(key_groups, encoded_keys, w, gone, join.bounds))
 
 
 def _count(txn: ShardTransaction, step: ShardStep, key_groups: np.ndarray, w: _Waiting, leaves: np.ndarray,

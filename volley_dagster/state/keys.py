@@ -80,12 +80,16 @@ def encode_keys(namespace: int, key_groups: np.ndarray, keys: pa.Array) -> list[
         # Flip the sign bit so that byte order equals numeric order.
         rows["key"] = keys.to_numpy(zero_copy_only=False).astype(np.int64).view(np.uint64) ^ _SIGN_BIT
         return rows.view(f"V{rows.itemsize}").tolist()
-    prefix = _prefixes(namespace, key_groups)
-    prefix_arr = pa.FixedSizeBinaryArray.from_buffers(
-        pa.binary(PREFIX_BYTES), len(prefix), [None, pa.py_buffer(prefix.tobytes())]
-    ).cast(pa.binary())
-    joined = pc.binary_join_element_wise(prefix_arr, keys.cast(pa.binary()), pa.scalar(b"", pa.binary()))
+    prefix = packed_records(_prefixes(namespace, key_groups))
+    joined = pc.binary_join_element_wise(prefix, keys.cast(pa.binary()), pa.scalar(b"", pa.binary()))
     return joined.to_pylist()
+
+
+def packed_records(records: np.ndarray) -> pa.Array:
+    """NumPy structured records as Arrow binary values, one each (their bytes as laid
+    out: big-endian fields give keys whose byte order is their order), in bulk."""
+    return pa.FixedSizeBinaryArray.from_buffers(pa.binary(records.dtype.itemsize), len(records),
+                                                [None, pa.py_buffer(records.tobytes())]).cast(pa.binary())
 
 
 def decode_keys(kind: str, state_keys: list[bytes]) -> tuple[np.ndarray, pa.Array]:
