@@ -30,7 +30,7 @@ POINTS = (
     "segment_read",  # inside the Spark stage: a read task kills the driver
     "shard_after_snapshot",  # inside the Spark stage: one shard snapshotted, others may not be
     "after_snapshot",  # every shard snapshotted, no sink written
-    "after_sink_<name>",  # that sink committed, the ones after it not yet
+    "after_sink_<name>",  # that sink committed; the others commit concurrently (pause them to hold them back)
     "after_sinks",  # every sink committed, no manifest
     "during_retention",  # manifest written, old snapshots half deleted
     "during_compaction",  # an archive of old epochs written, their folders not yet removed
@@ -40,7 +40,8 @@ POINTS = (
     "kafka_before_commit",  # a Kafka sink's epoch produced in its transaction, not committed
 )
 # Pause points (fault_pause): "shard_after_snapshot", "kafka_before_produce" (a Kafka sink
-# decided to write the epoch, nothing produced yet).
+# decided to write the epoch, nothing produced yet), "before_sink_<name>" (that sink
+# decided to commit the epoch, nothing written yet).
 
 
 def fault_point(name: str, epoch: int, *, pid: int | None = None, shard: int | None = None) -> None:

@@ -127,7 +127,7 @@ def test_a_kill_9_after_the_delta_commit_re_runs_the_epoch_dropping_the_same_rec
     the retry probes the same snapshot with the same records: Iceberg gets the same
     rows, and every table ends equal to the reference."""
     logs = write_dedup_log(tmp_path / "events", 4)
-    died = run_until_killed(tmp_path, "after_sink_delta", 3, kind="dedup", max_records=ROWS)
+    died = run_until_killed(tmp_path, "after_sink_delta", 3, kind="dedup", max_records=ROWS, hold=("iceberg",))
     assert died.returncode == -9, died.stderr[-3000:]
     runner = EpochRunner(dedup_pipeline(tmp_path / "events", tmp_path / "out", tables=tmp_path / "tables"), tmp_path / "state", RunSettings(max_records_per_epoch=ROWS), spark=spark)
     assert runner.committed_epoch() == 2

@@ -149,7 +149,8 @@ def test_killed_mid_epoch_heals_to_what_the_reference_emits(spark, tmp_path, poi
     run writes every epoch's rows once: the reference's, over the ranges each recorded."""
     events = tmp_path / "events"
     write_refund_logs(events, 3, PER_FILE)
-    crashed = run_until_killed(tmp_path, point, 2, shard, kind="refunds", max_records=KILL_MAX)
+    crashed = run_until_killed(tmp_path, point, 2, shard, kind="refunds", max_records=KILL_MAX,
+                               hold=("refund_changes",) if point == "after_sink_refunds" else ())
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr[-3000:]
     pipeline = refunds_pipeline(events, local_tables(tmp_path / "tables"))
     runner = EpochRunner(pipeline, tmp_path / "state", RunSettings(max_records_per_epoch=KILL_MAX), spark=spark)

@@ -122,7 +122,8 @@ def test_a_kill_9_between_the_sinks_of_an_expiring_epoch_commits_it_once(spark, 
     """Killed with epoch 3's Delta commit (its deletes included) landed and Iceberg's not:
     the resume leaves each table one commit per epoch and exactly the live state."""
     logs = write_ttl_log(tmp_path / "events", 5)
-    died = run_until_killed(tmp_path, "after_sink_delta", 3, kind="ttl", max_records=logs[0].num_rows)
+    died = run_until_killed(tmp_path, "after_sink_delta", 3, kind="ttl", max_records=logs[0].num_rows,
+                            hold=("iceberg",))
     assert died.returncode == -9, died.stderr[-3000:]
     runner = EpochRunner(ttl_pipeline(tmp_path / "events", tmp_path / "out", tables=tmp_path / "tables"), tmp_path / "state", RunSettings(max_records_per_epoch=logs[0].num_rows), spark=spark)
     assert runner.committed_epoch() == 2

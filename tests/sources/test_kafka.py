@@ -236,7 +236,7 @@ def test_a_pipeline_on_a_topic_equals_the_reference_and_re_runs_as_no_ops(spark,
 @pytest.mark.parametrize("point", [pytest.param("segment_read", marks=pytest.mark.deep),
                                    pytest.param("after_sink_iceberg", marks=pytest.mark.deep), "after_sinks"])
 def test_kill_9_and_resume_reads_the_same_offsets_and_writes_each_epoch_once(spark, kafka, tmp_path, point):
-    """Killed while reading epoch 2's offsets, after every sink but the Kafka one
+    """Killed while reading epoch 2's offsets, after every sink but the Kafka one (held)
     committed it, or after every sink (the Kafka transaction included) committed it
     but before its manifest: resumed, the state equals the reference and the output
     topic holds each epoch once. (The points between the snapshot and the sinks do not
@@ -244,7 +244,8 @@ def test_kill_9_and_resume_reads_the_same_offsets_and_writes_each_epoch_once(spa
     topic = topic_name()
     produce_events(kafka.bootstrap_servers, topic, BATCHES, PER_BATCH, KEYS)
     crashed = run_until_killed(tmp_path, point, 2, kind="payments_kafka", max_records=PER_BATCH,
-                               env_extra={"VOLLEY_TEST_KAFKA": kafka.bootstrap_servers, "VOLLEY_TEST_KAFKA_TOPIC": topic})
+                               env_extra={"VOLLEY_TEST_KAFKA": kafka.bootstrap_servers, "VOLLEY_TEST_KAFKA_TOPIC": topic},
+                               hold=("kafka",) if point == "after_sink_iceberg" else ())
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr[-3000:]
     pipeline = payments_on_kafka(tmp_path / "events", tmp_path / "out", tables=tmp_path / "tables",
                                  bootstrap_servers=kafka.bootstrap_servers, topic=topic)

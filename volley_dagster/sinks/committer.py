@@ -1,11 +1,21 @@
 """Committing one epoch's output to every sink of a pipeline, and the lineage rules that
 decide, per sink, whether to commit, skip or refuse (Quix Streams' ``SinkManager`` has
 this one job alike). Each sink only writes; this module owns the loop, the fencing
-check before each write, and the fault point after each."""
+check before each write, and the fault point after each.
+
+The sinks commit concurrently, one thread each: each decides and commits on its own
+mark, so no sink's commit depends on another's, and the epoch takes its slowest
+sink's time rather than their sum (Delta's and Iceberg's writers release the GIL
+while they write). The fault point ``after_sink_<name>`` fires in its sink's thread as
+soon as that sink has committed, whatever the others have done by then. When a sink
+fails, the others still finish (each holds the epoch or not, as its own mark says),
+then the first failure in the pipeline's order is raised; a retry skips whichever
+sinks already hold the epoch."""
 
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Callable
 
@@ -15,7 +25,7 @@ from volley_dagster import faults
 from volley_dagster.checkpoint.epoch_log import EpochLog
 from volley_dagster.errors import EpochOrderError
 from volley_dagster.pipeline import Pipeline
-from volley_dagster.sinks.base import CommitContext, SinkCommitResult
+from volley_dagster.sinks.base import CommitContext, Sink, SinkCommitResult
 from volley_dagster.sinks.lineage import SinkBinding
 from volley_dagster.sources.offsets import EpochRange
 
@@ -30,31 +40,40 @@ class SinkCommitter:
         self.check_fence = check_fence
 
     def commit(self, output: pa.Table, rng: EpochRange) -> dict[str, SinkCommitResult]:
-        """Each sink in turn: skip what it holds of this lineage, refuse (or, by the
-        sink's choice, replace or follow) another lineage's epochs, commit the rest."""
-        epoch, lineage, digest = rng.epoch, self.log.lineage(), rng.digest()
-        retired = self.log.retired_columns()
-        results: dict[str, SinkCommitResult] = {}
-        for sink in self.pipeline.sinks:
-            t = time.perf_counter()
-            held = sink.committed_mark(self.pipeline.name)
-            binding = self.log.sink_binding(sink.name)
-            if binding is None and held is not None and not lineage.owns(held) and sink.on_foreign_lineage != "fail":
-                self.check_fence(f"epoch {epoch}: recording sink {sink.name!r}'s choice {sink.on_foreign_lineage!r}")
-                binding = self.log.record_sink_binding(SinkBinding(sink.name, sink.on_foreign_lineage, held, epoch))
-            ctx = CommitContext(self.pipeline.name, epoch, self.pipeline.output_keys(), lineage, digest, binding,
-                                retired_columns=retired, expiry_column=self.pipeline.expiry_column())
-            if held is not None and lineage.owns(held) and held.epoch > ctx.sink_epoch:
-                held = sink.commit_of(self.pipeline.name, ctx.sink_epoch) or ctx.mark  # the range it holds for this epoch
-            if not ctx.should_commit(sink.name, held):
-                commit = SinkCommitResult(skipped=True, held_epoch=held.epoch if held else None)
-            else:
-                self.check_fence(f"epoch {epoch}: committing sink {sink.name!r}")
-                commit = sink.commit(output, ctx)  # a lost race reports a skip
-            results[sink.name] = replace(commit, seconds=time.perf_counter() - t, lineage=lineage.id,
-                                         sink_epoch=ctx.sink_epoch)
-            faults.fault_point(f"after_sink_{sink.name}", epoch)
-        return results
+        """Every sink, concurrently: skip what it holds of this lineage, refuse (or, by
+        the sink's choice, replace or follow) another lineage's epochs, commit the rest."""
+        sinks, epoch = self.pipeline.sinks, rng.epoch
+        base = CommitContext(self.pipeline.name, epoch, self.pipeline.output_keys(), self.log.lineage(), rng.digest(),
+                             retired_columns=self.log.retired_columns(), expiry_column=self.pipeline.expiry_column())
+        if len(sinks) < 2:
+            return {sink.name: self._commit_one(sink, output, base) for sink in sinks}
+        with ThreadPoolExecutor(len(sinks), thread_name_prefix=f"volley-sinks-{epoch}") as pool:
+            futures = [(sink.name, pool.submit(self._commit_one, sink, output, base)) for sink in sinks]
+        failed = [error for _, future in futures if (error := future.exception()) is not None]
+        if failed:
+            raise failed[0]  # in the pipeline's order; the other sinks have finished
+        return {name: future.result() for name, future in futures}
+
+    def _commit_one(self, sink: Sink, output: pa.Table, base: CommitContext) -> SinkCommitResult:
+        """One sink's decision and commit; ``base``: the epoch's context, before this sink's binding."""
+        epoch, lineage = base.epoch, base.lineage
+        t = time.perf_counter()
+        held = sink.committed_mark(self.pipeline.name)
+        binding = self.log.sink_binding(sink.name)
+        if binding is None and held is not None and not lineage.owns(held) and sink.on_foreign_lineage != "fail":
+            self.check_fence(f"epoch {epoch}: recording sink {sink.name!r}'s choice {sink.on_foreign_lineage!r}")
+            binding = self.log.record_sink_binding(SinkBinding(sink.name, sink.on_foreign_lineage, held, epoch))
+        ctx = replace(base, binding=binding)
+        if held is not None and lineage.owns(held) and held.epoch > ctx.sink_epoch:
+            held = sink.commit_of(self.pipeline.name, ctx.sink_epoch) or ctx.mark  # the range it holds for this epoch
+        if not ctx.should_commit(sink.name, held):
+            commit = SinkCommitResult(skipped=True, held_epoch=held.epoch if held else None)
+        else:
+            faults.fault_pause(f"before_sink_{sink.name}", epoch)  # tests: hold this sink while another commits
+            self.check_fence(f"epoch {epoch}: committing sink {sink.name!r}")
+            commit = sink.commit(output, ctx)  # a lost race reports a skip
+        faults.fault_point(f"after_sink_{sink.name}", epoch)
+        return replace(commit, seconds=time.perf_counter() - t, lineage=lineage.id, sink_epoch=ctx.sink_epoch)
 
     def refuse_held_uncommitted(self, committed: int) -> None:
         """An epoch after ``committed`` that a sink already holds was half committed in

@@ -37,6 +37,9 @@ from volley_dagster.state.transaction import ShardTransaction
 
 _PROBED = [columns.SHARD, columns.KEY_GROUP, columns.DEDUP_KEY, columns.DEDUP_TIME, columns.POS]
 _VERDICTS = [columns.DUPLICATE, columns.DEDUP_LATE]
+# Up to this many dropped records, their positions are broadcast to the anti-join (8 bytes
+# each), so the epoch's records are not shuffled by position to leave them out.
+BROADCAST_DROPPED_MAX = 4_000_000
 
 
 @dataclass(frozen=True)
@@ -107,6 +110,8 @@ class ProbedEpoch:
         if not self.duplicates and not self.late:
             return rows.drop(columns.DEDUP_KEY)
         dropped = self.probed.where(_dropped()).select(columns.POS)
+        if self.duplicates + self.late <= BROADCAST_DROPPED_MAX:
+            dropped = F.broadcast(dropped)
         return rows.join(dropped, columns.POS, "left_anti").drop(columns.DEDUP_KEY)
 
     def dropped(self, rng: EpochRange) -> pa.Table | None:
