@@ -21,10 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import pyarrow as pa  # noqa: E402
-import pyarrow.parquet as pq  # noqa: E402
-
 from bench.common import aggregate_floor, finish, log_arguments  # noqa: E402
+from bench.workloads import resend  # noqa: E402
 from volley_dagster import DeltaSink, EpochRunner, FileLog, Pipeline, count, sum_  # noqa: E402
 from volley_dagster.demo.events import generate  # noqa: E402
 from volley_dagster.settings import RunSettings  # noqa: E402
@@ -38,15 +36,6 @@ def spend(events: Path, table: Path, shards: int, dedup: bool) -> Pipeline:
     return (pipeline.key_by("merchant_id").aggregate(spent=sum_("amount"), payments=count())
             .sink(DeltaSink(table, mode="upsert")).with_shards(shards))
 
-
-
-def resend(events: Path, names: list[str], share: float) -> None:
-    """File i keeps its first records and re-sends the first ``share`` of file i-1."""
-    originals = [pq.read_table(events / n) for n in names]
-    for i in range(1, len(names)):
-        n = int(originals[i].num_rows * share)
-        kept = originals[i].slice(0, originals[i].num_rows - n)
-        pq.write_table(pa.concat_tables([kept, originals[i - 1].slice(0, n)]), events / names[i])
 
 
 def main() -> None:

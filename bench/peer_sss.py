@@ -14,7 +14,11 @@ with the engine's own best configuration rather than a straw man.
   replayed batch whose txn is already in the table is skipped (exactly-once).
 * Workload A: running total/count per merchant over active events, update mode,
   MERGE into the table. Workload B: 1-minute tumbling windows per merchant with a
-  30 s watermark, append mode, appended to the table.
+  30 s watermark, append mode, appended to the table (Bsl: 5-minute windows sliding
+  every minute; Bse: ``session_window`` with a 5-minute gap). Ad: A after
+  ``withWatermark("event_time", "10 minutes").dropDuplicatesWithinWatermark(["event_id"])``.
+  C: A's query, its changed rows appended. The windows are ``bench.workloads.WINDOWS``,
+  the ones our pipelines use.
 
 Spark behaviour this module works around or relies on (found while building it):
 
@@ -72,9 +76,11 @@ from pyspark.sql.types import (  # noqa: E402
     TimestampType,
 )
 
+from bench.workloads import WINDOWS  # noqa: E402
+
 ENGINE = "spark_structured_streaming"
 WATERMARK_DELAY_S = 30
-WINDOW_S = 60
+WINDOW_S = WINDOWS["B"].size_s
 
 EVENT_SCHEMA = StructType(
     [
@@ -143,13 +149,27 @@ def _workload_a(events: DataFrame) -> DataFrame:
             .agg(F.sum("amount").alias("total"), F.count(F.lit(1)).alias("events")))
 
 
-def _workload_b(events: DataFrame) -> DataFrame:
+def _windowed(events: DataFrame, workload: str) -> DataFrame:
+    """B, Bsl, Bse: count, sum and max per merchant and window, 30 s watermark."""
     return (events.withWatermark("event_time", f"{WATERMARK_DELAY_S} seconds")
-            .groupBy("merchant_id", F.window("event_time", f"{WINDOW_S} seconds"))
+            .groupBy("merchant_id", WINDOWS[workload].spark().alias("window"))
             .agg(F.count(F.lit(1)).alias("events"), F.sum("amount").alias("total"),
                  F.max("amount").alias("largest"))
             .select("merchant_id", F.col("window.start").alias("window_start"),
                     F.col("window.end").alias("window_end"), "events", "total", "largest"))
+
+
+WORKLOADS = ("A", "Ad", "B", "Bsl", "Bse", "C")
+
+
+def _query(events: DataFrame, workload: str) -> tuple[DataFrame, str, bool]:
+    """A workload's streaming query, its output mode, and whether its batches MERGE
+    into the table (A, Ad: an upsert table) or are appended to it."""
+    if workload in WINDOWS:
+        return _windowed(events, workload), "append", False
+    if workload == "Ad":
+        events = events.withWatermark("event_time", "10 minutes").dropDuplicatesWithinWatermark(["event_id"])
+    return _workload_a(events), "update", workload in ("A", "Ad")
 
 
 def _delta_writer(delta_uri: str, app_id: str, upsert: bool,
@@ -238,14 +258,14 @@ def _batch_entry(p: dict[str, Any], sink: dict[str, Any] | None) -> dict[str, An
 
 
 def run_peer(spark: SparkSession, events_dir: Path, workdir: Path, workload: str, shards: int) -> dict[str, Any]:
-    """Run workload "A" or "B" over the files in ``events_dir`` until they are drained
+    """Run a workload of ``WORKLOADS`` over the files in ``events_dir`` until they are drained
     (availableNow), checkpointing in ``workdir/checkpoint-<W>`` and writing Delta at
     ``workdir/delta-<W>``; calling it again with the same workdir resumes from the
     checkpoint. Needs a classic (non-Connect) session. Times are in seconds;
     ``records_per_s`` is records over the summed trigger time of all executed
     batches (no-data flush batches included: they do the emitting in B)."""
-    if workload not in ("A", "B", "C"):
-        raise ValueError(f"workload must be 'A', 'B' or 'C', not {workload!r}")
+    if workload not in WORKLOADS:
+        raise ValueError(f"workload must be one of {WORKLOADS}, not {workload!r}")
     events_dir, workdir = Path(events_dir), Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     checkpoint = workdir / f"checkpoint-{workload}"
@@ -258,13 +278,13 @@ def run_peer(spark: SparkSession, events_dir: Path, workdir: Path, workload: str
     try:
         events = (spark.readStream.format("parquet").schema(EVENT_SCHEMA)
                   .option("maxFilesPerTrigger", 1).load(str(events_dir)))
-        result = _workload_b(events) if workload == "B" else _workload_a(events)  # C: A's query, appended
+        result, mode, upsert = _query(events, workload)
         writer = (result.writeStream
                   .queryName(f"peer_sss_{workload}_{os.getpid()}_{int(time.time())}")
-                  .outputMode("append" if workload == "B" else "update")
+                  .outputMode(mode)
                   .option("checkpointLocation", str(checkpoint))
                   .trigger(availableNow=True)
-                  .foreachBatch(_delta_writer(delta_uri, app_id, workload == "A", sink_stats)))
+                  .foreachBatch(_delta_writer(delta_uri, app_id, upsert, sink_stats)))
         progresses, wall = run_to_end(writer)
     finally:
         _restore_confs(spark, previous)

@@ -3,11 +3,18 @@ append/upsert) at several output sizes, on local disk and on a SeaweedFS S3
 server this script starts itself (harness/seaweedfs.py).
 
     ./dev bench sinks [--rows 10000,100000,1000000] [--reps 3] [--storage local,s3]
+    ./dev bench sinks --together [--rows 100000,1000000] [--reps 5] [--storage local]
 
 Each configuration gets a fresh table and one warm-up epoch that creates it;
 then ``--reps`` epochs are timed as the runner times a sink (``committed_epoch``
 then ``commit``). Upsert epochs update half of their keys and insert the other
 half. Prints medians as a table and writes bench/results/sinks.json.
+
+``--together``: the demo's pair, a Delta upsert and an Iceberg append, each epoch
+committed by the engine's ``SinkCommitter`` (the sinks concurrently, one thread each)
+against the same two sinks committed one after the other (a committer each), on
+their own fresh tables, the two ways taking turns to go first. Prints the medians and
+their ratio; writes bench/results/sinks_together.json.
 """
 
 from __future__ import annotations
@@ -84,6 +91,44 @@ def time_commits(sink: Sink, rows: int, reps: int) -> list[float]:
     return seconds
 
 
+def time_together(where: Path, rows: int, reps: int, s3: SeaweedFS | None) -> dict[str, Any]:
+    """Seconds per epoch of the pair through one ``SinkCommitter`` (concurrently) and
+    through one committer per sink, one after the other."""
+    from volley_dagster import FileLog, Pipeline, sum_
+    from volley_dagster.checkpoint.epoch_log import EpochLog
+    from volley_dagster.sinks.committer import SinkCommitter
+    from volley_dagster.sources.offsets import EpochRange
+
+    def committers(way: str) -> list[SinkCommitter]:
+        pair = [make_sink("delta", "upsert", where, s3, f"{way}-{rows}-delta"),
+                make_sink("iceberg", "append", where, s3, f"{way}-{rows}-iceberg")]
+        base = Pipeline(PIPELINE).source(FileLog(where / "events")).key_by("merchant_id").aggregate(total=sum_("total"))
+        groups = [pair] if way == "together" else [[sink] for sink in pair]
+        out = []
+        for i, group in enumerate(groups):
+            log = EpochLog(where / f"{way}-{rows}-log-{i}")
+            log.check_identity({"pipeline": PIPELINE, "layout": {"num_shards": 1}})
+            pipeline = base
+            for sink in group:
+                pipeline = pipeline.sink(sink)
+            out.append(SinkCommitter(pipeline, log, lambda what: None))
+        return out
+
+    ways = {way: committers(way) for way in ("together", "in_turn")}
+    seconds: dict[str, list[float]] = {way: [] for way in ways}
+    for epoch in range(1, reps + 2):
+        output = epoch_output(epoch, rows)
+        rng = EpochRange(epoch, {}, {})
+        for way in (("together", "in_turn") if epoch % 2 else ("in_turn", "together")):
+            t = time.perf_counter()
+            for committer in ways[way]:
+                assert not any(r.skipped for r in committer.commit(output, rng).values())
+            if epoch > 1:  # the first epoch creates the tables
+                seconds[way].append(time.perf_counter() - t)
+    med = {way: statistics.median(s) for way, s in seconds.items()}
+    return {"rows": rows, "seconds": seconds, "median_s": med, "ratio": med["together"] / med["in_turn"]}
+
+
 def table_rows(results: list[dict[str, Any]]) -> str:
     head = f"{'storage':<8} {'sink':<8} {'mode':<7} {'rows':>10} {'median s':>9} {'min s':>8} {'max s':>8} {'rows/s':>11}"
     lines = [head, "-" * len(head)]
@@ -98,8 +143,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rows", default="10000,100000,1000000")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--storage", default="local,s3")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "sinks.json"))
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--together", action="store_true", help="the Delta + Iceberg pair: concurrently vs in turn")
     args = ap.parse_args(argv)
+    if args.together:
+        return together(args)
     sizes = [int(x) for x in args.rows.split(",")]
     storages = args.storage.split(",")
     warnings.filterwarnings("ignore")
@@ -124,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
                 server.stop()
 
     print(table_rows(results))
-    out = Path(args.out)
+    out = Path(args.out or ROOT / "bench" / "results" / "sinks.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
         "what": "sink commit per epoch (committed_epoch + commit), steady state after a table-creating epoch",
@@ -134,6 +182,31 @@ def main(argv: list[str] | None = None) -> None:
         "versions": _versions(),
         "results": results,
     }, indent=2))
+    print(f"\nwrote {out}")
+
+
+def together(args: argparse.Namespace) -> None:
+    results = []
+    with tempfile.TemporaryDirectory(prefix="volley-bench-sinks-") as tmp:
+        base = Path(tmp)
+        server = start_seaweedfs(base / "seaweedfs", bucket=BUCKET) if "s3" in args.storage.split(",") else None
+        try:
+            for storage in args.storage.split(","):
+                for rows in [int(x) for x in args.rows.split(",")]:
+                    r = {"storage": storage, **time_together(base / storage, rows, args.reps,
+                                                             server if storage == "s3" else None)}
+                    results.append(r)
+        finally:
+            if server is not None:
+                server.stop()
+    print(f"{'storage':<8} {'rows':>10} {'together s':>10} {'in turn s':>10} {'ratio':>6}")
+    for r in results:
+        med = r["median_s"]
+        print(f"{r['storage']:<8} {r['rows']:>10,} {med['together']:>10.3f} {med['in_turn']:>10.3f} {r['ratio']:>6.2f}")
+    out = Path(args.out or ROOT / "bench" / "results" / "sinks_together.json")
+    out.write_text(json.dumps({"what": "Delta upsert + Iceberg append per epoch: SinkCommitter (concurrent) vs in turn",
+                               "reps": args.reps, "machine": {"cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0]},
+                               "versions": _versions(), "results": results}, indent=2))
     print(f"\nwrote {out}")
 
 

@@ -4,9 +4,9 @@ this one job alike). Each sink only writes; this module owns the loop, the fenci
 check before each write, and the fault point after each.
 
 The sinks commit concurrently, one thread each: each decides and commits on its own
-mark, so no sink's commit depends on another's, and the epoch takes its slowest
-sink's time rather than their sum (Delta's and Iceberg's writers release the GIL
-while they write). The fault point ``after_sink_<name>`` fires in its sink's thread as
+mark, so no sink's commit depends on another's, and where the sinks wait on their
+storage (S3, a catalog) the epoch waits for the slowest rather than for their sum
+(``./dev bench sinks --together``). The fault point ``after_sink_<name>`` fires in its sink's thread as
 soon as that sink has committed, whatever the others have done by then. When a sink
 fails, the others still finish (each holds the epoch or not, as its own mark says),
 then the first failure in the pipeline's order is raised; a retry skips whichever
