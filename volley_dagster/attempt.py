@@ -103,7 +103,8 @@ class EpochAttempt:
             faults.fault_point("after_sinks", self.epoch)
             self.status = AttemptStatus.SINKS_COMMITTED
             t_commit = time.perf_counter()
-            self.durations = {"read_transform": stage.read_transform_s, "state_stage": stage.state_stage_s,
+            self.durations = {"read_transform": stage.read_transform_s, "pre_step": stage.pre_step_s,
+                              "state_stage": stage.state_stage_s,
                               **{f"{p}_shard_sum": sum(getattr(s, f"{p}_s") for s in stage.shards.values())
                                  for p in ("restore", "merge", "flush", "snapshot")},
                               "sinks": t_commit - t_sinks, "total": t_commit - t0}

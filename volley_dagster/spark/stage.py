@@ -52,6 +52,7 @@ class StageResult:
     input_watermarks: dict[str, int] = field(default_factory=dict)  # a join: each side's (``Watermarks``)
     enrichments: dict[str, EnrichmentRead] = field(default_factory=dict)  # per enrichment: version, unmatched records
     figures: dict[str, int] = field(default_factory=dict)  # the operator's (``epoch_figures``)
+    pre_step_s: float = 0.0  # of ``read_transform_s``: the plan's pre-step job (a deduplication's probe)
 
 
 @contextmanager
@@ -102,6 +103,7 @@ def run_stage(
     if cached:
         plan.raw.persist(StorageLevel.MEMORY_AND_DISK)
     pre: PreStepRun | None = None
+    pre_step_s = 0.0
     try:
         t0 = time.perf_counter()
         ends, kept = watermarks, None
@@ -111,8 +113,10 @@ def run_stage(
         else:
             rows = side.valid_rows()
             if plan.pre_step is not None:  # what it drops never reaches the operator, late records or state
+                t_pre = time.perf_counter()
                 pre = plan.pre_step.run(rows, layout, watermark, merge)
                 rows, kept = pre.remaining(rows), pre.routed()
+                pre_step_s = time.perf_counter() - t_pre
             assigned = operator.assign(rows)
             side.find(operator.late(assigned, watermark))
             if side.bad_records and pipeline.bad_records == "fail":
@@ -144,7 +148,7 @@ def run_stage(
             pre.release()
     output = output.sort_by([(c, "ascending") for c in pipeline.output_keys()])
     return StageResult(output, outputs, shards, t1 - t0, t2 - t1, ends.value, ends.inputs,
-                       plan.enrichment_reads(ran=True), figures)
+                       plan.enrichment_reads(ran=True), figures, pre_step_s)
 
 
 def shard_entries(stats: list[str], epoch: int) -> dict[int, ShardEntry]:
