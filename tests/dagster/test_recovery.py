@@ -18,16 +18,19 @@ from dagster import AssetKey, DagsterInstance, DynamicPartitionsDefinition, buil
 
 from tests.dagster.conftest import ROOT
 from tests.dagster.test_location import range_of, run_range, tick
+from volley_dagster import EpochRunner
 from volley_dagster.checkpoint.epoch_log import epoch_key
 from volley_dagster.checkpoint.lease import PipelineLease
 from volley_dagster.dagster.location import build_definitions
 from volley_dagster.dagster.resources import CheckpointResource, SparkResource, TablesResource
+from volley_dagster.dagster.runs import recovery_decision
 from volley_dagster.demo.events import generate
-from volley_dagster.demo.payments import payments_deployment
+from volley_dagster.demo.payments import local_tables, payments_deployment
 from volley_dagster.recovery import Backoff
 
 STATE = AssetKey(["payments", "state"])
-BACKOFF = Backoff(first_s=0.5, max_s=2.0, alert_after=3, retries_in_run=1)
+# The first wait (0.95 s for this pipeline) is well above a tick's latency on a loaded machine.
+BACKOFF = Backoff(first_s=1.5, max_s=3.0, alert_after=3, retries_in_run=1)
 
 
 @pytest.fixture
@@ -110,9 +113,16 @@ def test_transient_failures_are_requested_again_with_backoff_until_the_epoch_com
     generate(base / "events", 1, 1_500, 300, first_file=1)  # the budget reset: a new failure waits the first step
     request = tick(defs, instance, healed.cursor).run_requests[0]
     with PipelineLease(base / "state" / "payments", owner="another process").acquire():
-        assert not run(defs, instance, request).success
-    backing = tick(defs, instance, healed.cursor).skip_reason.skip_message
-    assert "epoch 2 failed in 1 run(s) since the last commit" in backing
+        failed = run(defs, instance, request)
+    assert not failed.success
+    # what a tick decides at the moment the run ended (deterministic, however slow the machine ticks)
+    ended = instance.get_run_record_by_id(failed.run_id).end_time
+    deployment = replace(payments_deployment(base / "events"), backoff=BACKOFF)
+    runner = EpochRunner(deployment.build(local_tables(base / "tables")), base / "state" / "payments")
+    decision = recovery_decision(instance, runner, deployment, ended)
+    assert not decision.request and decision.failures == 1
+    assert "epoch 2 failed in 1 run(s) since the last commit" in decision.reason and "backing off" in decision.reason
+    assert decision.next_at == pytest.approx(ended + BACKOFF.delay_s(1, "payments"))
 
 
 def test_a_permanent_failure_stops_the_requests_at_once_and_names_the_error(fast_backoff):
