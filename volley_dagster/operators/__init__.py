@@ -6,13 +6,12 @@ from volley_dagster.errors import StateLayoutError
 from volley_dagster.json_records import JsonObject
 from volley_dagster.operators.base import StatefulOperator, StateNamespaces
 from volley_dagster.operators.dedup import (
-    SEEN_BY_DEADLINE_NS,
-    SEEN_NS,
     Deduplicated,
     Deduplication,
     ResolvedUniqueRecords,
     dedup_namespaces,
 )
+from volley_dagster.operators.dedup_state import DEDUP_NAMESPACES
 from volley_dagster.operators.join import JOIN_NAMESPACES, IntervalJoin, ResolvedJoin
 from volley_dagster.operators.join_rows import RowCodec
 from volley_dagster.operators.ttl import StateTtl, with_ttl_namespaces
@@ -23,7 +22,7 @@ def recorded_namespaces(layout: JsonObject) -> StateNamespaces:
     """The namespaces of the operator that wrote a checkpoint root, from the layout it
     recorded (``pipeline.json``): for tools that have no pipeline (``volley rescale``)."""
     if "unique_records" in layout:
-        return StateNamespaces((SEEN_NS, SEEN_BY_DEADLINE_NS))
+        return StateNamespaces(DEDUP_NAMESPACES)
     if "join" in layout:
         return JOIN_NAMESPACES
     if "windowing" in layout:

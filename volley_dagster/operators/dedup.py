@@ -37,10 +37,8 @@ Epoch N decides against ``W[N-1]`` (in N-1's manifest), the state epoch N-1 left
 snapshot, read-only) and its own records, so every attempt of epoch N decides the
 same.
 
-State (two namespaces of the shard that owns the key's key group, so rescaling moves
-them like any keyed state): the remembered keys (``key -> event time``), and the
-same keys ordered by deadline within each key group, so forgetting costs what is
-forgotten: one range scan per key group, starting past the previous watermark.
+State: the remembered keys, in runs per key group and epoch in the shard that owns
+the key group (``operators/dedup_state.py``), read once an epoch and tested in bulk.
 
 Where it runs: before an aggregate or a window, Spark routes each record's (key,
 position, event time) to the key's shard, where a probe reads N-1's snapshot
@@ -75,11 +73,17 @@ from volley_dagster.operators.base import (
     partial_records,
     summed,
 )
+from volley_dagster.operators.dedup_state import (
+    DEDUP_NAMESPACES,
+    RememberedKeys,
+    decode_run,
+    read_remembered,
+    write_remembered,
+)
 from volley_dagster.operators.event_time import EventTime
 from volley_dagster.sources.offsets import EpochRange
 from volley_dagster.spark.partitioning import ShardRoute
-from volley_dagster.state.keys import decode_keys, encode_keys, key_columns, namespace_prefix, packed_records
-from volley_dagster.state.pending_index import ordered_us
+from volley_dagster.state.keys import PREFIX_BYTES, key_columns, key_kind
 from volley_dagster.state.resident import ResidentRecords
 from volley_dagster.state.transaction import ShardTransaction
 
@@ -87,7 +91,6 @@ from volley_dagster.state.transaction import ShardTransaction
 # session's time zone), and a null as a null, so equal keys and only they match
 EXACT_JSON = {"timestampFormat": "yyyy-MM-dd'T'HH:mm:ss.SSSSSSXXX", "timestampNTZFormat": "yyyy-MM-dd'T'HH:mm:ss.SSSSSS",
                "timeZone": "UTC", "ignoreNullFields": "false"}
-SEEN_NS, SEEN_BY_DEADLINE_NS = 7, 8  # ns | key group | key -> event time; ns | key group | deadline | key
 DUPLICATES = "duplicates"  # the epoch's figures: records dropped as duplicates,
 DEDUP_LATE = "dedup_late"  # and as late (event time + within at or before the watermark the epoch starts from)
 DEDUP_FIGURES = (DUPLICATES, DEDUP_LATE)
@@ -189,17 +192,12 @@ def first_occurrences(keys: pa.Array, positions: np.ndarray) -> np.ndarray:
     return first
 
 
-def find_duplicates(reader: ShardTransaction | None, key_groups: np.ndarray, keys: pa.Array,
-                    positions: np.ndarray) -> np.ndarray:
+def find_duplicates(remembered: RememberedKeys | None, keys: pa.Array, positions: np.ndarray) -> np.ndarray:
     """Which rows are duplicates: not their key's first in the epoch, or their key is
-    remembered in ``reader`` (N-1's state; None: there is none)."""
-    first = first_occurrences(keys, positions)
-    duplicate = ~first
-    if reader is not None:
-        rows = np.flatnonzero(first)
-        seen = encode_keys(SEEN_NS, key_groups[rows], keys.take(pa.array(rows)))
-        stored = reader.get_many(seen, namespace_prefix(SEEN_NS), may_scan=False)
-        duplicate[rows[pa.array(stored, pa.binary()).is_valid().to_numpy(zero_copy_only=False)]] = True
+    ``remembered`` (N-1's state; None: there is none)."""
+    duplicate = ~first_occurrences(keys, positions)
+    if remembered is not None:
+        duplicate |= remembered.contains(keys)
     return duplicate
 
 
@@ -216,73 +214,42 @@ class Verdicts:
         return ~(self.duplicate | self.late)
 
 
-def decide(dedup: Deduplication, reader: ShardTransaction | None, key_groups: np.ndarray, keys: pa.Array,
-           positions: np.ndarray, times: np.ndarray, watermark: int | None) -> Verdicts:
+def decide(dedup: Deduplication, remembered: RememberedKeys | None, keys: pa.Array, positions: np.ndarray,
+           times: np.ndarray, watermark: int | None) -> Verdicts:
     """The rule over one shard's records, in bulk: the late ones (against ``watermark``,
     the one the epoch starts from) are set aside first; the others are duplicates when
-    ``find_duplicates`` says so among themselves and against ``reader`` (N-1's state)."""
+    ``find_duplicates`` says so among themselves and against ``remembered`` (N-1's state)."""
     late = dedup.late(times, watermark)
     duplicate = np.zeros(len(keys), dtype=bool)
     on_time = np.flatnonzero(~late)
     if len(on_time) == len(keys):
-        duplicate = find_duplicates(reader, key_groups, keys, positions) if len(keys) else duplicate
+        duplicate = find_duplicates(remembered, keys, positions) if len(keys) else duplicate
     elif len(on_time):
-        duplicate[on_time] = find_duplicates(reader, key_groups[on_time], keys.take(pa.array(on_time)),
-                                             positions[on_time])
+        duplicate[on_time] = find_duplicates(remembered, keys.take(pa.array(on_time)), positions[on_time])
     return Verdicts(duplicate, late)
 
 
 class SeenKeys:
-    """One shard's remembered keys in one epoch: remember the kept ones, forget the due ones."""
+    """One shard's remembered keys in one epoch: forget the due ones, remember the kept ones."""
 
     def __init__(self, dedup: Deduplication, txn: ShardTransaction, step: ShardStep) -> None:
         self.dedup, self.txn, self.step = dedup, txn, step
 
-    def remember(self, key_groups: np.ndarray, keys: pa.Array, times: np.ndarray) -> int:
-        """Remember kept keys that outlive this epoch's watermark; returns how many."""
-        deadlines = self.dedup.deadlines(times)
-        if self.step.watermark is not None:
-            live = deadlines > self.step.watermark
-            key_groups, keys, times, deadlines = key_groups[live], keys.filter(pa.array(live)), times[live], deadlines[live]
-        if not len(keys):
-            return 0
-        seen = encode_keys(SEEN_NS, key_groups, keys)
-        prefix = np.empty(len(seen), dtype=[("ns", ">u2"), ("kg", ">u2"), ("deadline", ">u8")])
-        prefix["ns"], prefix["kg"], prefix["deadline"] = SEEN_BY_DEADLINE_NS, key_groups, ordered_us(deadlines)
-        suffixes = pc.binary_slice(pa.array(seen, pa.binary()), 4, 1 << 30)
-        by_deadline = pc.binary_join_element_wise(packed_records(prefix), suffixes, pa.scalar(b"", pa.binary()))
-        self.txn.set_many(seen, np.ascontiguousarray(times, dtype="<i8").view("V8").tolist())
-        self.txn.set_many(by_deadline.to_pylist(), [b""] * len(seen))
-        return len(seen)
-
-    def forget_due(self) -> int:
-        """Forget every key whose deadline is at or before the watermark after this
-        epoch; the scan of each key group starts past the previous watermark (all
-        earlier deadlines are gone), so it costs what it forgets."""
-        limit, before, layout = self.step.watermark, self.step.watermark_before, self.step.layout
-        if limit is None or layout is None or self.step.shard is None or (before is not None and before >= limit):
-            return 0
-        upper_at = ordered_us(np.array([min(limit, _MAX - 1) + 1])).tobytes()
-        lower_at = b"" if before is None else ordered_us(np.array([min(before, _MAX - 1) + 1])).tobytes()
-        due: list[bytes] = []
-        start, end = layout.key_group_range(self.step.shard)
-        for kg in range(start, end):
-            group = namespace_prefix(SEEN_BY_DEADLINE_NS) + int(kg).to_bytes(2, "big")
-            due.extend(k for k, _ in self.txn.scan_flushed(group + lower_at, group + upper_at))
-        if due:
-            entries = pa.array(due, pa.binary())  # ns 8 | kg | deadline | key -> ns 7 | kg | key, in bulk
-            seen = pc.binary_join_element_wise(pa.scalar(namespace_prefix(SEEN_NS)), pc.binary_slice(entries, 2, 4),
-                                               pc.binary_slice(entries, 12, 1 << 30), pa.scalar(b""))
-            self.txn.delete_many(due)
-            self.txn.delete_many(seen.to_pylist())
-        return len(due)
-
-    def settle(self, key_groups: np.ndarray, keys: pa.Array, times: np.ndarray) -> dict[str, int]:
-        """The epoch's work on its remembered keys: forget the due ones (before, so a
-        key never both goes and comes in one batch), remember the kept ones; its figures."""
-        forgotten = self.forget_due()
-        remembered = self.remember(key_groups, keys, times)
-        return {"dedup_keys_remembered": remembered, "dedup_keys_forgotten": forgotten}
+    def settle(self, key_groups: np.ndarray, keys: pa.Array, times: np.ndarray,
+               remembered: RememberedKeys | None = None) -> dict[str, int]:
+        """Forget every remembered key whose deadline is at or before the watermark
+        after this epoch, and remember the kept ``keys`` that outlive it; ``remembered``:
+        the shard's state as the epoch found it (read here when not given). Its figures."""
+        if remembered is None:
+            remembered = read_remembered(self.txn, key_kind(keys.type))
+        limit = self.step.watermark
+        due = np.zeros(len(remembered.keys), dtype=bool)
+        if limit is not None:
+            due = self.dedup.deadlines(remembered.times) <= limit
+            live = self.dedup.deadlines(times) > limit
+            key_groups, keys, times = key_groups[live], keys.filter(pa.array(live)), times[live]
+        write_remembered(self.txn, remembered, due, self.step.epoch, key_groups, keys, times)
+        return {"dedup_keys_remembered": len(keys), "dedup_keys_forgotten": int(due.sum())}
 
 
 @dataclass(frozen=True)
@@ -369,14 +336,20 @@ class ResolvedUniqueRecords:
 
     @property
     def namespaces(self) -> StateNamespaces:
-        return StateNamespaces((SEEN_NS, SEEN_BY_DEADLINE_NS))
+        return StateNamespaces(DEDUP_NAMESPACES)
 
     def decode_state(self, keys: list[bytes], values: list[bytes], key_kind: str, key_name: str,
                      key_group: str | None = None) -> pa.Table:
-        """Each remembered key, the event time of its kept record and when it is forgotten."""
-        groups, key_values = decode_keys(key_kind, keys)
+        """Each remembered key (of the runs ``keys``), the event time of its kept
+        record and when it is forgotten. A checkpoint written before runs shows its
+        keys once its next epoch has moved them into runs."""
+        runs = [decode_run(k, v) for k, v in zip(keys, values, strict=True)]
+        groups = np.concatenate([np.full(r.num_rows, int.from_bytes(k[2:PREFIX_BYTES], "big"), np.int64)
+                                 for k, r in zip(keys, runs, strict=True)] or [np.zeros(0, np.int64)])
+        key_values = (pa.concat_arrays([r.column("key").combine_chunks() for r in runs]) if runs
+                      else pa.array([], pa.int64() if key_kind == "int" else pa.string()))
         front, names = key_columns(key_values, self.dedup.key_name, groups, key_group)
-        times = np.frombuffer(b"".join(values), dtype="<i8")
+        times = np.concatenate([r.column("time").to_numpy() for r in runs] or [np.zeros(0, np.int64)])
         ts = pa.timestamp("us", tz="UTC")
         bounds = [pa.array(times).cast(ts), pa.array(times + self.dedup.within_us).cast(ts)]
         return pa.table(front + bounds, names=names + [self.dedup.event_time.time_column, "remembered_until"])
@@ -436,10 +409,12 @@ class ResolvedUniqueRecords:
         key_groups = data.column(columns.KEY_GROUP).to_numpy(zero_copy_only=False).astype(np.int64)
         keys = data.column(columns.KEY).combine_chunks()
         times = data.column(columns.DEDUP_TIME).to_numpy(zero_copy_only=False).astype(np.int64)
-        verdicts = decide(self.dedup, txn, key_groups, keys, data.column(columns.POS).to_numpy(zero_copy_only=False),
+        remembered = read_remembered(txn, key_kind(keys.type))
+        verdicts = decide(self.dedup, remembered, keys, data.column(columns.POS).to_numpy(zero_copy_only=False),
                           times, step.watermark_before)
         kept = verdicts.kept
-        figures = SeenKeys(self.dedup, txn, step).settle(key_groups[kept], keys.filter(pa.array(kept)), times[kept])
+        figures = SeenKeys(self.dedup, txn, step).settle(key_groups[kept], keys.filter(pa.array(kept)), times[kept],
+                                                         remembered)
         rows = data if self.dedup.write_duplicates else data.filter(pa.array(kept))
         outputs = [rows.column(c).combine_chunks() for c in self.columns]
         if self.dedup.write_duplicates:
@@ -454,4 +429,4 @@ class ResolvedUniqueRecords:
 
 def dedup_namespaces(inner: StateNamespaces) -> StateNamespaces:
     """An operator's namespaces plus the deduplication's (both keyed by key group)."""
-    return StateNamespaces(inner.keyed + (SEEN_NS, SEEN_BY_DEADLINE_NS), inner.pending, inner.meta)
+    return StateNamespaces(inner.keyed + DEDUP_NAMESPACES, inner.pending, inner.meta)

@@ -26,11 +26,12 @@ from volley_dagster import columns
 from volley_dagster.checkpoint.s3_snapshots import S3SnapshotStore
 from volley_dagster.checkpoint.snapshots import SnapshotRef, on_this_machine
 from volley_dagster.operators.dedup import DEDUP_FIGURES, DEDUP_LATE, DROPPED_COLUMNS, DUPLICATES, Deduplication, decide
+from volley_dagster.operators.dedup_state import read_remembered
 from volley_dagster.sources.offsets import EpochRange
 from volley_dagster.spark.partitioning import partition_of_shard, per_shard, with_shard
 from volley_dagster.spark.task_errors import engine_errors
 from volley_dagster.spark.tasks import ShardMerge
-from volley_dagster.state.keys import ShardLayout
+from volley_dagster.state.keys import ShardLayout, key_kind
 from volley_dagster.state.options import RocksDBOptions
 from volley_dagster.state.store import open_snapshot_read_only, verify_snapshot
 from volley_dagster.state.transaction import ShardTransaction
@@ -57,22 +58,20 @@ class DuplicateProbe:
 
     def __call__(self, table: pa.Table) -> pa.Table:
         shard = table.column(columns.SHARD)[0].as_py()
-        key_groups = table.column(columns.KEY_GROUP).to_numpy(zero_copy_only=False).astype(np.int64)
         keys = table.column(columns.DEDUP_KEY).combine_chunks()
         positions = table.column(columns.POS).to_numpy(zero_copy_only=False)
         times = table.column(columns.DEDUP_TIME).to_numpy(zero_copy_only=False).astype(np.int64)
         prev = self.previous.get(shard)
+        remembered = None
         with on_this_machine(prev, self.remote, self.cache_root) as (path, _):
-            if path is None or prev is None:
-                verdicts = decide(self.dedup, None, key_groups, keys, positions, times, self.watermark)
-            else:
+            if path is not None and prev is not None:
                 verify_snapshot(path, prev.files, full=self.verify_checksums)
                 db = open_snapshot_read_only(path, self.rocksdb)
                 try:
-                    verdicts = decide(self.dedup, ShardTransaction(db), key_groups, keys, positions, times,
-                                      self.watermark)
+                    remembered = read_remembered(ShardTransaction(db), key_kind(keys.type))
                 finally:
                     db.close()
+        verdicts = decide(self.dedup, remembered, keys, positions, times, self.watermark)
         return (table.select(_PROBED).append_column(columns.DUPLICATE, pa.array(verdicts.duplicate))
                 .append_column(columns.DEDUP_LATE, pa.array(verdicts.late)))
 
