@@ -22,6 +22,7 @@ DEDUP_KEY = "_volley_dkey"  # deduplication: a record's key over the ``on`` colu
 DEDUP_TIME = "_volley_dtime"  # its event time in microseconds
 DUPLICATE = "_volley_dup"  # deduplication's verdict: the record repeats a key kept before it
 DEDUP_LATE = "_volley_dlate"  # and: the record is late (event time + within at or before the epoch's starting watermark)
+DEDUP_RUN = "_volley_drun"  # the keys a shard's probe kept in one key group, as a run (operators/dedup_state.py)
 JOIN_SIDE = "_volley_jside"  # an interval join: which side a row is on (0 left, 1 right)
 JOIN_TIME = "_volley_jtime"  # its event time in microseconds, from its side's column
 JOIN_ROW = "_volley_jrow"  # its side's columns as one JSON text (operators/join_rows.py)

@@ -77,6 +77,7 @@ from volley_dagster.operators.dedup_state import (
     DEDUP_NAMESPACES,
     RememberedKeys,
     decode_run,
+    decoded_runs,
     read_remembered,
     write_remembered,
 )
@@ -236,12 +237,10 @@ class SeenKeys:
         self.dedup, self.txn, self.step = dedup, txn, step
 
     def settle(self, key_groups: np.ndarray, keys: pa.Array, times: np.ndarray,
-               remembered: RememberedKeys | None = None) -> dict[str, int]:
-        """Forget every remembered key whose deadline is at or before the watermark
-        after this epoch, and remember the kept ``keys`` that outlive it; ``remembered``:
-        the shard's state as the epoch found it (read here when not given). Its figures."""
-        if remembered is None:
-            remembered = read_remembered(self.txn, key_kind(keys.type))
+               remembered: RememberedKeys) -> dict[str, int]:
+        """Forget every ``remembered`` key (the shard's state as the epoch found it)
+        whose deadline is at or before the watermark after this epoch, and remember the
+        kept ``keys`` that outlive it; its figures."""
         limit = self.step.watermark
         due = np.zeros(len(remembered.keys), dtype=bool)
         if limit is not None:
@@ -255,11 +254,12 @@ class SeenKeys:
 @dataclass(frozen=True)
 class Deduplicated:
     """The stateful operator after a deduplication: its own work, plus remembering the
-    kept keys that reach the shard (rows with ``DEDUP_KEY``) and forgetting due ones,
-    in the same transaction, so one snapshot holds both."""
+    kept keys that reach the shard (rows with ``DEDUP_RUN``: the probe's runs) and
+    forgetting due ones, in the same transaction, so one snapshot holds both."""
 
     inner: StatefulOperator
     dedup: Deduplication
+    key_kind: str | None = None  # the deduplication key's ("int" | "str"); None: rebuilt to read state only
 
     @property
     def resident_records(self) -> ResidentRecords | None:
@@ -287,13 +287,16 @@ class Deduplicated:
         return self.inner.epoch_figures(shards)
 
     def apply(self, txn: ShardTransaction, data: pa.Table, step: ShardStep) -> tuple[list[pa.Array], OperatorStats]:
-        is_seen = pc.is_valid(data.column(columns.DEDUP_KEY))
-        seen, rest = data.filter(is_seen), data.filter(pc.invert(is_seen))
-        outputs, stats = self.inner.apply(txn, rest.drop_columns([columns.DEDUP_KEY, columns.DEDUP_TIME]), step)
-        figures = SeenKeys(self.dedup, txn, step).settle(
-            seen.column(columns.KEY_GROUP).to_numpy(zero_copy_only=False).astype(np.int64),
-            seen.column(columns.DEDUP_KEY).combine_chunks(),
-            seen.column(columns.DEDUP_TIME).to_numpy(zero_copy_only=False).astype(np.int64))
+        if self.key_kind is None:
+            raise ValueError("a Deduplicated rebuilt from a recorded layout reads state only")
+        is_run = pc.is_valid(data.column(columns.DEDUP_RUN))
+        kept, rest = data.filter(is_run), data.filter(pc.invert(is_run))
+        outputs, stats = self.inner.apply(txn, rest.drop_columns([columns.DEDUP_RUN]), step)
+        runs = [(kg, decode_run(b"", blob)) for kg, blob in zip(kept.column(columns.KEY_GROUP).to_pylist(),
+                                                                 kept.column(columns.DEDUP_RUN).to_pylist(), strict=True)]
+        groups, keys, times = decoded_runs([kg for kg, _ in runs], [r for _, r in runs], self.key_kind)
+        figures = SeenKeys(self.dedup, txn, step).settle(groups, keys, times,
+                                                         read_remembered(txn, self.key_kind))
         return outputs, OperatorStats(stats.keys_touched, stats.new_keys, {**stats.figures, **figures}, stats.records)
 
 
@@ -343,13 +346,10 @@ class ResolvedUniqueRecords:
         """Each remembered key (of the runs ``keys``), the event time of its kept
         record and when it is forgotten. A checkpoint written before runs shows its
         keys once its next epoch has moved them into runs."""
-        runs = [decode_run(k, v) for k, v in zip(keys, values, strict=True)]
-        groups = np.concatenate([np.full(r.num_rows, int.from_bytes(k[2:PREFIX_BYTES], "big"), np.int64)
-                                 for k, r in zip(keys, runs, strict=True)] or [np.zeros(0, np.int64)])
-        key_values = (pa.concat_arrays([r.column("key").combine_chunks() for r in runs]) if runs
-                      else pa.array([], pa.int64() if key_kind == "int" else pa.string()))
+        groups, key_values, times = decoded_runs([int.from_bytes(k[2:PREFIX_BYTES], "big") for k in keys],
+                                                 [decode_run(k, v) for k, v in zip(keys, values, strict=True)],
+                                                 key_kind)
         front, names = key_columns(key_values, self.dedup.key_name, groups, key_group)
-        times = np.concatenate([r.column("time").to_numpy() for r in runs] or [np.zeros(0, np.int64)])
         ts = pa.timestamp("us", tz="UTC")
         bounds = [pa.array(times).cast(ts), pa.array(times + self.dedup.within_us).cast(ts)]
         return pa.table(front + bounds, names=names + [self.dedup.event_time.time_column, "remembered_until"])

@@ -54,9 +54,12 @@ def encode_run(keys: pa.Array, times: np.ndarray) -> bytes:
 
 
 def decode_run(state_key: bytes, value: bytes) -> pa.Table:
+    """A run (``state_key``: where it is stored, for the error; empty for one in flight)."""
     try:
         return pa.ipc.open_stream(pa.py_buffer(value)).read_all()
     except (pa.ArrowInvalid, OSError) as exc:
+        if not state_key:
+            raise
         group = int.from_bytes(state_key[2:PREFIX_BYTES], "big")
         epoch = int.from_bytes(state_key[PREFIX_BYTES:], "big")
         raise StateLayoutError(
@@ -87,29 +90,37 @@ class RememberedKeys:
 def read_remembered(txn: ShardTransaction, kind: str) -> RememberedKeys:
     """The shard's remembered keys as its last flush left them (``kind``: the
     deduplication key's, ``"int"`` or ``"str"``, for legacy entries)."""
-    runs, tables, groups = [], [], []
-    for state_key, value in txn.scan_flushed(namespace_prefix(RUNS_NS), namespace_prefix(RUNS_NS + 1)):
-        table = decode_run(state_key, value)
-        runs.append(state_key)
-        tables.append(table)
-        groups.append(np.full(table.num_rows, int.from_bytes(state_key[2:PREFIX_BYTES], "big"), np.int64))
-    run_of = [np.full(t.num_rows, i, np.int64) for i, t in enumerate(tables)]
-    key_type = pa.int64() if kind == "int" else pa.string()
-    keys = [t.column("key").combine_chunks() for t in tables]
-    times = [t.column("time").to_numpy() for t in tables]
+    runs = list(txn.scan_flushed(namespace_prefix(RUNS_NS), namespace_prefix(RUNS_NS + 1)))
+    tables = [decode_run(k, v) for k, v in runs]
+    groups, keys, times = decoded_runs([int.from_bytes(k[2:PREFIX_BYTES], "big") for k, _ in runs], tables, kind)
+    run_of = np.repeat(np.arange(len(runs), dtype=np.int64), [t.num_rows for t in tables])
     legacy = list(txn.scan_flushed(namespace_prefix(LEGACY_SEEN_NS), namespace_prefix(LEGACY_SEEN_NS + 1)))
     if legacy:
         legacy_groups, legacy_keys = decode_keys(kind, [k for k, _ in legacy])
-        keys.append(canonical_keys(legacy_keys))
-        groups.append(legacy_groups)
-        times.append(np.frombuffer(b"".join(v for _, v in legacy), dtype="<i8").astype(np.int64))
-        run_of.append(np.full(len(legacy), -1, np.int64))
-    return RememberedKeys(
-        np.concatenate(groups) if groups else np.zeros(0, np.int64),
-        pa.concat_arrays(keys) if keys else pa.array([], key_type),
-        np.concatenate(times) if times else np.zeros(0, np.int64),
-        np.concatenate(run_of) if run_of else np.zeros(0, np.int64),
-        tuple(runs), bool(legacy))
+        groups = np.concatenate([groups, legacy_groups])
+        keys = pa.concat_arrays([keys, canonical_keys(legacy_keys)])
+        times = np.concatenate([times, np.frombuffer(b"".join(v for _, v in legacy), dtype="<i8").astype(np.int64)])
+        run_of = np.concatenate([run_of, np.full(len(legacy), -1, np.int64)])
+    return RememberedKeys(groups, keys, times, run_of, tuple(k for k, _ in runs), bool(legacy))
+
+
+def decoded_runs(key_groups: list[int], runs: list[pa.Table], kind: str) -> tuple[np.ndarray, pa.Array, np.ndarray]:
+    """The key group, key and event time of every entry of ``runs`` (of ``key_groups``), in bulk."""
+    groups = np.repeat(np.asarray(key_groups, np.int64), [r.num_rows for r in runs]) if runs else np.zeros(0, np.int64)
+    keys = pa.concat_arrays([r.column("key").combine_chunks() for r in runs]) if runs else pa.array(
+        [], pa.int64() if kind == "int" else pa.string())
+    times = np.concatenate([r.column("time").to_numpy() for r in runs]) if runs else np.zeros(0, np.int64)
+    return groups, keys, times.astype(np.int64)
+
+
+def runs_by_key_group(key_groups: np.ndarray, keys: pa.Array, times: np.ndarray) -> list[tuple[int, bytes]]:
+    """``keys`` (and their event times) as one run per key group, in key group order."""
+    if not len(keys):
+        return []
+    order = np.argsort(key_groups, kind="stable")
+    cuts = [*np.flatnonzero(np.diff(key_groups[order], prepend=-1)).tolist(), len(order)]
+    return [(int(key_groups[order[lo]]), encode_run(keys.take(pa.array(order[lo:hi])), times[order[lo:hi]]))
+            for lo, hi in zip(cuts[:-1], cuts[1:], strict=True)]
 
 
 def write_remembered(txn: ShardTransaction, remembered: RememberedKeys, due: np.ndarray, epoch: int,
@@ -137,15 +148,11 @@ def write_remembered(txn: ShardTransaction, remembered: RememberedKeys, due: np.
         times = np.concatenate([remembered.times[moved], times])
         for ns in (LEGACY_SEEN_NS, LEGACY_BY_DEADLINE_NS):
             deletes.extend(k for k, _ in txn.scan_flushed(namespace_prefix(ns), namespace_prefix(ns + 1)))
-    if len(keys):
-        if any(k[PREFIX_BYTES:] == int(epoch).to_bytes(8, "big") for k in remembered.runs):
-            raise StateLayoutError(f"the deduplication's state this epoch starts from already holds runs of epoch "
-                                   f"{epoch}: it is not epoch {epoch - 1}'s snapshot")
-        order = np.argsort(key_groups, kind="stable")
-        cuts = [*np.flatnonzero(np.diff(key_groups[order], prepend=-1)).tolist(), len(order)]
-        for lo, hi in zip(cuts[:-1], cuts[1:], strict=True):
-            rows = order[lo:hi]
-            writes[run_key(int(key_groups[rows[0]]), epoch)] = encode_run(keys.take(pa.array(rows)), times[rows])
+    if len(keys) and any(k[PREFIX_BYTES:] == int(epoch).to_bytes(8, "big") for k in remembered.runs):
+        raise StateLayoutError(f"the deduplication's state this epoch starts from already holds runs of epoch "
+                               f"{epoch}: it is not epoch {epoch - 1}'s snapshot")
+    for group, run in runs_by_key_group(key_groups, keys, times):
+        writes[run_key(group, epoch)] = run
     if deletes:
         txn.delete_many(deletes)
     if writes:

@@ -3,11 +3,13 @@
 One job routes each valid record's (deduplication key, log position, event time) to
 the shard that owns the key and runs ``DuplicateProbe`` there: it marks the late
 records (against the watermark the epoch starts from), reads epoch N-1's snapshot of
-that shard read-only and marks the duplicates among the others. Its result is cached
-and counted (or collected, for the duplicates side output) on the driver. The epoch's
-state stage then reads the records without the dropped ones (an anti-join on the log
-position) and sends the kept keys to their shards, where ``Deduplicated`` remembers
-them in the shard's transaction. Every attempt of an epoch probes the same snapshot
+that shard read-only and marks the duplicates among the others. It returns the dropped
+records and the kept keys as one run per key group (``operators/dedup_state.py``), a
+few rows however many records were kept. Its result is cached and counted (or
+collected, for the duplicates side output) on the driver. The epoch's state stage
+then reads the records without the dropped ones (an anti-join on the log position)
+and sends the runs to their shards, where ``Deduplicated`` remembers their keys in the
+shard's transaction. Every attempt of an epoch probes the same snapshot
 with the same records and the same watermark, so every attempt drops the same records.
 """
 
@@ -26,7 +28,7 @@ from volley_dagster import columns
 from volley_dagster.checkpoint.s3_snapshots import S3SnapshotStore
 from volley_dagster.checkpoint.snapshots import SnapshotRef, on_this_machine
 from volley_dagster.operators.dedup import DEDUP_FIGURES, DEDUP_LATE, DROPPED_COLUMNS, DUPLICATES, Deduplication, decide
-from volley_dagster.operators.dedup_state import read_remembered
+from volley_dagster.operators.dedup_state import read_remembered, runs_by_key_group
 from volley_dagster.sources.offsets import EpochRange
 from volley_dagster.spark.partitioning import partition_of_shard, per_shard, with_shard
 from volley_dagster.spark.task_errors import engine_errors
@@ -72,8 +74,20 @@ class DuplicateProbe:
                 finally:
                     db.close()
         verdicts = decide(self.dedup, remembered, keys, positions, times, self.watermark)
-        return (table.select(_PROBED).append_column(columns.DUPLICATE, pa.array(verdicts.duplicate))
-                .append_column(columns.DEDUP_LATE, pa.array(verdicts.late)))
+        dropped = table.filter(pa.array(~verdicts.kept)).select(_PROBED)
+        dropped = (dropped.append_column(columns.DUPLICATE, pa.array(verdicts.duplicate[~verdicts.kept]))
+                   .append_column(columns.DEDUP_LATE, pa.array(verdicts.late[~verdicts.kept]))
+                   .append_column(columns.DEDUP_RUN, pa.nulls(dropped.num_rows, pa.binary())))
+        kept = verdicts.kept
+        groups = table.column(columns.KEY_GROUP).to_numpy(zero_copy_only=False).astype(np.int64)
+        runs = runs_by_key_group(groups[kept], keys.filter(pa.array(kept)), times[kept])
+        n = len(runs)
+        schema = dropped.schema
+        filled = {columns.SHARD: np.full(n, shard), columns.KEY_GROUP: [g for g, _ in runs],
+                  columns.DEDUP_RUN: [r for _, r in runs]}
+        run_rows = pa.table([pa.array(filled[f.name], f.type) if f.name in filled else pa.nulls(n, f.type)
+                             for f in schema], schema=schema)
+        return pa.concat_tables([dropped, run_rows])
 
 
 @dataclass(frozen=True)
@@ -117,10 +131,11 @@ class ProbedEpoch:
         return None if self.dropped_records is None else self.dedup.side_output(self.dropped_records, rng)
 
     def routed(self) -> DataFrame:
-        """One row per kept key, with its key group and shard, for ``to_shards(routed=...)``:
+        """The kept keys, one run per key group (with its shard), for ``to_shards(routed=...)``:
         they reach their shard task in the state stage's own exchange, grouped apart
         from the partials by ``partitioning.KEPT_KEY_COLUMNS``."""
-        return self.probed.where(~_dropped()).drop(*_VERDICTS, columns.POS)
+        return self.probed.where(F.col(columns.DEDUP_RUN).isNotNull()).select(
+            columns.SHARD, columns.KEY_GROUP, columns.DEDUP_RUN)
 
     def release(self) -> None:
         self.probed.unpersist()
@@ -137,7 +152,7 @@ def probe_duplicates(rows: DataFrame, dedup: Deduplication, layout: ShardLayout,
     key_type = rows.schema[columns.DEDUP_KEY].dataType.simpleString()
     schema = (f"`{columns.SHARD}` int, `{columns.KEY_GROUP}` int, `{columns.DEDUP_KEY}` {key_type}, "
               f"`{columns.DEDUP_TIME}` bigint, `{columns.POS}` bigint, `{columns.DUPLICATE}` boolean, "
-              f"`{columns.DEDUP_LATE}` boolean")
+              f"`{columns.DEDUP_LATE}` boolean, `{columns.DEDUP_RUN}` binary")
     probed = per_shard(routed.repartition(layout.num_shards, columns.PARTITION), probe, schema)
     probed = probed.persist(StorageLevel.MEMORY_AND_DISK)
     try:

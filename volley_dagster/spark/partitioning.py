@@ -86,7 +86,7 @@ def shard_markers(df: DataFrame, layout: ShardLayout) -> DataFrame:
 # What ``to_shards`` adds: an aggregate grouping by these (and its own keys) finds its
 # rows already in place, and Spark plans no second exchange.
 ROUTING_COLUMNS = [columns.PARTITION, columns.SHARD, columns.KEY_GROUP, columns.MARKER]
-KEPT_KEY_COLUMNS = [columns.DEDUP_KEY, columns.DEDUP_TIME]  # a deduplication's kept keys; null on the records' rows
+KEPT_KEY_COLUMNS = [columns.DEDUP_RUN]  # a deduplication's kept keys, a run per key group; null on the records' rows
 
 
 @dataclass(frozen=True)

@@ -35,11 +35,12 @@ class PlannedEpoch:
     may_have_bad_records: bool = True  # False: a native Parquet read, every record parsed
     enrichments: list[EnrichmentRun] = field(default_factory=list)
     dedup: Deduplication | None = None  # before an aggregate or window: ``keyed`` then has ``DEDUP_KEY``
+    dedup_kind: str = "int"  # and its kind ("int" | "str")
 
     @property
     def state_operator(self) -> StatefulOperator:
         """What the shard tasks run: the operator, after a deduplication also remembering its keys."""
-        return self.operator if self.dedup is None else Deduplicated(self.operator, self.dedup)
+        return self.operator if self.dedup is None else Deduplicated(self.operator, self.dedup, self.dedup_kind)
 
     @cached_property
     def pre_step(self) -> PreStep | None:
@@ -109,6 +110,8 @@ def plan_epoch(spark: SparkSession, pipeline: Pipeline, rng: EpochRange, pins: d
     operator = pipeline.stateful_operator().resolve(keyed.schema)
     if pipeline.key_column in operator.output_names():
         raise ConfigError(f"output column {pipeline.key_column!r} has the same name as the key column")
+    dedup_kind = "int"
     if pipeline.dedup is not None:
-        keyed = keyed.withColumn(columns.DEDUP_KEY, pipeline.dedup.key_expr(keyed.schema)[0])
-    return PlannedEpoch(raw, keyed, operator, kind, read.may_have_bad_records, joins.runs, pipeline.dedup)
+        dedup_key, dedup_kind = pipeline.dedup.key_expr(keyed.schema)
+        keyed = keyed.withColumn(columns.DEDUP_KEY, dedup_key)
+    return PlannedEpoch(raw, keyed, operator, kind, read.may_have_bad_records, joins.runs, pipeline.dedup, dedup_kind)

@@ -95,8 +95,8 @@ class ShardMerge:
 
     def _merge(self, shard: int, table: pa.Table) -> pa.Table:
         valid = pc.is_valid(table.column(columns.KEY))
-        if columns.DEDUP_KEY in table.column_names:  # the keys a deduplication kept, to remember
-            valid = pc.or_(valid, pc.is_valid(table.column(columns.DEDUP_KEY)))
+        if columns.DEDUP_RUN in table.column_names:  # the keys a deduplication kept, to remember
+            valid = pc.or_(valid, pc.is_valid(table.column(columns.DEDUP_RUN)))
         data = table.filter(valid)
         # a single-job epoch's null-key records arrive as one partial row per shard;
         # the marker rows (one per shard) are no records
