@@ -113,5 +113,18 @@ def test_a_shard_written_before_runs_is_remembered_and_moved_into_runs(tmp_path,
         for ns in (LEGACY_SEEN_NS, LEGACY_BY_DEADLINE_NS):
             assert not list(scan_prefix(db, namespace_prefix(ns))), f"namespace {ns} emptied"
         assert not read_remembered(ShardTransaction(db), kind).legacy
+        # per-key entries beside runs (never written so by the engine): both are read, a
+        # partly due run is rewritten and the entries move into the epoch's runs
+        db[encode_keys(LEGACY_SEEN_NS, np.array([7]), new.take(pa.array([0])))[0]] = (150).to_bytes(8, "little")
+        txn = ShardTransaction(db)
+        found = read_remembered(txn, kind)
+        assert found.legacy and stored_memory(db, kind) == {**expected, new[1].as_py(): 121, new[0].as_py(): 150}
+        step = ShardStep(6, kind, watermark_before=134, watermark=137, layout=ShardLayout(2, 8), shard=1)
+        figures = SeenKeys(dedup, txn, step).settle(np.zeros(0, np.int64), new.slice(0, 0), np.zeros(0, np.int64), found)
+        txn.flush()
+        assert figures == {"dedup_keys_remembered": 0, "dedup_keys_forgotten": 3}  # deadlines 135..137: kg 7's run goes
+        assert stored_memory(db, kind) == {**{k: t for k, t in expected.items() if t + WITHIN > 137},
+                                           new[1].as_py(): 121, new[0].as_py(): 150}
+        assert not read_remembered(ShardTransaction(db), kind).legacy
     finally:
         db.close()

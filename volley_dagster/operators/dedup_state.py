@@ -131,8 +131,8 @@ def write_remembered(txn: ShardTransaction, remembered: RememberedKeys, due: np.
     deletes: list[bytes] = []
     writes: dict[bytes, bytes] = {}
     if len(remembered.runs):
-        order = remembered.run_of  # entries are in run order: runs are contiguous
-        bounds = np.searchsorted(order, np.arange(len(remembered.runs) + 1))
+        in_runs = remembered.run_of[remembered.run_of >= 0]  # the runs' entries come first, run by run
+        bounds = np.searchsorted(in_runs, np.arange(len(remembered.runs) + 1))
         for i, state_key in enumerate(remembered.runs):
             lo, hi = int(bounds[i]), int(bounds[i + 1])
             gone = due[lo:hi]
