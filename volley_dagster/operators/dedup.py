@@ -79,12 +79,13 @@ from volley_dagster.operators.dedup_state import (
     decode_run,
     decoded_runs,
     read_remembered,
+    run_key_group,
     write_remembered,
 )
 from volley_dagster.operators.event_time import EventTime
 from volley_dagster.sources.offsets import EpochRange
 from volley_dagster.spark.partitioning import ShardRoute
-from volley_dagster.state.keys import PREFIX_BYTES, key_columns, key_kind
+from volley_dagster.state.keys import key_columns, key_kind
 from volley_dagster.state.resident import ResidentRecords
 from volley_dagster.state.transaction import ShardTransaction
 
@@ -346,7 +347,7 @@ class ResolvedUniqueRecords:
         """Each remembered key (of the runs ``keys``), the event time of its kept
         record and when it is forgotten. A checkpoint written before runs shows its
         keys once its next epoch has moved them into runs."""
-        groups, key_values, times = decoded_runs([int.from_bytes(k[2:PREFIX_BYTES], "big") for k in keys],
+        groups, key_values, times = decoded_runs([run_key_group(k) for k in keys],
                                                  [decode_run(k, v) for k, v in zip(keys, values, strict=True)],
                                                  key_kind)
         front, names = key_columns(key_values, self.dedup.key_name, groups, key_group)

@@ -40,6 +40,10 @@ def run_key(key_group: int, epoch: int) -> bytes:
     return namespace_prefix(RUNS_NS) + int(key_group).to_bytes(2, "big") + int(epoch).to_bytes(8, "big")
 
 
+def run_key_group(state_key: bytes) -> int:
+    return int.from_bytes(state_key[2:PREFIX_BYTES], "big")
+
+
 def canonical_keys(keys: pa.Array) -> pa.Array:
     """Keys as runs store them: int64, or UTF-8 strings."""
     return keys.cast(pa.int64() if key_kind(keys.type) == "int" else pa.string())
@@ -60,7 +64,7 @@ def decode_run(state_key: bytes, value: bytes) -> pa.Table:
     except (pa.ArrowInvalid, OSError) as exc:
         if not state_key:
             raise
-        group = int.from_bytes(state_key[2:PREFIX_BYTES], "big")
+        group = run_key_group(state_key)
         epoch = int.from_bytes(state_key[PREFIX_BYTES:], "big")
         raise StateLayoutError(
             f"the deduplication's run of key group {group} written by epoch {epoch} cannot be read ({exc}): the "
@@ -92,7 +96,7 @@ def read_remembered(txn: ShardTransaction, kind: str) -> RememberedKeys:
     deduplication key's, ``"int"`` or ``"str"``, for legacy entries)."""
     runs = list(txn.scan_flushed(namespace_prefix(RUNS_NS), namespace_prefix(RUNS_NS + 1)))
     tables = [decode_run(k, v) for k, v in runs]
-    groups, keys, times = decoded_runs([int.from_bytes(k[2:PREFIX_BYTES], "big") for k, _ in runs], tables, kind)
+    groups, keys, times = decoded_runs([run_key_group(k) for k, _ in runs], tables, kind)
     run_of = np.repeat(np.arange(len(runs), dtype=np.int64), [t.num_rows for t in tables])
     legacy = list(txn.scan_flushed(namespace_prefix(LEGACY_SEEN_NS), namespace_prefix(LEGACY_SEEN_NS + 1)))
     if legacy:

@@ -74,11 +74,11 @@ class DuplicateProbe:
                 finally:
                     db.close()
         verdicts = decide(self.dedup, remembered, keys, positions, times, self.watermark)
-        dropped = table.filter(pa.array(~verdicts.kept)).select(_PROBED)
-        dropped = (dropped.append_column(columns.DUPLICATE, pa.array(verdicts.duplicate[~verdicts.kept]))
-                   .append_column(columns.DEDUP_LATE, pa.array(verdicts.late[~verdicts.kept]))
-                   .append_column(columns.DEDUP_RUN, pa.nulls(dropped.num_rows, pa.binary())))
         kept = verdicts.kept
+        dropped = table.filter(pa.array(~kept)).select(_PROBED)
+        dropped = (dropped.append_column(columns.DUPLICATE, pa.array(verdicts.duplicate[~kept]))
+                   .append_column(columns.DEDUP_LATE, pa.array(verdicts.late[~kept]))
+                   .append_column(columns.DEDUP_RUN, pa.nulls(dropped.num_rows, pa.binary())))
         groups = table.column(columns.KEY_GROUP).to_numpy(zero_copy_only=False).astype(np.int64)
         runs = runs_by_key_group(groups[kept], keys.filter(pa.array(kept)), times[kept])
         n = len(runs)
