@@ -609,7 +609,8 @@ def print_summary(report: dict[str, Any], scaled: dict[str, list[str]]) -> None:
 
 
 PROFILE = {  # per engine: its phases in order (the top-level ones, then those inside them)
-    "volley": ("read_transform", "state_stage", "sinks", "rest", "pre_step", "restore", "merge", "flush", "snapshot"),
+    "volley": ("read_transform", "state_stage", "sinks", "rest", "pre_step", "side_output", "restore", "merge",
+               "flush", "snapshot"),
     "peer": ("latestOffset", "getBatch", "queryPlanning", "addBatch", "walCommit", "commitOffsets", "rest",
              "fn_collect", "fn_delta_commit"),
 }
@@ -620,7 +621,7 @@ def print_profile(report: dict[str, Any]) -> None:
     """Each engine's median phases of an epoch (seconds), with any phase not named in
     ``PROFILE`` after those; ``rest``: the epoch's time less its top-level phases."""
     notes = {"volley": "ours: read_transform + state_stage + sinks + rest = the epoch; pre_step (a deduplication's "
-                       "probe job) inside read_transform; restore..snapshot are summed over the shards inside "
+                       "probe job) and side_output (bad and late records, the watermark) inside read_transform; restore..snapshot are summed over the shards inside "
                        "state_stage, sink_* inside sinks",
              "peer": "peer: latestOffset..commitOffsets + rest = the micro-batch (triggerExecution, with the no-data "
                      "batch that emits the last windows); fn_* inside addBatch (the foreachBatch)"}

@@ -104,6 +104,7 @@ class EpochAttempt:
             self.status = AttemptStatus.SINKS_COMMITTED
             t_commit = time.perf_counter()
             self.durations = {"read_transform": stage.read_transform_s, "pre_step": stage.pre_step_s,
+                              "side_output": stage.side_output_s,
                               "state_stage": stage.state_stage_s,
                               **{f"{p}_shard_sum": sum(getattr(s, f"{p}_s") for s in stage.shards.values())
                                  for p in ("restore", "merge", "flush", "snapshot")},

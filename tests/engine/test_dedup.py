@@ -62,6 +62,9 @@ def test_duplicates_are_dropped_as_the_reference_and_the_tables_hold_the_kept_re
         check_epoch(runner, result, *reference.run(records))
     assert all(r.records_aggregated == ROWS - r.figures["duplicates"] - r.figures["dedup_late"] for r in results)
     assert [r.figures["dedup_late"] for r in results] == [0, 0, 0, 20, 20]
+    # the probe's job observed each epoch's watermark, and no bad record: no side-output job ran
+    assert [r.watermark for r in results] == reference.watermarks[1:] + [reference.watermark]
+    assert [r.durations["side_output"] for r in results] == [0.0] * FILES
     # epoch 4 repeats the first ten events of the first file twice, 30 minutes back:
     # both copies are late (event time + 15 minutes <= the watermark epoch 4 starts from)
     side = runner.duplicate_records(4)
@@ -241,6 +244,7 @@ def test_deduplication_settings_are_checked_and_recorded(spark, tmp_path):
     lettered = EpochRunner(nulls.on_bad_records("dead_letter"), tmp_path / "s3", spark=spark).run_available()[0]
     null_ids = sum(1 for i in dedup_file(0).column(ID).to_pylist() if i % 50 == 7)
     assert lettered.dead_letters == null_ids > 0
+    assert lettered.durations["side_output"] > 0  # the probe counted them; a job of its own found which
     assert lettered.records_aggregated + lettered.figures["duplicates"] + null_ids == ROWS
     # the deduplication is part of the recorded layout: another one is refused, not silently mixed
     recorded = EpochRunner(nulls, tmp_path / "s3", spark=spark).log.identity()

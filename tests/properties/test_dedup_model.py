@@ -5,7 +5,8 @@ stream with re-sends, cut at random (``streams.py``), equals ``DedupReference`` 
 and late copies (counts, and which records by file, offset and reason), dead letters
 and watermark; at the end ``read_state()``, the Delta upsert table and how many keys
 were remembered. An epoch that crashes is run again by a new runner, to the same
-result. Far-future records are dead letters (``max_event_time_skew``)."""
+result. Far-future records are dead letters (``max_event_time_skew``); the side-output
+job runs only in an epoch that has some."""
 
 from __future__ import annotations
 
@@ -69,6 +70,9 @@ def test_deduplication_equals_the_reference(spark, tmp_path_factory, data):
         dead = reference.dead_letters[-1]
         assert e.dead == set(where(e.records, dead)), f"epoch {n}: dead letters"
         assert e.result.dead_letters == len(dead)
+        # the probe's job observed the watermark and the bad records: a job of its own
+        # finds them only when there are some
+        assert (e.result.durations["side_output"] > 0) == bool(dead), f"epoch {n}: side-output job"
         assert e.result.watermark == reference.watermark, f"epoch {n}: watermark"
     same_values(runner.read_state(), reference.totals, ["events", "total"])
     same_values(delta_sink(runner).read(), reference.totals, ["events", "total"])

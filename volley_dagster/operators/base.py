@@ -203,7 +203,9 @@ class PreStep(Protocol):
         """The figures its runs report (an epoch without records reports them as 0)."""
 
     def run(self, rows: DataFrame, layout: ShardLayout, watermark: int | None, merge: ShardMerge) -> PreStepRun:
-        """Run over the epoch's valid ``rows``; ``watermark``: the one the epoch starts from."""
+        """Run over the epoch's valid ``rows``, reading them all in a job before it returns:
+        the side outputs observe the epoch's latest event time and its bad records on
+        them (``EpochSideOutputs.observed_rows``). ``watermark``: the one the epoch starts from."""
 
 
 # ``fill(out, rows, aggregate)``: a migration sets each accumulator's fields of the new

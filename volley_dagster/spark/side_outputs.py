@@ -7,14 +7,19 @@ stage gathers them in one ``EpochSideOutputs`` and resolves them together at its
 One Spark job finds the bad and the late ones before the state stage, since the
 epoch's latest event time, seen in the same pass, moves the watermark the shard tasks
 fire by: one pass over the parsed rows, one over the operator's late rows, and for a
-Python-decoded read one over its cached raw rows for the parse errors."""
+Python-decoded read one over its cached raw rows for the parse errors. A pre-step
+whose own job reads every valid record (a deduplication's probe) observes the latest
+event time and counts the bad records on the way (``observed_rows``); then, when the
+operator has no late rows, the side-output job runs only if there were bad records."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import pyarrow as pa
 import pyarrow.compute as pc
+from pyspark.errors import PySparkAssertionError
 from pyspark.sql import Column, DataFrame, Observation
 from pyspark.sql import functions as F
 
@@ -29,7 +34,10 @@ _WHERE = [pa.field("partition", pa.string()), pa.field("file", pa.string()), pa.
 DEAD_LETTER_SCHEMA = pa.schema(_WHERE + [pa.field("reason", pa.string()), pa.field("raw", pa.string())])
 _SIDE = "_volley_side"  # which side output a row of the side-output job belongs to
 _MAX_EVENT = "_volley_max_event"
+_BAD = "_volley_bad_records"
 _REASON = "_volley_reason"
+_FOUND_SCHEMA = pa.schema([pa.field(columns.POS, pa.int64()), pa.field("reason", pa.string()),
+                           pa.field("raw", pa.string()), pa.field(_SIDE, pa.string())])
 
 
 @dataclass(frozen=True)
@@ -58,7 +66,9 @@ class EpochSideOutputs:
         self._watermark, self._bound = watermark, bound
         self._found: pa.Table | None = None  # the job's rows, positions not yet resolved
         self._late_columns: list[str] = []
+        self._observed: Observation | None = None  # ``observed_rows``: what the pre-step's job saw
         self.maxima: dict[str, int | None] = {}  # event time: the latest believable one of the epoch (per input)
+        self.job_s = 0.0  # the side-output job's seconds (0: none ran)
 
     def valid_rows(self) -> DataFrame:
         """The rows state sees: none of ``_bad_records``. One filter per condition, which
@@ -68,17 +78,57 @@ class EpochSideOutputs:
             valid = valid.where(~condition)
         return valid
 
-    def find(self, late: DataFrame | None) -> None:
-        """Run the side-output job. ``late``: the operator's late rows (``SparkOperator.late``)."""
+    def observed_rows(self) -> DataFrame:
+        """``valid_rows`` for a pre-step whose job reads them all (``PreStep.run``), observed
+        on the way: the epoch's latest valid event time and how many records are bad. A
+        Python-decoded read's parse errors are not among these rows: it is not observed,
+        and its side-output job runs as before."""
         plan = self._plan
-        latest = Observation() if plan.event_time is not None else None
-        with engine_errors():
-            self._found = _side_output_frame(plan, self._pipeline, late, self._bound, latest).toArrow()
+        if plan.may_have_bad_records:
+            return self.valid_rows()
+        self._observed = Observation()
+        tagged = _observing(plan.keyed.withColumn(_REASON, _bad_reason(plan, self._pipeline, self._bound)), plan,
+                            self._observed)
+        return tagged.where(F.col(_REASON).isNull()).drop(_REASON)
+
+    def find(self, late: DataFrame | None) -> None:
+        """Find the bad and late records. ``late``: the operator's late rows
+        (``SparkOperator.late``). With none, and the pre-step's job having observed the
+        records (``observed_rows``), the side-output job runs only for bad records."""
+        plan = self._plan
         self._late_columns = late.columns if late is not None else []
+        seen = self._seen() if late is None else None
+        if seen is not None:
+            self._read_maxima(seen)
+            if not seen[_BAD]:
+                self._found = _FOUND_SCHEMA.empty_table()
+                return
+            self._run(_side_output_frame(plan, self._pipeline, None, self._bound, None))
+            return
+        latest = Observation() if plan.event_time is not None else None
+        self._run(_side_output_frame(plan, self._pipeline, late, self._bound, latest))
         if latest is not None:
-            observed = latest.get
-            assert plan.event_time is not None
-            self.maxima = {name: observed[f"{_MAX_EVENT}{name}"] for name in plan.event_time.inputs}
+            self._read_maxima(latest.get)
+
+    def _seen(self) -> dict[str, int | None] | None:
+        """What ``observed_rows`` observed, once the pre-step's job has run; None if nothing
+        observed them, or a Spark Connect session did not send the figures back."""
+        if self._observed is None:
+            return None
+        try:
+            return self._observed.get
+        except PySparkAssertionError:
+            return None
+
+    def _run(self, frame: DataFrame) -> None:
+        t0 = time.perf_counter()
+        with engine_errors():
+            self._found = frame.toArrow()
+        self.job_s = time.perf_counter() - t0
+
+    def _read_maxima(self, observed: dict[str, int | None]) -> None:
+        if self._plan.event_time is not None:
+            self.maxima = {name: observed[f"{_MAX_EVENT}{name}"] for name in self._plan.event_time.inputs}
 
     @property
     def bad_records(self) -> int:
@@ -140,10 +190,7 @@ def _dead_letter_frame(plan: PlannedEpoch, pipeline: Pipeline, bound: int | None
     pos = F.col(columns.POS) if columns.POS in plan.keyed.columns else F.lit(None).cast("long")
     tagged = plan.keyed.withColumn(_REASON, _bad_reason(plan, pipeline, bound))
     if latest is not None:
-        assert plan.event_time is not None
-        valid_time = F.when(F.col(_REASON).isNull(), plan.event_time.event_us())
-        maxima = plan.event_time.maxima(valid_time)
-        tagged = tagged.observe(latest, *[m.alias(f"{_MAX_EVENT}{name}") for name, m in maxima.items()])
+        tagged = _observing(tagged, plan, latest)
     bad = tagged.where(F.col(_REASON).isNotNull()).select(
         pos.alias(columns.POS), F.col(_REASON).alias("reason"), F.to_json(F.struct(*user_cols)).alias("raw"))
     if not plan.may_have_bad_records:  # a native Parquet read: every record parsed
@@ -152,6 +199,16 @@ def _dead_letter_frame(plan: PlannedEpoch, pipeline: Pipeline, bound: int | None
         F.col(columns.POS), F.col(columns.ERROR).alias("reason"), F.col(columns.RAW).alias("raw")
     )
     return parse_errors.unionByName(bad)
+
+
+def _observing(tagged: DataFrame, plan: PlannedEpoch, observation: Observation) -> DataFrame:
+    """``tagged`` (with ``_REASON``), observing how many records are bad and the latest
+    event time of the others (per input)."""
+    figures = [F.count(F.col(_REASON)).alias(_BAD)]
+    if plan.event_time is not None:
+        valid_time = F.when(F.col(_REASON).isNull(), plan.event_time.event_us())
+        figures += [m.alias(f"{_MAX_EVENT}{name}") for name, m in plan.event_time.maxima(valid_time).items()]
+    return tagged.observe(observation, *figures)
 
 
 def _side_output_frame(plan: PlannedEpoch, pipeline: Pipeline, late: DataFrame | None, bound: int | None,

@@ -1,11 +1,13 @@
 """One epoch's Spark work, composed once, in order: the plan (``spark/plan.py``) ->
 valid rows (``spark/side_outputs.py``) -> [the plan's pre-step: a deduplication's probe
-job, ``spark/dedup.py``; what it drops is left out] -> the operator's ``assign`` -> the
-side-output job (bad records, late rows, the epoch's latest event time) -> the
-operator's ``shard_input`` -> the epoch's one exchange to the shards
-(``spark/partitioning.py``) -> the operator's ``partials`` in the JVM -> one Python
-call per shard, ``per_shard`` (state merge, firing, snapshot: ``spark/tasks.py``) ->
-the operator's ``sink_output``, and the side outputs resolved together.
+job, ``spark/dedup.py``, which observes the epoch's latest event time and its bad records
+as it reads; what it drops is left out] -> the operator's ``assign`` -> the side-output
+job (bad records, late rows, the epoch's latest event time; after a pre-step, only for
+bad records or late rows) -> the operator's ``shard_input`` -> the epoch's one exchange
+to the shards (``spark/partitioning.py``) -> the operator's ``partials`` in the JVM ->
+one Python call per shard, ``per_shard`` (state merge, firing, snapshot:
+``spark/tasks.py``) -> the operator's ``sink_output``, and the side outputs resolved
+together.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ class StageResult:
     enrichments: dict[str, EnrichmentRead] = field(default_factory=dict)  # per enrichment: version, unmatched records
     figures: dict[str, int] = field(default_factory=dict)  # the operator's (``epoch_figures``)
     pre_step_s: float = 0.0  # of ``read_transform_s``: the plan's pre-step job (a deduplication's probe)
+    side_output_s: float = 0.0  # of ``read_transform_s``: the side-output job (0: none ran)
 
 
 @contextmanager
@@ -114,7 +117,7 @@ def run_stage(
             rows = side.valid_rows()
             if plan.pre_step is not None:  # what it drops never reaches the operator, late records or state
                 t_pre = time.perf_counter()
-                pre = plan.pre_step.run(rows, layout, watermark, merge)
+                pre = plan.pre_step.run(side.observed_rows(), layout, watermark, merge)
                 rows, kept = pre.remaining(rows), pre.routed()
                 pre_step_s = time.perf_counter() - t_pre
             assigned = operator.assign(rows)
@@ -148,7 +151,7 @@ def run_stage(
             pre.release()
     output = output.sort_by([(c, "ascending") for c in pipeline.output_keys()])
     return StageResult(output, outputs, shards, t1 - t0, t2 - t1, ends.value, ends.inputs,
-                       plan.enrichment_reads(ran=True), figures, pre_step_s)
+                       plan.enrichment_reads(ran=True), figures, pre_step_s, side.job_s)
 
 
 def shard_entries(stats: list[str], epoch: int) -> dict[int, ShardEntry]:
