@@ -98,6 +98,12 @@ class EventTime:
     def event_us(self) -> Column:
         return F.unix_micros(self.column().cast("timestamp"))
 
+    def before(self, micros: int) -> Column:
+        """Whether a record's event time is earlier than ``micros``, compared on the column
+        itself (``event_us() < micros``; the cast is dropped for a timestamp column), so
+        Spark can push it into a Parquet scan."""
+        return self.column().cast("timestamp") < F.timestamp_micros(F.lit(micros))
+
     def event_time_bound(self, watermark: int | None, cut_at_us: int | None) -> int | None:
         """The latest event time an epoch believes: ``max_event_time_skew`` past the wall
         clock when it was cut (recorded with the range, so a retry decides the same).

@@ -264,7 +264,13 @@ class ResolvedWindowAggregate:
         return [key_ddl] + self.output_ddl()
 
     def late(self, assigned: DataFrame, watermark: int | None) -> DataFrame:
-        """The (record, window) pairs whose window had closed at ``watermark``."""
+        """The (record, window) pairs whose window had closed at ``watermark``. Every window
+        ends after its records, so only a record earlier than ``watermark - lateness`` can
+        have one: that test, on the event-time column itself, Spark applies before the
+        windows are assigned and pushes into a Parquet scan (row groups of later records
+        are skipped)."""
+        if watermark is not None:
+            assigned = assigned.where(self.windowing.event_time.before(watermark - self.windowing.lateness_us))
         return assigned.where(self.is_late(watermark)).select(
             F.col(columns.POS), F.lit(LATE_REASON).alias("reason"), F.col(columns.KEY),
             F.col(self.windowing.time_column).cast("timestamp").alias(columns.LATE_TIME),
