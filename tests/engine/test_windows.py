@@ -189,3 +189,30 @@ def test_a_record_from_the_far_future_is_a_dead_letter_not_the_watermark(spark, 
     assert "9999-12-31" in dead[0]["raw"]
     fired = {(k, s) for k, s, *_ in window_rows(results[1].output) | window_rows(results[2].output)}
     assert fired == {(1, us(t0)), (2, us(t0)), (1, us(t0) + 10_000_000)}  # windows closed by real time only
+
+
+@pytest.mark.parametrize("windows", [tumbling("10 seconds"), sliding("10 seconds", "5 seconds"), session("5 seconds")],
+                         ids=["tumbling", "sliding", "session"])
+def test_only_records_before_the_watermark_less_lateness_are_read_for_late_pairs(spark, tmp_path, windows):
+    """The late rows' necessary test (event time < W - lateness: a window ends after its
+    records) reaches the Parquet scan, before the windows are assigned, so row groups of
+    later records are skipped; and the pairs it finds are exactly those whose window
+    closed, as assigning every record's windows finds them."""
+    from pyspark.sql import functions as F
+
+    from volley_dagster import columns
+
+    generate(tmp_path / "events", 1, 600, KEYS, events_per_second=10, disorder_s=30)
+    pipeline = window_pipeline(tmp_path / "events", tmp_path / "out", windows, delay=DELAY, lateness=LATENESS)
+    rows = (spark.read.parquet(str(tmp_path / "events")).withColumn(columns.KEY, F.col("merchant_id"))
+            .withColumn(columns.POS, F.col("event_id")))
+    operator = pipeline.stateful_operator().resolve(rows.schema)
+    times = sorted(r[0] for r in rows.select(F.unix_micros("event_time")).collect())
+    watermark = times[len(times) // 2]  # half the records are before it
+    late = operator.late(operator.assign(rows), watermark)
+    scan = late._jdf.queryExecution().executedPlan().toString()
+    assert "LessThan(event_time," in scan.split("PushedFilters:")[1].split("]")[0], scan
+    every_pair = operator.assign(rows).where(operator.is_late(watermark))
+    found = sorted(tuple(r) for r in late.select(columns.POS, "window_start").collect())
+    expected = sorted(tuple(r) for r in every_pair.select(columns.POS, F.timestamp_micros(columns.WINDOW_START)).collect())
+    assert found == expected and len(found) > 0
