@@ -139,3 +139,27 @@ def test_flush_orders_keys_of_any_length(tmp_path):
     items = dict(store.db.items())
     store.close()
     assert len(items) == len(keys) - 10 and all(items[k] == k[-3:] for k in keys[10:])
+
+
+def test_a_batch_in_key_order_is_written_as_given_and_later_writes_still_win(tmp_path):
+    """An operator's one sorted ``set_many`` is flushed as given; whatever comes after it
+    (a read, another write, a deletion, a batch out of order or with a key twice) sees
+    and overrides it as a dict would."""
+    store = ShardStore.restore(None, None, tmp_path / "work")
+    txn = store.transaction()
+    keys = keys_for(range(500))
+    ordered = sorted(keys)
+    txn.set_many(ordered, [k[-2:] for k in ordered])
+    assert txn.flush() == 500
+    assert dict(store.db.items()) == {k: k[-2:] for k in keys}
+    txn.set_many(ordered[:100], [b"a"] * 100)
+    assert txn.get_many(ordered[98:102], NS) == [b"a", b"a", ordered[100][-2:], ordered[101][-2:]]
+    txn.set_many(ordered[50:150], [b"b"] * 100)
+    txn.delete_many(ordered[:10])
+    twice = [ordered[200], ordered[200], ordered[199]]  # not strictly ascending: the last value of a key wins
+    txn.set_many(twice, [b"c", b"d", b"e"])
+    assert txn.dirty == 152 and txn.flush() == 152
+    items = dict(store.db.items())
+    store.close()
+    assert len(items) == 490 and ordered[5] not in items
+    assert [items[k] for k in (ordered[20], ordered[60], ordered[199], ordered[200])] == [b"a", b"b", b"e", b"d"]

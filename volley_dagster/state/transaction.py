@@ -30,6 +30,9 @@ class ShardTransaction:
         self._db = db
         self._scan_fraction = scan_fraction
         self._cache: dict[bytes, object] = {}
+        # one ``set_many`` into an empty cache, its keys strictly ascending: kept as given
+        # (no dict, no sort at flush) until another write or a read needs the dict
+        self._ascending: tuple[list[bytes], list[bytes]] | None = None
         self._deletes = False  # the cache holds a deletion: flush checks each entry
         self.reads = 0
         self.scanned = False
@@ -40,7 +43,7 @@ class ShardTransaction:
         """Values for ``keys`` (all under ``prefix``), None where absent. ``may_scan``:
         an operator's keyed state (a scan of the prefix may serve, and feed the mirror);
         False for a few records of its own (an index's meta), always looked up."""
-        cache = self._cache
+        cache = self._entries()
         misses = [k for k in keys if k not in cache] if cache else keys
         if misses:
             self.reads += len(misses)
@@ -68,22 +71,41 @@ class ShardTransaction:
         return scan_range(self._db, lower, upper)
 
     def set_many(self, keys: list[bytes], values: list[bytes]) -> None:
-        self._cache.update(zip(keys, values, strict=True))
+        """An operator writes its keys once an epoch, sorted as RocksDB sorts them (the
+        state key's order): into an empty cache such a batch is kept as it is, and
+        flushed without building a dict or sorting it again."""
+        if not self._cache and self._ascending is None and _strictly_ascending(keys):
+            if len(keys) != len(values):
+                raise ValueError(f"set_many: {len(keys)} keys but {len(values)} values")
+            self._ascending = (keys, values)
+            return
+        self._entries().update(zip(keys, values, strict=True))
 
     def delete_many(self, keys: list[bytes]) -> None:
-        self._cache.update(dict.fromkeys(keys, _DELETED))
+        self._entries().update(dict.fromkeys(keys, _DELETED))
         self._deletes = True
 
     @property
     def dirty(self) -> int:
-        return len(self._cache)
+        return len(self._entries())
+
+    def _entries(self) -> dict[bytes, object]:
+        """The cache as a dict, the batch ``set_many`` kept aside moved in."""
+        if self._ascending is not None:
+            self._cache.update(zip(*self._ascending, strict=True))
+            self._ascending = None
+        return self._cache
 
     def flush(self) -> int:
         """Write every dirty key in one ``WriteBatch``; returns how many."""
-        if not self._cache:
+        values: list[object] | list[bytes]
+        if self._ascending is not None:
+            keys, values = self._ascending
+        elif self._cache:
+            keys, values = _in_key_order(self._cache)
+        else:
             return 0
         batch = rocksdict.WriteBatch(raw_mode=True)
-        keys, values = _in_key_order(self._cache)
         if self._deletes:
             for key, value in zip(keys, values, strict=True):
                 if value is _DELETED:
@@ -93,10 +115,8 @@ class ShardTransaction:
         else:
             deque(map(batch.put, keys, values), maxlen=0)  # the loop in C
         self._db.write(batch, write_options())
-        written = len(self._cache)
-        self._cache = {}
-        self._deletes = False
-        return written
+        self._cache, self._ascending, self._deletes = {}, None, False
+        return len(keys)
 
     def _should_scan(self, n_keys: int) -> bool:
         estimate = self._db.property_int_value("rocksdb.estimate-num-keys") or 0
@@ -124,6 +144,11 @@ def _multi_get_sorted(db: rocksdict.Rdict, keys: list[bytes]) -> list[bytes | No
     out = np.empty(len(keys), dtype=object)
     out[order] = db.get(np.array(keys, dtype=object)[order].tolist())
     return out.tolist()
+
+
+def _strictly_ascending(keys: list[bytes]) -> bool:
+    """Whether ``keys`` are in RocksDB's (bytewise) order, none twice: one pass in C."""
+    return all(map(bytes.__lt__, keys, keys[1:]))
 
 
 def _in_key_order(cache: dict[bytes, object]) -> tuple[list[bytes], list[object]]:
