@@ -80,9 +80,10 @@ class EpochSideOutputs:
 
     def observed_rows(self) -> DataFrame:
         """``valid_rows`` for a pre-step whose job reads them all (``PreStep.run``), observed
-        on the way: the epoch's latest valid event time and how many records are bad. A
-        Python-decoded read's parse errors are not among these rows: it is not observed,
-        and its side-output job runs as before."""
+        on the way: the epoch's latest valid event time and how many records are bad (the
+        observation sees every record, so its filter is not pushed into the scan: the probe
+        reads every record anyway). A Python-decoded read's parse errors are not among
+        these rows: it is not observed, and its side-output job runs as before."""
         plan = self._plan
         if plan.may_have_bad_records:
             return self.valid_rows()
