@@ -94,17 +94,17 @@ class EpochSideOutputs:
 
     def find(self, late: DataFrame | None) -> None:
         """Find the bad and late records. ``late``: the operator's late rows
-        (``SparkOperator.late``). With none, and the pre-step's job having observed the
-        records (``observed_rows``), the side-output job runs only for bad records."""
+        (``SparkOperator.late``). When the pre-step's job observed the records
+        (``observed_rows``), the side-output job runs only for bad records or late rows."""
         plan = self._plan
         self._late_columns = late.columns if late is not None else []
-        seen = self._seen() if late is None else None
-        if seen is not None:
+        seen = self._seen()
+        if seen is not None:  # the pre-step's job saw the maxima: this job need not observe them again
             self._read_maxima(seen)
-            if not seen[_BAD]:
+            if late is None and not seen[_BAD]:
                 self._found = _FOUND_SCHEMA.empty_table()
                 return
-            self._run(_side_output_frame(plan, self._pipeline, None, self._bound, None))
+            self._run(_side_output_frame(plan, self._pipeline, late, self._bound, None))
             return
         latest = Observation() if plan.event_time is not None else None
         self._run(_side_output_frame(plan, self._pipeline, late, self._bound, latest))
