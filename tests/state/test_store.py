@@ -147,6 +147,8 @@ def test_a_batch_in_key_order_is_written_as_given_and_later_writes_still_win(tmp
     and overrides it as a dict would."""
     store = ShardStore.restore(None, None, tmp_path / "work")
     txn = store.transaction()
+    txn.set_many([], [])
+    assert txn.dirty == 0 and txn.flush() == 0  # nothing to write: no batch kept, none written
     keys = keys_for(range(500))
     ordered = sorted(keys)
     txn.set_many(ordered, [k[-2:] for k in ordered])

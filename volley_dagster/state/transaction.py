@@ -74,6 +74,8 @@ class ShardTransaction:
         """An operator writes its keys once an epoch, sorted as RocksDB sorts them (the
         state key's order): into an empty cache such a batch is kept as it is, and
         flushed without building a dict or sorting it again."""
+        if not keys:
+            return
         if not self._cache and self._ascending is None and _strictly_ascending(keys):
             if len(keys) != len(values):
                 raise ValueError(f"set_many: {len(keys)} keys but {len(values)} values")
