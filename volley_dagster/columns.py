@@ -27,3 +27,8 @@ JOIN_SIDE = "_volley_jside"  # an interval join: which side a row is on (0 left,
 JOIN_TIME = "_volley_jtime"  # its event time in microseconds, from its side's column
 JOIN_ROW = "_volley_jrow"  # its side's columns as one JSON text (operators/join_rows.py)
 SOURCE = "_volley_source"  # which source of several a record came from, when the pipeline names no column for it
+
+
+def sql_identifier(column: str) -> str:
+    """``column`` quoted for SQL text (Spark's and DataFusion's backticks)."""
+    return "`" + column.replace("`", "``") + "`"

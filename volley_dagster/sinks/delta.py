@@ -30,6 +30,7 @@ from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 from deltalake import Field as DeltaField
 from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundError
 
+from volley_dagster.columns import sql_identifier
 from volley_dagster.io.paths import table_uri
 from volley_dagster.io.s3 import S3Endpoint
 from volley_dagster.json_records import JsonObject
@@ -43,10 +44,6 @@ _HISTORY_PAGE = 64  # commit infos read at first when walking the history back
 _RECENT = 8  # commit infos searched for the mark's own before its txns
 _HEX128 = re.compile(r"^[0-9a-f]{32}$")
 _PARTS = ((0, 11), (11, 22), (22, 32))  # hex digits of a 128-bit id per txn version (< 2**44, never negative)
-
-
-def _quote(column: str) -> str:
-    return "`" + column.replace("`", "``") + "`"
 
 
 class DeltaSink(TableSink[DeltaTable]):
@@ -167,17 +164,17 @@ class DeltaSink(TableSink[DeltaTable]):
             return {"inserted": output.num_rows, "updated": 0}
         # null-safe, as dedup keys compare (a null component equals a null); parenthesised,
         # or DataFusion reads ``a IS NOT DISTINCT FROM b AND c`` as ``a IS NOT DISTINCT FROM (b AND c)``
-        predicate = " AND ".join(f"(target.{_quote(k)} IS NOT DISTINCT FROM source.{_quote(k)})" for k in keys)
+        predicate = " AND ".join(f"(target.{sql_identifier(k)} IS NOT DISTINCT FROM source.{sql_identifier(k)})" for k in keys)
         if not expired.num_rows:
             merge = table.merge(output, predicate, source_alias="source", target_alias="target",
                                 commit_properties=props).when_matched_update_all().when_not_matched_insert_all()
         else:  # the expired keys' rows go in the same MERGE: matched and deleted
             source = pa.concat_tables([output.append_column(_DELETE, pa.repeat(False, output.num_rows)),
                                        _padded(expired, output.schema).append_column(_DELETE, pa.repeat(True, expired.num_rows))])
-            values = {c: f"source.{_quote(c)}" for c in output.column_names}
-            keep = f"source.{_quote(_DELETE)} = false"
+            values = {c: f"source.{sql_identifier(c)}" for c in output.column_names}
+            keep = f"source.{sql_identifier(_DELETE)} = false"
             merge = (table.merge(source, predicate, source_alias="source", target_alias="target", commit_properties=props)
-                     .when_matched_delete(predicate=f"source.{_quote(_DELETE)} = true")
+                     .when_matched_delete(predicate=f"source.{sql_identifier(_DELETE)} = true")
                      .when_matched_update(updates=values, predicate=keep)
                      .when_not_matched_insert(updates=values, predicate=keep))
         checked = table.version()

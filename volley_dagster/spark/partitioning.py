@@ -22,6 +22,7 @@ from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 
 from volley_dagster import columns
+from volley_dagster.columns import sql_identifier
 from volley_dagster.errors import VolleyError
 from volley_dagster.state.keys import ShardLayout
 
@@ -58,26 +59,26 @@ def partition_values(num_shards: int) -> tuple[int, ...]:
 
 
 def with_shard(df: DataFrame, layout: ShardLayout, key: str = columns.KEY) -> DataFrame:
-    """Key group (a stable hash of the key column ``key``) and shard (its range) as Spark expressions."""
-    return df.withColumn(
-        columns.KEY_GROUP, F.pmod(F.xxhash64(key), F.lit(layout.num_key_groups)).cast("int")
-    ).withColumn(
-        columns.SHARD,
-        F.expr(f"cast(({columns.KEY_GROUP} * {layout.num_shards}) div {layout.num_key_groups} as int)"),
-    )
+    """Key group (a stable hash of the key column ``key``) and shard (its range) as Spark
+    expressions. SQL text, one plan change: each ``F`` call and each ``withColumn`` is a
+    round trip to the JVM, and an epoch plans a dozen of them."""
+    key_group = f"cast(pmod(xxhash64({sql_identifier(key)}), {layout.num_key_groups}) as int)"
+    return df.withColumns({
+        columns.KEY_GROUP: F.expr(key_group),
+        columns.SHARD: F.expr(f"cast(({key_group} * {layout.num_shards}) div {layout.num_key_groups} as int)"),
+    })
 
 
 def partition_of_shard(layout: ShardLayout) -> Column:
-    values = partition_values(layout.num_shards)
-    return F.element_at(F.array(*[F.lit(v) for v in values]), F.col(columns.SHARD) + 1)
+    values = ", ".join(map(str, partition_values(layout.num_shards)))
+    return F.expr(f"element_at(array({values}), {columns.SHARD} + 1)")
 
 
 def shard_markers(df: DataFrame, layout: ShardLayout) -> DataFrame:
     """``df`` plus one marker row per shard, so every shard task runs (and snapshots)
     even when the epoch has no rows for it."""
-    markers = df.sparkSession.range(layout.num_shards).select(
-        F.col("id").cast("int").alias(columns.SHARD), F.lit(True).alias(columns.MARKER)
-    )
+    markers = df.sparkSession.range(layout.num_shards).selectExpr(
+        f"cast(id as int) as {columns.SHARD}", f"true as {columns.MARKER}")
     return df.unionByName(markers, allowMissingColumns=True).withColumn(
         columns.PARTITION, partition_of_shard(layout)
     )

@@ -20,6 +20,7 @@ from pyspark.sql import functions as F
 from pyspark.sql.pandas.types import from_arrow_schema
 
 from volley_dagster import columns
+from volley_dagster.columns import sql_identifier
 from volley_dagster.sources.base import Source
 from volley_dagster.sources.offsets import EpochRange
 from volley_dagster.spark.tasks import SegmentReader
@@ -50,16 +51,17 @@ def read_range(spark: SparkSession, source: Source, rng: EpochRange, schema: pa.
 
 
 def _native_parquet(spark: SparkSession, rng: EpochRange, paths: list[str], schema: pa.Schema) -> DataFrame:
+    """One scan per segment, its bounds pushed into it. SQL text rather than ``F``
+    calls: each of those is a round trip to the JVM, a few per column."""
     spark_schema = from_arrow_schema(schema)
-    no_text = F.lit(None).cast("string")
-    frames = []
-    for seg, path in zip(rng.segments, paths, strict=True):
-        row = F.col("_metadata.row_index")
-        frames.append(
-            spark.read.schema(spark_schema).parquet(path)
-            .where((row >= F.lit(seg.start)) & (row < F.lit(seg.end)))
-            .select(*[F.col(f"`{n}`") for n in schema.names],
-                    (F.lit(seg.position_base()) + row).alias(columns.POS),
-                    no_text.alias(columns.ERROR), no_text.alias(columns.RAW))
-        )
+    names = [sql_identifier(n) for n in schema.names]
+    row = "_metadata.row_index"
+    no_text = "CAST(NULL AS STRING)"
+    frames = [
+        spark.read.schema(spark_schema).parquet(path)
+        .where(F.expr(f"{row} >= {seg.start} AND {row} < {seg.end}"))
+        .selectExpr(*names, f"{seg.position_base()} + {row} AS {columns.POS}",
+                    f"{no_text} AS {columns.ERROR}", f"{no_text} AS {columns.RAW}")
+        for seg, path in zip(rng.segments, paths, strict=True)
+    ]
     return reduce(DataFrame.unionByName, frames)

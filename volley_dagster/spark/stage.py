@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Iterator
 
 import pyarrow as pa
-import pyarrow.compute as pc
 from pyspark import StorageLevel
 from pyspark.sql import SparkSession
 
@@ -36,7 +35,7 @@ from volley_dagster.spark.partitioning import per_shard, route_to_shards
 from volley_dagster.spark.plan import PlannedEpoch, plan_epoch
 from volley_dagster.spark.side_outputs import EpochSideOutputs, SideOutputs
 from volley_dagster.spark.task_errors import engine_errors
-from volley_dagster.spark.tasks import ShardMerge, attempt_id, snapshot_name, snapshot_upload
+from volley_dagster.spark.tasks import ShardMerge, attempt_id, snapshot_name, snapshot_upload, split_task_output
 from volley_dagster.state.store import SnapshotInfo, carry_forward
 from volley_dagster.watermarks import Watermarks
 
@@ -136,9 +135,9 @@ def run_stage(
         with engine_errors(), _inputs_unchanged(pipeline, rng, plan):
             out = per_shard(partials, merge, out_schema).toArrow()
         t2 = time.perf_counter()
-        is_stats = pc.is_valid(out.column(columns.STATS))
-        shards = shard_entries(out.filter(is_stats).column(columns.STATS).to_pylist(), rng.epoch)
-        output, dropped = operator.sink_output(out.filter(pc.invert(is_stats)).drop_columns([columns.STATS]), rng)
+        stats, rows = split_task_output(out)
+        shards = shard_entries(stats, rng.epoch)
+        output, dropped = operator.sink_output(rows, rng)
         figures = operator.epoch_figures([entry.operator for entry in shards.values()])
         if pre is not None:  # it dropped its records before the shard tasks
             figures.update(pre.figures)

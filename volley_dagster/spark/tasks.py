@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -187,6 +188,17 @@ class ShardMerge:
             [pa.nulls(1, arr.type) for arr in values] + [pa.array([json.dumps(entry.to_dict())], pa.string())], names=names
         )
         return pa.concat_tables([rows, stats_row])
+
+
+def split_task_output(out: pa.Table) -> tuple[list[str], pa.Table]:
+    """The shard tasks' stats (``ShardMerge._output``: each task's last row) and their
+    rows, as slices of ``out``: a filter would copy every row to drop a few."""
+    stats_column = out.column(columns.STATS)
+    at = np.flatnonzero(pc.is_valid(stats_column).to_numpy())
+    body = out.drop_columns([columns.STATS])
+    bounds = zip(np.concatenate([[0], at + 1]), np.append(at, out.num_rows), strict=True)
+    rows = pa.concat_tables([body.slice(start, end - start) for start, end in bounds])
+    return stats_column.take(pa.array(at, pa.int64())).to_pylist(), rows
 
 
 def snapshot_upload(upload: UploadResult) -> SnapshotUpload:

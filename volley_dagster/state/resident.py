@@ -197,6 +197,7 @@ class ResidentMirror:
         self.values: np.ndarray | None = None
         self.names: pa.Array | None = None  # string keys: the strings, in the order of ``keys``
         self.answered = False  # a lookup of this attempt was served by the mirror
+        self._searched: tuple[MirrorKeys, np.ndarray, np.ndarray] | None = None  # keys, mirror keys, positions
         self._rewrite = False  # the arrays changed shape: write them whole at commit
 
     @property
@@ -264,11 +265,15 @@ class ResidentMirror:
         order, and a search for each in turn misses the cache at every step: sorted
         first, each search starts where the last ended."""
         assert self.keys is not None
+        if self._searched is not None and self._searched[0] is keys and self._searched[1] is self.keys:
+            return self._searched[2]  # a lookup's keys, updated next: the mirror's keys are as they were
         if keys.names is None:  # int keys arrive sorted within each key group
-            return np.searchsorted(self.keys, keys.order)
-        order = np.argsort(keys.order)
-        positions = np.empty(len(order), dtype=np.intp)
-        positions[order] = np.searchsorted(self.keys, keys.order[order])
+            positions = np.searchsorted(self.keys, keys.order)
+        else:
+            order = np.argsort(keys.order)
+            positions = np.empty(len(order), dtype=np.intp)
+            positions[order] = np.searchsorted(self.keys, keys.order[order])
+        self._searched = (keys, self.keys, positions)
         return positions
 
     def _same_names(self, at: np.ndarray, keys: MirrorKeys) -> bool:
@@ -311,7 +316,7 @@ class ResidentMirror:
         os.replace(tmp, self.path / name)
 
     def release(self) -> None:
-        self.keys = self.values = self.names = None  # unmaps
+        self.keys = self.values = self.names = self._searched = None  # unmaps
         os.close(self._lock)
 
     def _unstamp(self) -> None:
