@@ -26,6 +26,15 @@ __all__ = ["Source", "SourceSnapshot"]
 
 
 @dataclass(frozen=True)
+class NativeParquetFile:
+    """A segment's local Parquet file, which Spark's own scan reads: where it is and how
+    many records it holds (a segment of all of them needs no row bounds)."""
+
+    path: str
+    records: int
+
+
+@dataclass(frozen=True)
 class SourceSnapshot:
     """What a source looks like now, for its Dagster asset: a version that changes
     when new data lands (Dagster's data version), and metadata to show."""
@@ -71,9 +80,9 @@ class Source(ABC):
         """One segment's records (in a Spark task), with their positions, errors and raw
         text (``formats.decode_segment``'s columns)."""
 
-    def native_parquet_paths(self, rng: EpochRange, schema: pa.Schema) -> list[str] | None:
-        """Local Parquet paths Spark's own scan may read the range from exactly, or None
-        (the default: the range is read by ``read_segment`` in Python workers)."""
+    def native_parquet_paths(self, rng: EpochRange, schema: pa.Schema) -> list[NativeParquetFile] | None:
+        """The local Parquet file of each segment, when Spark's own scan may read the range
+        from them exactly; None (the default): ``read_segment`` reads it in Python workers."""
         return None
 
     def committed(self, rng: EpochRange) -> None:

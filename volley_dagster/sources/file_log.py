@@ -11,6 +11,7 @@ format's extension.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -21,11 +22,12 @@ import pyarrow.parquet as pq
 from volley_dagster.errors import ConfigError, SourceChangedError, SourceError
 from volley_dagster.json_records import JsonObject
 from volley_dagster.sources import formats
-from volley_dagster.sources.base import Source, SourceSnapshot
+from volley_dagster.sources.base import NativeParquetFile, Source, SourceSnapshot
 from volley_dagster.sources.offsets import Backlog, EpochRange, Position, Segment, SourcePosition, fair_shares
 from volley_dagster.sources.storage import FileInfo, LocalStorage, Storage, storage_for
 
 DEFAULT_PARTITION = ""
+_GLOB = re.compile(r"[\[\]{}*?\\]")  # what Hadoop's path globbing reads as a pattern
 # Every this many epochs a cut lists the whole log: on S3 the cuts between list only
 # from the last file read, which cannot see a file landing before it.
 FULL_LISTING_EVERY = 1000
@@ -54,7 +56,7 @@ class FileLog(Source):
         self.uri = self.storage.uri
         self._schema = schema
         self._counts: dict[tuple[str, int, str, bool], tuple[int, int, str]] = {}
-        self._native_ok: dict[tuple[str, int, str], bool] = {}
+        self._native_ok: dict[tuple[str, int, str], int | None] = {}  # the file's records; None: not native
 
     def describe(self) -> JsonObject:
         return {"type": "file_log", "uri": self.uri, "format": self.format}
@@ -236,29 +238,33 @@ class FileLog(Source):
                     "restore the file as it was, or start a new checkpoint root"
                 )
 
-    def native_parquet_paths(self, rng: EpochRange, schema: pa.Schema) -> list[str] | None:
-        """Local paths of the range's files when Spark's own Parquet scan can read them
-        exactly: local Parquet files whose columns are the log's schema, name and type.
-        None otherwise (JSON, S3, a file of another schema): the Python reader then
-        turns what does not fit into bad records, one by one."""
+    def native_parquet_paths(self, rng: EpochRange, schema: pa.Schema) -> list[NativeParquetFile] | None:
+        """The range's files when Spark's own Parquet scan can read them exactly: local
+        Parquet files whose columns are the log's schema, name and type. None otherwise
+        (JSON, S3, a file of another schema): the Python reader then turns what does not
+        fit into bad records, one by one."""
         if self.format != "parquet" or not isinstance(self.storage, LocalStorage):
             return None
-        paths = []
+        files = []
         for seg in rng.segments:
             path = self.storage.root / seg.file
+            if _GLOB.search(str(path)):  # Spark would read the name as a pattern, maybe of other files
+                return None
             key = (seg.file, seg.size, seg.version)
             if key not in self._native_ok:
                 try:
-                    found = pq.read_schema(path)
+                    found, records = pq.read_schema(path), pq.read_metadata(path).num_rows
                 except (OSError, pa.ArrowInvalid):
-                    found = None
-                self._native_ok[key] = found is not None and all(
+                    found, records = None, 0
+                fits = found is not None and all(
                     found.get_field_index(f.name) >= 0 and found.field(f.name).type == f.type for f in schema
                 )
-            if not self._native_ok[key]:
+                self._native_ok[key] = records if fits else None
+            native = self._native_ok[key]
+            if native is None:
                 return None
-            paths.append(str(path))
-        return paths
+            files.append(NativeParquetFile(str(path), native))
+        return files
 
     def read_segment(self, seg: Segment, schema: pa.Schema, epoch: int) -> pa.Table:
         if formats.grows(self.format) and seg.version.startswith("sha256:"):

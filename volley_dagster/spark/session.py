@@ -65,6 +65,9 @@ def default_conf(master: str = "local[*]") -> dict[str, str]:
         "spark.sql.shuffle.partitions": str(max(4, 2 * cores)),
         "spark.sql.execution.arrow.pyspark.enabled": "true",
         "spark.sql.session.timeZone": "UTC",
+        # an epoch's files are one scan (spark/read.py): listed on the driver, as a Spark job
+        # to list them would cost more than the listing, which past 32 paths it would run
+        "spark.sql.sources.parallelPartitionDiscovery.threshold": "1024",
         "spark.ui.enabled": "false",
         "spark.ui.showConsoleProgress": "false",
         "spark.driver.memory": os.environ.get("VOLLEY_SPARK_DRIVER_MEMORY", "4g"),
