@@ -73,6 +73,7 @@ class Workload:
     events: Path  # the log: one file per epoch
     files: tuple[str, ...]
     shards: int
+    format: str = "parquet"  # json: the log is read by the Python reader, not Spark's scan
 
     def records(self, index: int) -> int:
         """Records in file ``index`` (one epoch), from the Parquet footer."""
@@ -80,7 +81,8 @@ class Workload:
 
     def pipeline(self, tables: Path) -> Pipeline:
         """Our engine's pipeline for this workload, its one sink under ``tables``."""
-        base = Pipeline(f"bench_{self.name.lower()}").source(FileLog(self.events, format="parquet"))
+        log = FileLog(self.events, format=self.format, schema=EVENT_SCHEMA if self.format == "json" else None)
+        base = Pipeline(f"bench_{self.name.lower()}").source(log)
         if self.name in WINDOWS:
             return (
                 base.key_by("merchant_id")

@@ -2,7 +2,7 @@
 takes whole is in one scan (a scan per file cost a task and a plan node each), a segment
 of part of a file is a scan of its own with its row bounds pushed in, and every record
 keeps its exact position (file, offset) whatever the file is called; a name Spark would
-read as a pattern goes to the Python reader."""
+read as a pattern goes to the Python reader, whose tasks share small segments."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from volley_dagster import FileLog, columns
-from volley_dagster.sources.offsets import EpochRange
-from volley_dagster.spark.read import read_range
+from volley_dagster.sources.offsets import EpochRange, Segment
+from volley_dagster.spark.read import RECORDS_PER_READ_TASK, read_range, read_tasks
 
 # names Spark writes differently in its file listing and in _metadata.file_path
 NAMES = ["00 a b%c.parquet", "01 ü+x.parquet", "02 q#1.parquet", "03 plain.parquet", "04 it's.parquet",
@@ -85,3 +85,13 @@ def test_a_file_named_like_a_pattern_is_read_as_itself_not_as_the_files_it_match
     placed = sorted((rng.segment_of(pos)[0].file, value) for value, pos in raw.select("value", columns.POS).collect())
     assert placed == [("b1.parquet", 1), ("b1.parquet", 2), ("b[1].parquet", 10), ("b[1].parquet", 20),
                       ("b[1].parquet", 30)]
+
+
+def test_python_read_tasks_share_small_segments_and_keep_one_per_large_one():
+    def segments(*records: int) -> tuple[Segment, ...]:
+        return tuple(Segment(i, "", f"f{i}.jsonl", 0, n, 1) for i, n in enumerate(records))
+
+    assert read_tasks(segments(*[20_000] * 50)) == -(-50 * 20_000 // RECORDS_PER_READ_TASK)  # 4, not 50
+    assert read_tasks(segments(*[1_000_000] * 3)) == 3  # never more than a task per segment
+    assert read_tasks(segments(10)) == 1
+    assert read_tasks(segments(0, 0, 0)) == 1  # an epoch of empty files still reads (and checks) them

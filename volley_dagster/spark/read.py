@@ -3,9 +3,11 @@
 Local Parquet files whose columns are the log's schema are read by Spark's own
 Parquet scan, the record offset taken from ``_metadata.row_index``: no Python
 in the read and no bad record possible, so the epoch needs no separate job to
-look for them. Everything else (JSON lines, logs on S3, a Parquet file of
-another schema) goes through ``SegmentReader`` in Python workers, which turns
-each record that does not fit into a row carrying its reason.
+look for them. The files segments take whole are one scan; a segment of part of
+a file is a scan of its own. Everything else (JSON lines, logs on S3, a Parquet
+file of another schema, a name Spark would read as a glob pattern) goes through
+``SegmentReader`` in Python workers, which turns each record that does not fit
+into a row carrying its reason.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from volley_dagster.sources.base import NativeParquetFile, Source
 from volley_dagster.sources.offsets import EpochRange, Segment
 from volley_dagster.spark.tasks import SegmentReader
 
+RECORDS_PER_READ_TASK = 250_000
 META_FIELDS = [
     pa.field(columns.POS, pa.int64()),
     pa.field(columns.ERROR, pa.string()),
@@ -46,11 +49,18 @@ def read_range(spark: SparkSession, source: Source, rng: EpochRange, schema: pa.
     if files is not None:
         return EpochRead(_native_parquet(spark, rng, files, schema), may_have_bad_records=False)
     n = len(rng.segments)
-    raw = spark.range(0, n, 1, max(1, n)).mapInArrow(
+    raw = spark.range(0, n, 1, read_tasks(rng.segments)).mapInArrow(
         SegmentReader(source, rng.segments, schema, rng.epoch, os.getpid()),
         from_arrow_schema(pa.schema(list(schema) + META_FIELDS)),
     )
     return EpochRead(raw, may_have_bad_records=True)
+
+
+def read_tasks(segments: tuple[Segment, ...]) -> int:
+    """How many Python read tasks share the segments (consecutive ones together): a
+    task per segment up to one per ``RECORDS_PER_READ_TASK`` records. A task per small
+    file cost each its start and a partition downstream."""
+    return max(1, min(len(segments), -(-sum(seg.records for seg in segments) // RECORDS_PER_READ_TASK)))
 
 
 def _native_parquet(spark: SparkSession, rng: EpochRange, files: list[NativeParquetFile],
