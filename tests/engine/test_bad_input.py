@@ -118,7 +118,7 @@ def test_parquet_null_keys_in_a_single_job_epoch(spark, tmp_path, policy):
     pipeline = (Pipeline("pq_null").source(FileLog(log)).key_by("user").aggregate(total=sum_("amount"), n=count())
                 .sink(MemorySink()).on_bad_records(policy).with_shards(2))
     runner = EpochRunner(pipeline, tmp_path / "state", spark=spark)
-    assert runner.pipeline.source_log.native_parquet_paths(runner.cut_next(), SCHEMA) is not None
+    assert runner.pipeline.source_log.native_parquet_files(runner.cut_next(), SCHEMA) is not None
     if policy == "fail":
         with pytest.raises(MalformedRecordError, match=r"2 malformed record\(s\).*f-1.parquet record 1: null key"):
             runner.run(1)

@@ -69,7 +69,7 @@ def test_whole_files_are_one_scan_and_every_record_keeps_its_file_and_offset(spa
 
 
 def native(log: FileLog, rng: EpochRange) -> bool:
-    return log.native_parquet_paths(rng, log.schema()) is not None
+    return log.native_parquet_files(rng, log.schema()) is not None
 
 
 def test_a_file_named_like_a_pattern_is_read_as_itself_not_as_the_files_it_matches(spark, tmp_path):

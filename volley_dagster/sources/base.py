@@ -80,7 +80,7 @@ class Source(ABC):
         """One segment's records (in a Spark task), with their positions, errors and raw
         text (``formats.decode_segment``'s columns)."""
 
-    def native_parquet_paths(self, rng: EpochRange, schema: pa.Schema) -> list[NativeParquetFile] | None:
+    def native_parquet_files(self, rng: EpochRange, schema: pa.Schema) -> list[NativeParquetFile] | None:
         """The local Parquet file of each segment, when Spark's own scan may read the range
         from them exactly; None (the default): ``read_segment`` reads it in Python workers."""
         return None

@@ -238,7 +238,7 @@ class FileLog(Source):
                     "restore the file as it was, or start a new checkpoint root"
                 )
 
-    def native_parquet_paths(self, rng: EpochRange, schema: pa.Schema) -> list[NativeParquetFile] | None:
+    def native_parquet_files(self, rng: EpochRange, schema: pa.Schema) -> list[NativeParquetFile] | None:
         """The range's files when Spark's own Parquet scan can read them exactly: local
         Parquet files whose columns are the log's schema, name and type. None otherwise
         (JSON, S3, a file of another schema): the Python reader then turns what does not

@@ -45,7 +45,7 @@ class EpochRead:
 
 
 def read_range(spark: SparkSession, source: Source, rng: EpochRange, schema: pa.Schema) -> EpochRead:
-    files = source.native_parquet_paths(rng, schema) if rng.segments else None
+    files = source.native_parquet_files(rng, schema) if rng.segments else None
     if files is not None:
         return EpochRead(_native_parquet(spark, rng, files, schema), may_have_bad_records=False)
     n = len(rng.segments)
@@ -67,13 +67,13 @@ def _native_parquet(spark: SparkSession, rng: EpochRange, files: list[NativeParq
                     schema: pa.Schema) -> DataFrame:
     """Segments of whole files: one scan of all their files, each row placed by its file
     (a scan per file costs a plan node and a task each: an epoch of 50 files of 20k
-    records took 2.5 times one file of the same records). A segment of part of a file:
+    records took 2.7 times one file of the same records). A segment of part of a file:
     a scan of its own, its row bounds pushed into it."""
     scan = _NativeScan(spark, rng.epoch, from_arrow_schema(schema), [sql_identifier(n) for n in schema.names])
     pairs = list(zip(rng.segments, files, strict=True))
-    whole = [i for i, (seg, f) in enumerate(pairs) if seg.start == 0 and seg.end == f.records]
-    together = scan.whole_files([pairs[i] for i in whole]) if len(whole) > 1 else None
-    alone = [pair for i, pair in enumerate(pairs) if together is None or i not in set(whole)]
+    whole = {i for i, (seg, f) in enumerate(pairs) if seg.start == 0 and seg.end == f.records}
+    together = scan.whole_files([pairs[i] for i in sorted(whole)]) if len(whole) > 1 else None
+    alone = [pair for i, pair in enumerate(pairs) if together is None or i not in whole]
     frames = [scan.segment(seg, f.path) for seg, f in alone] + ([together] if together is not None else [])
     return reduce(DataFrame.unionByName, frames)
 
@@ -114,8 +114,8 @@ class _NativeScan:
         values = ", ".join(f"(CAST(X'{named[os.path.abspath(f.path)].encode().hex()}' AS STRING), {seg.position_base()}L)"
                            for seg, f in segments)
         bases = self.spark.sql(f"SELECT * FROM VALUES {values} AS files({_FILE}, {_BASE})")
-        unplaced = (f"raise_error(concat('epoch {self.epoch}: Spark read ', {_FILE}, ', which is none of the epoch''s "
-                    "files; nothing was committed (spark/read.py)'))")
+        unplaced = (f"raise_error(concat('epoch {self.epoch}: Spark read ', {_FILE}, ', whose name matches none of "
+                    "the epoch''s files as spark/read.py spells them: a bug there; nothing was committed'))")
         return (scan.selectExpr(*self.names, f"regexp_replace(_metadata.file_path, '{_SCHEME}', '') AS {_FILE}",
                                 f"_metadata.row_index AS {_ROW}")
                 .join(F.broadcast(bases), _FILE, "left")
