@@ -252,8 +252,9 @@ class FileLog(Source):
                 return None
             key = (seg.file, seg.size, seg.version)
             if key not in self._native_ok:
-                try:
-                    found, records = pq.read_schema(path), pq.read_metadata(path).num_rows
+                try:  # one open of the footer: the schema and the record count
+                    with pq.ParquetFile(path) as footer:
+                        found, records = footer.schema_arrow, footer.metadata.num_rows
                 except (OSError, pa.ArrowInvalid):
                     found, records = None, 0
                 fits = found is not None and all(
