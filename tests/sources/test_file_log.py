@@ -285,3 +285,38 @@ def test_on_s3_a_cut_lists_from_the_last_file_read_and_every_full_listing_finds_
     log.storage.client.delete_object(Bucket=BUCKET, Key=log.storage._key("a/f-0005.parquet"))
     with pytest.raises(SourceError, match=r"partition 'a' (no longer has 'f-0005.parquet'|was read before and has)"):
         log.cut(4, second.end, None)
+
+
+def test_a_parquet_footer_gives_null_counts_and_the_utc_time_range_spark_reads(tmp_path):
+    """Summed over row groups; a timestamp in microseconds whatever its stored unit, and
+    only where Spark reads the stored value as it is (UTC-adjusted milli- or
+    microseconds): never local (NTZ) or nanosecond times, nor a legacy Spark file's."""
+    us = [1_767_225_600_123_456, None, 1_767_225_599_000_001, 1_767_225_700_000_000, 5]
+    table = pa.table({
+        "key": pa.array([3, None, 1, None, 2], pa.int64()),
+        "us": pa.array(us, pa.timestamp("us", tz="UTC")),
+        "ms": pa.array([None if v is None else v // 1000 for v in us], pa.timestamp("ms", tz="UTC")),
+        "ntz": pa.array(us, pa.timestamp("us")),
+        "ns": pa.array([None if v is None else v * 1000 for v in us], pa.timestamp("ns", tz="UTC")),
+        "nested": pa.array([{"t": 1}] * 5),
+        "text": pa.array(["a", "b", None, "d", "e"]),
+    })
+    pq.write_table(table, tmp_path / "f.parquet", row_group_size=2)
+    with pq.ParquetFile(tmp_path / "f.parquet") as footer:
+        assert footer.metadata.num_row_groups == 3
+        stats = formats.parquet_statistics(footer)
+    assert set(stats) == {"key", "us", "ms", "ntz", "ns", "text"}  # "nested.t" is not a column
+    valid = [v for v in us if v is not None]
+    assert (stats["key"].nulls, stats["text"].nulls, stats["us"].nulls) == (2, 1, 1)
+    assert (stats["us"].earliest_us, stats["us"].latest_us) == (min(valid), max(valid))
+    assert (stats["ms"].earliest_us, stats["ms"].latest_us) == (min(valid) // 1000 * 1000, max(valid) // 1000 * 1000)
+    assert (stats["ntz"].nulls, stats["ntz"].earliest_us, stats["ntz"].latest_us) == (1, None, None)
+    assert (stats["ns"].earliest_us, stats["ns"].latest_us, stats["key"].latest_us) == (None, None, None)
+
+    pq.write_table(table, tmp_path / "plain.parquet", write_statistics=False)
+    legacy = table.replace_schema_metadata({"org.apache.spark.legacyDateTime": ""})
+    pq.write_table(legacy, tmp_path / "legacy.parquet")
+    with pq.ParquetFile(tmp_path / "plain.parquet") as plain, pq.ParquetFile(tmp_path / "legacy.parquet") as old:
+        assert formats.parquet_statistics(plain)["us"] == formats.parquet_statistics(plain)["key"]
+        assert formats.parquet_statistics(plain)["us"].nulls is None
+        assert (formats.parquet_statistics(old)["us"].nulls, formats.parquet_statistics(old)["us"].latest_us) == (1, None)

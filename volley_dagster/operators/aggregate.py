@@ -159,6 +159,9 @@ class ResolvedAggregate:
     def late(self, assigned: DataFrame, watermark: int | None) -> None:
         return None  # a running aggregate takes every record
 
+    def late_bound(self, watermark: int | None) -> None:
+        return None
+
     def shard_input(self, assigned: DataFrame, clock: StageClock, step: ShardStep) -> tuple[DataFrame, ShardStep]:
         if self.event_time is not None:
             step = replace(step, expire_limit=clock.watermark)

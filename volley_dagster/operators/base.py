@@ -160,6 +160,11 @@ class SparkOperator(StatefulOperator, Protocol):
         (``POS``, ``reason``, ``KEY``, ``_volley_time`` and the operator's own columns);
         None: the operator has no late rows."""
 
+    def late_bound(self, watermark: int | None) -> int | None:
+        """The event time (microseconds) from which on no record is late at ``watermark``:
+        only an earlier one can have a late row (None: none can). It lets the epoch skip
+        looking for late rows when every record is later (``spark/side_outputs.py``)."""
+
     def shard_input(self, assigned: DataFrame, clock: StageClock, step: ShardStep) -> tuple[DataFrame, ShardStep]:
         """The assigned rows the stage routes to the shards (windows: the pairs on time),
         and the shard step with what the tasks must know of ``clock``."""

@@ -384,6 +384,9 @@ class ResolvedUniqueRecords:
     def late(self, assigned: DataFrame, watermark: int | None) -> None:
         return None  # late copies are decided by the shard tasks, and counted with the duplicates
 
+    def late_bound(self, watermark: int | None) -> None:
+        return None
+
     def shard_input(self, assigned: DataFrame, clock: StageClock, step: ShardStep) -> tuple[DataFrame, ShardStep]:
         """Each record: its columns, position and event time (no probe job: the shard
         tasks decide)."""

@@ -293,6 +293,9 @@ class ResolvedJoin:
             F.col(columns.POS), F.lit(LATE_REASON).alias("reason"), F.col(columns.KEY),
             self.event_time.column().alias(columns.LATE_TIME), F.col(self.join.source_column).alias("source"))
 
+    def late_bound(self, watermark: int | None) -> int | None:
+        return None if watermark is None else watermark + 1  # late: at or before the watermark
+
     def shard_input(self, assigned: DataFrame, clock: StageClock, step: ShardStep) -> tuple[DataFrame, ShardStep]:
         """Each record on time: its key, row id, side, event time and columns (as text)."""
         is_left = F.col(self.join.source_column) == F.lit(self.join.left)

@@ -269,14 +269,19 @@ class ResolvedWindowAggregate:
         have one: that test, on the event-time column itself, Spark applies before the
         windows are assigned and pushes into a Parquet scan (row groups of later records
         are skipped)."""
-        if watermark is not None:
-            assigned = assigned.where(self.windowing.event_time.before(watermark - self.windowing.lateness_us))
+        bound = self.late_bound(watermark)
+        if bound is not None:
+            assigned = assigned.where(self.windowing.event_time.before(bound))
         return assigned.where(self.is_late(watermark)).select(
             F.col(columns.POS), F.lit(LATE_REASON).alias("reason"), F.col(columns.KEY),
             F.col(self.windowing.time_column).cast("timestamp").alias(columns.LATE_TIME),
             F.timestamp_micros(columns.WINDOW_START).alias(WINDOW_START),
             F.timestamp_micros(columns.WINDOW_END).alias(WINDOW_END),
         )
+
+    def late_bound(self, watermark: int | None) -> int | None:
+        """A window ends after its records: a record at or after ``watermark - lateness`` is in no closed one."""
+        return None if watermark is None else watermark - self.windowing.lateness_us
 
     def shard_input(self, assigned: DataFrame, clock: StageClock, step: ShardStep) -> tuple[DataFrame, ShardStep]:
         """The pairs on time; the tasks fire the windows ending at or before the fire limit."""

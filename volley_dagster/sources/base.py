@@ -26,12 +26,25 @@ __all__ = ["Source", "SourceSnapshot"]
 
 
 @dataclass(frozen=True)
+class ColumnStatistics:
+    """What a Parquet file's footer says of one of its columns over the whole file: how
+    many nulls, and for a UTC timestamp its earliest and latest value in microseconds
+    since 1970, as Spark reads them. None: the footer does not say."""
+
+    nulls: int | None
+    earliest_us: int | None = None
+    latest_us: int | None = None
+
+
+@dataclass(frozen=True)
 class NativeParquetFile:
-    """A segment's local Parquet file, which Spark's own scan reads: where it is and how
-    many records it holds (a segment of all of them needs no row bounds)."""
+    """A segment's local Parquet file, which Spark's own scan reads: where it is, how
+    many records it holds (a segment of all of them needs no row bounds) and what its
+    footer says of its top-level columns, by name."""
 
     path: str
     records: int
+    statistics: Mapping[str, ColumnStatistics] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -56,7 +57,7 @@ class FileLog(Source):
         self.uri = self.storage.uri
         self._schema = schema
         self._counts: dict[tuple[str, int, str, bool], tuple[int, int, str]] = {}
-        self._native_ok: dict[tuple[str, int, str], int | None] = {}  # the file's records; None: not native
+        self._native_ok: dict[tuple[str, int, str], NativeParquetFile | None] = {}  # None: not native
 
     def describe(self) -> JsonObject:
         return {"type": "file_log", "uri": self.uri, "format": self.format}
@@ -252,19 +253,11 @@ class FileLog(Source):
                 return None
             key = (seg.file, seg.size, seg.version)
             if key not in self._native_ok:
-                try:  # one open of the footer: the schema and the record count
-                    with pq.ParquetFile(path) as footer:
-                        found, records = footer.schema_arrow, footer.metadata.num_rows
-                except (OSError, pa.ArrowInvalid):
-                    found, records = None, 0
-                fits = found is not None and all(
-                    found.get_field_index(f.name) >= 0 and found.field(f.name).type == f.type for f in schema
-                )
-                self._native_ok[key] = records if fits else None
+                self._native_ok[key] = _native_file(path, schema)
             native = self._native_ok[key]
             if native is None:
                 return None
-            files.append(NativeParquetFile(str(path), native))
+            files.append(native)
         return files
 
     def read_segment(self, seg: Segment, schema: pa.Schema, epoch: int) -> pa.Table:
@@ -285,6 +278,18 @@ class FileLog(Source):
 
     def __getstate__(self) -> dict[str, object]:
         return {**self.__dict__, "_counts": {}, "_native_ok": {}}
+
+
+def _native_file(path: Path, schema: pa.Schema) -> NativeParquetFile | None:
+    """The file as Spark's scan would read it, from one open of its footer (its schema,
+    record count and statistics); None when its columns are not the log's, name and type."""
+    try:
+        with pq.ParquetFile(path) as footer:
+            found = footer.schema_arrow
+            fits = all(found.get_field_index(f.name) >= 0 and found.field(f.name).type == f.type for f in schema)
+            return NativeParquetFile(str(path), footer.metadata.num_rows, formats.parquet_statistics(footer)) if fits else None
+    except (OSError, pa.ArrowInvalid):
+        return None
 
 
 @dataclass(frozen=True)

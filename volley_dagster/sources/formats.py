@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -18,8 +19,43 @@ import pyarrow.json as pj
 import pyarrow.parquet as pq
 
 from volley_dagster import columns
+from volley_dagster.sources.base import ColumnStatistics
 
 FORMATS = {"parquet": (".parquet",), "json": (".json", ".jsonl", ".ndjson")}
+
+
+_TIMESTAMP_UNIT_US = {"milliseconds": 1_000, "microseconds": 1}  # Spark reads neither nanoseconds nor INT96 exactly
+# written by Spark 2 (or in its legacy mode): Spark rebases old timestamps as it reads them
+_SPARK_REBASED = (b"org.apache.spark.legacyDateTime", b"org.apache.spark.legacyINT96")
+
+
+def parquet_statistics(footer: pq.ParquetFile) -> dict[str, ColumnStatistics]:
+    """What the footer says of each top-level column that is not nested, over all its
+    row groups; a figure some row group does not give is None for the whole file."""
+    meta = footer.metadata
+    flat = {f.name for f in footer.schema_arrow if not pa.types.is_nested(f.type)}
+    paths = [meta.schema.column(i).path for i in range(meta.num_columns)]
+    rebased = any(key in (meta.metadata or {}) for key in _SPARK_REBASED)
+    out: dict[str, ColumnStatistics] = {}
+    for i, path in enumerate(paths):
+        if path not in flat or paths.count(path) != 1:  # "a.b" of a struct is not a column "a.b"
+            continue
+        stats = [meta.row_group(r).column(i).statistics for r in range(meta.num_row_groups)]
+        nulls = sum(s.null_count for s in stats) if all(s is not None and s.has_null_count for s in stats) else None
+        unit = None if rebased else _utc_timestamp_unit_us(meta.schema.column(i))
+        if unit is None or not stats or not all(s is not None and s.has_min_max for s in stats):
+            out[path] = ColumnStatistics(nulls)
+        else:
+            out[path] = ColumnStatistics(nulls, min(s.min_raw for s in stats) * unit, max(s.max_raw for s in stats) * unit)
+    return out
+
+
+def _utc_timestamp_unit_us(column: pq.ColumnSchema) -> int | None:
+    """Microseconds a stored unit of a UTC timestamp column is (None: not one Spark reads as it is stored)."""
+    if column.physical_type != "INT64" or column.logical_type.type != "TIMESTAMP":
+        return None
+    logical = json.loads(column.logical_type.to_json())
+    return _TIMESTAMP_UNIT_US.get(logical.get("timeUnit")) if logical.get("isAdjustedToUTC") else None
 
 
 def complete_part(fmt: str, data: bytes, whole_lines_only: bool = True) -> bytes:

@@ -18,6 +18,7 @@ from volley_dagster.operators.base import PreStep, SparkOperator, StatefulOperat
 from volley_dagster.operators.dedup import Deduplicated, Deduplication, UniqueRecords
 from volley_dagster.operators.event_time import EventTime
 from volley_dagster.pipeline import Pipeline
+from volley_dagster.sources.base import NativeParquetFile
 from volley_dagster.sources.offsets import EpochRange
 from volley_dagster.spark.dedup import ProbeDuplicates
 from volley_dagster.spark.enrich import EnrichmentRun, EpochJoins
@@ -36,6 +37,9 @@ class PlannedEpoch:
     enrichments: list[EnrichmentRun] = field(default_factory=list)
     dedup: Deduplication | None = None  # before an aggregate or window: ``keyed`` then has ``DEDUP_KEY``
     dedup_kind: str = "int"  # and its kind ("int" | "str")
+    # the files whose footers describe ``keyed``'s columns: all of the epoch's records,
+    # read natively, no transform before the key (else empty: ``spark/side_outputs.py``)
+    footers: tuple[NativeParquetFile, ...] = ()
 
     @property
     def state_operator(self) -> StatefulOperator:
@@ -114,4 +118,5 @@ def plan_epoch(spark: SparkSession, pipeline: Pipeline, rng: EpochRange, pins: d
     if pipeline.dedup is not None:
         dedup_key, dedup_kind = pipeline.dedup.key_expr(keyed.schema)
         keyed = keyed.withColumn(columns.DEDUP_KEY, dedup_key)
-    return PlannedEpoch(raw, keyed, operator, kind, read.may_have_bad_records, joins.runs, pipeline.dedup, dedup_kind)
+    return PlannedEpoch(raw, keyed, operator, kind, read.may_have_bad_records, joins.runs, pipeline.dedup, dedup_kind,
+                        read.whole_files if not pipeline.transforms else ())

@@ -42,12 +42,17 @@ META_FIELDS = [
 class EpochRead:
     raw: DataFrame  # the schema's columns + position, error and raw text
     may_have_bad_records: bool  # False: every row parsed (error is always null)
+    # a native read whose every segment is a whole file: the epoch's records are all of
+    # these files', so their footers' statistics describe them (else empty)
+    whole_files: tuple[NativeParquetFile, ...] = ()
 
 
 def read_range(spark: SparkSession, source: Source, rng: EpochRange, schema: pa.Schema) -> EpochRead:
     files = source.native_parquet_files(rng, schema) if rng.segments else None
     if files is not None:
-        return EpochRead(_native_parquet(spark, rng, files, schema), may_have_bad_records=False)
+        whole = all(seg.start == 0 and seg.end == f.records for seg, f in zip(rng.segments, files, strict=True))
+        return EpochRead(_native_parquet(spark, rng, files, schema), may_have_bad_records=False,
+                         whole_files=tuple(files) if whole else ())
     n = len(rng.segments)
     raw = spark.range(0, n, 1, read_tasks(rng.segments)).mapInArrow(
         SegmentReader(source, rng.segments, schema, rng.epoch, os.getpid()),

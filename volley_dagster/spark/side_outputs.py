@@ -10,7 +10,10 @@ fire by: one pass over the parsed rows, one over the operator's late rows, and f
 Python-decoded read one over its cached raw rows for the parse errors. A pre-step
 whose own job reads every valid record (a deduplication's probe) observes the latest
 event time and counts the bad records on the way (``observed_rows``); then, when the
-operator has no late rows, the side-output job runs only if there were bad records."""
+operator has no late rows, the side-output job runs only if there were bad records.
+When the epoch is whole Parquet files read as they are, and their footers show no
+null key, no null or unbelievable event time and none early enough to be late, no
+job runs: the footers give the latest event time (``_latest_by_footers``)."""
 
 from __future__ import annotations
 
@@ -92,11 +95,18 @@ class EpochSideOutputs:
                             self._observed)
         return tagged.where(F.col(_REASON).isNull()).drop(_REASON)
 
-    def find(self, late: DataFrame | None) -> None:
+    def find(self, late: DataFrame | None, late_bound: int | None = None) -> None:
         """Find the bad and late records. ``late``: the operator's late rows
-        (``SparkOperator.late``). When the pre-step's job observed the records
-        (``observed_rows``), the side-output job runs only for bad records or late rows."""
+        (``SparkOperator.late``), which only records before ``late_bound`` can have
+        (``SparkOperator.late_bound``). When the pre-step's job observed the records
+        (``observed_rows``), the side-output job runs only for bad records or late rows;
+        when the footers show there are none, it does not run."""
         plan = self._plan
+        footers_latest = _latest_by_footers(plan, self._pipeline, self._bound, late_bound)
+        if footers_latest is not None:
+            self.maxima = {"": footers_latest}
+            self._found = _FOUND_SCHEMA.empty_table()
+            return
         self._late_columns = late.columns if late is not None else []
         seen = self._seen()
         if seen is not None:  # the pre-step's job saw the maxima: this job need not observe them again
@@ -172,6 +182,28 @@ def _bad_records(plan: PlannedEpoch, pipeline: Pipeline, bound: int | None) -> l
                         f"event time beyond max_event_time_skew: {clock.shown} is later than {describe_event_time(bound)} "
                         "(the wall clock when the epoch was cut plus the skew)"))
     return bad
+
+
+def _latest_by_footers(plan: PlannedEpoch, pipeline: Pipeline, bound: int | None, late_bound: int | None) -> int | None:
+    """The epoch's latest event time, when its files' footers show that none of
+    ``_bad_records`` holds for any record and none is before ``late_bound``; None when
+    they do not show it (a job must look). Only for an epoch of whole files whose
+    columns reach the operator as they are (``PlannedEpoch.footers``), keyed by a column
+    of them, on one clock."""
+    clock = plan.event_time
+    if not plan.footers or clock is None or clock.inputs != ("",) or plan.dedup is not None:
+        return None
+    latest: int | None = None
+    for file in plan.footers:
+        key, time = file.statistics.get(pipeline.key_column), file.statistics.get(clock.time_column)
+        if key is None or time is None or key.nulls != 0 or time.nulls != 0:
+            return None
+        if time.earliest_us is None or time.latest_us is None:
+            return None
+        if (bound is not None and time.latest_us > bound) or (late_bound is not None and time.earliest_us < late_bound):
+            return None
+        latest = time.latest_us if latest is None else max(latest, time.latest_us)
+    return latest
 
 
 def _bad_reason(plan: PlannedEpoch, pipeline: Pipeline, bound: int | None) -> Column:

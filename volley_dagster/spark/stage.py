@@ -120,7 +120,7 @@ def run_stage(
                 rows, kept = pre.remaining(rows), pre.routed()
                 pre_step_s = time.perf_counter() - t_pre
             assigned = operator.assign(rows)
-            side.find(operator.late(assigned, watermark))
+            side.find(operator.late(assigned, watermark), operator.late_bound(watermark))
             if side.bad_records and pipeline.bad_records == "fail":
                 return StageResult(pa.table({}), side.resolve(), {}, time.perf_counter() - t0, 0.0)
             if clock is not None:

@@ -1,0 +1,107 @@
+"""An epoch of whole Parquet files whose footers show no bad record and no record early
+enough to be late runs no side-output job: the footers give its latest event time.
+Against the same records written without statistics (the job runs every epoch) and
+against the window reference, the outputs, watermarks and side outputs are the same;
+an epoch whose footers show a null, a time past the skew or an early record runs the
+job, which finds it."""
+
+from __future__ import annotations
+
+import datetime as dt
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from tests.window_reference import reference, window_rows
+from volley_dagster import EpochRunner, FileLog, ParquetSink, Pipeline, count, first, last, max_, sum_, tumbling
+from volley_dagster.demo.events import generate
+from volley_dagster.settings import RunSettings
+
+FILES, PER_FILE, KEYS = 4, 400, 15  # each file one epoch of 40 s event time
+
+
+def active_copy(source: Path, target: Path, statistics: bool) -> list[Path]:
+    """The log's files with every record active (the reference skips failed ones; these
+    pipelines have no transform), written with or without footer statistics."""
+    target.mkdir()
+    out = []
+    for path in sorted(source.glob("*.parquet")):
+        table = pq.read_table(path)
+        table = table.set_column(table.schema.get_field_index("status"), "status",
+                                 pa.array(["active"] * table.num_rows))
+        pq.write_table(table, target / path.name, write_statistics=statistics, row_group_size=150)
+        out.append(target / path.name)
+    return out
+
+
+def windows_pipeline(events: Path, output: Path, skew: str | None = None) -> Pipeline:
+    return (Pipeline("clean").source(FileLog(events, format="parquet")).key_by("merchant_id")
+            .window(tumbling("10 seconds"), on="event_time", max_out_of_orderness="5 seconds",
+                    allowed_lateness="2 seconds", max_event_time_skew=skew)
+            .aggregate(events=count(), total=sum_("amount"), largest=max_("amount"),
+                       first_event=first("event_id"), last_event=last("event_id"))
+            .sink(ParquetSink(output)).with_shards(2))
+
+
+def test_clean_epochs_skip_the_side_output_job_and_give_what_the_job_gives(spark, tmp_path):
+    generate(tmp_path / "raw", FILES, PER_FILE, KEYS, events_per_second=10, disorder_s=1)
+    runs = {}
+    for statistics in (True, False):
+        name = "stats" if statistics else "plain"
+        files = active_copy(tmp_path / "raw", tmp_path / name, statistics)
+        runner = EpochRunner(windows_pipeline(tmp_path / name, tmp_path / f"{name}_out"), tmp_path / f"{name}_state",
+                             RunSettings(max_records_per_epoch=PER_FILE), spark=spark)
+        runs[name] = runner.run_available()
+    ref = reference(files, tumbling("10 seconds"), 5_000_000, 2_000_000, end_of_stream=False)
+    assert all(not v for v in ref.late.values()), "the data should have no late records"
+    for fast, slow in zip(runs["stats"], runs["plain"], strict=True):
+        assert window_rows(fast.output) == window_rows(slow.output) == ref.fired[fast.epoch]
+        assert fast.watermark == slow.watermark == ref.watermark[fast.epoch]
+        assert fast.late_records == slow.late_records == fast.dead_letters == 0
+    assert [r.durations["side_output"] for r in runs["stats"]] == [0.0] * FILES  # the footers said all
+    assert all(r.durations["side_output"] > 0 for r in runs["plain"])  # no statistics: the job looked
+    assert sum(len(v) for v in ref.fired.values()) > 3 * FILES, "the data should fire windows every epoch"
+
+
+T0 = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
+
+
+def write_epoch(events: Path, i: int, keys: list[int | None], seconds: list[float | None]) -> None:
+    times = [None if s is None else T0 + dt.timedelta(seconds=s) for s in seconds]
+    pq.write_table(pa.table({
+        "event_id": pa.array(range(i * 10, i * 10 + len(keys)), pa.int64()),
+        "merchant_id": pa.array(keys, pa.int64()),
+        "amount": pa.array([1.0] * len(keys)),
+        "status": pa.array(["active"] * len(keys)),
+        "event_time": pa.array(times, pa.timestamp("us", tz="UTC")),
+    }), events / f"events-{i:06d}.parquet")
+
+
+@pytest.mark.parametrize("case", ["null_time", "null_key", "past_skew", "late"])
+def test_an_epoch_whose_footers_show_a_bad_or_early_record_runs_the_job_which_finds_it(spark, tmp_path, case):
+    events = tmp_path / "events"
+    events.mkdir()
+    runner = EpochRunner(windows_pipeline(events, tmp_path / "out", skew="1 hour").on_bad_records("dead_letter"),
+                         tmp_path / "state", spark=spark)
+    write_epoch(events, 0, [1, 2, 1], [0, 3, 30])  # watermark 25 s after it: windows before 20 s are closed
+    first = runner.run_next()
+    assert first.durations["side_output"] == 0.0 and first.watermark == int(T0.timestamp() * 1e6) + 25_000_000
+    far = 10 * 365 * 86_400.0  # ten years ahead of the wall clock of the cut
+    keys, seconds = {"null_time": ([1, 2], [31, None]), "null_key": ([1, None], [31, 32]),
+                     "past_skew": ([1, 2], [31, far]), "late": ([1, 2], [31, 4])}[case]
+    write_epoch(events, 1, keys, seconds)
+    second = runner.run_next()
+    assert second.durations["side_output"] > 0, "the footers cannot show this epoch clean: the job must look"
+    if case == "late":
+        late = runner.late_records(2)
+        assert (second.late_records, second.dead_letters) == (1, 0)
+        assert late.column("offset").to_pylist() == [1] and late.column("merchant_id").to_pylist() == [2]
+    else:
+        dead = pq.read_table(runner.log.root / second.dead_letter_path)
+        assert (second.dead_letters, second.late_records) == (1, 0)
+        assert dead.column("offset").to_pylist() == [1], dead.to_pylist()
+    # the bad or late record never moves the watermark: the other one (31 s) does
+    assert second.watermark == int(T0.timestamp() * 1e6) + 26_000_000
+    assert (first.output.num_rows, second.output.num_rows) == (2, 0)  # [0, 10) per key fired first; nothing since
