@@ -101,7 +101,7 @@ class Pipeline:
     def where(self, condition: Column | str | Callable[[], Column]) -> Pipeline:
         """A Spark SQL predicate: a string (``"status = 'active'"``), a Column, or a
         function returning a Column (so the pipeline can be defined before Spark starts)."""
-        return self.transform(lambda df: df.where(_column(condition)))
+        return self.transform(RowFilter(condition))
 
     def with_column(self, name: str, expr: Column | str | Callable[[], Column]) -> Pipeline:
         return self.transform(lambda df: df.withColumn(name, _column(expr)))
@@ -354,6 +354,22 @@ class Pipeline:
 
     def key_expr(self) -> Column:
         return F.col(self.key_column)
+
+    @property
+    def only_filters(self) -> bool:
+        """Whether every transform only drops records (``where``), so that what holds of
+        every record read holds of every record after them."""
+        return all(isinstance(t, RowFilter) for t in self.transforms)
+
+
+@dataclass(frozen=True, eq=False)
+class RowFilter:
+    """``Pipeline.where``: a transform the plan knows keeps columns as they are."""
+
+    condition: Column | str | Callable[[], Column]
+
+    def __call__(self, df: DataFrame) -> DataFrame:
+        return df.where(_column(self.condition))
 
 
 def _column(expr: Column | str | Callable[[], Column]) -> Column:

@@ -36,8 +36,11 @@ def active_copy(source: Path, target: Path, statistics: bool) -> list[Path]:
     return out
 
 
-def windows_pipeline(events: Path, output: Path, skew: str | None = None) -> Pipeline:
-    return (Pipeline("clean").source(FileLog(events, format="parquet")).key_by("merchant_id")
+def windows_pipeline(events: Path, output: Path, skew: str | None = None, filtered: bool = False) -> Pipeline:
+    pipeline = Pipeline("clean").source(FileLog(events, format="parquet"))
+    if filtered:
+        pipeline = pipeline.where("status != 'failed'")
+    return (pipeline.key_by("merchant_id")
             .window(tumbling("10 seconds"), on="event_time", max_out_of_orderness="5 seconds",
                     allowed_lateness="2 seconds", max_event_time_skew=skew)
             .aggregate(events=count(), total=sum_("amount"), largest=max_("amount"),
@@ -68,13 +71,14 @@ def test_clean_epochs_skip_the_side_output_job_and_give_what_the_job_gives(spark
 T0 = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
 
 
-def write_epoch(events: Path, i: int, keys: list[int | None], seconds: list[float | None]) -> None:
+def write_epoch(events: Path, i: int, keys: list[int | None], seconds: list[float | None],
+                statuses: list[str] | None = None) -> None:
     times = [None if s is None else T0 + dt.timedelta(seconds=s) for s in seconds]
     pq.write_table(pa.table({
         "event_id": pa.array(range(i * 10, i * 10 + len(keys)), pa.int64()),
         "merchant_id": pa.array(keys, pa.int64()),
         "amount": pa.array([1.0] * len(keys)),
-        "status": pa.array(["active"] * len(keys)),
+        "status": pa.array(statuses or ["active"] * len(keys)),
         "event_time": pa.array(times, pa.timestamp("us", tz="UTC")),
     }), events / f"events-{i:06d}.parquet")
 
@@ -105,3 +109,28 @@ def test_an_epoch_whose_footers_show_a_bad_or_early_record_runs_the_job_which_fi
     # the bad or late record never moves the watermark: the other one (31 s) does
     assert second.watermark == int(T0.timestamp() * 1e6) + 26_000_000
     assert (first.output.num_rows, second.output.num_rows) == (2, 0)  # [0, 10) per key fired first; nothing since
+
+
+def test_a_filtered_epoch_takes_its_latest_event_time_from_the_records_the_filter_keeps(spark, tmp_path):
+    """Behind ``where``, the footers still show that no record is bad or early (a filter
+    only drops records), but their latest event time may be a dropped record's: the
+    epoch's comes from the records kept. A null event time on a dropped record makes
+    the footers show nothing: the job looks, and finds no dead letter."""
+    events = tmp_path / "events"
+    events.mkdir()
+    runner = EpochRunner(windows_pipeline(events, tmp_path / "out", filtered=True).on_bad_records("dead_letter"),
+                         tmp_path / "state", spark=spark)
+    epochs = [([1, 2, 1, 2], [0, 3, 30, 45], ["active", "active", "active", "failed"]),
+              ([1, 2], [31, 60], ["active", "failed"]),
+              ([1, 2], [40, None], ["active", "failed"])]
+    results = []
+    for i, (keys, seconds, statuses) in enumerate(epochs):
+        write_epoch(events, i, keys, seconds, statuses)
+        results.append(runner.run_next())
+    base = int(T0.timestamp() * 1e6)
+    # 30 s - 5 s, 31 s - 5 s, 40 s - 5 s: never the failed records' 45 s or 60 s
+    assert [r.watermark for r in results] == [base + 25_000_000, base + 26_000_000, base + 35_000_000]
+    assert [r.dead_letters for r in results] == [0, 0, 0]
+    assert all(r.durations["side_output"] > 0 for r in results)  # the kept records' latest, or the job
+    # fired: [0, 10) of both keys, in the first epoch (a watermark of 40 s would fire [30, 40) too)
+    assert [r.output.num_rows for r in results] == [2, 0, 0]

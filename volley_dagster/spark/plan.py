@@ -37,9 +37,12 @@ class PlannedEpoch:
     enrichments: list[EnrichmentRun] = field(default_factory=list)
     dedup: Deduplication | None = None  # before an aggregate or window: ``keyed`` then has ``DEDUP_KEY``
     dedup_kind: str = "int"  # and its kind ("int" | "str")
-    # the files whose footers describe ``keyed``'s columns: all of the epoch's records,
-    # read natively, no transform before the key (else empty: ``spark/side_outputs.py``)
+    # the files whose footers bound ``keyed``'s columns: the epoch's records are all of
+    # theirs, read natively, and only filtered before the key (else empty:
+    # ``spark/side_outputs.py``); ``footers_exact``: and not filtered either, so
+    # ``keyed`` holds every record of theirs and their latest event time is the epoch's
     footers: tuple[NativeParquetFile, ...] = ()
+    footers_exact: bool = False
 
     @property
     def state_operator(self) -> StatefulOperator:
@@ -119,4 +122,4 @@ def plan_epoch(spark: SparkSession, pipeline: Pipeline, rng: EpochRange, pins: d
         dedup_key, dedup_kind = pipeline.dedup.key_expr(keyed.schema)
         keyed = keyed.withColumn(columns.DEDUP_KEY, dedup_key)
     return PlannedEpoch(raw, keyed, operator, kind, read.may_have_bad_records, joins.runs, pipeline.dedup, dedup_kind,
-                        read.whole_files if not pipeline.transforms else ())
+                        read.whole_files if pipeline.only_filters else (), not pipeline.transforms)

@@ -11,9 +11,10 @@ Python-decoded read one over its cached raw rows for the parse errors. A pre-ste
 whose own job reads every valid record (a deduplication's probe) observes the latest
 event time and counts the bad records on the way (``observed_rows``); then, when the
 operator has no late rows, the side-output job runs only if there were bad records.
-When the epoch is whole Parquet files read as they are, and their footers show no
-null key, no null or unbelievable event time and none early enough to be late, no
-job runs: the footers give the latest event time (``_latest_by_footers``)."""
+When the epoch is whole Parquet files, only filtered (``Pipeline.where``) before the
+key, and their footers show no null key, no null or unbelievable event time and none
+early enough to be late, there is nothing to find (``_footers_show_clean``): the
+latest event time is the footers' when nothing was filtered, else one aggregate's."""
 
 from __future__ import annotations
 
@@ -102,9 +103,9 @@ class EpochSideOutputs:
         (``observed_rows``), the side-output job runs only for bad records or late rows;
         when the footers show there are none, it does not run."""
         plan = self._plan
-        footers_latest = _latest_by_footers(plan, self._pipeline, self._bound, late_bound)
+        footers_latest = _footers_show_clean(plan, self._pipeline, self._bound, late_bound)
         if footers_latest is not None:
-            self.maxima = {"": footers_latest}
+            self.maxima = {"": footers_latest if plan.footers_exact else self._latest_kept()}
             self._found = _FOUND_SCHEMA.empty_table()
             return
         self._late_columns = late.columns if late is not None else []
@@ -120,6 +121,17 @@ class EpochSideOutputs:
         self._run(_side_output_frame(plan, self._pipeline, late, self._bound, latest))
         if latest is not None:
             self._read_maxima(latest.get)
+
+    def _latest_kept(self) -> int | None:
+        """The latest event time of the records the filters kept: one aggregate over the
+        columns it needs, not the side-output job, which reads every column for the bad
+        records' text (0.33 s against 0.56 s for a file of 1M records)."""
+        assert self._plan.event_time is not None
+        t0 = time.perf_counter()
+        with engine_errors():
+            latest = self._plan.keyed.agg(self._plan.event_time.maxima(self._plan.event_time.event_us())[""]).first()
+        self.job_s = time.perf_counter() - t0
+        return None if latest is None else latest[0]
 
     def _seen(self) -> dict[str, int | None] | None:
         """What ``observed_rows`` observed, once the pre-step's job has run; None if nothing
@@ -184,12 +196,12 @@ def _bad_records(plan: PlannedEpoch, pipeline: Pipeline, bound: int | None) -> l
     return bad
 
 
-def _latest_by_footers(plan: PlannedEpoch, pipeline: Pipeline, bound: int | None, late_bound: int | None) -> int | None:
-    """The epoch's latest event time, when its files' footers show that none of
+def _footers_show_clean(plan: PlannedEpoch, pipeline: Pipeline, bound: int | None, late_bound: int | None) -> int | None:
+    """The latest event time of the epoch's files, when their footers show that none of
     ``_bad_records`` holds for any record and none is before ``late_bound``; None when
     they do not show it (a job must look). Only for an epoch of whole files whose
-    columns reach the operator as they are (``PlannedEpoch.footers``), keyed by a column
-    of them, on one clock."""
+    columns reach the operator as they are, if filtered (``PlannedEpoch.footers``),
+    keyed by a column of them, on one clock."""
     clock = plan.event_time
     if not plan.footers or clock is None or clock.inputs != ("",) or plan.dedup is not None:
         return None
