@@ -96,7 +96,7 @@ class EpochSideOutputs:
                             self._observed)
         return tagged.where(F.col(_REASON).isNull()).drop(_REASON)
 
-    def find(self, late: DataFrame | None, late_bound: int | None = None) -> None:
+    def find(self, late: DataFrame | None, late_bound: int | None) -> None:
         """Find the bad and late records. ``late``: the operator's late rows
         (``SparkOperator.late``), which only records before ``late_bound`` can have
         (``SparkOperator.late_bound``). When the pre-step's job observed the records
