@@ -14,15 +14,17 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.window_reference import reference, window_rows
+from tests.window_reference import reference, reference_epochs, window_rows
 from volley_dagster import EpochRunner, FileLog, ParquetSink, Pipeline, count, first, last, max_, sum_, tumbling
 from volley_dagster.demo.events import generate
 from volley_dagster.settings import RunSettings
+from volley_dagster.spark.plan import plan_epoch
+from volley_dagster.spark.side_outputs import _footers_show_clean
 
 FILES, PER_FILE, KEYS = 4, 400, 15  # each file one epoch of 40 s event time
 
 
-def active_copy(source: Path, target: Path, statistics: bool) -> list[Path]:
+def active_copy(source: Path, target: Path, statistics: bool, row_group_size: int = 150) -> list[Path]:
     """The log's files with every record active (the reference skips failed ones; these
     pipelines have no transform), written with or without footer statistics."""
     target.mkdir()
@@ -31,7 +33,7 @@ def active_copy(source: Path, target: Path, statistics: bool) -> list[Path]:
         table = pq.read_table(path)
         table = table.set_column(table.schema.get_field_index("status"), "status",
                                  pa.array(["active"] * table.num_rows))
-        pq.write_table(table, target / path.name, write_statistics=statistics, row_group_size=150)
+        pq.write_table(table, target / path.name, write_statistics=statistics, row_group_size=row_group_size)
         out.append(target / path.name)
     return out
 
@@ -66,6 +68,33 @@ def test_clean_epochs_skip_the_side_output_job_and_give_what_the_job_gives(spark
     assert [r.durations["side_output"] for r in runs["stats"]] == [0.0] * FILES  # the footers said all
     assert all(r.durations["side_output"] > 0 for r in runs["plain"])  # no statistics: the job looked
     assert sum(len(v) for v in ref.fired.values()) > 3 * FILES, "the data should fire windows every epoch"
+
+
+def test_epochs_that_end_inside_files_are_bounded_by_the_row_groups_they_touch(spark, tmp_path):
+    """A cut that ends inside a file: what the footers say of the row groups a segment
+    touches bounds its records, so they still show the epoch clean; its latest event
+    time, which they do not give exactly, comes from one max() over its records."""
+    generate(tmp_path / "raw", FILES, PER_FILE, KEYS, events_per_second=10, disorder_s=1)
+    files = active_copy(tmp_path / "raw", tmp_path / "events", True, row_group_size=20)  # 2 s of event time each
+    runner = EpochRunner(windows_pipeline(tmp_path / "events", tmp_path / "out"), tmp_path / "state",
+                         RunSettings(max_records_per_epoch=PER_FILE * 3 // 4), spark=spark)
+    results: list = []
+    while (rng := runner.cut_next()) is not None:
+        plan = plan_epoch(spark, runner.pipeline, rng)
+        assert plan.footers and not plan.footers_exact and any(s.start or s.end < PER_FILE for s in rng.segments)
+        # what the footers say of the rows touched, the watermark before and its late bound
+        late_bound = results[-1].watermark - 2_000_000 if results else None
+        assert _footers_show_clean(plan, runner.pipeline, None, late_bound) is not None, f"epoch {rng.epoch}"
+        results.append(runner.run(rng.epoch))
+    log = pa.concat_tables(pq.read_table(f).append_column("file", pa.array([f.name] * PER_FILE))
+                           .append_column("offset", pa.array(range(PER_FILE), pa.int64())) for f in files)
+    starts = [sum(r.records_in for r in results[:i]) for i in range(len(results))]
+    ref = reference_epochs([log.slice(s, r.records_in) for s, r in zip(starts, results, strict=True)],
+                           tumbling("10 seconds"), 5_000_000, 2_000_000, end_of_stream=False)
+    assert sum(r.records_in for r in results) == FILES * PER_FILE and len(results) > FILES
+    for r in results:
+        assert window_rows(r.output) == ref.fired[r.epoch] and r.watermark == ref.watermark[r.epoch]
+        assert r.late_records == r.dead_letters == 0 and r.durations["side_output"] > 0
 
 
 T0 = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)

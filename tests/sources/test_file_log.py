@@ -18,7 +18,7 @@ from tests.conftest import BUCKET
 from volley_dagster.demo.events import generate
 from volley_dagster.errors import SourceChangedError, SourceError, SourceUnavailableError, is_retryable
 from volley_dagster.sources import formats
-from volley_dagster.sources.base import Source
+from volley_dagster.sources.base import NativeParquetFile, Source
 from volley_dagster.sources.file_log import FULL_LISTING_EVERY, FileLog
 from volley_dagster.sources.offsets import Backlog, EpochRange, Position, fair_shares
 
@@ -288,9 +288,10 @@ def test_on_s3_a_cut_lists_from_the_last_file_read_and_every_full_listing_finds_
 
 
 def test_a_parquet_footer_gives_null_counts_and_the_utc_time_range_spark_reads(tmp_path):
-    """Summed over row groups; a timestamp in microseconds whatever its stored unit, and
-    only where Spark reads the stored value as it is (UTC-adjusted milli- or
-    microseconds): never local (NTZ) or nanosecond times, nor a legacy Spark file's."""
+    """Per row group, combined over those a range of rows touches (the whole file: exact);
+    a timestamp in microseconds whatever its stored unit, and only where Spark reads the
+    stored value as it is (UTC-adjusted milli- or microseconds): never local (NTZ) or
+    nanosecond times, nor a legacy Spark file's."""
     us = [1_767_225_600_123_456, None, 1_767_225_599_000_001, 1_767_225_700_000_000, 5]
     table = pa.table({
         "key": pa.array([3, None, 1, None, 2], pa.int64()),
@@ -303,8 +304,9 @@ def test_a_parquet_footer_gives_null_counts_and_the_utc_time_range_spark_reads(t
     })
     pq.write_table(table, tmp_path / "f.parquet", row_group_size=2)
     with pq.ParquetFile(tmp_path / "f.parquet") as footer:
-        assert footer.metadata.num_row_groups == 3
-        stats = formats.parquet_statistics(footer)
+        file = NativeParquetFile("f.parquet", 5, formats.parquet_statistics(footer))
+    assert [(g.start, g.end) for g in file.row_groups] == [(0, 2), (2, 4), (4, 5)]
+    stats = file.statistics(0, 5)
     assert set(stats) == {"key", "us", "ms", "ntz", "ns", "text"}  # "nested.t" is not a column
     valid = [v for v in us if v is not None]
     assert (stats["key"].nulls, stats["text"].nulls, stats["us"].nulls) == (2, 1, 1)
@@ -312,11 +314,16 @@ def test_a_parquet_footer_gives_null_counts_and_the_utc_time_range_spark_reads(t
     assert (stats["ms"].earliest_us, stats["ms"].latest_us) == (min(valid) // 1000 * 1000, max(valid) // 1000 * 1000)
     assert (stats["ntz"].nulls, stats["ntz"].earliest_us, stats["ntz"].latest_us) == (1, None, None)
     assert (stats["ns"].earliest_us, stats["ns"].latest_us, stats["key"].latest_us) == (None, None, None)
+    # rows 3..4 touch the second and third row groups (rows 2..4): bounds of them, from those groups
+    part = file.statistics(3, 5)
+    assert (part["key"].nulls, part["us"].nulls, part["us"].earliest_us, part["us"].latest_us) == (1, 0, us[4], us[3])
+    assert file.statistics(0, 1)["us"] == file.row_groups[0].columns["us"]
 
     pq.write_table(table, tmp_path / "plain.parquet", write_statistics=False)
     legacy = table.replace_schema_metadata({"org.apache.spark.legacyDateTime": ""})
     pq.write_table(legacy, tmp_path / "legacy.parquet")
     with pq.ParquetFile(tmp_path / "plain.parquet") as plain, pq.ParquetFile(tmp_path / "legacy.parquet") as old:
-        assert formats.parquet_statistics(plain)["us"] == formats.parquet_statistics(plain)["key"]
-        assert formats.parquet_statistics(plain)["us"].nulls is None
-        assert (formats.parquet_statistics(old)["us"].nulls, formats.parquet_statistics(old)["us"].latest_us) == (1, None)
+        plain_stats = NativeParquetFile("plain", 5, formats.parquet_statistics(plain)).statistics(0, 5)
+        old_stats = NativeParquetFile("legacy", 5, formats.parquet_statistics(old)).statistics(0, 5)
+    assert plain_stats["us"] == plain_stats["key"] and plain_stats["us"].nulls is None
+    assert (old_stats["us"].nulls, old_stats["us"].latest_us) == (1, None)

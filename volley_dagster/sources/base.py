@@ -12,9 +12,11 @@ ranges of a topic partition.
 
 from __future__ import annotations
 
+import operator
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import reduce
 from typing import Any
 
 import pyarrow as pa
@@ -35,16 +37,43 @@ class ColumnStatistics:
     earliest_us: int | None = None
     latest_us: int | None = None
 
+    def __or__(self, other: ColumnStatistics) -> ColumnStatistics:
+        """Over the rows of both."""
+        def both(a: int | None, b: int | None, f: Callable[[int, int], int]) -> int | None:
+            return None if a is None or b is None else f(a, b)
+        return ColumnStatistics(both(self.nulls, other.nulls, int.__add__),
+                                both(self.earliest_us, other.earliest_us, min), both(self.latest_us, other.latest_us, max))
+
+
+@dataclass(frozen=True)
+class RowGroupStatistics:
+    """Rows ``[start, end)`` of a Parquet file, one row group, and what its footer says
+    of each top-level column over them, by name."""
+
+    start: int
+    end: int
+    columns: Mapping[str, ColumnStatistics]
+
 
 @dataclass(frozen=True)
 class NativeParquetFile:
     """A segment's local Parquet file, which Spark's own scan reads: where it is, how
     many records it holds (a segment of all of them needs no row bounds) and what its
-    footer says of its top-level columns, by name."""
+    footer says of each row group."""
 
     path: str
     records: int
-    statistics: Mapping[str, ColumnStatistics] = field(default_factory=dict)
+    row_groups: tuple[RowGroupStatistics, ...] = ()
+
+    def statistics(self, start: int, end: int) -> dict[str, ColumnStatistics]:
+        """What the footer says of each column over the row groups that rows ``[start,
+        end)`` touch: exact for the whole file, else bounds of those rows (no fewer nulls,
+        no later earliest, no earlier latest). A column some of them do not describe is left out."""
+        touched = [g for g in self.row_groups if g.start < end and start < g.end]
+        if not touched:
+            return {}
+        names = set(touched[0].columns).intersection(*(g.columns for g in touched[1:]))
+        return {name: reduce(operator.or_, (g.columns[name] for g in touched)) for name in names}
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ import pyarrow.json as pj
 import pyarrow.parquet as pq
 
 from volley_dagster import columns
-from volley_dagster.sources.base import ColumnStatistics
+from volley_dagster.sources.base import ColumnStatistics, RowGroupStatistics
 
 FORMATS = {"parquet": (".parquet",), "json": (".json", ".jsonl", ".ndjson")}
 
@@ -29,25 +29,30 @@ _TIMESTAMP_UNIT_US = {"milliseconds": 1_000, "microseconds": 1}  # Spark reads n
 _SPARK_REBASED = (b"org.apache.spark.legacyDateTime", b"org.apache.spark.legacyINT96")
 
 
-def parquet_statistics(footer: pq.ParquetFile) -> dict[str, ColumnStatistics]:
-    """What the footer says of each top-level column that is not nested, over all its
-    row groups; a figure some row group does not give is None for the whole file."""
+def parquet_statistics(footer: pq.ParquetFile) -> tuple[RowGroupStatistics, ...]:
+    """What the footer says of each top-level column that is not nested, per row group
+    (a figure a row group does not give is None)."""
     meta = footer.metadata
     flat = {f.name for f in footer.schema_arrow if not pa.types.is_nested(f.type)}
     paths = [meta.schema.column(i).path for i in range(meta.num_columns)]
     rebased = any(key in (meta.metadata or {}) for key in _SPARK_REBASED)
-    out: dict[str, ColumnStatistics] = {}
-    for i, path in enumerate(paths):
-        if path not in flat or paths.count(path) != 1:  # "a.b" of a struct is not a column "a.b"
-            continue
-        stats = [meta.row_group(r).column(i).statistics for r in range(meta.num_row_groups)]
-        nulls = sum(s.null_count for s in stats) if all(s is not None and s.has_null_count for s in stats) else None
-        unit = None if rebased else _utc_timestamp_unit_us(meta.schema.column(i))
-        if unit is None or not stats or not all(s is not None and s.has_min_max for s in stats):
-            out[path] = ColumnStatistics(nulls)
-        else:
-            out[path] = ColumnStatistics(nulls, min(s.min_raw for s in stats) * unit, max(s.max_raw for s in stats) * unit)
-    return out
+    # "a.b" of a struct is not a column "a.b"
+    described = [(i, path) for i, path in enumerate(paths) if path in flat and paths.count(path) == 1]
+    units = {i: None if rebased else _utc_timestamp_unit_us(meta.schema.column(i)) for i, _ in described}
+    groups, start = [], 0
+    for r in range(meta.num_row_groups):
+        group = meta.row_group(r)
+        columns = {path: _column_statistics(group.column(i).statistics, units[i]) for i, path in described}
+        groups.append(RowGroupStatistics(start, start + group.num_rows, columns))
+        start += group.num_rows
+    return tuple(groups)
+
+
+def _column_statistics(stats: pq.Statistics | None, unit_us: int | None) -> ColumnStatistics:
+    nulls = stats.null_count if stats is not None and stats.has_null_count else None
+    if stats is None or unit_us is None or not stats.has_min_max:
+        return ColumnStatistics(nulls)
+    return ColumnStatistics(nulls, stats.min_raw * unit_us, stats.max_raw * unit_us)
 
 
 def _utc_timestamp_unit_us(column: pq.ColumnSchema) -> int | None:

@@ -4,6 +4,7 @@ Nothing runs until the stage (``spark/stage.py``) asks for results."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -18,7 +19,7 @@ from volley_dagster.operators.base import PreStep, SparkOperator, StatefulOperat
 from volley_dagster.operators.dedup import Deduplicated, Deduplication, UniqueRecords
 from volley_dagster.operators.event_time import EventTime
 from volley_dagster.pipeline import Pipeline
-from volley_dagster.sources.base import NativeParquetFile
+from volley_dagster.sources.base import ColumnStatistics
 from volley_dagster.sources.offsets import EpochRange
 from volley_dagster.spark.dedup import ProbeDuplicates
 from volley_dagster.spark.enrich import EnrichmentRun, EpochJoins
@@ -37,11 +38,11 @@ class PlannedEpoch:
     enrichments: list[EnrichmentRun] = field(default_factory=list)
     dedup: Deduplication | None = None  # before an aggregate or window: ``keyed`` then has ``DEDUP_KEY``
     dedup_kind: str = "int"  # and its kind ("int" | "str")
-    # the files whose footers bound ``keyed``'s columns: the epoch's records are all of
-    # theirs, read natively, and only filtered before the key (else empty:
-    # ``spark/side_outputs.py``); ``footers_exact``: and not filtered either, so
-    # ``keyed`` holds every record of theirs and their latest event time is the epoch's
-    footers: tuple[NativeParquetFile, ...] = ()
+    # per segment, what its file's footer says of the rows it touches, when they bound
+    # ``keyed``'s columns: read natively and only filtered before the key (else empty:
+    # ``spark/side_outputs.py``); ``footers_exact``: and each segment a whole file, not
+    # filtered either, so their latest event time is the epoch's
+    footers: tuple[Mapping[str, ColumnStatistics], ...] = ()
     footers_exact: bool = False
 
     @property
@@ -122,4 +123,4 @@ def plan_epoch(spark: SparkSession, pipeline: Pipeline, rng: EpochRange, pins: d
         dedup_key, dedup_kind = pipeline.dedup.key_expr(keyed.schema)
         keyed = keyed.withColumn(columns.DEDUP_KEY, dedup_key)
     return PlannedEpoch(raw, keyed, operator, kind, read.may_have_bad_records, joins.runs, pipeline.dedup, dedup_kind,
-                        read.whole_files if pipeline.only_filters else (), not pipeline.transforms)
+                        read.footers if pipeline.only_filters else (), read.whole_files and not pipeline.transforms)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import reduce
 from urllib.parse import unquote, urlparse
@@ -26,7 +27,7 @@ from pyspark.sql.types import StructType
 
 from volley_dagster import columns
 from volley_dagster.columns import sql_identifier
-from volley_dagster.sources.base import NativeParquetFile, Source
+from volley_dagster.sources.base import ColumnStatistics, NativeParquetFile, Source
 from volley_dagster.sources.offsets import EpochRange, Segment
 from volley_dagster.spark.tasks import SegmentReader
 
@@ -42,17 +43,20 @@ META_FIELDS = [
 class EpochRead:
     raw: DataFrame  # the schema's columns + position, error and raw text
     may_have_bad_records: bool  # False: every row parsed (error is always null)
-    # a native read whose every segment is a whole file: the epoch's records are all of
-    # these files', so their footers' statistics describe them (else empty)
-    whole_files: tuple[NativeParquetFile, ...] = ()
+    # a native read: per segment, what its file's footer says of the row groups it
+    # touches (else empty); ``whole_files``: each segment is all of its file, so what
+    # the footers say is exact, not only a bound
+    footers: tuple[Mapping[str, ColumnStatistics], ...] = ()
+    whole_files: bool = False
 
 
 def read_range(spark: SparkSession, source: Source, rng: EpochRange, schema: pa.Schema) -> EpochRead:
     files = source.native_parquet_files(rng, schema) if rng.segments else None
     if files is not None:
-        whole = all(seg.start == 0 and seg.end == f.records for seg, f in zip(rng.segments, files, strict=True))
+        pairs = list(zip(rng.segments, files, strict=True))
         return EpochRead(_native_parquet(spark, rng, files, schema), may_have_bad_records=False,
-                         whole_files=tuple(files) if whole else ())
+                         footers=tuple(f.statistics(seg.start, seg.end) for seg, f in pairs),
+                         whole_files=all(seg.start == 0 and seg.end == f.records for seg, f in pairs))
     n = len(rng.segments)
     raw = spark.range(0, n, 1, read_tasks(rng.segments)).mapInArrow(
         SegmentReader(source, rng.segments, schema, rng.epoch, os.getpid()),
