@@ -65,6 +65,10 @@ class NativeParquetFile:
     records: int
     row_groups: tuple[RowGroupStatistics, ...] = ()
 
+    def is_all_of(self, seg: Segment) -> bool:
+        """Whether ``seg`` is every record of this file."""
+        return seg.start == 0 and seg.end == self.records
+
     def statistics(self, start: int, end: int) -> dict[str, ColumnStatistics]:
         """What the footer says of each column over the row groups that rows ``[start,
         end)`` touch: exact for the whole file, else bounds of those rows (no fewer nulls,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+from collections import Counter
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -36,8 +37,8 @@ def parquet_statistics(footer: pq.ParquetFile) -> tuple[RowGroupStatistics, ...]
     flat = {f.name for f in footer.schema_arrow if not pa.types.is_nested(f.type)}
     paths = [meta.schema.column(i).path for i in range(meta.num_columns)]
     rebased = any(key in (meta.metadata or {}) for key in _SPARK_REBASED)
-    # "a.b" of a struct is not a column "a.b"
-    described = [(i, path) for i, path in enumerate(paths) if path in flat and paths.count(path) == 1]
+    seen = Counter(paths)  # "a.b" of a struct is not a column "a.b"
+    described = [(i, path) for i, path in enumerate(paths) if path in flat and seen[path] == 1]
     units = {i: None if rebased else _utc_timestamp_unit_us(meta.schema.column(i)) for i, _ in described}
     groups, start = [], 0
     for r in range(meta.num_row_groups):

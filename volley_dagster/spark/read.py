@@ -56,7 +56,7 @@ def read_range(spark: SparkSession, source: Source, rng: EpochRange, schema: pa.
         pairs = list(zip(rng.segments, files, strict=True))
         return EpochRead(_native_parquet(spark, rng, files, schema), may_have_bad_records=False,
                          footers=tuple(f.statistics(seg.start, seg.end) for seg, f in pairs),
-                         whole_files=all(seg.start == 0 and seg.end == f.records for seg, f in pairs))
+                         whole_files=all(f.is_all_of(seg) for seg, f in pairs))
     n = len(rng.segments)
     raw = spark.range(0, n, 1, read_tasks(rng.segments)).mapInArrow(
         SegmentReader(source, rng.segments, schema, rng.epoch, os.getpid()),
@@ -80,7 +80,7 @@ def _native_parquet(spark: SparkSession, rng: EpochRange, files: list[NativeParq
     a scan of its own, its row bounds pushed into it."""
     scan = _NativeScan(spark, rng.epoch, from_arrow_schema(schema), [sql_identifier(n) for n in schema.names])
     pairs = list(zip(rng.segments, files, strict=True))
-    whole = {i for i, (seg, f) in enumerate(pairs) if seg.start == 0 and seg.end == f.records}
+    whole = {i for i, (seg, f) in enumerate(pairs) if f.is_all_of(seg)}
     together = scan.whole_files([pairs[i] for i in sorted(whole)]) if len(whole) > 1 else None
     alone = [pair for i, pair in enumerate(pairs) if together is None or i not in whole]
     frames = [scan.segment(seg, f.path) for seg, f in alone] + ([together] if together is not None else [])
