@@ -11,9 +11,11 @@ import datetime as dt
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
+from tests.ttl_reference import KEY, TtlReference, same_rows, ttl_file
 from tests.window_reference import reference, reference_epochs, window_rows
 from volley_dagster import EpochRunner, FileLog, ParquetSink, Pipeline, count, first, last, max_, sum_, tumbling
 from volley_dagster.demo.events import generate
@@ -163,3 +165,41 @@ def test_a_filtered_epoch_takes_its_latest_event_time_from_the_records_the_filte
     assert all(r.durations["side_output"] > 0 for r in results)  # the kept records' latest, or the job
     # fired: [0, 10) of both keys, in the first epoch (a watermark of 40 s would fire [30, 40) too)
     assert [r.output.num_rows for r in results] == [2, 0, 0]
+
+
+def test_an_event_time_ttl_learns_the_watermark_from_its_shards_when_no_key_can_expire(spark, tmp_path):
+    """Behind ``where`` and cut inside files, the footers only bound an epoch's latest
+    event time. An event-time TTL acts on the watermark only by expiring keys: when the
+    expiry index's earliest deadline, and the epoch's earliest record plus the TTL, are
+    both past the highest watermark the footers allow, no key can expire whatever it is.
+    The shard tasks then run without it and give it, after them (no max() job). Against
+    the TTL reference, each file's latest record dropped by the filter."""
+    events = tmp_path / "events"
+    events.mkdir()
+    tables = []
+    for i in range(6):  # each file 400 records over 10 minutes of event time, times ascending
+        table = ttl_file(i)
+        statuses = pa.array(["active"] * (table.num_rows - 1) + ["failed"])  # the latest is filtered out
+        table = table.set_column(table.schema.get_field_index("status"), "status", statuses)
+        pq.write_table(table, events / f"events-{i:06d}.parquet", row_group_size=100)
+        tables.append(table)
+    pipeline = (Pipeline("ttl_learnt").source(FileLog(events, format="parquet")).where("status = 'active'")
+                .key_by(KEY).aggregate(events=count(), total=sum_("amount"), ttl="25 minutes", event_time="event_time")
+                .sink(ParquetSink(tmp_path / "out")).with_shards(2))
+    runner = EpochRunner(pipeline, tmp_path / "state", RunSettings(max_records_per_epoch=250), spark=spark)
+    results = runner.run_available()
+    log = pa.concat_tables(tables)
+    starts = [sum(r.records_in for r in results[:i]) for i in range(len(results))]
+    assert starts[-1] + results[-1].records_in == log.num_rows
+    reference = TtlReference(ttl_us=25 * 60 * 1_000_000)
+    for start, result in zip(starts, results, strict=True):
+        records = log.slice(start, result.records_in)
+        expected = reference.run(records.filter(pc.equal(records.column("status"), "active")))
+        same_rows(result.output.to_pandas(), expected, [KEY, "events", "total", "expired"])
+        assert result.figures["keys_expired"] == int(expected["expired"].sum()), f"epoch {result.epoch}"
+        assert result.watermark == reference.watermark, f"epoch {result.epoch}"
+    learnt = [r.epoch for r in results if r.durations["side_output"] == 0.0]
+    assert 1 not in learnt, "the first epoch has no expiry index to say when its keys come due"
+    assert len(learnt) >= 2 and len(learnt) < len(results) - 1, [r.durations["side_output"] for r in results]
+    assert sum(r.figures["keys_expired"] for r in results) > 0
+    same_rows(runner.read_state().to_pandas(), reference.current(), [KEY, "events", "total"])

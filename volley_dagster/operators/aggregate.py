@@ -17,6 +17,7 @@ from volley_dagster.errors import AggregateOverflowError, ConfigError, StateLayo
 from volley_dagster.json_records import JsonObject
 from volley_dagster.operators.accumulators import Accumulator, StateOverflow, ValueKind, spark_ddl
 from volley_dagster.operators.base import (
+    LATEST_EVENT,
     FillRecords,
     OperatorStats,
     ShardStep,
@@ -162,6 +163,14 @@ class ResolvedAggregate:
     def late_bound(self, watermark: int | None) -> None:
         return None
 
+    def acts_from(self, earliest_us: int, next_due: int | None) -> int | None:
+        """An event-time TTL acts on W[N] only by expiring a key whose deadline is at or
+        before it: an entry of the expiry index (none before ``next_due``) or a key the
+        epoch updates (its deadline no earlier than the epoch's earliest record's)."""
+        if self.ttl is None or self.ttl.by_epochs or next_due is None:
+            return None
+        return min(next_due, earliest_us + self.ttl.amount)
+
     def shard_input(self, assigned: DataFrame, clock: StageClock, step: ShardStep) -> tuple[DataFrame, ShardStep]:
         if self.event_time is not None:
             step = replace(step, expire_limit=clock.watermark)
@@ -228,7 +237,8 @@ class ResolvedAggregate:
             if resident is not None and mirror_keys is not None:
                 resident.update(mirror_keys, state)
             return outputs, stats
-        expired = expiry.settle(keys, state, existed, self._touched_now(data, step))
+        touched_now = self._touched_now(data, step)
+        expired = expiry.settle(keys, state, existed, touched_now)
         written = ~expired[:n]
         if expired.any():
             key_array = np.array(keys, dtype=object)
@@ -243,7 +253,10 @@ class ResolvedAggregate:
         emitted |= expired
         rows = pa.array(emitted)
         out = [arr.filter(rows) for arr in outputs] + [pa.array(expired[emitted])]
-        return out, OperatorStats(stats.keys_touched, stats.new_keys, expiry.figures(), stats.records)
+        figures = expiry.figures()
+        if not expiry.ttl.by_epochs and n:  # for a watermark the stage learns from its shards (``acts_from``)
+            figures[LATEST_EVENT] = int(touched_now.max())
+        return out, OperatorStats(stats.keys_touched, stats.new_keys, figures, stats.records)
 
     def _touched_now(self, data: pa.Table, step: ShardStep) -> np.ndarray:
         """What the epoch stamps on the keys it updates: its number, or each key's latest event time."""

@@ -64,6 +64,14 @@ class OperatorStats:
     records: int = 0  # the epoch's records folded into state (a deduplication's dropped copies are none)
 
 
+LATEST_EVENT = "latest_event_us"  # a shard's figure: the latest event time of its records (microseconds)
+
+
+def latest_event(shards: Sequence[OperatorStats]) -> int | None:
+    """The latest event time the shard tasks saw (``LATEST_EVENT``; None: none said)."""
+    return max((s.figures[LATEST_EVENT] for s in shards if LATEST_EVENT in s.figures), default=None)
+
+
 def partial_records(data: pa.Table) -> int:
     """The records a shard's partial rows stand for (each row counts its ``ROWS``)."""
     return int(pc.sum(data.column(columns.ROWS)).as_py() or 0)
@@ -164,6 +172,13 @@ class SparkOperator(StatefulOperator, Protocol):
         """The event time (microseconds) from which on no record is late at ``watermark``:
         only an earlier one can have a late row (None: none can). It lets the epoch skip
         looking for late rows when every record is later (``spark/side_outputs.py``)."""
+
+    def acts_from(self, earliest_us: int, next_due: int | None) -> int | None:
+        """The least watermark W[N] at which the shard tasks may act on it, when the epoch's
+        records are none earlier than ``earliest_us`` and the shards' earliest deadline is
+        ``next_due`` (the previous epoch's ``expiry_next``); None: any W[N] may change what
+        they do. Below it they do the same whatever W[N] is, so the stage may learn W[N]
+        from them (``LATEST_EVENT``) instead of from a job before them."""
 
     def shard_input(self, assigned: DataFrame, clock: StageClock, step: ShardStep) -> tuple[DataFrame, ShardStep]:
         """The assigned rows the stage routes to the shards (windows: the pairs on time),

@@ -387,6 +387,9 @@ class ResolvedUniqueRecords:
     def late_bound(self, watermark: int | None) -> None:
         return None
 
+    def acts_from(self, earliest_us: int, next_due: int | None) -> None:
+        return None  # W[N] decides which keys it forgets
+
     def shard_input(self, assigned: DataFrame, clock: StageClock, step: ShardStep) -> tuple[DataFrame, ShardStep]:
         """Each record: its columns, position and event time (no probe job: the shard
         tasks decide)."""

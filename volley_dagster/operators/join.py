@@ -296,6 +296,9 @@ class ResolvedJoin:
     def late_bound(self, watermark: int | None) -> int | None:
         return None if watermark is None else watermark + 1  # late: at or before the watermark
 
+    def acts_from(self, earliest_us: int, next_due: int | None) -> None:
+        return None  # W[N] decides which rows leave the join's state
+
     def shard_input(self, assigned: DataFrame, clock: StageClock, step: ShardStep) -> tuple[DataFrame, ShardStep]:
         """Each record on time: its key, row id, side, event time and columns (as text)."""
         is_left = F.col(self.join.source_column) == F.lit(self.join.left)

@@ -283,6 +283,9 @@ class ResolvedWindowAggregate:
         """A window ends after its records: a record at or after ``watermark - lateness`` is in no closed one."""
         return None if watermark is None else watermark - self.windowing.lateness_us
 
+    def acts_from(self, earliest_us: int, next_due: int | None) -> None:
+        return None  # W[N] decides which windows fire
+
     def shard_input(self, assigned: DataFrame, clock: StageClock, step: ShardStep) -> tuple[DataFrame, ShardStep]:
         """The pairs on time; the tasks fire the windows ending at or before the fire limit."""
         step = replace(step, fire_limit=self.windowing.fire_limit(clock.watermark, clock.end_of_stream))

@@ -31,6 +31,7 @@ from pyspark.sql import functions as F
 from volley_dagster import columns
 from volley_dagster.operators.event_time import describe_event_time
 from volley_dagster.pipeline import Pipeline
+from volley_dagster.sources.base import ColumnStatistics
 from volley_dagster.sources.offsets import EpochRange
 from volley_dagster.spark.plan import PlannedEpoch
 from volley_dagster.spark.task_errors import engine_errors
@@ -73,6 +74,8 @@ class EpochSideOutputs:
         self._late_columns: list[str] = []
         self._observed: Observation | None = None  # ``observed_rows``: what the pre-step's job saw
         self.maxima: dict[str, int | None] = {}  # event time: the latest believable one of the epoch (per input)
+        # only a bound of it, which the shard tasks act alike below: they give it (``learn_maxima``)
+        self.maxima_from_shards = False
         self.job_s = 0.0  # the side-output job's seconds (0: none ran)
 
     def valid_rows(self) -> DataFrame:
@@ -97,16 +100,23 @@ class EpochSideOutputs:
                             self._observed)
         return tagged.where(F.col(_REASON).isNull()).drop(_REASON)
 
-    def find(self, late: DataFrame | None, late_bound: int | None) -> None:
+    def find(self, late: DataFrame | None, late_bound: int | None, next_due: int | None) -> None:
         """Find the bad and late records. ``late``: the operator's late rows
         (``SparkOperator.late``), which only records before ``late_bound`` can have
-        (``SparkOperator.late_bound``). When the pre-step's job observed the records
+        (``SparkOperator.late_bound``); ``next_due``: the shards' earliest deadline
+        (``SparkOperator.acts_from``). When the pre-step's job observed the records
         (``observed_rows``), the side-output job runs only for bad records or late rows;
         when the footers show there are none, it does not run."""
         plan = self._plan
-        footers_latest = _footers_show_clean(plan, self._pipeline, self._bound, late_bound)
-        if footers_latest is not None:
-            self.maxima = {"": footers_latest if plan.footers_exact else self._latest_kept()}
+        footers = _footers_show_clean(plan, self._pipeline, self._bound, late_bound)
+        if footers is not None:
+            assert footers.latest_us is not None and footers.earliest_us is not None
+            if plan.footers_exact:
+                self.maxima = {"": footers.latest_us}
+            elif self._shards_act_alike(footers, next_due):
+                self.maxima, self.maxima_from_shards = {"": footers.latest_us}, True
+            else:
+                self.maxima = {"": self._latest_kept()}
             self._found = _FOUND_SCHEMA.empty_table()
             return
         self._late_columns = late.columns if late is not None else []
@@ -122,6 +132,21 @@ class EpochSideOutputs:
         self._run(_side_output_frame(plan, self._pipeline, late, self._bound, latest))
         if latest is not None:
             self._read_maxima(latest.get)
+
+    def _shards_act_alike(self, footers: ColumnStatistics, next_due: int | None) -> bool:
+        """Whether the shard tasks do the same at every watermark the footers leave open
+        (up to the one their latest event time would give), so that the epoch's own can
+        come from the shard tasks, after them."""
+        clock, operator = self._plan.event_time, self._plan.operator
+        assert clock is not None and footers.earliest_us is not None
+        acts = operator.acts_from(footers.earliest_us, next_due)
+        highest = clock.advance(self._watermark, footers.latest_us)
+        return acts is not None and highest is not None and highest < acts
+
+    def learn_maxima(self, latest: int | None) -> None:
+        """The epoch's latest event time, from the shard tasks (``maxima_from_shards``)."""
+        assert self.maxima_from_shards
+        self.maxima = {"": latest}
 
     def _latest_kept(self) -> int | None:
         """The latest event time of the epoch's records (those the filters kept), which the
@@ -198,16 +223,18 @@ def _bad_records(plan: PlannedEpoch, pipeline: Pipeline, bound: int | None) -> l
     return bad
 
 
-def _footers_show_clean(plan: PlannedEpoch, pipeline: Pipeline, bound: int | None, late_bound: int | None) -> int | None:
-    """The latest event time the footers give (exact only when ``footers_exact``), when
-    they show that none of ``_bad_records`` holds for any record and none is before
-    ``late_bound``; None when they do not show it (a job must look). Only for an epoch
-    whose columns reach the operator as they are, if filtered (``PlannedEpoch.footers``),
-    keyed by a column of them, on one clock."""
+def _footers_show_clean(plan: PlannedEpoch, pipeline: Pipeline, bound: int | None,
+                        late_bound: int | None) -> ColumnStatistics | None:
+    """What the footers say of the epoch's event times (its earliest and latest bound the
+    records', exact only when ``footers_exact``), when they show that none of
+    ``_bad_records`` holds for any record and none is before ``late_bound``; None when
+    they do not show it (a job must look). Only for an epoch whose columns reach the
+    operator as they are, if filtered (``PlannedEpoch.footers``), keyed by a column of
+    them, on one clock."""
     clock = plan.event_time
     if not plan.footers or clock is None or clock.inputs != ("",) or plan.dedup is not None:
         return None
-    latest: int | None = None
+    times: ColumnStatistics | None = None
     for footer in plan.footers:
         key, time = footer.get(pipeline.key_column), footer.get(clock.time_column)
         if key is None or time is None or key.nulls != 0 or time.nulls != 0:
@@ -216,8 +243,8 @@ def _footers_show_clean(plan: PlannedEpoch, pipeline: Pipeline, bound: int | Non
             return None
         if (bound is not None and time.latest_us > bound) or (late_bound is not None and time.earliest_us < late_bound):
             return None
-        latest = time.latest_us if latest is None else max(latest, time.latest_us)
-    return latest
+        times = time if times is None else times | time
+    return times
 
 
 def _bad_reason(plan: PlannedEpoch, pipeline: Pipeline, bound: int | None) -> Column:

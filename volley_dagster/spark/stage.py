@@ -27,7 +27,7 @@ from volley_dagster import columns
 from volley_dagster.checkpoint.manifest import ShardEntry, ShardSnapshot
 from volley_dagster.dimensions.base import EnrichmentRead
 from volley_dagster.errors import VolleyError
-from volley_dagster.operators.base import OperatorStats, PreStepRun, StageClock
+from volley_dagster.operators.base import OperatorStats, PreStepRun, StageClock, latest_event
 from volley_dagster.operators.ttl import NEXT_DUE
 from volley_dagster.pipeline import Pipeline
 from volley_dagster.sources.offsets import EpochRange
@@ -86,8 +86,9 @@ def run_stage(
     end_of_stream: bool = False,
     expiry_next: int | None = None,
 ) -> StageResult:
-    """``watermarks``: what the epoch starts from (event time); ``expiry_next``: with
-    ``ttl_epochs``, the earliest deadline the previous epoch left (None: unknown). Each
+    """``watermarks``: what the epoch starts from (event time); ``expiry_next``: the
+    earliest TTL deadline the previous epoch left (an epoch with ``ttl_epochs``, an
+    event time on event time; None: unknown). Each
     step takes the frame the previous one returned; the stage never asks which
     operator it has."""
     layout, operator, clock = pipeline.layout, plan.operator, plan.event_time
@@ -120,7 +121,7 @@ def run_stage(
                 rows, kept = pre.remaining(rows), pre.routed()
                 pre_step_s = time.perf_counter() - t_pre
             assigned = operator.assign(rows)
-            side.find(operator.late(assigned, watermark), operator.late_bound(watermark))
+            side.find(operator.late(assigned, watermark), operator.late_bound(watermark), expiry_next)
             if side.bad_records and pipeline.bad_records == "fail":
                 return StageResult(pa.table({}), side.resolve(), {}, time.perf_counter() - t0, 0.0)
             if clock is not None:
@@ -139,6 +140,10 @@ def run_stage(
         shards = shard_entries(stats, rng.epoch)
         output, dropped = operator.sink_output(rows, rng)
         figures = operator.epoch_figures([entry.operator for entry in shards.values()])
+        if side.maxima_from_shards:  # they acted alike at any watermark up to the bound they ran with
+            assert clock is not None
+            side.learn_maxima(latest_event([entry.operator for entry in shards.values()]))
+            ends = clock.advance_all(watermarks, side.maxima)
         if pre is not None:  # it dropped its records before the shard tasks
             figures.update(pre.figures)
             dropped = pre.dropped(rng)
