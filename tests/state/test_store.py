@@ -8,6 +8,8 @@ import os
 import numpy as np
 import pyarrow as pa
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.helpers import tree_digest
 from volley_dagster.errors import SnapshotError
@@ -20,6 +22,46 @@ NS = namespace_prefix(1)
 def keys_for(values):
     arr = pa.array(values, pa.int64())
     return encode_keys(1, np.arange(len(values)) % 256, arr)
+
+
+_MODEL_KEYS = [bytes([ns]) + bytes([i]) for ns in (1, 5, 6) for i in range(0, 40, 3)]
+_WRITES = st.lists(st.tuples(
+    st.sampled_from(["sorted", "as_drawn", "delete", "read"]),
+    st.lists(st.sampled_from(_MODEL_KEYS), max_size=12),
+    st.binary(min_size=1, max_size=3)), max_size=8)
+
+
+@settings(max_examples=150, deadline=None)
+@given(epochs=st.lists(_WRITES, min_size=1, max_size=3))
+def test_a_transaction_writes_what_a_dict_of_its_writes_holds(tmp_path_factory, epochs):
+    """Batches kept as given (each in key order: several namespaces' at once), the cache,
+    deletions and reads between them, over epochs: RocksDB ends as a dict taking every
+    write in turn would, and each flush writes each dirty key once."""
+    store = ShardStore.restore(None, None, tmp_path_factory.mktemp("txn") / "work")
+    model: dict[bytes, bytes] = {}
+    try:
+        for writes in epochs:
+            txn, dirty = store.transaction(), set()
+            for kind, keys, value in writes:
+                if kind == "read":
+                    assert txn.get_many(keys, keys[0][:1] if keys else b"\x01", may_scan=False) == [
+                        model.get(k) for k in keys]
+                    continue
+                if kind == "delete":
+                    txn.delete_many(keys)
+                    model.update(dict.fromkeys(keys, None))  # type: ignore[arg-type]
+                else:
+                    if kind == "sorted":
+                        keys = sorted(set(keys))
+                    values = [value + bytes([i]) for i in range(len(keys))]
+                    txn.set_many(keys, values)
+                    model.update(zip(keys, values, strict=True))
+                dirty.update(keys)
+            assert txn.dirty == len(dirty) and txn.flush() == len(dirty)
+            model = {k: v for k, v in model.items() if v is not None}
+            assert dict(store.db.items()) == model
+    finally:
+        store.close()
 
 
 def test_restore_write_snapshot_cycle(tmp_path):

@@ -247,8 +247,11 @@ class ResolvedAggregate:
         else:
             txn.set_many(keys[:n], self.encode(state[:n]))
         if resident is not None and mirror_keys is not None:
-            resident.update(mirror_keys[:n][written], state[:n][written])
-            resident.remove(mirror_keys[expired])
+            if expired.any() or len(state) > n:
+                resident.update(mirror_keys[:n][written], state[:n][written])
+                resident.remove(mirror_keys[expired])
+            else:  # the lookup's own keys: the mirror finds them where the lookup did
+                resident.update(mirror_keys, state)
         emitted = np.arange(len(state)) < n
         emitted |= expired
         rows = pa.array(emitted)
