@@ -318,6 +318,16 @@ def test_a_parquet_footer_gives_null_counts_and_the_utc_time_range_spark_reads(t
     part = file.statistics(3, 5)
     assert (part["key"].nulls, part["us"].nulls, part["us"].earliest_us, part["us"].latest_us) == (1, 0, us[4], us[3])
     assert file.statistics(0, 1)["us"] == file.row_groups[0].columns["us"]
+    # a range of rows' times exactly, where the footers only bound them: read
+    located = NativeParquetFile(str(tmp_path / "f.parquet"), 5, file.row_groups)
+    for start, end in [(0, 5), (0, 1), (1, 3), (2, 3), (3, 5), (4, 5), (1, 2)]:
+        rows = [v for v in us[start:end] if v is not None]
+        expected = (us[start:end].count(None), min(rows) if rows else None, max(rows) if rows else None)
+        got, ms = located.time_statistics("us", start, end), located.time_statistics("ms", start, end)
+        assert (got.nulls, got.earliest_us, got.latest_us) == expected, (start, end)
+        assert (ms.nulls, ms.latest_us) == (expected[0], None if not rows else expected[2] // 1000 * 1000)
+    exact, bound = located.time_statistics("us", 2, 3), file.statistics(2, 3)["us"]  # the group of rows 2..3
+    assert (exact.earliest_us, exact.latest_us) == (us[2], us[2]) and bound.latest_us == us[3] > us[2]
 
     pq.write_table(table, tmp_path / "plain.parquet", write_statistics=False)
     legacy = table.replace_schema_metadata({"org.apache.spark.legacyDateTime": ""})

@@ -20,6 +20,8 @@ from functools import reduce
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from volley_dagster.json_records import JsonObject
 from volley_dagster.sources.offsets import Backlog, EpochRange, Segment, SourcePosition
@@ -78,6 +80,20 @@ class NativeParquetFile:
             return {}
         names = set(touched[0].columns).intersection(*(g.columns for g in touched[1:]))
         return {name: reduce(operator.or_, (g.columns[name] for g in touched)) for name in names}
+
+    def time_statistics(self, column: str, start: int, end: int) -> ColumnStatistics:
+        """What rows ``[start, end)`` hold of the timestamp ``column`` (nulls, earliest and
+        latest in microseconds since 1970), exactly: the one column read from the row
+        groups they touch, where the footer only bounds them (``statistics``)."""
+        groups = [i for i, g in enumerate(self.row_groups) if g.start < end and start < g.end]
+        if not groups:
+            return ColumnStatistics(0)
+        read = pq.ParquetFile(self.path).read_row_groups(groups, columns=[column]).column(column)
+        values = read.slice(start - self.row_groups[groups[0]].start, end - start)
+        if not isinstance(values.type, pa.TimestampType):
+            raise TypeError(f"{self.path}: column {column!r} is {values.type}, not a timestamp")
+        bounds = pc.min_max(values.cast(pa.timestamp("us", values.type.tz)).cast(pa.int64())).as_py()
+        return ColumnStatistics(values.null_count, bounds["min"], bounds["max"])
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,8 @@ from volley_dagster.operators.base import PreStep, SparkOperator, StatefulOperat
 from volley_dagster.operators.dedup import Deduplicated, Deduplication, UniqueRecords
 from volley_dagster.operators.event_time import EventTime
 from volley_dagster.pipeline import Pipeline
-from volley_dagster.sources.base import ColumnStatistics
-from volley_dagster.sources.offsets import EpochRange
+from volley_dagster.sources.base import ColumnStatistics, NativeParquetFile
+from volley_dagster.sources.offsets import EpochRange, Segment
 from volley_dagster.spark.dedup import ProbeDuplicates
 from volley_dagster.spark.enrich import EnrichmentRun, EpochJoins
 from volley_dagster.spark.read import read_range
@@ -40,10 +40,11 @@ class PlannedEpoch:
     dedup_kind: str = "int"  # and its kind ("int" | "str")
     # per segment, what its file's footer says of the rows it touches, when they bound
     # ``keyed``'s columns: read natively and only filtered before the key (else empty:
-    # ``spark/side_outputs.py``); ``footers_exact``: and each segment a whole file, not
-    # filtered either, so their latest event time is the epoch's
+    # ``spark/side_outputs.py``); ``files_as_read``: each segment and its file, when
+    # ``keyed``'s rows are theirs as read (no transform), so their latest event time is
+    # the epoch's
     footers: tuple[Mapping[str, ColumnStatistics], ...] = ()
-    footers_exact: bool = False
+    files_as_read: tuple[tuple[Segment, NativeParquetFile], ...] = ()
 
     @property
     def state_operator(self) -> StatefulOperator:
@@ -123,4 +124,4 @@ def plan_epoch(spark: SparkSession, pipeline: Pipeline, rng: EpochRange, pins: d
         dedup_key, dedup_kind = pipeline.dedup.key_expr(keyed.schema)
         keyed = keyed.withColumn(columns.DEDUP_KEY, dedup_key)
     return PlannedEpoch(raw, keyed, operator, kind, read.may_have_bad_records, joins.runs, pipeline.dedup, dedup_kind,
-                        read.footers if pipeline.only_filters else (), read.whole_files and not pipeline.transforms)
+                        read.footers if pipeline.only_filters else (), () if pipeline.transforms else read.files)

@@ -43,20 +43,18 @@ META_FIELDS = [
 class EpochRead:
     raw: DataFrame  # the schema's columns + position, error and raw text
     may_have_bad_records: bool  # False: every row parsed (error is always null)
-    # a native read: per segment, what its file's footer says of the row groups it
-    # touches (else empty); ``whole_files``: each segment is all of its file, so what
-    # the footers say is exact, not only a bound
+    # a native read: each segment and its file (else empty), and per segment what the
+    # file's footer says of the row groups it touches
+    files: tuple[tuple[Segment, NativeParquetFile], ...] = ()
     footers: tuple[Mapping[str, ColumnStatistics], ...] = ()
-    whole_files: bool = False
 
 
 def read_range(spark: SparkSession, source: Source, rng: EpochRange, schema: pa.Schema) -> EpochRead:
     files = source.native_parquet_files(rng, schema) if rng.segments else None
     if files is not None:
-        pairs = list(zip(rng.segments, files, strict=True))
-        return EpochRead(_native_parquet(spark, rng, files, schema), may_have_bad_records=False,
-                         footers=tuple(f.statistics(seg.start, seg.end) for seg, f in pairs),
-                         whole_files=all(f.is_all_of(seg) for seg, f in pairs))
+        pairs = tuple(zip(rng.segments, files, strict=True))
+        return EpochRead(_native_parquet(spark, rng, files, schema), may_have_bad_records=False, files=pairs,
+                         footers=tuple(f.statistics(seg.start, seg.end) for seg, f in pairs))
     n = len(rng.segments)
     raw = spark.range(0, n, 1, read_tasks(rng.segments)).mapInArrow(
         SegmentReader(source, rng.segments, schema, rng.epoch, os.getpid()),

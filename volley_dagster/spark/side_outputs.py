@@ -14,12 +14,16 @@ operator has no late rows, the side-output job runs only if there were bad recor
 When the epoch is local Parquet files, only filtered (``Pipeline.where``) before the
 key, and their footers (of the row groups its segments touch) show no null key, no
 null or unbelievable event time and none early enough to be late, there is nothing to
-find (``_footers_show_clean``): the latest event time is the footers' when the
-segments are whole files and nothing was filtered, else one aggregate's."""
+find (``_footers_show_clean``). The latest event time is then the footers' when the
+segments are files read as they are (of a part of a file, its event times are read
+exactly: the one column of the row groups it touches); learnt from the shard tasks when
+they act alike at any watermark up to the footers' (``SparkOperator.acts_from``); else
+one aggregate's."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -111,7 +115,7 @@ class EpochSideOutputs:
         footers = _footers_show_clean(plan, self._pipeline, self._bound, late_bound)
         if footers is not None:
             assert footers.latest_us is not None and footers.earliest_us is not None
-            if plan.footers_exact:
+            if plan.files_as_read:  # what they show of the event times is exact
                 self.maxima = {"": footers.latest_us}
             elif self._shards_act_alike(footers, next_due):
                 self.maxima, self.maxima_from_shards = {"": footers.latest_us}, True
@@ -226,16 +230,16 @@ def _bad_records(plan: PlannedEpoch, pipeline: Pipeline, bound: int | None) -> l
 def _footers_show_clean(plan: PlannedEpoch, pipeline: Pipeline, bound: int | None,
                         late_bound: int | None) -> ColumnStatistics | None:
     """What the footers say of the epoch's event times (its earliest and latest bound the
-    records', exact only when ``footers_exact``), when they show that none of
-    ``_bad_records`` holds for any record and none is before ``late_bound``; None when
-    they do not show it (a job must look). Only for an epoch whose columns reach the
-    operator as they are, if filtered (``PlannedEpoch.footers``), keyed by a column of
-    them, on one clock."""
+    records', exact for rows as read: ``PlannedEpoch.files_as_read``), when they show
+    that none of ``_bad_records`` holds for any record and none is before ``late_bound``;
+    None when they do not show it (a job must look). Only for an epoch whose columns
+    reach the operator as they are, if filtered (``PlannedEpoch.footers``), keyed by a
+    column of them, on one clock."""
     clock = plan.event_time
     if not plan.footers or clock is None or clock.inputs != ("",) or plan.dedup is not None:
         return None
     times: ColumnStatistics | None = None
-    for footer in plan.footers:
+    for footer in _segment_footers(plan, clock.time_column):
         key, time = footer.get(pipeline.key_column), footer.get(clock.time_column)
         if key is None or time is None or key.nulls != 0 or time.nulls != 0:
             return None
@@ -245,6 +249,20 @@ def _footers_show_clean(plan: PlannedEpoch, pipeline: Pipeline, bound: int | Non
             return None
         times = time if times is None else times | time
     return times
+
+
+def _segment_footers(plan: PlannedEpoch, time_column: str) -> Iterator[Mapping[str, ColumnStatistics]]:
+    """Per segment, what its file's footer says of its rows; of rows as read that are
+    part of a file, their event times exactly, read (a footer's row groups straddle the
+    cut, so their earliest time is an earlier epoch's, their latest a later one's)."""
+    if not plan.files_as_read:
+        yield from plan.footers
+        return
+    for footer, (seg, file) in zip(plan.footers, plan.files_as_read, strict=True):
+        if file.is_all_of(seg) or time_column not in footer:  # exact as it is; or nothing to show
+            yield footer
+        else:
+            yield {**footer, time_column: file.time_statistics(time_column, seg.start, seg.end)}
 
 
 def _bad_reason(plan: PlannedEpoch, pipeline: Pipeline, bound: int | None) -> Column:
