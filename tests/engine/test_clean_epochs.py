@@ -205,3 +205,33 @@ def test_an_event_time_ttl_learns_the_watermark_from_its_shards_when_no_key_can_
     assert len(learnt) >= 2 and len(learnt) < len(results) - 1, [r.durations["side_output"] for r in results]
     assert sum(r.figures["keys_expired"] for r in results) > 0
     same_rows(runner.read_state().to_pandas(), reference.current(), [KEY, "events", "total"])
+
+
+def test_an_epoch_that_learns_its_watermark_leaves_later_deadlines_to_be_found(spark, tmp_path):
+    """The shard tasks of an epoch that learns its watermark run at the one it starts
+    from, never at the footers' higher bound: an expiry index entry a later epoch adds
+    below that bound (a late record's key) and evicts to RocksDB is still found when the
+    watermark passes it. One shard, one resident entry; minutes after ``T0``."""
+    events = tmp_path / "events"
+    events.mkdir()
+    pipeline = (Pipeline("ttl_bound").source(FileLog(events, format="parquet")).where("status = 'active'")
+                .key_by(KEY).aggregate(events=count(), total=sum_("amount"), ttl="25 minutes", event_time="event_time",
+                                       max_expiry_entries=1)
+                .sink(ParquetSink(tmp_path / "out")).with_shards(1))
+    runner = EpochRunner(pipeline, tmp_path / "state", spark=spark)
+    epochs = [([1, 2], [0, 5], None),  # deadlines 25 and 30: 30 is evicted
+              ([3, 4], [10, 20], ["active", "failed"]),  # learns W = 10 (the footers allow 20)
+              ([5, 6, 3], [-10, -12, 12], None),  # late keys, deadlines 15 and 13 (in 10..20): 15 is evicted
+              ([7], [30], None)]  # W = 30: keys 6, 5, 1 and 2 expire
+    reference = TtlReference(ttl_us=25 * 60 * 1_000_000)
+    results = []
+    for i, (keys, minutes, statuses) in enumerate(epochs):
+        write_epoch(events, i, keys, [m * 60.0 for m in minutes], statuses)
+        results.append(result := runner.run_next())
+        records = pq.read_table(events / f"events-{i:06d}.parquet")
+        expected = reference.run(records.filter(pc.equal(records.column("status"), "active")))
+        same_rows(result.output.to_pandas(), expected, [KEY, "events", "total", "expired"])
+        assert result.watermark == reference.watermark, f"epoch {result.epoch}"
+    assert [r.durations["side_output"] == 0.0 for r in results] == [False, True, True, False]  # 2 and 3 learn it
+    expired = results[-1].output.to_pandas().set_index(KEY)["expired"]
+    assert sorted(expired[expired].index) == [1, 2, 5, 6]

@@ -78,7 +78,7 @@ class EpochSideOutputs:
         self._late_columns: list[str] = []
         self._observed: Observation | None = None  # ``observed_rows``: what the pre-step's job saw
         self.maxima: dict[str, int | None] = {}  # event time: the latest believable one of the epoch (per input)
-        # only a bound of it, which the shard tasks act alike below: they give it (``learn_maxima``)
+        # none yet: the shard tasks act alike at any watermark the footers allow, and give it (``learn_maxima``)
         self.maxima_from_shards = False
         self.job_s = 0.0  # the side-output job's seconds (0: none ran)
 
@@ -118,7 +118,9 @@ class EpochSideOutputs:
             if plan.files_as_read:  # what they show of the event times is exact
                 self.maxima = {"": footers.latest_us}
             elif self._shards_act_alike(footers, next_due):
-                self.maxima, self.maxima_from_shards = {"": footers.latest_us}, True
+                # the tasks run at the watermark the epoch starts from (no maximum moves it),
+                # never at a bound above the epoch's own: an index keeps what it passed as gone
+                self.maxima, self.maxima_from_shards = {"": None}, True
             else:
                 self.maxima = {"": self._latest_kept()}
             self._found = _FOUND_SCHEMA.empty_table()

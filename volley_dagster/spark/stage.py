@@ -140,7 +140,7 @@ def run_stage(
         shards = shard_entries(stats, rng.epoch)
         output, dropped = operator.sink_output(rows, rng)
         figures = operator.epoch_figures([entry.operator for entry in shards.values()])
-        if side.maxima_from_shards:  # they acted alike at any watermark up to the bound they ran with
+        if side.maxima_from_shards:  # they ran at W[N-1], acting as at any W[N] the footers allowed
             assert clock is not None
             side.learn_maxima(latest_event([entry.operator for entry in shards.values()]))
             ends = clock.advance_all(watermarks, side.maxima)
