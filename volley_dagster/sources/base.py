@@ -88,7 +88,8 @@ class NativeParquetFile:
         groups = [i for i, g in enumerate(self.row_groups) if g.start < end and start < g.end]
         if not groups:
             return ColumnStatistics(0)
-        read = pq.ParquetFile(self.path).read_row_groups(groups, columns=[column]).column(column)
+        with pq.ParquetFile(self.path) as parquet:
+            read = parquet.read_row_groups(groups, columns=[column]).column(column)
         values = read.slice(start - self.row_groups[groups[0]].start, end - start)
         if not isinstance(values.type, pa.TimestampType):
             raise TypeError(f"{self.path}: column {column!r} is {values.type}, not a timestamp")
