@@ -23,7 +23,7 @@ one aggregate's."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -241,9 +241,12 @@ def _footers_show_clean(plan: PlannedEpoch, pipeline: Pipeline, bound: int | Non
     if not plan.footers or clock is None or clock.inputs != ("",) or plan.dedup is not None:
         return None
     times: ColumnStatistics | None = None
-    for footer in _segment_footers(plan, clock.time_column):
-        key, time = footer.get(pipeline.key_column), footer.get(clock.time_column)
-        if key is None or time is None or key.nulls != 0 or time.nulls != 0:
+    for i, footer in enumerate(plan.footers):
+        key = footer.get(pipeline.key_column)
+        if key is None or key.nulls != 0:
+            return None
+        time = _segment_times(plan, i, footer, clock.time_column)
+        if time is None or time.nulls != 0:
             return None
         if time.earliest_us is None or time.latest_us is None:
             return None
@@ -253,18 +256,16 @@ def _footers_show_clean(plan: PlannedEpoch, pipeline: Pipeline, bound: int | Non
     return times
 
 
-def _segment_footers(plan: PlannedEpoch, time_column: str) -> Iterator[Mapping[str, ColumnStatistics]]:
-    """Per segment, what its file's footer says of its rows; of rows as read that are
-    part of a file, their event times exactly, read (a footer's row groups straddle the
-    cut, so their earliest time is an earlier epoch's, their latest a later one's)."""
-    if not plan.files_as_read:
-        yield from plan.footers
-        return
-    for footer, (seg, file) in zip(plan.footers, plan.files_as_read, strict=True):
-        if file.is_all_of(seg) or time_column not in footer:  # exact as it is; or nothing to show
-            yield footer
-        else:
-            yield {**footer, time_column: file.time_statistics(time_column, seg.start, seg.end)}
+def _segment_times(plan: PlannedEpoch, i: int, footer: Mapping[str, ColumnStatistics],
+                   time_column: str) -> ColumnStatistics | None:
+    """What segment ``i``'s footer says of its event times; of rows as read that are part
+    of a file, what they are exactly, read (a footer's row groups straddle the cut, so
+    their earliest time is an earlier epoch's, their latest a later one's)."""
+    time = footer.get(time_column)
+    if time is None or not plan.files_as_read:
+        return time
+    seg, file = plan.files_as_read[i]
+    return time if file.is_all_of(seg) else file.time_statistics(time_column, seg.start, seg.end)
 
 
 def _bad_reason(plan: PlannedEpoch, pipeline: Pipeline, bound: int | None) -> Column:
