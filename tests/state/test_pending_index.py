@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 import rocksdict
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from volley_dagster.state.keys import namespace_prefix
 from volley_dagster.state.options import RocksDBOptions
@@ -89,5 +91,84 @@ def test_latest_first_eviction_and_scans_that_start_past_the_last_limit(tmp_path
         final = PersistentPendingIndex(ShardTransaction(db), META, EVICTED, None)
         assert (final.meta.evicted, final.meta.popped_to) == (1, 25)
         assert final.pop_due(2**63 - 1) == [b"c"] and final.meta.popped_to == 25  # end of stream: not recorded
+    finally:
+        db.close()
+
+
+class _AlwaysLoaded(PersistentPendingIndex):
+    """The index as it was before new entries could go straight to RocksDB."""
+
+    def _all_evicted_at_flush(self, ends: np.ndarray) -> bool:
+        return False
+
+
+def _stored(db: rocksdict.Rdict) -> dict[bytes, bytes]:
+    """Everything the index wrote, its meta record aside (``evicted_now`` differs by design)."""
+    return {k: v for k, v in db.items() if k.startswith(EVICTED) or (k.startswith(META) and k != META + b"meta")}
+
+
+# per epoch: how far the limit moves on, and the new entries' ends after it
+_EPOCHS = st.lists(st.tuples(st.integers(0, 30), st.lists(st.integers(1, 40), max_size=6)), min_size=1, max_size=8)
+
+
+@settings(max_examples=150, deadline=None)
+@given(epochs=_EPOCHS, bound=st.integers(1, 4))
+def test_entries_past_a_full_index_go_straight_to_rocksdb_and_store_the_same(tmp_path_factory, epochs, bound):
+    """State TTL's index (latest ends evicted): new entries that end after all of a full
+    in-memory part are evicted without loading or rewriting it, and every epoch leaves
+    RocksDB, the meta figures and the due keys exactly as loading it would."""
+    root = tmp_path_factory.mktemp("pending")
+    dbs = [rocksdict.Rdict(str(root / name), RocksDBOptions().build()) for name in ("direct", "loaded")]
+    try:
+        limit, serial = 0, 0
+        for advance, offsets in epochs:
+            limit += advance
+            ends = np.array([limit + o for o in offsets], dtype=np.int64)  # past the limit, as ShardExpiry adds
+            names = keys(*(f"k{serial + i:03d}" for i in range(len(offsets))))
+            serial += len(offsets)
+            seen = []
+            for db, kind in zip(dbs, (PersistentPendingIndex, _AlwaysLoaded), strict=True):
+                txn = ShardTransaction(db)
+                pending = kind(txn, META, EVICTED, max_resident=bound, evict_latest=True)
+                due = sorted(pending.pop_due(limit)) if pending.may_fire(limit) else []
+                pending.add(names, ends, epoch=1)
+                pending.flush()
+                txn.flush()
+                meta = pending.meta
+                seen.append((due, meta.resident, meta.evicted, meta.min_end, meta.evicted_min, pending.next_due()))
+            assert seen[0] == seen[1]
+            assert _stored(dbs[0]) == _stored(dbs[1])
+    finally:
+        for db in dbs:
+            db.close()
+
+
+def test_a_full_index_is_not_loaded_for_entries_after_it(tmp_path):
+    db = rocksdict.Rdict(str(tmp_path / "db"), RocksDBOptions().build())
+    try:
+        txn = ShardTransaction(db)
+        pending = PersistentPendingIndex(txn, META, EVICTED, max_resident=2, evict_latest=True)
+        pending.add(keys("a", "b", "c"), np.array([10, 20, 30]), epoch=1)
+        pending.flush()
+        txn.flush()
+        assert (pending.meta.resident, pending.meta.max_end, pending.meta.evicted) == (2, 20, 1)
+
+        txn = ShardTransaction(db)
+        later = PersistentPendingIndex(txn, META, EVICTED, max_resident=2, evict_latest=True)
+        later.add(keys("d", "e"), np.array([40, 25]), epoch=2)
+        later.flush()
+        txn.flush()
+        assert later._index is None and later.evicted_now == 2  # never loaded: straight to RocksDB
+        assert (later.meta.resident, later.meta.evicted, later.meta.evicted_min) == (2, 3, 25)
+
+        txn = ShardTransaction(db)
+        before = PersistentPendingIndex(txn, META, EVICTED, max_resident=2, evict_latest=True)
+        before.add(keys("f"), np.array([15]), epoch=3)  # before the in-memory part's latest: loaded
+        assert before._index is not None
+        before.flush()
+        txn.flush()
+        assert [k.decode() for k in before.index.keys] == ["a", "f"] and before.meta.max_end == 15
+        assert sorted(PersistentPendingIndex(ShardTransaction(db), META, EVICTED, None).pop_due(100)) == keys(
+            "a", "b", "c", "d", "e", "f").tolist()
     finally:
         db.close()

@@ -12,6 +12,10 @@ found by binary search: firing costs O(windows fired). With
 evicted to the ``pending_index/`` namespace, keyed by (end, state key), so the
 due ones are again one range scan; it is scanned only while evictions are
 outstanding (a count in the meta record), and fired entries leave both places.
+An index that evicts its latest ends (state TTL's) takes new entries ending after
+all of a full in-memory part straight to that namespace: the part is neither loaded
+nor rewritten, so a shard whose deadlines only grow writes each epoch's new keys, not
+its whole in-memory part again.
 
 An entry may outlive its window (a session that merged into a longer one):
 firing it finds nothing due under that key, which is harmless. Every open
@@ -45,6 +49,7 @@ class PendingMeta:
     evicted: int = 0  # entries in the pending_index/ namespace
     popped_to: int | None = None  # every entry up to this end is gone: later scans start past it
     evicted_min: int | None = None  # the earliest end among the evicted (None with evicted: unknown)
+    max_end: int | None = None  # latest end among the resident entries (None: none, or an older record)
 
     def to_bytes(self) -> bytes:
         return json.dumps(self.__dict__).encode()
@@ -180,8 +185,22 @@ class PersistentPendingIndex:
         return due
 
     def add(self, keys: np.ndarray, ends: np.ndarray, epoch: int) -> None:
-        if len(keys):
-            self.index.add(keys, ends, epoch)
+        if not len(keys):
+            return
+        if self._all_evicted_at_flush(ends):
+            self._evict(keys, ends)
+            self._meta_changed = True
+            return
+        self.index.add(keys, ends, epoch)
+
+    def _all_evicted_at_flush(self, ends: np.ndarray) -> bool:
+        """Whether flush would evict exactly these entries and leave the in-memory part as
+        it is: it is full, the latest ends are evicted, and these end after all of it.
+        Then it is neither loaded nor rewritten. An index of deadlines that only grow (a
+        state TTL's, past its bound) takes each epoch's new keys this way."""
+        return (self._index is None and self._evict_latest and self._max_resident is not None
+                and self.meta.resident == self._max_resident and self.meta.max_end is not None
+                and int(ends.min()) > self.meta.max_end)
 
     def touch(self, keys: list[bytes], epoch: int) -> None:
         if self._max_resident is not None:  # recency only matters for eviction
@@ -200,19 +219,27 @@ class PersistentPendingIndex:
         if self._max_resident is not None:
             keys, ends = self.index.evict_beyond(self._max_resident, self._evict_latest)
             if len(keys):
-                earliest = int(ends.min())
-                if not self.meta.evicted:
-                    self.meta.evicted_min = earliest
-                elif self.meta.evicted_min is not None:  # unknown (an older record) stays unknown
-                    self.meta.evicted_min = min(self.meta.evicted_min, earliest)
-                ns, ordered_ends = self._evicted_ns, ordered_us(ends).view("V8").tolist()
-                self._txn.set_many([ns + end + key for end, key in zip(ordered_ends, keys, strict=True)], [b""] * len(keys))
-                self.meta.evicted += len(keys)
-                self.evicted_now = len(keys)
+                self._evict(keys, ends)
         index = self._index
         self.meta.resident = len(index)
         self.meta.min_end = int(index.ends[0]) if len(index) else None
+        self.meta.max_end = int(index.ends[-1]) if len(index) else None
         self._txn.set_many([self._meta_key, self._index_key], [self.meta.to_bytes(), index.to_bytes()])
+
+    def _evict(self, keys: np.ndarray, ends: np.ndarray) -> None:
+        """Stage entries in the evicted namespace, keyed by (end, state key): by end, so
+        that the transaction takes them as one sorted batch when no two ends tie."""
+        order = np.argsort(ends, kind="stable")
+        keys, ends = keys[order], ends[order]
+        earliest = int(ends[0])
+        if not self.meta.evicted:
+            self.meta.evicted_min = earliest
+        elif self.meta.evicted_min is not None:  # unknown (an older record) stays unknown
+            self.meta.evicted_min = min(self.meta.evicted_min, earliest)
+        ns, ordered_ends = self._evicted_ns, ordered_us(ends).view("V8").tolist()
+        self._txn.set_many([ns + end + key for end, key in zip(ordered_ends, keys, strict=True)], [b""] * len(keys))
+        self.meta.evicted += len(keys)
+        self.evicted_now += len(keys)
 
     def next_due(self) -> int | None:
         """The earliest end anywhere in the index (``NO_ENTRY`` when empty; None: unknown,
