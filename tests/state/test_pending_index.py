@@ -21,6 +21,15 @@ def keys(*names: str) -> np.ndarray:
     return np.array([n.encode() for n in names], dtype=object)
 
 
+def ttl_epoch(txn: ShardTransaction, bound: int, names: np.ndarray, ends: list[int]) -> PersistentPendingIndex:
+    """One epoch of a state TTL's index (latest ends evicted): add, flush, write."""
+    pending = PersistentPendingIndex(txn, META, EVICTED, max_resident=bound, evict_latest=True)
+    pending.add(names, np.array(ends), epoch=1)
+    pending.flush()
+    txn.flush()
+    return pending
+
+
 def test_due_entries_pop_in_end_order_and_the_index_round_trips():
     index = PendingIndex.empty()
     index.add(keys("c", "a"), np.array([30, 10]), epoch=1)
@@ -65,11 +74,7 @@ def test_latest_first_eviction_and_scans_that_start_past_the_last_limit(tmp_path
     evicted entries, without loading the in-memory part, still persists its meta record."""
     db = rocksdict.Rdict(str(tmp_path / "db"), RocksDBOptions().build())
     try:
-        txn = ShardTransaction(db)
-        pending = PersistentPendingIndex(txn, META, EVICTED, max_resident=1, evict_latest=True)
-        pending.add(keys("a", "b", "c"), np.array([10, 20, 30]), epoch=1)
-        pending.flush()
-        txn.flush()
+        pending = ttl_epoch(ShardTransaction(db), 1, keys("a", "b", "c"), [10, 20, 30])
         assert [k.decode() for k in pending.index.keys] == ["a"] and pending.meta.evicted == 2
 
         txn = ShardTransaction(db, scan_fraction=0.0)  # would scan for any read of keyed state
@@ -146,18 +151,10 @@ def test_entries_past_a_full_index_go_straight_to_rocksdb_and_store_the_same(tmp
 def test_a_full_index_is_not_loaded_for_entries_after_it(tmp_path):
     db = rocksdict.Rdict(str(tmp_path / "db"), RocksDBOptions().build())
     try:
-        txn = ShardTransaction(db)
-        pending = PersistentPendingIndex(txn, META, EVICTED, max_resident=2, evict_latest=True)
-        pending.add(keys("a", "b", "c"), np.array([10, 20, 30]), epoch=1)
-        pending.flush()
-        txn.flush()
+        pending = ttl_epoch(ShardTransaction(db), 2, keys("a", "b", "c"), [10, 20, 30])
         assert (pending.meta.resident, pending.meta.max_end, pending.meta.evicted) == (2, 20, 1)
 
-        txn = ShardTransaction(db)
-        later = PersistentPendingIndex(txn, META, EVICTED, max_resident=2, evict_latest=True)
-        later.add(keys("d", "e"), np.array([40, 25]), epoch=2)
-        later.flush()
-        txn.flush()
+        later = ttl_epoch(ShardTransaction(db), 2, keys("d", "e"), [40, 25])
         assert later._index is None and later.evicted_now == 2  # never loaded: straight to RocksDB
         assert (later.meta.resident, later.meta.evicted, later.meta.evicted_min) == (2, 3, 25)
 
