@@ -265,9 +265,22 @@ class DagsterUI:
         partition or create one") whose popover has a "Filter partitions" box, "Select all
         (N)" and a virtualized list of menu items with checkboxes. Don't click "Custom"
         when it is active: that selects every partition."""
-        dialog.locator('[aria-haspopup="dialog"]').first.click()  # the multi-select
+        from playwright.sync_api import TimeoutError as PlaywrightTimeoutError
+
+        opener = dialog.locator('[aria-haspopup="dialog"]').first  # the multi-select
         filt = self.page.get_by_placeholder("Filter partitions")
-        filt.wait_for(state="visible")
+
+        def opened() -> bool:
+            # a click while the dialog is still settling can leave the popover shut: click again
+            if not filt.is_visible():
+                opener.click()
+                try:
+                    filt.wait_for(state="visible", timeout=5_000)
+                except PlaywrightTimeoutError:
+                    return False
+            return True
+
+        self._wait(opened, timeout, lambda: "the dialog's partition list did not open on a click")
         filt.fill("")
         select_all = self.page.get_by_role("menuitem").filter(has_text=re.compile(r"^Select all \(\d+\)"))
         # start from nothing selected: "Select all" toggles between all and none
