@@ -189,7 +189,6 @@ class PersistentPendingIndex:
             return
         if self._all_evicted_at_flush(ends):
             self._evict(keys, ends)
-            self._meta_changed = True
             return
         self.index.add(keys, ends, epoch)
 
@@ -240,6 +239,7 @@ class PersistentPendingIndex:
         self._txn.set_many([ns + end + key for end, key in zip(ordered_ends, keys, strict=True)], [b""] * len(keys))
         self.meta.evicted += len(keys)
         self.evicted_now += len(keys)
+        self._meta_changed = True
 
     def next_due(self) -> int | None:
         """The earliest end anywhere in the index (``NO_ENTRY`` when empty; None: unknown,
