@@ -225,6 +225,30 @@ def test_two_strings_of_one_hash_never_share_a_state(cache):
     assert not cache.open(IDENTITY, FILES_1, RECORDS, strings=True).complete
 
 
+def test_a_lookups_keys_are_compared_with_the_mirrors_strings_once(cache, monkeypatch):
+    """The running aggregate looks an epoch's keys up, then updates those same keys: the
+    lookup compared their strings in this mirror, so the update does not again. Keys
+    given anew (another batch, of the same hashes) are still compared."""
+    shard = cache.open(IDENTITY, None, RECORDS, strings=True)
+    shard.update(MirrorKeys(np.array([7, 9], np.int64), pa.array(["a", "b"])), states(np.array([1, 2])))
+    compared: list[int] = []
+    same_names = type(shard)._same_names
+    monkeypatch.setattr(type(shard), "_same_names",
+                        lambda self, at, keys: compared.append(len(keys)) or same_names(self, at, keys))
+    keys = MirrorKeys(np.array([7, 9], np.int64), pa.array(["a", "b"]))
+    assert shard.lookup(keys, blank)[1].tolist() == [True, True]
+    shard.update(keys, states(np.array([3, 4])))
+    assert compared == [2] and shard.complete
+    shard.adopt(MirrorKeys(np.array([7, 9], np.int64), pa.array(["z", "b"])), states(np.array([1, 2])))
+    shard.update(keys, states(np.array([5, 6])))  # the same keys, in a mirror adopted since: compared
+    assert compared == [2, 2] and not shard.complete
+    shard.adopt(MirrorKeys(np.array([7, 9], np.int64), pa.array(["a", "b"])), states(np.array([1, 2])))
+    other = MirrorKeys(np.array([7], np.int64), pa.array(["z"]))  # "a"'s hash, another string
+    assert shard.lookup(other, blank) is None and not shard.complete
+    assert compared == [2, 2, 1]
+    shard.release()
+
+
 # Real 64-bit FNV-1a clashes (crafted with a lattice: equal hashes, different strings)
 CLASH = ("dnXsmIDUZQkkSXK0KM", "dnXsd2PNqHrnW7xLBU")
 CLASH_2 = ("ciOx9gD50HdSMkHJrL", "ciOx9hYNYCxVJ5Z10R")

@@ -198,6 +198,7 @@ class ResidentMirror:
         self.names: pa.Array | None = None  # string keys: the strings, in the order of ``keys``
         self.answered = False  # a lookup of this attempt was served by the mirror
         self._searched: tuple[MirrorKeys, np.ndarray, np.ndarray] | None = None  # keys, mirror keys, positions
+        self._named: tuple[MirrorKeys, np.ndarray] | None = None  # keys whose found strings were compared, and where
         self._rewrite = False  # the arrays changed shape: write them whole at commit
 
     @property
@@ -281,6 +282,18 @@ class ResidentMirror:
         stored = self.names.take(pa.array(at, pa.int64()))
         return bool(pc.all(pc.equal(stored, keys.names)).as_py() is not False)
 
+    def _found_same_names(self, keys: MirrorKeys, at: np.ndarray, found: np.ndarray) -> bool:
+        """Whether the keys found at ``at`` are the mirror's strings there, not only their
+        hashes. A lookup's keys updated next are found where the lookup compared them,
+        in the same mirror: not compared twice."""
+        assert self.keys is not None
+        if keys.names is None or (self._named is not None and self._named[0] is keys and self._named[1] is self.keys):
+            return True
+        if not self._same_names(at[found], keys[found]):
+            return False
+        self._named = (keys, self.keys)
+        return True
+
     def commit(self, snapshot_files: FileDigests) -> None:
         """Stamp the mirror with the snapshot it now equals (after that snapshot exists)."""
         if self.keys is None or self.values is None:
@@ -316,7 +329,7 @@ class ResidentMirror:
         os.replace(tmp, self.path / name)
 
     def release(self) -> None:
-        self.keys = self.values = self.names = self._searched = None  # unmaps
+        self.keys = self.values = self.names = self._searched = self._named = None  # unmaps
         os.close(self._lock)
 
     def _unstamp(self) -> None:
@@ -351,7 +364,7 @@ class ResidentShard(ResidentMirror):
             return state, np.zeros(len(keys), dtype=bool)
         idx = np.minimum(self._positions(keys), len(self.keys) - 1)
         existed = self.keys[idx] == keys.order
-        if keys.names is not None and not self._same_names(idx[existed], keys[existed]):
+        if not self._found_same_names(keys, idx, existed):
             self.discard()
             return None
         state[existed] = self.values[idx[existed]]
@@ -367,7 +380,7 @@ class ResidentShard(ResidentMirror):
         idx = self._positions(keys)
         known = idx < len(self.keys)
         known[known] = self.keys[idx[known]] == keys.order[known]
-        if keys.names is not None and not self._same_names(idx[known], keys[known]):
+        if not self._found_same_names(keys, idx, known):
             self.discard()  # a new key with the hash of a mirrored one (a mirror adopted from a scan)
             return
         self.values[idx[known]] = states[known]
