@@ -2,7 +2,7 @@
 ``Trigger.AvailableNow``, ``foreachBatch`` into Delta) on the same files, in one run.
 
     ./dev bench compare [--records 10000000] [--keys 1000000] [--epochs 10] [--shards 4]
-                        [--workloads A,As,Ad,At,B,Bsl,Bse,C,S,D,DB,DP,DBP,DBsl,DBse]
+                        [--workloads A,As,Ad,At,B,Bsl,Bse,C,S,D,DB,DP,DPs,DBP,DBsl,DBse]
                         [--modes warm,cold] [--engines volley,peer] [--cold-epochs 3]
                         [--state-keys 10000000] [--touched 100000] [--zipf 1.3] [--resend head|tail]
                         [--profile]
@@ -19,7 +19,9 @@ the same aggregation as a stateless Spark batch) are also timed right after each
 their epochs, in the same process: medians of those pairs are not skewed by the
 machine's drift within a run. DP and DBP are D's and DB's aggregations through A's and
 B's plans and one Python task per shard that hands its rows back unchanged, each paired
-with its floor: what a state stage in the Python workers pays before any state work.
+with its floor: what a state stage in the Python workers pays before any state work; DPs
+is DP over As's string-keyed log, paired with DP over A's: what string keys cost Spark
+itself before any state work, the part of As / A no state store can take back.
 C touches --touched keys per epoch in a --state-keys-key and a --touched-key state; S
 the same records per epoch (--records / --epochs, at most --keys) in a --keys-key and a
 --state-keys-key state, each built by one epoch first. Ad's files re-send the first 5%
@@ -228,9 +230,11 @@ def run_peer(w: Workload, work: Path, indices: list[int]) -> dict[str, Any]:
 PEER_TOP_LEVEL = ("latestOffset", "getBatch", "queryPlanning", "addBatch", "walCommit", "commitOffsets")
 
 
-FLOOR_OF = {"A": "D", "B": "DB", "Bsl": "DBsl", "Bse": "DBse", "DP": "D", "DBP": "DB"}  # also timed beside each epoch
-AGGREGATION_OF = {"D": "A", "DP": "A", "DB": "B", "DBP": "B", "DBsl": "Bsl", "DBse": "Bse"}  # a floor: whose it runs
-HANDOVER = ("DP", "DBP")
+FLOOR_OF = {"A": "D", "B": "DB", "Bsl": "DBsl", "Bse": "DBse", "DP": "D", "DBP": "DB",
+            "DPs": "DP"}  # also timed beside each epoch
+AGGREGATION_OF = {"D": "A", "DP": "A", "DPs": "A", "DB": "B", "DBP": "B", "DBsl": "Bsl", "DBse": "Bse"}  # a floor: whose
+HANDOVER = ("DP", "DPs", "DBP")
+STRING_KEYED = ("As", "DPs")  # over the string-keyed copy of A's log; DPs's pair, DP, over A's log itself
 OURS_ONLY = ("As", "At")  # no peer: measured against our own A
 
 
@@ -290,11 +294,12 @@ def run_floor(w: Workload, indices: list[int]) -> dict[str, Any]:
     the two taking turns to go first (the second read of a file leans fast)."""
     spark = spark_session(w.shards)
     paired = FLOOR_OF.get(w.name)
+    paired_log = w.events.parent / "events" if w.name in STRING_KEYED else w.events  # DPs: against DP over ints
     batches = []
     for i in indices:
-        file = w.events / w.files[i]
+        files = {w.name: w.events / w.files[i], paired: paired_log / w.files[i]}
         order = [w.name, paired] if i % 2 == 0 else [paired, w.name]
-        seconds = {name: floor_epoch(spark, name, file, w.shards) for name in order if name}
+        seconds = {name: floor_epoch(spark, name, files[name], w.shards) for name in order if name}
         batches.append({"epoch": i + 1, "records": w.records(i), "seconds": seconds[w.name], "phases": {},
                         "floor_s": seconds.get(paired) if paired else None})
     return {"batches": batches, "driver_peak_rss_mib": jvm_peak_rss_mib() + self_peak_rss_mib()}
@@ -359,10 +364,11 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
             figures[name] = figures.get(name, 0) + n
     worker = [b["worker_peak_rss_mib"] for b in result["batches"] if "worker_peak_rss_mib" in b]
     written = [b["bytes_written"] for b in measured if "bytes_written" in b]
-    paired = [b[key] / b["floor_s"] for b in measured if b.get("floor_s")]
+    paired = [b for b in measured if b.get("floor_s")]
     return {
         "epochs": len(measured),
-        "paired_floor_ratio": statistics.median(paired) if paired else None,
+        "paired_floor_ratio": statistics.median(b[key] / b["floor_s"] for b in paired) if paired else None,
+        "paired_floor_extra_s": statistics.median(b[key] - b["floor_s"] for b in paired) if paired else None,
         "records_per_s": records / sum(secs) if secs else 0.0,
         "median_s": statistics.median(secs) if secs else 0.0,
         "p95_s": secs[min(len(secs) - 1, int(round(0.95 * (len(secs) - 1))))] if secs else 0.0,
@@ -447,7 +453,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     log_arguments(parser)
     parser.add_argument("--zipf", type=float, default=None, help="Zipf exponent for skewed keys (default uniform)")
-    parser.add_argument("--workloads", default="A,As,Ad,At,B,Bsl,Bse,C,S,D,DB,DP,DBP,DBsl,DBse")
+    parser.add_argument("--workloads", default="A,As,Ad,At,B,Bsl,Bse,C,S,D,DB,DP,DPs,DBP,DBsl,DBse")
     parser.add_argument("--modes", default="warm,cold")
     parser.add_argument("--engines", default="volley,peer")
     parser.add_argument("--cold-epochs", type=int, default=3)
@@ -513,7 +519,8 @@ def main() -> None:
                     summary["empty_epoch_median_s"] = statistics.median(result["empty_epoch_s"])
                 record(name, engine, mode, summary, check)
     for floor in [n for n in AGGREGATION_OF if n in workloads]:
-        w = Workload(floor, work / "events", ab, args.shards)
+        log = workload_log("As" if floor in STRING_KEYED else floor, work, ab, args.shards, args.resend).events
+        w = Workload(floor, log, ab, args.shards)
         result = spawn("floor", w, work / f"{floor}-floor", list(range(args.epochs)))
         record(floor, "spark", "warm", summarize(result), "-")
     scaled: dict[str, list[str]] = {}  # C, S: their rows' labels, the larger state first
@@ -650,6 +657,13 @@ def print_notes(report: dict[str, Any], scaled: dict[str, list[str]]) -> None:
         if row and row.get("paired_floor_ratio"):
             lines.append(f"{name} / {floor}: {row['paired_floor_ratio']:.2f}x, median of per-file pairs timed "
                          "one right after the other in one process")
+    strings, ints, handover = (res.get((name, engine, "warm")) for name, engine in
+                               (("As", "volley"), ("A", "volley"), ("DPs", "spark")))
+    if strings and ints and handover and handover.get("paired_floor_extra_s") is not None:
+        extra = handover["paired_floor_extra_s"]
+        lines.append(f"As / A: {strings['median_s'] / ints['median_s']:.2f}x, As - A {strings['median_s'] - ints['median_s']:+.2f} s; "
+                     f"of that, Spark's handover of string keys (DPs - DP, no state) {extra:+.2f} s: with no cost of ours "
+                     f"for strings As / A would be {(ints['median_s'] + extra) / ints['median_s']:.2f}x")
     dedup = res.get(("Ad", "volley", "warm"))
     if dedup:
         f = dedup["figures"]
