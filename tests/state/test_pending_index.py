@@ -4,14 +4,18 @@ bound and still fired on time (a real RocksDB, through the shard transaction).""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
+import pytest
 import rocksdict
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from volley_dagster.errors import StateLayoutError
 from volley_dagster.state.keys import namespace_prefix
 from volley_dagster.state.options import RocksDBOptions
-from volley_dagster.state.pending_index import PendingIndex, PersistentPendingIndex
+from volley_dagster.state.pending_index import PendingIndex, PendingMeta, PersistentPendingIndex
 from volley_dagster.state.transaction import ShardTransaction
 
 META, EVICTED = namespace_prefix(4), namespace_prefix(3)
@@ -169,3 +173,15 @@ def test_a_full_index_is_not_loaded_for_entries_after_it(tmp_path):
             "a", "b", "c", "d", "e", "f").tolist()
     finally:
         db.close()
+
+
+def test_a_meta_record_from_a_newer_engine_is_refused_by_name():
+    """A field this engine does not know (a newer engine's, which it relies on) is
+    named in the error; an older record without the newest field still reads."""
+    meta = PendingMeta(resident=3, min_end=10, max_end=30)
+    assert PendingMeta.from_bytes(meta.to_bytes()) == meta
+    older = {k: v for k, v in json.loads(meta.to_bytes()).items() if k != "max_end"}
+    assert PendingMeta.from_bytes(json.dumps(older).encode()) == PendingMeta(resident=3, min_end=10)
+    newer = json.dumps({**json.loads(meta.to_bytes()), "next_field": 1}).encode()
+    with pytest.raises(StateLayoutError, match=r"\['next_field'\].*newer volley-dagster"):
+        PendingMeta.from_bytes(newer)

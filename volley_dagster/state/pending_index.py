@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import io
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from volley_dagster.errors import StateLayoutError
 from volley_dagster.state.transaction import ShardTransaction
 
 _SIGN_BIT = np.uint64(1 << 63)
@@ -56,7 +57,17 @@ class PendingMeta:
 
     @classmethod
     def from_bytes(cls, data: bytes | None) -> PendingMeta:
-        return cls(**json.loads(data)) if data else cls()
+        """A field this engine does not know means a newer engine wrote the record, and
+        relies on it: refused by name, not guessed around."""
+        if not data:
+            return cls()
+        record = json.loads(data)
+        unknown = sorted(set(record) - {f.name for f in fields(cls)})
+        if unknown:
+            raise StateLayoutError(
+                f"the expiry or pending-window index's meta record has fields {unknown} this engine does not know: "
+                "a newer volley-dagster wrote this state; run that version or a later one on this checkpoint root")
+        return cls(**record)
 
 
 class PendingIndex:
