@@ -15,6 +15,7 @@ from tests.helpers import tree_digest
 from volley_dagster.errors import SnapshotError
 from volley_dagster.state.keys import ShardLayout, decode_keys, encode_keys, namespace_prefix
 from volley_dagster.state.store import ShardStore, open_snapshot_read_only, verify_snapshot
+from volley_dagster.state.transaction import strictly_ascending
 
 NS = namespace_prefix(1)
 
@@ -181,6 +182,18 @@ def test_flush_orders_keys_of_any_length(tmp_path):
     items = dict(store.db.items())
     store.close()
     assert len(items) == len(keys) - 10 and all(items[k] == k[-3:] for k in keys[10:])
+
+
+_NEAR_KEYS = st.binary(max_size=4).map(lambda b: b.replace(b"\x01", b"\x00"))  # NULs, prefixes, ties
+
+
+@settings(max_examples=300, deadline=None)
+@given(keys=st.lists(_NEAR_KEYS, max_size=8), sort=st.sampled_from(["as_drawn", "sorted", "sorted_unique"]))
+def test_a_batch_is_in_key_order_exactly_when_python_orders_its_bytes_so(keys, sort):
+    """The bulk check that lets a batch be flushed as given agrees with bytewise order,
+    keys ending in NULs and keys that prefix others included."""
+    keys = {"as_drawn": keys, "sorted": sorted(keys), "sorted_unique": sorted(set(keys))}[sort]
+    assert strictly_ascending(keys) == all(a < b for a, b in zip(keys, keys[1:]))
 
 
 def test_a_batch_in_key_order_is_written_as_given_and_later_writes_still_win(tmp_path):

@@ -127,7 +127,9 @@ class _OnePartitionOneShard:
         received = [batch for batch in batches if batch.num_rows]
         if not received:
             return
-        table = pa.Table.from_batches(received)
+        # one chunk per column: the tasks sort, take and filter it whole, and Arrow does
+        # those about 1.3-1.8x faster on one chunk than on Spark's 10k-row batches
+        table = pa.Table.from_batches(received).combine_chunks()
         shards = pc.min_max(table.column(columns.SHARD))
         if shards["min"] != shards["max"]:
             raise VolleyError(

@@ -529,25 +529,26 @@ def _evict(directory: Path, max_bytes: int, keep: Path) -> None:
     """Drop the least recently stamped mirrors (not locked by a running attempt)
     until the machine's mirrors fit ``max_bytes``."""
     mirrors = []
-    for entry in directory.iterdir():
-        size = 0
-        for f in [*entry.glob("*.npy"), *entry.glob("*.arrow")]:
-            with contextlib.suppress(OSError):  # another attempt may be replacing it
-                size += f.stat().st_size
-        try:
-            mtime = (entry / _LINEAGE).stat().st_mtime
-        except OSError:  # unstamped: first to go
-            mtime = 0.0
-        mirrors.append((entry == keep, mtime, size, entry))
+    for entry in os.scandir(directory):  # every commit looks at every mirror: no pathlib, no glob
+        size, mtime = 0, 0.0  # unstamped: first to go
+        with contextlib.suppress(OSError):  # evicted meanwhile (or not a folder)
+            for f in os.scandir(entry.path):
+                with contextlib.suppress(OSError):  # another attempt may be replacing it
+                    if f.name.endswith((".npy", ".arrow")):
+                        size += f.stat().st_size
+                    elif f.name == _LINEAGE:
+                        mtime = f.stat().st_mtime
+        path = Path(entry.path)
+        mirrors.append((path == keep, mtime, size, path))
     total = sum(m[2] for m in mirrors)
-    for is_keep, _, size, entry in sorted(mirrors):
+    for is_keep, _, size, mirror in sorted(mirrors):
         if total <= max_bytes or is_keep:
             break
-        fd = _try_lock(entry)
+        fd = _try_lock(mirror)
         if fd is None:
             continue
         try:
-            shutil.rmtree(entry, ignore_errors=True)
+            shutil.rmtree(mirror, ignore_errors=True)
             total -= size
         finally:
             os.close(fd)
