@@ -194,8 +194,8 @@ def apply_windows(
         mirror.replace(windows[~fire], window_key[~fire])
     keep = counts > 0
     key_array = np.array(keys, dtype=object) if keys else np.empty(0, dtype=object)
-    txn.set_many(list(key_array[keep]), [r for r, k in zip(records, keep, strict=True) if k])
-    txn.delete_many(list(key_array[~keep & existed]))
+    txn.set_many(key_array[keep].tolist(), np.array(records, dtype=object)[keep].tolist())
+    txn.delete_many(key_array[~keep & existed].tolist())
 
     opened = changed & ~fire
     pending.add(key_array[window_key[opened]], windows["end"][opened], step.epoch)
