@@ -114,13 +114,14 @@ def event_log(events: Path, epochs: int, records: int, keys: int, zipf: float | 
 def string_key_log(events: Path, ints: Path, files: tuple[str, ...]) -> tuple[str, ...]:
     """As: the events of ``ints``, each file rewritten with merchant 123 as ``"m-000123"``."""
     events.mkdir(parents=True, exist_ok=True)
+    storage = storage_for(events)
     for name in files:
         if not (events / name).exists():
             table = pq.read_table(ints / name)
             digits = pc.utf8_lpad(pc.cast(table.column("merchant_id"), pa.string()), 6, "0")
             keyed = pc.binary_join_element_wise(pa.scalar("m-"), digits, pa.scalar(""))
-            pq.write_table(table.set_column(table.schema.get_field_index("merchant_id"), "merchant_id", keyed),
-                           events / name)
+            write_events(storage, name,
+                         table.set_column(table.schema.get_field_index("merchant_id"), "merchant_id", keyed))
     return files
 
 
@@ -132,18 +133,19 @@ def resend(events: Path, names: tuple[str, ...] | list[str], share: float, into:
     ``events``; one file and its predecessor in memory at a time."""
     into = into or events
     into.mkdir(parents=True, exist_ok=True)
+    storage = storage_for(into)  # written as the demo writes a log: its row groups, so Spark scans them alike
     previous: pa.Table | None = None  # file i-1's own records, without its re-sent ones
     for name in names:
         table = pq.read_table(events / name)
         if previous is None:
             own = table
             if into != events:
-                pq.write_table(table, into / name)
+                write_events(storage, name, table)
         else:
             n = int(table.num_rows * share)
             own = table.slice(0, table.num_rows - n)
             copies = previous.slice(previous.num_rows - n if tail else 0, n)
-            pq.write_table(pa.concat_tables([own, copies]), into / name)
+            write_events(storage, name, pa.concat_tables([own, copies]))
         previous = own
 
 
