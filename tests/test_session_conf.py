@@ -20,3 +20,4 @@ def test_the_driver_is_pinned_to_loopback_only_for_a_master_on_loopback(master: 
     assert (conf.get("spark.driver.host"), conf.get("spark.driver.bindAddress")) == (
         ("127.0.0.1", "127.0.0.1") if loopback else (None, None))
     assert conf["spark.sql.session.timeZone"] == "UTC"  # the engine's own settings stay
+    assert conf["spark.python.unix.domain.socket.enabled"] == "true"  # executor to Python worker: no TCP

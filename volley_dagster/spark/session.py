@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -72,6 +73,10 @@ def default_conf(master: str = "local[*]") -> dict[str, str]:
         "spark.ui.showConsoleProgress": "false",
         "spark.driver.memory": os.environ.get("VOLLEY_SPARK_DRIVER_MEMORY", "4g"),
         "spark.python.worker.reuse": "true",
+        # an executor talks to its Python workers over a Unix socket, not loopback TCP, where
+        # each task's first small writes wait on a delayed ACK (about 40 ms): a 4-task Python
+        # stage 190-215 against 260-265 ms with no work in it (bench/python_tasks.py)
+        **({"spark.python.unix.domain.socket.enabled": "true"} if hasattr(socket, "AF_UNIX") else {}),
     }
 
 
