@@ -75,7 +75,7 @@ def default_conf(master: str = "local[*]") -> dict[str, str]:
         "spark.python.worker.reuse": "true",
         # an executor talks to its Python workers over a Unix socket, not loopback TCP, where
         # each task's first small writes wait on a delayed ACK (about 40 ms): a 4-task Python
-        # stage 190-215 against 260-265 ms with no work in it (bench/python_tasks.py)
+        # stage 176 against 252 ms with no work in it (./dev bench python_tasks)
         **({"spark.python.unix.domain.socket.enabled": "true"} if hasattr(socket, "AF_UNIX") else {}),
     }
 
