@@ -121,7 +121,8 @@ def runs_by_key_group(key_groups: np.ndarray, keys: pa.Array, times: np.ndarray)
     """``keys`` (and their event times) as one run per key group, in key group order."""
     if not len(keys):
         return []
-    order = np.argsort(key_groups.astype(np.uint16), kind="stable")  # key groups fit 16 bits: a radix sort
+    # a radix sort: key groups fit 16 bits (ShardLayout allows at most 65,535; run_key stores 2 bytes)
+    order = np.argsort(key_groups.astype(np.uint16), kind="stable")
     cuts = [*np.flatnonzero(np.diff(key_groups[order], prepend=-1)).tolist(), len(order)]
     return [(int(key_groups[order[lo]]), encode_run(keys.take(pa.array(order[lo:hi])), times[order[lo:hi]]))
             for lo, hi in zip(cuts[:-1], cuts[1:], strict=True)]
