@@ -2,7 +2,7 @@
 ``Trigger.AvailableNow``, ``foreachBatch`` into Delta) on the same files, in one run.
 
     ./dev bench compare [--records 10000000] [--keys 1000000] [--epochs 10] [--shards 4]
-                        [--workloads A,As,Ad,At,B,Bsl,Bse,C,S,D,DB,DP,DPs,DBP,DBsl,DBse]
+                        [--workloads A,As,Ad,At,B,Bsl,Bse,C,S,D,DB,DP,DPs,DPW,DBP,DBsl,DBse]
                         [--modes warm,cold] [--engines volley,peer] [--cold-epochs 3]
                         [--state-keys 10000000] [--touched 100000] [--zipf 1.3] [--resend head|tail]
                         [--profile]
@@ -21,7 +21,10 @@ machine's drift within a run. DP and DBP are D's and DB's aggregations through A
 B's plans and one Python task per shard that hands its rows back unchanged, each paired
 with its floor: what a state stage in the Python workers pays before any state work; DPs
 is DP over As's string-keyed log, paired with DP over A's: what string keys cost Spark
-itself before any state work, the part of As / A no state store can take back.
+itself before any state work, the part of As / A no state store can take back. DPW is
+A's design floor (``bench/design_floor.py``), paired with DP: DP's tasks also restore,
+write their rows with one WriteBatch and snapshot, and the driver MERGEs them into Delta,
+as every A epoch must whatever its code; no state read, nothing combined.
 C touches --touched keys per epoch in a --state-keys-key and a --touched-key state; S
 the same records per epoch (--records / --epochs, at most --keys) in a --keys-key and a
 --state-keys-key state, each built by one epoch first. Ad's files re-send the first 5%
@@ -56,6 +59,7 @@ sys.path.insert(0, str(ROOT))
 import pyarrow as pa  # noqa: E402
 
 from bench.common import finish, log_arguments  # noqa: E402
+from bench.design_floor import StateWrites, merge_into_delta  # noqa: E402
 from bench.workloads import (  # noqa: E402
     WINDOWS,
     WindowSpec,
@@ -231,22 +235,29 @@ PEER_TOP_LEVEL = ("latestOffset", "getBatch", "queryPlanning", "addBatch", "walC
 
 
 FLOOR_OF = {"A": "D", "B": "DB", "Bsl": "DBsl", "Bse": "DBse", "DP": "D", "DBP": "DB",
-            "DPs": "DP"}  # also timed beside each epoch
-AGGREGATION_OF = {"D": "A", "DP": "A", "DPs": "A", "DB": "B", "DBP": "B", "DBsl": "Bsl", "DBse": "Bse"}  # a floor: whose
-HANDOVER = ("DP", "DPs", "DBP")
+            "DPs": "DP", "DPW": "DP"}  # also timed beside each epoch
+AGGREGATION_OF = {"D": "A", "DP": "A", "DPs": "A", "DPW": "A", "DB": "B", "DBP": "B", "DBsl": "Bsl",
+                  "DBse": "Bse"}  # a floor: whose aggregation
+HANDOVER = ("DP", "DPs", "DBP", "DPW")
 STRING_KEYED = ("As", "DPs")  # over the string-keyed copy of A's log; DPs's pair, DP, over A's log itself
 OURS_ONLY = ("As", "At")  # no peer: measured against our own A
 
 
-def floor_epoch(spark, floor: str, file: Path, shards: int) -> float:
+def floor_epoch(spark, floor: str, file: Path, shards: int, work: Path | None = None, epoch: int = 0) -> float:
     """Seconds of one epoch's floor: D, a stateless Spark batch doing A's aggregation
     over the epoch's file; DB (DBsl, DBse), B's (Bsl's, Bse's), a groupBy of (merchant,
     window) over all its events; DP and DBP, D's and DB's aggregations in A's and B's
-    plans, handed to one Python task per shard and back unchanged (``python_handover``)."""
+    plans, handed to one Python task per shard and back unchanged (``python_handover``);
+    DPW, DP with the state writes and the sink's MERGE every A epoch makes (``bench/design_floor.py``),
+    its state and table under ``work``."""
     t = time.perf_counter()
     events = spark.read.parquet(str(file))
     window = WINDOWS.get(AGGREGATION_OF[floor])
-    if floor in HANDOVER:
+    if floor == "DPW":
+        assert work is not None
+        rows = python_handover(events, shards, window, writes=(str(work / "state"), epoch)).toArrow()
+        merge_into_delta(rows, work / "delta", epoch)
+    elif floor in HANDOVER:
         python_handover(events, shards, window).toArrow()
     else:
         rows, by, values = floor_aggregation(events, window)
@@ -265,11 +276,12 @@ def floor_aggregation(events, window: WindowSpec | None):
     return events.where("status = 'active'"), [], [F.sum("amount").alias("total"), F.count(F.lit(1)).alias("events")]
 
 
-def python_handover(events, shards: int, window: WindowSpec | None):
+def python_handover(events, shards: int, window: WindowSpec | None, writes: tuple[str, int] | None = None):
     """A's (or B's) state stage with no state: the same shuffle into shard partitions,
     the same partials per key (and window), one ``per_shard`` Python task per shard
     that returns its rows as they came. What a state kept in the Python workers
-    (rocksdict) pays before its first lookup, on top of the stateless floor."""
+    (rocksdict) pays before its first lookup, on top of the stateless floor. ``writes``
+    (a state root and the epoch): the tasks also write the rows as state (``StateWrites``)."""
     from pyspark.sql import functions as F
 
     from volley_dagster import columns
@@ -285,11 +297,14 @@ def python_handover(events, shards: int, window: WindowSpec | None):
                 .withColumn(columns.WINDOW_END, F.unix_micros(F.col("_window.end"))).drop("_window"))
     partials = to_shards(rows, ShardLayout(shards)).groupBy(*ROUTING_COLUMNS, columns.KEY, *by).agg(*values)
     returned = [c for c in partials.columns if c not in ROUTING_COLUMNS]
-    routed = partials.select(*returned, columns.SHARD)
-    return per_shard(routed, lambda table: table.select(returned), partials.select(*returned).schema)
+    schema = partials.select(*returned).schema
+    if writes is not None:
+        task = StateWrites(writes[0], writes[1], tuple(returned))
+        return per_shard(partials.select(*returned, columns.SHARD, columns.KEY_GROUP), task, schema)
+    return per_shard(partials.select(*returned, columns.SHARD), lambda table: table.select(returned), schema)
 
 
-def run_floor(w: Workload, indices: list[int]) -> dict[str, Any]:
+def run_floor(w: Workload, work: Path, indices: list[int]) -> dict[str, Any]:
     """A floor's epochs; DP's and DBP's each paired with D's or DB's over the same file,
     the two taking turns to go first (the second read of a file leans fast)."""
     spark = spark_session(w.shards)
@@ -299,7 +314,7 @@ def run_floor(w: Workload, indices: list[int]) -> dict[str, Any]:
     for i in indices:
         files = {w.name: w.events / w.files[i], paired: paired_log / w.files[i]}
         order = [w.name, paired] if i % 2 == 0 else [paired, w.name]
-        seconds = {name: floor_epoch(spark, name, files[name], w.shards) for name in order if name}
+        seconds = {name: floor_epoch(spark, name, files[name], w.shards, work, i) for name in order if name}
         batches.append({"epoch": i + 1, "records": w.records(i), "seconds": seconds[w.name], "phases": {},
                         "floor_s": seconds.get(paired) if paired else None})
     return {"batches": batches, "driver_peak_rss_mib": jvm_peak_rss_mib() + self_peak_rss_mib()}
@@ -316,7 +331,7 @@ def child(args: argparse.Namespace) -> None:
     elif args.child == "peer":
         out = run_peer(w, work, indices)
     else:
-        out = run_floor(w, indices)
+        out = run_floor(w, work, indices)
     Path(args.out).write_text(json.dumps(out))
 
 
@@ -453,7 +468,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     log_arguments(parser)
     parser.add_argument("--zipf", type=float, default=None, help="Zipf exponent for skewed keys (default uniform)")
-    parser.add_argument("--workloads", default="A,As,Ad,At,B,Bsl,Bse,C,S,D,DB,DP,DPs,DBP,DBsl,DBse")
+    parser.add_argument("--workloads", default="A,As,Ad,At,B,Bsl,Bse,C,S,D,DB,DP,DPs,DPW,DBP,DBsl,DBse")
     parser.add_argument("--modes", default="warm,cold")
     parser.add_argument("--engines", default="volley,peer")
     parser.add_argument("--cold-epochs", type=int, default=3)
@@ -670,6 +685,16 @@ def print_notes(report: dict[str, Any], scaled: dict[str, list[str]]) -> None:
         lines.append(f"Ad: ours dropped {f.get('duplicates', 0):,} re-sent records as duplicates and "
                      f"{f.get('dedup_late', 0):,} as late (over 10 minutes behind the watermark)")
     a = res.get(("A", "volley", "warm"))
+    design, peer = res.get(("DPW", "spark", "warm")), res.get(("A", "peer", "warm"))
+    if design and design.get("paired_floor_ratio"):
+        line = (f"A's design floor DPW (DP, and the state writes and the sink's MERGE every A epoch makes, "
+                f"bench/design_floor.py): no code of ours brings A / DP under DPW / DP {design['paired_floor_ratio']:.2f}x "
+                "(target <= 1.5x)")
+        if peer and peer["records_per_s"]:
+            line += f", nor A / peer over DPW / peer {design['records_per_s'] / peer['records_per_s']:.2f}x (target >= 2.5x)"
+        if a:
+            line += f"; A / DPW {a['median_s'] / design['median_s']:.2f}x is what A's own work costs beyond it"
+        lines.append(line)
     for labels in scaled.values():
         rows = [res.get((label, "volley", "warm")) for label in labels]
         if len(rows) == 2 and rows[0] and rows[1]:
