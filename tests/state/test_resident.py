@@ -71,6 +71,35 @@ def test_mirror_round_trip_merges_new_keys_in_order(cache):
     shard.release()
 
 
+def test_keys_in_ascending_runs_are_found_and_written_where_they_belong(cache):
+    """An aggregate's keys come in one ascending run per key group; the mirror searches
+    and writes them in its own order (``MirrorKeys.search_order``), and each lands on its key."""
+    rng = np.random.default_rng(5)
+    first = np.sort(rng.choice(50_000, 20_000, replace=False)).astype(np.int64)
+    commit_new(cache, first, FILES_1)
+    touched = np.concatenate([rng.choice(first, 3_000, replace=False), np.arange(60_000, 60_300, dtype=np.int64)])
+    runs = touched[np.lexsort((touched, touched % 7))]  # 7 ascending runs, as 7 key groups send them
+    assert mirror_keys(runs).search_order is not None and mirror_keys(np.sort(runs)).search_order is None
+
+    shard = cache.open(IDENTITY, FILES_1, RECORDS)
+    got, existed = shard.lookup(mirror_keys(runs), blank)
+    assert existed.tolist() == np.isin(runs, first).tolist()
+    np.testing.assert_array_equal(got[existed], states(runs[existed]))
+    updated = states(runs)
+    updated["events"] += 1_000 + np.arange(len(runs))
+    shard.update(mirror_keys(runs), updated)
+    shard.commit(FILES_2)
+    shard.release()
+
+    shard = cache.open(IDENTITY, FILES_2, RECORDS)
+    expected = {int(k): r for k, r in zip(first, states(first))} | {int(k): r for k, r in zip(runs, updated)}
+    everything = np.array(sorted(expected), np.int64)
+    got, existed = shard.lookup(mirror_keys(everything), blank)
+    assert existed.all() and len(shard.keys) == len(expected)
+    np.testing.assert_array_equal(got, np.array([expected[k] for k in sorted(expected)], DTYPE))
+    shard.release()
+
+
 def test_mirror_of_another_snapshot_or_state_is_not_used(cache):
     commit_new(cache, np.arange(100, dtype=np.int64), FILES_1)
     for identity, files in ((IDENTITY, FILES_2), ({**IDENTITY, "shard": 1}, FILES_1),
