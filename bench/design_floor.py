@@ -39,25 +39,25 @@ class StateWrites:
 
     def __call__(self, table: pa.Table) -> pa.Table:
         shard = table.column(columns.SHARD)[0].as_py()
-        rows = table.filter(pc.is_valid(table.column(columns.KEY)))  # without the shard's marker row
-        rows = rows.sort_by([(columns.KEY_GROUP, "ascending"), (columns.KEY, "ascending")])
+        given = table.filter(pc.is_valid(table.column(columns.KEY)))  # without the shard's marker row
+        rows = given.sort_by([(columns.KEY_GROUP, "ascending"), (columns.KEY, "ascending")])
         keys = encode_keys(_NAMESPACE, rows.column(columns.KEY_GROUP).to_numpy(zero_copy_only=False),
                            rows.column(columns.KEY).combine_chunks())
         values = _records(rows.select([c for c in self.returned if c != columns.KEY]))
         here = Path(self.root) / f"shard-{shard:04d}"
-        previous = here / str(self.epoch - 1)
-        previous_files = json.loads((here / f"{self.epoch - 1}.json").read_text()) if previous.exists() else None
-        store = ShardStore.restore(previous if previous_files is not None else None, previous_files,
-                                   here / "work")
+        listed = here / f"{self.epoch - 1}.json"  # the last epoch's snapshot digests, written beside it
+        previous, previous_files = (here / str(self.epoch - 1), json.loads(listed.read_text())) if listed.exists() \
+            else (None, None)
+        store = ShardStore.restore(previous, previous_files, here / "work")
         try:
             txn = store.transaction()
             txn.set_many(keys, values)
             txn.flush()
-            snap = store.snapshot(here / str(self.epoch), previous if previous_files else None, previous_files)
+            snap = store.snapshot(here / str(self.epoch), previous, previous_files)
         finally:
             store.close()
         (here / f"{self.epoch}.json").write_text(json.dumps(snap.files))
-        return table.filter(pc.is_valid(table.column(columns.KEY))).select(list(self.returned))
+        return given.select(list(self.returned))
 
 
 def _records(values: pa.Table) -> list[bytes]:
