@@ -4,11 +4,11 @@ whatever its logic, on top of DP's handover.
 In each shard task: restore the shard's RocksDB from the last epoch's hardlink snapshot,
 write the epoch's rows as state records (A's state keys, fixed-width values) with one
 ``WriteBatch``, take a hardlink snapshot with its digests; on the driver, MERGE the rows
-into a Delta table with the epoch's app transaction, as A's Delta sink does. Nothing is
+into a Delta table through A's own ``DeltaSink``. Nothing is
 read from the state and nothing combined, so A does all of this and more: A / DP cannot
 go below DPW / DP, nor A's rate reach more than peer / DPW times its peer's, whatever
 A's own code costs. The engine's own classes do the work (``ShardStore``,
-``encode_keys``), so the floor moves with them.
+``encode_keys``, ``DeltaSink``), so the floor moves with them.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from volley_dagster import columns
+from volley_dagster.sinks import DeltaSink
+from volley_dagster.sinks.base import CommitContext
 from volley_dagster.state.keys import encode_keys
 from volley_dagster.state.store import ShardStore
 
@@ -70,15 +72,7 @@ def _records(values: pa.Table) -> list[bytes]:
 
 
 def merge_into_delta(rows: pa.Table, uri: Path, epoch: int) -> None:
-    """A's Delta sink's commit: the first epoch creates the table, each later one MERGEs
-    its rows on the key (null-safe, as the sink compares), with the epoch's txn."""
-    from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
-
-    props = CommitProperties(app_transactions=[Transaction(app_id="bench-dpw", version=epoch)], max_commit_retries=0)
-    if not (uri / "_delta_log").exists():
-        write_deltalake(str(uri), rows, mode="error", commit_properties=props)
-        return
-    key = columns.sql_identifier(columns.KEY)
-    (DeltaTable(str(uri)).merge(rows, f"(target.{key} IS NOT DISTINCT FROM source.{key})", source_alias="source",
-                                target_alias="target", commit_properties=props)
-     .when_matched_update_all().when_not_matched_insert_all().execute())
+    """A's Delta sink's commit of the rows (epochs count from 1), through the engine's own
+    ``DeltaSink``: the first creates the table, each later one MERGEs on the key with its txn."""
+    DeltaSink(uri, mode="upsert").commit(rows, CommitContext(pipeline="bench_dpw", epoch=epoch + 1,
+                                                             key_columns=(columns.KEY,)))
