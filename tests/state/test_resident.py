@@ -337,6 +337,81 @@ def test_new_keys_of_one_hash_one_kept_one_expired_lose_no_state(cache, tmp_path
         db.close()
 
 
+class AggregateShard:
+    """One shard of a running count on a real RocksDB, run epoch by epoch through
+    ``Aggregate.apply`` with a mirror from ``cache`` (the shard task's steps)."""
+
+    def __init__(self, cache: ResidentStateCache, path) -> None:
+        import rocksdict
+
+        from volley_dagster.operators.accumulators import count
+        from volley_dagster.operators.aggregate import Aggregate
+        from volley_dagster.state.options import RocksDBOptions
+
+        self.cache = cache
+        self.aggregate = Aggregate((("n", count()),)).recorded({"namespace": 1, "accumulators": [{"kind": None}]})
+        self.db = rocksdict.Rdict(str(path), RocksDBOptions().build())
+        self.files: dict | None = None
+
+    def epoch(self, number: int, keys: np.ndarray, restored: dict | None = None) -> tuple[dict, str]:
+        """Count ``keys`` once each; the counts out and how the shard read its state.
+        ``restored``: the snapshot the mirror is opened against (default: the last epoch's)."""
+        from volley_dagster import columns
+        from volley_dagster.operators.base import ShardStep
+        from volley_dagster.state.transaction import ShardTransaction
+
+        shard = self.cache.open(IDENTITY, restored or self.files, self.aggregate.resident_records)
+        ones = np.ones(len(keys), np.int64)
+        data = pa.table({columns.KEY_GROUP: pa.array(np.zeros(len(keys), np.int64)), columns.KEY: pa.array(keys),
+                         columns.ROWS: ones, "n:n": ones})
+        txn = ShardTransaction(self.db, resident=shard)
+        out, _ = self.aggregate.apply(txn, data, ShardStep(number, "int"))
+        txn.flush()
+        self.files = {f"{number:06d}.sst": {"size": number, "sha256": f"{number:064x}"}}
+        shard.commit(self.files)
+        mode = "resident" if shard.answered else "scan" if txn.scanned else "multi_get"
+        shard.release()
+        return dict(zip(*(a.to_pylist() for a in out[:2]), strict=True)), mode
+
+    def close(self) -> None:
+        self.db.close()
+
+
+@pytest.mark.parametrize("touched, budget, other_stamped, rebuilt", [
+    (60, 60_000, True, True), (30, 60_000, True, False), (60, 40_000, True, False), (60, 40_000, False, True)],
+    ids=["six-percent", "three-percent", "no-room-beside-the-others", "room-once-an-unstamped-one-goes"])
+def test_a_lost_mirror_is_rebuilt_by_a_scan_that_pays_back(tmp_path, touched, budget, other_stamped, rebuilt):
+    """A mirror lost between epochs (here: stamped with another snapshot, as a killed
+    attempt or a reboot leaves it) is rebuilt by the next epoch that touches 5% of the
+    shard (a quarter of the scan fraction), when it fits beside the machine's other
+    stamped mirrors (an unstamped one is evicted first); else that epoch reads RocksDB
+    sparsely and the mirror stays lost. Counts are right either way."""
+    keys = np.arange(1_000, dtype=np.int64)  # 8 + 17 bytes a key: about 25 KB a mirror
+    other = ResidentStateCache(str(tmp_path / "resident"), max_bytes=2**20)
+    commit_new(other, keys, FILES_1, {**IDENTITY, "shard": 1})  # another shard's mirror, 25 KB
+    shard = AggregateShard(other, tmp_path / "db")
+    try:
+        assert shard.epoch(1, keys) == ({int(k): 1 for k in keys}, "resident")  # a first epoch builds it
+        shard.cache = ResidentStateCache(other.directory, max_bytes=budget)
+        if not other_stamped:  # as a killed attempt of that shard leaves it
+            opened = other.open({**IDENTITY, "shard": 1}, FILES_1, RECORDS)
+            opened.discard()
+            opened.release()
+        some = keys[::len(keys) // touched][:touched]
+        counts, mode = shard.epoch(2, some, restored=FILES_2)  # not the snapshot it was stamped with
+        assert counts == {int(k): 2 for k in some}
+        assert mode == ("scan" if rebuilt else "multi_get")
+        counts, mode = shard.epoch(3, keys[:10])
+        assert counts == {int(k): 2 + int(k in set(some.tolist())) for k in keys[:10]}
+        assert mode == ("resident" if rebuilt else "multi_get")
+        if other_stamped:
+            opened = other.open({**IDENTITY, "shard": 1}, FILES_1, RECORDS)
+            assert opened.complete  # the other shard's mirror was never evicted for it
+            opened.release()
+    finally:
+        shard.close()
+
+
 def test_keys_too_long_to_hash_quickly_are_left_to_rocksdb():
     assert mirror_keys(["k" * 1_025, "short"]).too_long
     assert not mirror_keys(["k" * 1_024, "short"]).too_long and not mirror_keys(np.arange(3)).too_long

@@ -21,8 +21,11 @@ snapshot's files (the same files mean the same state, so an empty epoch's
 carried-forward snapshot keeps it valid). It is unstamped before it changes and
 stamped again only after the new snapshot exists, so a killed or failed attempt
 leaves no mirror to trust; a mismatch, a lock held by another attempt or a
-damaged file falls back to RocksDB. A mirror is (re)built only when an epoch has
-the whole shard in hand anyway: a first epoch, or one that scans the shard.
+damaged file falls back to RocksDB. A mirror is (re)built when an epoch has the whole
+shard in hand: a first epoch, or one that scans the shard. A lost mirror lowers the
+bar for that scan (``ShardTransaction``), when it fits beside the others
+(``worth_rebuilding``): else a large state would stay on ``multi_get`` for good after
+a restart.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ _LOCK = ".lock"
 DEFAULT_MAX_MIB = 1024
 _Mirror = TypeVar("_Mirror", bound="ResidentMirror")
 MAX_STRING_KEY_BYTES = 1024  # a longer key is hashed a byte at a time for too long: RocksDB answers
+_NAME_BYTES = 20  # a string key's guessed share of names.arrow (offset and text), to size a rebuild
 
 
 @dataclass(frozen=True)
@@ -212,6 +216,7 @@ class ResidentMirror:
         self._searched: tuple[MirrorKeys, np.ndarray, np.ndarray] | None = None  # keys, mirror keys, positions
         self._named: tuple[MirrorKeys, np.ndarray] | None = None  # keys whose found strings were compared, and where
         self._rewrite = False  # the arrays changed shape: write them whole at commit
+        self._dropped = False  # this attempt found it cannot hold the shard (``discard``)
 
     @property
     def complete(self) -> bool:
@@ -251,6 +256,21 @@ class ResidentMirror:
         """This attempt cannot keep the mirror whole (it read the shard sparsely)."""
         self._unstamp()
         self.keys = self.values = self.names = None
+        self._dropped = True
+
+    def worth_rebuilding(self, rows: int) -> bool:
+        """Whether a scan of the shard (about ``rows`` rows) should rebuild this mirror,
+        lost since the last epoch (a killed attempt, a reboot, another machine): only
+        when it was not dropped by this attempt (a clash, keys too long) and fits beside
+        the machine's other stamped mirrors (unstamped ones are evicted first), so
+        rebuilding it evicts none of theirs: a budget too small for all would otherwise
+        have them rebuild one another every epoch."""
+        if self.complete or self._dropped:
+            return False
+        row_bytes = 8 + self._records.itemsize + (_NAME_BYTES if self._strings else 0)
+        others = sum(size for path, stamped, size in _mirrors(Path(self._cache.directory))
+                     if stamped and path != self.path)
+        return others + rows * row_bytes <= self._cache.max_bytes
 
     def holds(self, keys: MirrorKeys) -> bool:
         """Whether the mirror is whole and can hold ``keys``; keys too long to hash drop it."""
@@ -541,23 +561,30 @@ def _try_lock(mirror: Path) -> int | None:
     return fd
 
 
+def _mirrors(directory: Path) -> list[tuple[Path, float, int]]:
+    """The machine's mirrors: each folder, when it was stamped (0: unstamped) and the
+    bytes of its arrays. Every commit looks at every mirror: no pathlib, no glob."""
+    found = []
+    with contextlib.suppress(OSError):  # no folder yet: no mirrors
+        for entry in os.scandir(directory):
+            size, mtime = 0, 0.0
+            with contextlib.suppress(OSError):  # evicted meanwhile (or not a folder)
+                for f in os.scandir(entry.path):
+                    with contextlib.suppress(OSError):  # another attempt may be replacing it
+                        if f.name.endswith((".npy", ".arrow")):
+                            size += f.stat().st_size
+                        elif f.name == _LINEAGE:
+                            mtime = f.stat().st_mtime
+            found.append((Path(entry.path), mtime, size))
+    return found
+
+
 def _evict(directory: Path, max_bytes: int, keep: Path) -> None:
     """Drop the least recently stamped mirrors (not locked by a running attempt)
-    until the machine's mirrors fit ``max_bytes``."""
-    mirrors = []
-    for entry in os.scandir(directory):  # every commit looks at every mirror: no pathlib, no glob
-        size, mtime = 0, 0.0  # unstamped: first to go
-        with contextlib.suppress(OSError):  # evicted meanwhile (or not a folder)
-            for f in os.scandir(entry.path):
-                with contextlib.suppress(OSError):  # another attempt may be replacing it
-                    if f.name.endswith((".npy", ".arrow")):
-                        size += f.stat().st_size
-                    elif f.name == _LINEAGE:
-                        mtime = f.stat().st_mtime
-        path = Path(entry.path)
-        mirrors.append((path == keep, mtime, size, path))
-    total = sum(m[2] for m in mirrors)
-    for is_keep, _, size, mirror in sorted(mirrors):
+    until the machine's mirrors fit ``max_bytes``; unstamped ones go first."""
+    mirrors = _mirrors(directory)
+    total = sum(size for _, _, size in mirrors)
+    for is_keep, _, size, mirror in sorted((path == keep, mtime, size, path) for path, mtime, size in mirrors):
         if total <= max_bytes or is_keep:
             break
         fd = _try_lock(mirror)

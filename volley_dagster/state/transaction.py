@@ -25,6 +25,11 @@ _DELETED = object()
 # Scan the operator's prefix once a batch touches this share of the shard's keys: a scan
 # costs about 0.4 us an entry, multi_get about 2.3 us a key (measured), so ~18% breaks even.
 DEFAULT_SCAN_FRACTION = 0.2
+# A scan that rebuilds a lost mirror, from a quarter of that (5% of the shard's keys):
+# ./dev bench mirror_rebuild, 2.5M keys, touching 10%: the rebuild's epoch 3.1 s against
+# 1.0 s, each after it 0.21-0.30 s against 1.1-1.4 s, paid back by the 4th; touching 5%:
+# 3.7 s against 0.6 s, then 0.12-0.15 s against 0.54-0.62 s, paid back by about the 9th.
+REBUILD_SHARE = 0.25
 _CHECKED_CACHE = 1024  # a batch is kept aside only while the cache is this small (each key is compared)
 
 
@@ -160,8 +165,16 @@ class ShardTransaction:
         return list(chain.from_iterable(key_parts)), list(chain.from_iterable(value_parts))
 
     def _should_scan(self, n_keys: int) -> bool:
+        """Past ``scan_fraction`` of the shard, a scan is the cheaper read. A lost mirror
+        lowers the bar to ``REBUILD_SHARE`` of it: the scan rebuilds the mirror, which
+        answers the epochs after it (``ResidentMirror.worth_rebuilding``)."""
         estimate = self._db.property_int_value("rocksdb.estimate-num-keys") or 0
-        return estimate > 0 and n_keys >= self._scan_fraction * estimate
+        if estimate <= 0:
+            return False
+        if n_keys >= self._scan_fraction * estimate:
+            return True
+        return (n_keys >= REBUILD_SHARE * self._scan_fraction * estimate and self.resident is not None
+                and self.resident.worth_rebuilding(estimate))
 
     def _scan(self, prefix: bytes) -> dict[bytes, bytes]:
         return dict(scan_prefix(self._db, prefix))
