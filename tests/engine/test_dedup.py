@@ -183,9 +183,14 @@ def test_remembered_string_keys_move_with_a_rescale_and_a_migration(spark, tmp_p
     same_rows(runner.read_state().to_pandas().rename(columns={"spent": "total"}), reference.current(), VALUES)
 
 
-def test_a_window_after_a_deduplication_counts_each_event_once(spark, tmp_path):
+@pytest.mark.parametrize("anti_join", ["broadcast", "shuffled"])
+def test_a_window_after_a_deduplication_counts_each_event_once(spark, tmp_path, monkeypatch, anti_join):
     """Tumbling 10-minute windows over the kept records: late ones (past the window,
-    on the pipeline's one watermark) go to the late output, never duplicates."""
+    on the pipeline's one watermark) go to the late output, never duplicates. The
+    dropped records' positions are broadcast to the anti-join that leaves them out, or
+    past ``BROADCAST_DROPPED_MAX`` the records are shuffled by position to meet them."""
+    if anti_join == "shuffled":
+        monkeypatch.setattr("volley_dagster.spark.dedup.BROADCAST_DROPPED_MAX", 0)
     logs = write_dedup_log(tmp_path / "events", FILES)
     pipeline = (Pipeline("dedup_windows").source(FileLog(tmp_path / "events", format="parquet"))
                 .deduplicate(on=[ID], within="15 minutes", event_time="event_time")
