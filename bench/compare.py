@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import shutil
 import statistics
@@ -49,6 +50,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -80,6 +82,12 @@ GiB = 2**30
 
 # -- measurement helpers (run inside the engine processes) --------------------------------
 
+def _peak_rss_of(status: str) -> float | None:
+    """VmHWM of a ``/proc/<pid>/status`` text, in MiB: the peak RSS of that address space."""
+    line = next((x for x in status.splitlines() if x.startswith("VmHWM:")), None)
+    return None if line is None else int(line.split()[1]) / 1024
+
+
 def jvm_peak_rss_mib() -> float:
     """Peak RSS of this process's Spark JVM (the driver; in local mode also the executors)."""
     peak = 0.0
@@ -89,12 +97,21 @@ def jvm_peak_rss_mib() -> float:
         except OSError:
             continue
         if f"PPid:\t{os.getpid()}\n" in text and "Name:\tjava" in text:
-            hwm = next(line for line in text.splitlines() if line.startswith("VmHWM:"))
-            peak = max(peak, int(hwm.split()[1]) / 1024)
+            peak = max(peak, _peak_rss_of(text) or 0.0)
     return peak
 
 
 def self_peak_rss_mib() -> float:
+    """Peak RSS of this engine process since it started. Not ``ru_maxrss``: a process
+    that ``subprocess`` starts inherits the parent's peak in it (Linux keeps the
+    high-water mark of the address space its exec replaced), and this run's parent
+    peaks at several GiB computing the windowed workloads' references."""
+    try:
+        peak = _peak_rss_of(Path("/proc/self/status").read_text())
+    except OSError:
+        peak = None
+    if peak is not None:
+        return peak
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -436,6 +453,24 @@ def workload_log(name: str, work: Path, events: tuple[str, ...], shards: int, re
     return Workload(name, work / "events", events, shards)
 
 
+def checked(name: str, engine: str, w: Workload, place: Path, work: Path) -> str:
+    """The check of ``engine``'s table against ``reference``, and how many rows it holds
+    (a windowed workload's: windows emitted)."""
+    expected = reference(w, engine, work)
+    got = engine_table(engine, w, place)
+    if got is None:
+        return "ok, 0 rows" if expected.num_rows == 0 else f"no table, expected {expected.num_rows:,} rows"
+    return f"{check_table(name, got, expected)}, {got.num_rows:,} rows"
+
+
+def checked_apart(name: str, engine: str, w: Workload, place: Path, work: Path) -> str:
+    """``checked`` in a process of its own: a windowed workload's reference and table
+    take GiBs, which this process would otherwise hold (6.7 GB while Bsl's peer ran,
+    8.4 GB during Bse's epochs) while the workloads after it run and are timed."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork")) as pool:
+        return pool.submit(checked, name, engine, w, place, work).result()
+
+
 def reference(w: Workload, engine: str, work: Path) -> pa.Table:
     """What ``engine``'s table must hold: As over A's (integer-keyed) events, Ad over
     each event id's first record; a session closes by the peer's watermark, kept in
@@ -506,16 +541,8 @@ def main() -> None:
         print_row(workload, engine, mode, summary, correct)
         report["results"].append({"workload": workload, "engine": engine, "mode": mode, "check": correct, **summary})
 
-    def checked(name: str, engine: str, w: Workload, place: Path, expected: pa.Table) -> str:
-        """The check, and how many rows the table holds (a windowed workload's: windows emitted)."""
-        got = engine_table(engine, w, place)
-        if got is None:
-            return "ok, 0 rows" if expected.num_rows == 0 else f"no table, expected {expected.num_rows:,} rows"
-        return f"{check_table(name, got, expected)}, {got.num_rows:,} rows"
-
     for name in [n for n in STREAMING if n in workloads]:
         w = workload_log(name, work, ab, args.shards, args.resend)
-        expected: dict[str, pa.Table] = {}
         for mode in modes:
             epochs = args.epochs if mode == "warm" else min(args.cold_epochs, args.epochs)
             for engine in [e for e in engines if name not in OURS_ONLY or e == "volley"]:
@@ -524,9 +551,7 @@ def main() -> None:
                 empty = args.empty_epochs if engine == "volley" and mode == "warm" and name == "A" else 0
                 result = run_mode(engine, w, place, mode, epochs, empty)
                 if epochs == args.epochs:
-                    if engine not in expected:
-                        expected[engine] = reference(w, engine, work)
-                    check = checked(name, engine, w, place, expected[engine])
+                    check = checked_apart(name, engine, w, place, work)
                 else:
                     check = "(partial run)"
                 summary = summarize(result)
@@ -544,13 +569,12 @@ def main() -> None:
         scaled.setdefault(name, []).append(label)
         events = work / f"scaling-{state_keys}-{touched}"
         w = Workload("C", events, scaling_log(events, state_keys, touched, args.epochs), args.shards)
-        expected_c = reference_totals(events, w.files)
         for engine in engines:
             place = work / f"{name}{state_keys}-{engine}"
             shutil.rmtree(place, ignore_errors=True)
             result = spawn(engine, w, place, list(range(len(w.files))))
             result["batches"] = result["batches"][1:]  # the state-building epoch is set-up
-            record(label, engine, "warm", summarize(result), checked("C", engine, w, place, expected_c))
+            record(label, engine, "warm", summarize(result), checked_apart("C", engine, w, place, work))
     print_notes(report, scaled)
     print_summary(report, scaled)
     if args.profile:
