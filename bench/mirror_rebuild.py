@@ -8,8 +8,8 @@ fraction: every epoch below it reads RocksDB with ``multi_get``, as before).
 
     ./dev bench mirror_rebuild [--keys 2500000] [--touched 0.1] [--epochs 5] [--rounds 3]
 
-Prints the median seconds of each epoch's read, merge and write (``Aggregate.apply``
-and the flush) per way, how each read its state, and the epoch by which the rebuild
+Prints the median seconds of each epoch's read, merge and write (``Aggregate.apply``,
+the flush and the mirror's commit) per way, how each read its state, and the epoch by which the rebuild
 has paid for its scan; writes bench/results/mirror_rebuild.json.
 """
 
@@ -55,10 +55,10 @@ def run_epoch(store: ShardStore, cache: ResidentStateCache, aggregate: Aggregate
                      columns.ROWS: ones, "n:n": ones})
     t = time.perf_counter()
     mirror = cache.open(IDENTITY, restored, aggregate.resident_records)
+    assert mirror is not None, "another process holds this bench's mirror"
     txn = store.transaction(resident=mirror)
     aggregate.apply(txn, data, ShardStep(epoch, "int"))
     txn.flush()
-    assert mirror is not None
     mirror.commit(snapshot_files(epoch))
     seconds = time.perf_counter() - t
     mode = "resident" if mirror.answered else "scan" if txn.scanned else "multi_get"
