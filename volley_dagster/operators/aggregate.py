@@ -39,6 +39,7 @@ from volley_dagster.operators.ttl import (
 )
 from volley_dagster.sources.offsets import EpochRange
 from volley_dagster.spark.partitioning import ShardRoute
+from volley_dagster.state import bulk_rows
 from volley_dagster.state.keys import decode_keys, encode_keys, key_columns, namespace_prefix
 from volley_dagster.state.resident import MirrorKeys, ResidentRecords, ResidentShard
 from volley_dagster.state.transaction import ShardTransaction
@@ -240,15 +241,16 @@ class ResolvedAggregate:
         touched_now = self._touched_now(data, step)
         expired = expiry.settle(keys, state, existed, touched_now)
         written = ~expired[:n]
+        lives = bulk_rows.select(state[:n], written)
         if expired.any():
             key_array = np.array(keys, dtype=object)
-            txn.set_many(key_array[:n][written].tolist(), self.encode(state[:n][written]))
+            txn.set_many(key_array[:n][written].tolist(), self.encode(lives))
             txn.delete_many(key_array[expired].tolist())
         else:
-            txn.set_many(keys[:n], self.encode(state[:n]))
+            txn.set_many(keys[:n], self.encode(lives))
         if resident is not None and mirror_keys is not None:
             if expired.any() or len(state) > n:
-                resident.update(mirror_keys[:n][written], state[:n][written])
+                resident.update(mirror_keys[:n][written], lives)
                 resident.remove(mirror_keys[expired])
             else:  # the lookup's own keys: the mirror finds them where the lookup did
                 resident.update(mirror_keys, state)

@@ -27,6 +27,7 @@ from volley_dagster import columns
 from volley_dagster.errors import StateLayoutError
 from volley_dagster.operators.aggregate import STATE_FORMAT, ResolvedAggregate
 from volley_dagster.operators.base import OperatorStats, ShardStep, StateNamespaces, partial_records
+from volley_dagster.state import bulk_rows
 from volley_dagster.state.keys import decode_keys, encode_keys, namespace_prefix
 from volley_dagster.state.pending_index import PersistentPendingIndex
 from volley_dagster.state.resident import MirrorKeys, ResidentWindows
@@ -83,27 +84,30 @@ def group_windows(
     is new or changed its end (so it needs a pending-index entry)."""
     if not len(rows):
         return rows, key_index, np.zeros(0, dtype=bool)
+    # sort the bounds only; the wide rows are gathered once, each group's first (most
+    # groups are one row: Spark pre-aggregated each (key, window) of the epoch)
     order = np.lexsort((rows["start"], key_index))
-    rows, key_index, is_new = rows[order], key_index[order], is_new[order]
-    boundary = np.ones(len(rows), dtype=bool)
+    key_index, is_new = key_index[order], is_new[order]
+    start, end = rows["start"][order], rows["end"][order]
+    boundary = np.ones(len(order), dtype=bool)
     boundary[1:] = key_index[1:] != key_index[:-1]
     if sessions:
-        reach = pd.Series(rows["end"]).groupby(key_index).cummax().to_numpy()
-        boundary[1:] |= rows["start"][1:] > reach[:-1]
+        reach = pd.Series(end).groupby(key_index).cummax().to_numpy()
+        boundary[1:] |= start[1:] > reach[:-1]
     else:
-        boundary[1:] |= rows["start"][1:] != rows["start"][:-1]
+        boundary[1:] |= start[1:] != start[:-1]
     leaders = np.flatnonzero(boundary)
     group = np.cumsum(boundary) - 1
-    rank = np.arange(len(rows)) - leaders[group]
-    merged = rows[leaders].copy()
+    rank = np.arange(len(order)) - leaders[group]
+    merged = bulk_rows.take(rows, order[leaders])
     for r in range(1, int(rank.max()) + 1):
         pick = rank == r
         target = group[pick]
-        folded = merged[target]
-        aggregate.combine(folded, rows[pick])
-        merged[target] = folded
-    merged["end"] = np.maximum.reduceat(rows["end"], leaders)
-    stored_end = np.maximum.reduceat(np.where(is_new, _MIN, rows["end"]), leaders)
+        folded = bulk_rows.take(merged, target)
+        aggregate.combine(folded, bulk_rows.take(rows, order[pick]))
+        bulk_rows.put(merged, target, folded)
+    merged["end"] = np.maximum.reduceat(end, leaders)
+    stored_end = np.maximum.reduceat(np.where(is_new, _MIN, end), leaders)
     return merged, key_index[leaders], merged["end"] != stored_end
 
 
@@ -117,10 +121,10 @@ class ShardWindowMirror:
     key_kind: str
 
     @classmethod
-    def of(cls, txn: ShardTransaction, step: ShardStep, keys: list[bytes]) -> ShardWindowMirror | None:
+    def of(cls, txn: ShardTransaction, step: ShardStep, key_values: pa.Array) -> ShardWindowMirror | None:
         if not isinstance(txn.resident, ResidentWindows):
             return None
-        return cls(txn.resident, MirrorKeys.of(decode_keys(step.key_kind, keys)[1]), step.key_kind)
+        return cls(txn.resident, MirrorKeys.of(key_values), step.key_kind)
 
     def windows(self) -> tuple[np.ndarray, np.ndarray] | None:
         """The keys' stored windows and each one's key index, when the mirror can answer."""
@@ -139,6 +143,20 @@ class ShardWindowMirror:
         self.resident.replace(self.keys, rows, row_key)
 
 
+def _epoch_keys(data: pa.Table) -> tuple[list[bytes], pa.Array, np.ndarray]:
+    """The epoch's distinct keys (state keys, in first-seen order), their values, and each
+    row's index among them: one hash pass over the key column (a key's key group is a
+    function of the key), then only the distinct keys encoded."""
+    if not data.num_rows:
+        return [], pa.array([], data.schema.field(columns.KEY).type), np.empty(0, dtype=np.int64)
+    encoded = pc.dictionary_encode(data.column(columns.KEY).combine_chunks())
+    row_key = encoded.indices.to_numpy(zero_copy_only=False).astype(np.int64)
+    first = np.empty(len(encoded.dictionary), dtype=np.int64)
+    first[row_key[::-1]] = np.arange(len(row_key) - 1, -1, -1)  # the last write wins: each key's first row
+    key_groups = data.column(columns.KEY_GROUP).to_numpy(zero_copy_only=False)[first]
+    return encode_keys(WINDOW_NS, key_groups, encoded.dictionary), encoded.dictionary, row_key
+
+
 def apply_windows(
     aggregate: ResolvedAggregate, sessions: bool, max_pending: int | None,
     txn: ShardTransaction, data: pa.Table, step: ShardStep,
@@ -150,21 +168,15 @@ def apply_windows(
     pending = PersistentPendingIndex(txn, namespace_prefix(META_NS), namespace_prefix(PENDING_NS), max_pending)
     n, limit = data.num_rows, step.fire_limit
 
-    touched: list[bytes] = []
-    row_key = np.empty(0, dtype=np.int64)
-    if n:
-        row_keys = pa.array(
-            encode_keys(WINDOW_NS, data.column(columns.KEY_GROUP).to_numpy(zero_copy_only=False),
-                        data.column(columns.KEY).combine_chunks()),
-            pa.binary(),
-        )
-        unique = pc.unique(row_keys)
-        row_key = pc.index_in(row_keys, value_set=unique).to_numpy(zero_copy_only=False).astype(np.int64)
-        touched = unique.to_pylist()
+    touched, touched_values, row_key = _epoch_keys(data)
     due = pending.pop_due(limit) if limit is not None and (n or pending.may_fire(limit)) else []
-    keys = touched + sorted(set(due).difference(touched))
+    only_due = sorted(set(due).difference(touched))
+    keys = touched + only_due
+    key_values = touched_values
+    if only_due:  # keys this epoch fires without touching them: their values are only in their state keys
+        key_values = pa.concat_arrays([touched_values, decode_keys(step.key_kind, only_due)[1].cast(touched_values.type)])
 
-    mirror = ShardWindowMirror.of(txn, step, keys)
+    mirror = ShardWindowMirror.of(txn, step, key_values)
     found = mirror.windows() if mirror is not None else None
     if found is not None:
         rows, key_index = found
@@ -189,12 +201,13 @@ def apply_windows(
     )
     fire = windows["end"] <= limit if limit is not None else np.zeros(len(windows), dtype=bool)
 
-    records, counts = encode_windows(windows[~fire], window_key[~fire], len(keys))
+    open_windows, open_key = bulk_rows.select(windows, ~fire), window_key[~fire]
+    encoded, counts = encode_windows(open_windows, open_key, len(keys))
     if mirror is not None:
-        mirror.replace(windows[~fire], window_key[~fire])
+        mirror.replace(open_windows, open_key)
     keep = counts > 0
     key_array = np.array(keys, dtype=object) if keys else np.empty(0, dtype=object)
-    txn.set_many(key_array[keep].tolist(), np.array(records, dtype=object)[keep].tolist())
+    txn.set_many(key_array[keep].tolist(), np.array(encoded, dtype=object)[keep].tolist())
     txn.delete_many(key_array[~keep & existed].tolist())
 
     opened = changed & ~fire
@@ -202,10 +215,9 @@ def apply_windows(
     pending.touch(touched, step.epoch)
     pending.flush()
 
-    fired, fired_key = windows[fire], window_key[fire]
-    _, key_values = decode_keys(step.key_kind, list(key_array[fired_key]))
+    fired, fired_key = bulk_rows.select(windows, fire), window_key[fire]
     outputs = [
-        key_values,
+        key_values.take(pa.array(fired_key, pa.int64())),
         pa.array(fired["start"], pa.int64()).cast(_TIMESTAMP),
         pa.array(fired["end"], pa.int64()).cast(_TIMESTAMP),
     ] + aggregate.outputs(fired)

@@ -49,6 +49,7 @@ import pyarrow.compute as pc
 from volley_dagster.io.atomic import private_dir, write_json_atomic
 from volley_dagster.json_records import JsonObject
 from volley_dagster.process import boot_id
+from volley_dagster.state import bulk_rows
 from volley_dagster.state.digests import FileDigests
 from volley_dagster.state.keys import string_key_hashes
 
@@ -285,7 +286,7 @@ class ResidentMirror:
             return
         order = np.argsort(row_keys.order, kind="stable")
         self._unstamp()
-        self.keys, self.values, self._rewrite = row_keys.order[order], rows[order], True
+        self.keys, self.values, self._rewrite = row_keys.order[order], bulk_rows.take(rows, order), True
         self.names = row_keys[order].names
         if self.names is not None and len(self.keys) > 1:  # rows of one hash must be rows of one key
             same_hash = np.flatnonzero(self.keys[1:] == self.keys[:-1])
@@ -374,7 +375,7 @@ class ResidentMirror:
         """The mirror becomes ``keys``/``values``/``names`` with ``added`` and their
         ``rows`` inserted at ``at`` (``np.insert`` positions), the strings moved alike."""
         self.keys = np.insert(keys, at, added.order)
-        self.values = np.insert(values, at, rows)
+        self.values = bulk_rows.insert(values, at, rows)
         if names is not None and added.names is not None:
             self.names = pa.concat_arrays([names, added.names]).take(pa.array(_merged_order(at, len(keys))))
         self._rewrite = True
@@ -401,7 +402,7 @@ class ResidentShard(ResidentMirror):
         if not self._found_same_names(keys, idx, existed):
             self.discard()
             return None
-        state[existed] = self.values[idx[existed]]
+        bulk_rows.put(state, np.flatnonzero(existed), bulk_rows.take(self.values, idx[existed]))
         self.answered = True
         return state, existed
 
@@ -419,7 +420,7 @@ class ResidentShard(ResidentMirror):
             return
         order = keys.search_order
         written = np.flatnonzero(known) if order is None else order[known[order]]  # in the mirror's order
-        self.values[idx[written]] = states[written]
+        bulk_rows.put(self.values, idx[written], bulk_rows.take(states, written))
         new = ~known
         if not new.any():
             return
@@ -429,7 +430,7 @@ class ResidentShard(ResidentMirror):
             self.discard()
             return
         self._insert(np.asarray(self.keys), np.asarray(self.values), self.names, idx[new][order], added,
-                     states[new][order])
+                     bulk_rows.take(states, np.flatnonzero(new)[order]))
 
     def remove(self, keys: MirrorKeys) -> None:
         """Drop these keys (expired): the state no longer holds them. A key that only shares
@@ -447,7 +448,8 @@ class ResidentShard(ResidentMirror):
             return
         keep = np.ones(len(self.keys), dtype=bool)
         keep[idx[found]] = False
-        self.keys, self.values, self._rewrite = np.asarray(self.keys)[keep], np.asarray(self.values)[keep], True
+        self.keys, self.values = np.asarray(self.keys)[keep], bulk_rows.select(np.asarray(self.values), keep)
+        self._rewrite = True
         if self.names is not None:
             self.names = self.names.filter(pa.array(keep))
 
@@ -467,7 +469,7 @@ class ResidentWindows(ResidentMirror):
         rows, key_index = _expand(*ranges)
         assert self.values is not None
         self.answered = True
-        return np.asarray(self.values[rows]), key_index
+        return np.asarray(bulk_rows.take(self.values, rows)), key_index
 
     def replace(self, keys: MirrorKeys, rows: np.ndarray, row_key: np.ndarray) -> None:
         """Every window of ``keys`` (distinct) becomes ``rows``; ``row_key``: the index in
@@ -488,8 +490,8 @@ class ResidentWindows(ResidentMirror):
         kept_names = self.names.filter(pa.array(~drop)) if self.names is not None else None
         order = np.argsort(keys.order[row_key], kind="stable")  # by key, each key's rows in their order
         added = keys[row_key[order]]
-        self._insert(kept_keys, np.asarray(self.values)[~drop], kept_names, np.searchsorted(kept_keys, added.order),
-                     added, rows[order])
+        self._insert(kept_keys, bulk_rows.select(np.asarray(self.values), ~drop), kept_names,
+                     np.searchsorted(kept_keys, added.order), added, bulk_rows.take(rows, order))
 
     def _ranges(self, keys: MirrorKeys) -> tuple[np.ndarray, np.ndarray] | None:
         """Each key's rows ``[lo, hi)``; None (and the mirror dropped) on a hash clash."""
