@@ -37,14 +37,19 @@ def insert(rows: np.ndarray, at: np.ndarray, added: np.ndarray) -> np.ndarray:
     """``np.insert(rows, at, added)``: a new array (rows added at one position keep their order)."""
     if len(at) != len(added):
         raise ValueError(f"{len(added)} rows for {len(at)} positions")
+    return take(np.concatenate([rows, added]), inserted_order(at, len(rows)))
+
+
+def inserted_order(at: np.ndarray, kept: int) -> np.ndarray:
+    """Where each element of ``np.insert(kept_array, at, added)`` comes from, as an index
+    into ``kept_array`` followed by ``added``: one order for every array moved alike."""
     at = np.asarray(at, dtype=np.int64)
-    if np.any(at[1:] < at[:-1]):
-        order = np.argsort(at, kind="stable")
-        at, added = at[order], take(added, order)
-    placed = at + np.arange(len(at))
-    out = np.empty(len(rows) + len(added), dtype=rows.dtype)
-    old = np.ones(len(out), dtype=bool)
-    old[placed] = False
-    np.put(out, placed, added)
-    np.put(out, np.flatnonzero(old), rows)
-    return out
+    placed = np.empty(len(at), dtype=np.int64)
+    order = np.argsort(at, kind="stable") if np.any(at[1:] < at[:-1]) else np.arange(len(at))
+    placed[order] = at[order] + np.arange(len(at))
+    source = np.empty(kept + len(at), dtype=np.int64)
+    is_new = np.zeros(len(source), dtype=bool)
+    is_new[placed] = True
+    source[placed] = kept + np.arange(len(at))
+    source[~is_new] = np.arange(kept)
+    return source

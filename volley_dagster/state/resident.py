@@ -374,10 +374,11 @@ class ResidentMirror:
                 added: MirrorKeys, rows: np.ndarray) -> None:
         """The mirror becomes ``keys``/``values``/``names`` with ``added`` and their
         ``rows`` inserted at ``at`` (``np.insert`` positions), the strings moved alike."""
-        self.keys = np.insert(keys, at, added.order)
-        self.values = bulk_rows.insert(values, at, rows)
+        order = bulk_rows.inserted_order(at, len(keys))
+        self.keys = np.concatenate([keys, added.order])[order]
+        self.values = bulk_rows.take(np.concatenate([values, rows]), order)
         if names is not None and added.names is not None:
-            self.names = pa.concat_arrays([names, added.names]).take(pa.array(_merged_order(at, len(keys))))
+            self.names = pa.concat_arrays([names, added.names]).take(pa.array(order))
         self._rewrite = True
 
 
@@ -511,18 +512,6 @@ def _expand(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
     positions = np.arange(int(counts.sum()), dtype=np.int64) + np.repeat(lo - starts, counts)
     return positions, np.repeat(np.arange(len(lo)), counts)
-
-
-def _merged_order(at: np.ndarray, kept: int) -> np.ndarray:
-    """After ``np.insert(kept_array, at, added)``: where each element came from, as an
-    index into ``kept_array`` followed by ``added``."""
-    placed = at + np.arange(len(at))
-    source = np.empty(kept + len(at), dtype=np.int64)
-    is_new = np.zeros(len(source), dtype=bool)
-    is_new[placed] = True
-    source[is_new] = kept + np.arange(len(at))
-    source[~is_new] = np.arange(kept)
-    return source
 
 
 def _write_npy(arr: np.ndarray, fh: Any) -> None:
