@@ -1,5 +1,5 @@
 """``state/bulk_rows``: the fast ways of moving structured records do exactly what
-NumPy's indexing syntax does, on records laid out as the operators' are (packed,
+NumPy's indexing syntax and ``np.insert``/``np.concatenate`` do, on records laid out as the operators' are (packed,
 unaligned fields) and on a memory-mapped mirror written in place."""
 
 from __future__ import annotations
@@ -47,6 +47,9 @@ def test_take_select_put_and_insert_equal_numpys_own_syntax(n: int, seed: int, d
     at = np.array(data.draw(st.lists(st.integers(0, n), max_size=30)), dtype=np.int64)  # any order, repeats
     added = records(len(at), seed + 2)
     assert bulk_rows.insert(rows, at, added).tobytes() == np.insert(rows, at, added).tobytes()
+    order = bulk_rows.inserted_order(at, n)  # the one order the mirror moves its keys and names by
+    assert order.tolist() == np.insert(np.arange(n), at, n + np.arange(len(at))).tolist()
+    assert bulk_rows.concat([rows, added, rows[::2]]).tobytes() == np.concatenate([rows, added, rows[::2]]).tobytes()
 
 
 def test_put_writes_through_a_memory_mapped_mirror(tmp_path) -> None:
@@ -67,3 +70,5 @@ def test_a_length_mismatch_is_refused_not_repeated_or_cut() -> None:
         bulk_rows.select(rows, np.array([True, False, True]))
     with pytest.raises(ValueError, match="2 rows for 1 positions"):
         bulk_rows.insert(rows, np.array([0]), records(2, 5))
+    with pytest.raises(ValueError, match="records of 2 layouts"):
+        bulk_rows.concat([rows, np.zeros(1, dtype=[("start", np.int64)])])

@@ -194,7 +194,7 @@ def apply_windows(
     aggregate.load(new, data, step.epoch)
     windows, window_key, changed = group_windows(
         aggregate,
-        np.concatenate([rows, new]),
+        bulk_rows.concat([rows, new]),
         np.concatenate([key_index, row_key]),
         np.concatenate([np.zeros(len(rows), dtype=bool), np.ones(n, dtype=bool)]),
         sessions=sessions,
