@@ -53,13 +53,7 @@ def insert(rows: np.ndarray, at: np.ndarray, added: np.ndarray) -> np.ndarray:
     """``np.insert(rows, at, added)``: a new array (rows added at one position keep their order)."""
     if len(at) != len(added):
         raise ValueError(f"{len(added)} rows for {len(at)} positions")
-    placed = _placed(at)
-    out = np.empty(len(rows) + len(added), dtype=rows.dtype)
-    old = np.ones(len(out), dtype=bool)
-    old[placed] = False
-    np.put(out, placed, added)
-    np.put(out, np.flatnonzero(old), rows)
-    return out
+    return take(concat([rows, added]), inserted_order(at, len(rows)))
 
 
 def inserted_order(at: np.ndarray, kept: int) -> np.ndarray:

@@ -376,7 +376,7 @@ class ResidentMirror:
         ``rows`` inserted at ``at`` (``np.insert`` positions), the strings moved alike."""
         order = bulk_rows.inserted_order(at, len(keys))
         self.keys = np.concatenate([keys, added.order])[order]
-        self.values = bulk_rows.insert(values, at, rows)
+        self.values = bulk_rows.take(bulk_rows.concat([values, rows]), order)
         if names is not None and added.names is not None:
             self.names = pa.concat_arrays([names, added.names]).take(pa.array(order))
         self._rewrite = True
