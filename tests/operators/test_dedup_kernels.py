@@ -3,7 +3,8 @@ ids with copies inside an epoch and across epochs, event times that move on and
 some that arrive late (past ``within`` behind the watermark: dropped as late); each
 epoch's verdicts and what stays remembered equal a plain record-by-record fold of the
 rule in ``volley_dagster.operators.dedup``. A shard written before runs (a key per
-entry) is read as remembered and moved into runs by its next epoch."""
+entry) is read as remembered and moved into runs by its next epoch. A probe's tally
+crosses Spark as bytes and the shard task combines them unchanged."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 import rocksdict
 
 from volley_dagster.operators.base import ShardStep
-from volley_dagster.operators.dedup import Deduplication, SeenKeys, decide
+from volley_dagster.operators.dedup import Deduplication, ProbeTally, SeenKeys, decide
 from volley_dagster.operators.dedup_state import LEGACY_BY_DEADLINE_NS, LEGACY_SEEN_NS, RUNS_NS, read_remembered
 from volley_dagster.operators.event_time import EventTime
 from volley_dagster.state.keys import ShardLayout, encode_keys, namespace_prefix
@@ -128,3 +129,12 @@ def test_a_shard_written_before_runs_is_remembered_and_moved_into_runs(tmp_path,
         assert not read_remembered(ShardTransaction(db), kind).legacy
     finally:
         db.close()
+
+
+def test_probe_tallies_cross_as_bytes_and_combine_to_the_latest_time_and_the_sums():
+    tallies = [ProbeTally(None), ProbeTally(-5, 3, 1), ProbeTally(2**62, 0, 7), ProbeTally(None, 2, 0)]
+    assert [ProbeTally.from_bytes(t.to_bytes()) for t in tallies] == tallies
+    assert ProbeTally.combined(tallies) == ProbeTally(2**62, 5, 8)
+    assert ProbeTally.combined([ProbeTally(None), ProbeTally(None, 1, 1)]) == ProbeTally(None, 1, 1)
+    assert ProbeTally.combined([]) == ProbeTally(None)
+    assert {ProbeTally.key_group(s) for s in range(4)} == {-1, -2, -3, -4}  # never a key group of a run

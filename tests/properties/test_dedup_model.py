@@ -6,10 +6,13 @@ and late copies (counts, and which records by file, offset and reason), dead let
 and watermark; at the end ``read_state()``, the Delta upsert table and how many keys
 were remembered. An epoch that crashes is run again by a new runner, to the same
 result. Far-future records are dead letters (``max_event_time_skew``); the side-output
-job runs only in an epoch that has some."""
+job runs only in an epoch that has some. Both ways the probe runs: with the duplicates
+written out, in a job of its own; without, in the state stage's job, where the shard
+tasks forget by the latest event time the probes tell them."""
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -37,9 +40,10 @@ from volley_dagster.sinks.delta import DeltaSink
 KEYS = {"int": (ID,), "str": (ID,), "two_columns": (ID, SOURCE)}
 
 
+@pytest.mark.parametrize("write_duplicates", [True, False], ids=["probe_job", "probe_in_stage"])
 @profile(default_examples=2)
 @given(data=st.data())
-def test_deduplication_equals_the_reference(spark, tmp_path_factory, data):
+def test_deduplication_equals_the_reference(spark, tmp_path_factory, write_duplicates, data):
     EXAMPLES["dedup"] += 1
     on = data.draw(st.sampled_from(sorted(KEYS)), label="on")
     within = data.draw(st.sampled_from(["30 seconds", "1 minute"]), label="within")
@@ -51,7 +55,8 @@ def test_deduplication_equals_the_reference(spark, tmp_path_factory, data):
     log = materialise(stream, start_us())
 
     def make_runner() -> EpochRunner:
-        pipeline = dedup_pipeline(base / "events", None, on=KEYS[on], within=within, skew=SKEW, name="dedup")
+        pipeline = dedup_pipeline(base / "events", None, on=KEYS[on], within=within, skew=SKEW, name="dedup",
+                                  write_duplicates=write_duplicates)
         return EpochRunner(pipeline.sink(DeltaSink(base / "delta", mode="upsert")).on_bad_records("dead_letter"),
                            base / "state", spark=spark)
 
@@ -65,8 +70,8 @@ def test_deduplication_equals_the_reference(spark, tmp_path_factory, data):
         same_values(e.result.output, expected, ["events", "total"])
         assert (e.result.figures["duplicates"], e.result.figures["dedup_late"]) == (len(dropped) - len(late), len(late))
         reasons = ["late" if row in late else "duplicate" for row in dropped]
-        assert e.duplicates == [(*at, why) for at, why in zip(where(e.records, dropped), reasons, strict=True)], (
-            f"epoch {n}: the duplicates side output")
+        written = [(*at, why) for at, why in zip(where(e.records, dropped), reasons, strict=True)]
+        assert e.duplicates == (written if write_duplicates else []), f"epoch {n}: the duplicates side output"
         dead = reference.dead_letters[-1]
         assert e.dead == set(where(e.records, dead)), f"epoch {n}: dead letters"
         assert e.result.dead_letters == len(dead)
@@ -74,6 +79,9 @@ def test_deduplication_equals_the_reference(spark, tmp_path_factory, data):
         # finds them only when there are some
         assert (e.result.durations["side_output"] > 0) == bool(dead), f"epoch {n}: side-output job"
         assert e.result.watermark == reference.watermark, f"epoch {n}: watermark"
+        assert write_duplicates or e.result.durations["pre_step"] == 0, f"epoch {n}: a probe job of its own ran"
+    ran = [e for e in epochs if e.records.num_rows]
+    assert not write_duplicates or not ran or any(e.result.durations["pre_step"] > 0 for e in ran)
     same_values(runner.read_state(), reference.totals, ["events", "total"])
     same_values(delta_sink(runner).read(), reference.totals, ["events", "total"])
     figures = [s.operator.figures for e in epochs for s in e.result.shards.values()]

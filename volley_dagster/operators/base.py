@@ -216,11 +216,7 @@ class PreStepRun(Protocol):
 
 class PreStep(Protocol):
     """A step between the valid rows and the operator that drops records against epoch
-    N-1's state, in a job of its own (a deduplication's probe before an aggregate)."""
-
-    @property
-    def figure_names(self) -> tuple[str, ...]:
-        """The figures its runs report (an epoch without records reports them as 0)."""
+    N-1's state, in a job of its own (a deduplication's probe before a window)."""
 
     def run(self, rows: DataFrame, layout: ShardLayout, watermark: int | None, merge: ShardMerge) -> PreStepRun:
         """Run over the epoch's valid ``rows``, reading them all in a job before it returns:

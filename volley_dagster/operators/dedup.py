@@ -40,10 +40,11 @@ same.
 State: the remembered keys, in runs per key group and epoch in the shard that owns
 the key group (``operators/dedup_state.py``), read once an epoch and tested in bulk.
 
-Where it runs: before an aggregate or a window, Spark routes each record's (key,
-position, event time) to the key's shard, where a probe reads N-1's snapshot
-(``spark/dedup.py``); the epoch's state tasks then remember the kept keys and forget
-the due ones, in the same ``WriteBatch`` and snapshot as the operator after it
+Where it runs: before an aggregate or a window, Spark routes each record to the
+key's shard, where a probe reads N-1's snapshot (``spark/dedup.py``: in the state
+stage's own job, or, before a window or an event-time TTL, which need W[N] first, in a
+job before it); the epoch's state tasks then remember the kept keys and forget the due
+ones, in the same ``WriteBatch`` and snapshot as the operator after it
 (``Deduplicated``). With nothing after it, the records themselves are routed by the
 key and each shard task decides, remembers and emits the kept ones
 (``UniqueRecords``).
@@ -51,7 +52,7 @@ key and each shard task decides, remembers and emits the kept ones
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar, Sequence
 
 import numpy as np
@@ -65,6 +66,7 @@ from volley_dagster import columns
 from volley_dagster.errors import ConfigError
 from volley_dagster.json_records import JsonObject
 from volley_dagster.operators.base import (
+    LATEST_EVENT,
     OperatorStats,
     ShardStep,
     StageClock,
@@ -253,6 +255,39 @@ class SeenKeys:
 
 
 @dataclass(frozen=True)
+class ProbeTally:
+    """What one probe task tells each shard task when the probe runs in the state
+    stage's job (``spark/dedup.py``): the latest event time of its records, by which
+    the shard task forgets (W[N] is not known before the job), and, to its own shard
+    only, how many it dropped. It rides as a ``DEDUP_RUN`` row whose key group is
+    negative (``key_group``), grouped apart from the runs."""
+
+    latest: int | None
+    duplicates: int = 0
+    late: int = 0
+
+    _FORMAT: ClassVar[np.dtype] = np.dtype("<i8")
+
+    @staticmethod
+    def key_group(probe_shard: int) -> int:
+        return -1 - probe_shard
+
+    def to_bytes(self) -> bytes:
+        latest = (0, 0) if self.latest is None else (1, self.latest)
+        return np.array([*latest, self.duplicates, self.late], self._FORMAT).tobytes()
+
+    @classmethod
+    def from_bytes(cls, blob: bytes) -> ProbeTally:
+        has, latest, duplicates, late = (int(v) for v in np.frombuffer(blob, cls._FORMAT))
+        return cls(latest if has else None, duplicates, late)
+
+    @classmethod
+    def combined(cls, tallies: Sequence[ProbeTally]) -> ProbeTally:
+        latest = [t.latest for t in tallies if t.latest is not None]
+        return cls(max(latest) if latest else None, sum(t.duplicates for t in tallies), sum(t.late for t in tallies))
+
+
+@dataclass(frozen=True)
 class Deduplicated:
     """The stateful operator after a deduplication: its own work, plus remembering the
     kept keys that reach the shard (rows with ``DEDUP_RUN``: the probe's runs) and
@@ -293,12 +328,23 @@ class Deduplicated:
         is_run = pc.is_valid(data.column(columns.DEDUP_RUN))
         kept, rest = data.filter(is_run), data.filter(pc.invert(is_run))
         outputs, stats = self.inner.apply(txn, rest.drop_columns([columns.DEDUP_RUN]), step)
+        is_tally = pc.less(kept.column(columns.KEY_GROUP), 0)
+        tallies = [ProbeTally.from_bytes(b) for b in kept.filter(is_tally).column(columns.DEDUP_RUN).to_pylist()]
+        kept = kept.filter(pc.invert(is_tally))
         runs = [(kg, decode_run(b"", blob)) for kg, blob in zip(kept.column(columns.KEY_GROUP).to_pylist(),
                                                                  kept.column(columns.DEDUP_RUN).to_pylist(), strict=True)]
         groups, keys, times = decoded_runs([kg for kg, _ in runs], [r for _, r in runs], self.key_kind)
+        probed: dict[str, int] = {}
+        if tallies:  # the probe ran in this job: W[N] is the one the epoch starts from, advanced by its records
+            tally = ProbeTally.combined(tallies)
+            step = replace(step, watermark=self.dedup.event_time.advance(step.watermark, tally.latest))
+            probed = {DUPLICATES: tally.duplicates, DEDUP_LATE: tally.late}
+            if tally.latest is not None:
+                probed[LATEST_EVENT] = tally.latest
         figures = SeenKeys(self.dedup, txn, step).settle(groups, keys, times,
                                                          read_remembered(txn, self.key_kind))
-        return outputs, OperatorStats(stats.keys_touched, stats.new_keys, {**stats.figures, **figures}, stats.records)
+        return outputs, OperatorStats(stats.keys_touched, stats.new_keys, {**stats.figures, **figures, **probed},
+                                      stats.records)
 
 
 @dataclass(frozen=True)

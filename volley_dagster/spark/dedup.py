@@ -1,16 +1,23 @@
 """Deduplication in an epoch's Spark work (the rules: ``operators/dedup.py``).
 
-One job routes each valid record's (deduplication key, log position, event time) to
-the shard that owns the key and runs ``DuplicateProbe`` there: it marks the late
-records (against the watermark the epoch starts from), reads epoch N-1's snapshot of
-that shard read-only and marks the duplicates among the others. It returns the dropped
-records and the kept keys as one run per key group (``operators/dedup_state.py``), a
-few rows however many records were kept. Its result is cached and counted (or
-collected, for the duplicates side output) on the driver. The epoch's state stage
-then reads the records without the dropped ones (an anti-join on the log position)
-and sends the runs to their shards, where ``Deduplicated`` remembers their keys in the
-shard's transaction. Every attempt of an epoch probes the same snapshot
-with the same records and the same watermark, so every attempt drops the same records.
+Each valid record is routed by its deduplication key to the shard that owns the key,
+where ``DuplicateProbe`` marks the late records (against the watermark the epoch starts
+from), reads epoch N-1's snapshot of that shard read-only and marks the duplicates
+among the others; the kept keys become one run per key group
+(``operators/dedup_state.py``), a few rows however many records were kept, which reach
+the shard's state task, where ``Deduplicated`` remembers them in the shard's
+transaction. Every attempt of an epoch probes the same snapshot with the same records
+and the same watermark, so every attempt drops the same records. Two ways to run it:
+
+- **In the state stage's job** (``probe_in_stage``, ``PlannedEpoch.probes_in_stage``):
+  ``KeptRecords`` passes the kept records themselves on to the operator, with the runs,
+  and tells every shard task the latest event time of its records (``ProbeTally``), by
+  which they forget: one read of the records, no job before the stage.
+- **In a job of its own** (``ProbeDuplicates``), when the shard tasks need W[N] before
+  they start (a window or an event-time TTL after it) or the dropped records are
+  written out: it returns the dropped records and the runs, cached and counted (or
+  collected, for the duplicates side output) on the driver; the state stage then reads
+  the records without the dropped ones (an anti-join on the log position).
 """
 
 from __future__ import annotations
@@ -23,11 +30,20 @@ import pyarrow.compute as pc
 from pyspark import StorageLevel
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
+from pyspark.sql import types as T
 
 from volley_dagster import columns
 from volley_dagster.checkpoint.s3_snapshots import S3SnapshotStore
 from volley_dagster.checkpoint.snapshots import SnapshotRef, on_this_machine
-from volley_dagster.operators.dedup import DEDUP_FIGURES, DEDUP_LATE, DROPPED_COLUMNS, DUPLICATES, Deduplication, decide
+from volley_dagster.operators.dedup import (
+    DEDUP_LATE,
+    DROPPED_COLUMNS,
+    DUPLICATES,
+    Deduplication,
+    ProbeTally,
+    Verdicts,
+    decide,
+)
 from volley_dagster.operators.dedup_state import read_remembered, runs_by_key_group
 from volley_dagster.sources.offsets import EpochRange
 from volley_dagster.spark.partitioning import partition_of_shard, per_shard, with_shard
@@ -58,7 +74,31 @@ class DuplicateProbe:
     remote: S3SnapshotStore | None = None
     cache_root: str = ""
 
+    @classmethod
+    def of(cls, dedup: Deduplication, watermark: int | None, merge: ShardMerge) -> DuplicateProbe:
+        """The probe of the epoch ``merge`` is for, against its N-1 snapshots."""
+        return cls(dedup, watermark, merge.previous, merge.rocksdb, merge.verify_checksums, merge.remote,
+                   merge.cache_root)
+
     def __call__(self, table: pa.Table) -> pa.Table:
+        shard, keys, times, verdicts = self.verdicts(table)
+        kept = verdicts.kept
+        dropped = table.filter(pa.array(~kept)).select(_PROBED)
+        dropped = (dropped.append_column(columns.DUPLICATE, pa.array(verdicts.duplicate[~kept]))
+                   .append_column(columns.DEDUP_LATE, pa.array(verdicts.late[~kept]))
+                   .append_column(columns.DEDUP_RUN, pa.nulls(dropped.num_rows, pa.binary())))
+        runs = _runs(table, keys, times, kept)
+        n = len(runs)
+        schema = dropped.schema
+        filled = {columns.SHARD: np.full(n, shard), columns.KEY_GROUP: [g for g, _ in runs],
+                  columns.DEDUP_RUN: [r for _, r in runs]}
+        run_rows = pa.table([pa.array(filled[f.name], f.type) if f.name in filled else pa.nulls(n, f.type)
+                             for f in schema], schema=schema)
+        return pa.concat_tables([dropped, run_rows])
+
+    def verdicts(self, table: pa.Table) -> tuple[int, pa.Array, np.ndarray, Verdicts]:
+        """The shard's records (``DEDUP_KEY``, ``POS``, ``DEDUP_TIME``) decided against
+        N-1's snapshot of it: the shard, the keys, their event times and the verdicts."""
         shard = table.column(columns.SHARD)[0].as_py()
         keys = table.column(columns.DEDUP_KEY).combine_chunks()
         positions = table.column(columns.POS).to_numpy(zero_copy_only=False)
@@ -73,21 +113,43 @@ class DuplicateProbe:
                     remembered = read_remembered(ShardTransaction(db), key_kind(keys.type))
                 finally:
                     db.close()
-        verdicts = decide(self.dedup, remembered, keys, positions, times, self.watermark)
+        return shard, keys, times, decide(self.dedup, remembered, keys, positions, times, self.watermark)
+
+
+def _runs(table: pa.Table, keys: pa.Array, times: np.ndarray, kept: np.ndarray) -> list[tuple[int, bytes]]:
+    """The kept keys of a probe's shard, as one run per key group."""
+    groups = table.column(columns.KEY_GROUP).to_numpy(zero_copy_only=False).astype(np.int64)
+    return runs_by_key_group(groups[kept], keys.filter(pa.array(kept)), times[kept])
+
+
+@dataclass(frozen=True)
+class KeptRecords:
+    """Per shard, in the state stage's own job (``probe_in_stage``): the records it
+    keeps, whole (``passed``, without a shard: the operator's key routes them next), its
+    kept keys as runs, and a ``ProbeTally`` to every shard (``num_shards``)."""
+
+    probe: DuplicateProbe
+    passed: tuple[str, ...]
+    num_shards: int
+
+    def __call__(self, table: pa.Table) -> pa.Table:
+        shard, keys, times, verdicts = self.probe.verdicts(table)
         kept = verdicts.kept
-        dropped = table.filter(pa.array(~kept)).select(_PROBED)
-        dropped = (dropped.append_column(columns.DUPLICATE, pa.array(verdicts.duplicate[~kept]))
-                   .append_column(columns.DEDUP_LATE, pa.array(verdicts.late[~kept]))
-                   .append_column(columns.DEDUP_RUN, pa.nulls(dropped.num_rows, pa.binary())))
-        groups = table.column(columns.KEY_GROUP).to_numpy(zero_copy_only=False).astype(np.int64)
-        runs = runs_by_key_group(groups[kept], keys.filter(pa.array(kept)), times[kept])
-        n = len(runs)
-        schema = dropped.schema
-        filled = {columns.SHARD: np.full(n, shard), columns.KEY_GROUP: [g for g, _ in runs],
-                  columns.DEDUP_RUN: [r for _, r in runs]}
-        run_rows = pa.table([pa.array(filled[f.name], f.type) if f.name in filled else pa.nulls(n, f.type)
-                             for f in schema], schema=schema)
-        return pa.concat_tables([dropped, run_rows])
+        records = table.select(list(self.passed)).filter(pa.array(kept))
+        records = (records.append_column(columns.SHARD, pa.nulls(records.num_rows, pa.int32()))
+                   .append_column(columns.KEY_GROUP, pa.nulls(records.num_rows, pa.int32()))
+                   .append_column(columns.DEDUP_RUN, pa.nulls(records.num_rows, pa.binary())))
+        runs = _runs(table, keys, times, kept)
+        latest = int(times.max()) if len(times) else None
+        own = ProbeTally(latest, int(verdicts.duplicate.sum()), int(verdicts.late.sum()))
+        tallies = [(own if s == shard else ProbeTally(latest)).to_bytes() for s in range(self.num_shards)]
+        routed = {columns.SHARD: [shard] * len(runs) + list(range(self.num_shards)),
+                  columns.KEY_GROUP: [g for g, _ in runs] + [ProbeTally.key_group(shard)] * self.num_shards,
+                  columns.DEDUP_RUN: [r for _, r in runs] + tallies}
+        n = len(runs) + self.num_shards
+        return pa.concat_tables([records, pa.table(
+            [pa.array(routed[f.name], f.type) if f.name in routed else pa.nulls(n, f.type) for f in records.schema],
+            schema=records.schema)])
 
 
 @dataclass(frozen=True)
@@ -96,12 +158,9 @@ class ProbeDuplicates:
     aggregate or window: the probe job, whose dropped records never reach the operator."""
 
     dedup: Deduplication
-    figure_names: tuple[str, ...] = DEDUP_FIGURES
 
     def run(self, rows: DataFrame, layout: ShardLayout, watermark: int | None, merge: ShardMerge) -> ProbedEpoch:
-        probe = DuplicateProbe(self.dedup, watermark, merge.previous, merge.rocksdb, merge.verify_checksums,
-                               merge.remote, merge.cache_root)
-        return probe_duplicates(rows, self.dedup, layout, probe)
+        return probe_duplicates(rows, self.dedup, layout, DuplicateProbe.of(self.dedup, watermark, merge))
 
 
 @dataclass
@@ -167,3 +226,18 @@ def probe_duplicates(rows: DataFrame, dedup: Deduplication, layout: ShardLayout,
     except BaseException:
         probed.unpersist()
         raise
+
+
+def probe_in_stage(rows: DataFrame, dedup: Deduplication, layout: ShardLayout, probe: DuplicateProbe) -> DataFrame:
+    """The epoch's valid ``rows`` (with ``DEDUP_KEY``) routed by their deduplication key
+    to ``KeptRecords``, in the job that ends in the shard tasks (nothing runs here): the
+    kept records come out without ``DEDUP_KEY``, followed by the runs and tallies with
+    their shard (``partitioning.route_to_shards(kept_inline=True)``)."""
+    passed = tuple(c for c in rows.columns if c not in (columns.DEDUP_KEY, columns.SHARD, columns.KEY_GROUP))
+    timed = rows.withColumn(columns.DEDUP_TIME, dedup.event_time.event_us())
+    routed = with_shard(timed, layout, columns.DEDUP_KEY).withColumn(columns.PARTITION, partition_of_shard(layout))
+    schema = T.StructType([T.StructField(c, rows.schema[c].dataType, True) for c in passed] + [
+        T.StructField(columns.SHARD, T.IntegerType(), True), T.StructField(columns.KEY_GROUP, T.IntegerType(), True),
+        T.StructField(columns.DEDUP_RUN, T.BinaryType(), True)])
+    return per_shard(routed.repartition(layout.num_shards, columns.PARTITION),
+                     KeptRecords(probe, passed, layout.num_shards), schema)

@@ -20,6 +20,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
+from pyspark.sql.types import StructType
 
 from volley_dagster import columns
 from volley_dagster.columns import sql_identifier
@@ -58,15 +59,16 @@ def partition_values(num_shards: int) -> tuple[int, ...]:
     return tuple(found[s] for s in range(num_shards))
 
 
-def with_shard(df: DataFrame, layout: ShardLayout, key: str = columns.KEY) -> DataFrame:
+def with_shard(df: DataFrame, layout: ShardLayout, key: str = columns.KEY, keep: bool = False) -> DataFrame:
     """Key group (a stable hash of the key column ``key``) and shard (its range) as Spark
-    expressions. SQL text, one plan change: each ``F`` call and each ``withColumn`` is a
-    round trip to the JVM, and an epoch plans a dozen of them."""
+    expressions; ``keep``: rows that have them already keep theirs. SQL text, one plan
+    change: each ``F`` call and each ``withColumn`` is a round trip to the JVM, and an
+    epoch plans a dozen of them."""
     key_group = f"cast(pmod(xxhash64({sql_identifier(key)}), {layout.num_key_groups}) as int)"
-    return df.withColumns({
-        columns.KEY_GROUP: F.expr(key_group),
-        columns.SHARD: F.expr(f"cast(({key_group} * {layout.num_shards}) div {layout.num_key_groups} as int)"),
-    })
+    shard = f"cast(({key_group} * {layout.num_shards}) div {layout.num_key_groups} as int)"
+    if keep:
+        key_group, shard = f"coalesce({columns.KEY_GROUP}, {key_group})", f"coalesce({columns.SHARD}, {shard})"
+    return df.withColumns({columns.KEY_GROUP: F.expr(key_group), columns.SHARD: F.expr(shard)})
 
 
 def partition_of_shard(layout: ShardLayout) -> Column:
@@ -101,17 +103,21 @@ class ShardRoute:
     grouping: tuple[str, ...]
 
 
-def route_to_shards(rows: DataFrame, layout: ShardLayout, kept: DataFrame | None = None) -> ShardRoute:
+def route_to_shards(rows: DataFrame, layout: ShardLayout, kept: DataFrame | None = None,
+                    kept_inline: bool = False) -> ShardRoute:
     """``rows`` (keyed) to their shards, in one exchange; ``kept``: more rows that carry
-    their own key group and shard (a deduplication's kept keys), in the same exchange."""
-    grouping = ROUTING_COLUMNS + (KEPT_KEY_COLUMNS if kept is not None else [])
-    return ShardRoute(to_shards(rows, layout, kept), tuple(grouping))
+    their own key group and shard (a deduplication's kept keys), in the same exchange;
+    ``kept_inline``: such rows are among ``rows`` already (a probe in the same job)."""
+    grouping = ROUTING_COLUMNS + (KEPT_KEY_COLUMNS if kept is not None or kept_inline else [])
+    return ShardRoute(to_shards(rows, layout, kept, kept_inline), tuple(grouping))
 
 
-def to_shards(rows: DataFrame, layout: ShardLayout, routed: DataFrame | None = None) -> DataFrame:
+def to_shards(rows: DataFrame, layout: ShardLayout, routed: DataFrame | None = None, routed_inline: bool = False
+              ) -> DataFrame:
     """Keyed rows, one Spark partition per shard (marker rows included); ``routed``:
-    rows with their own key group and shard, in the same exchange."""
-    keyed = with_shard(rows, layout)
+    rows with their own key group and shard, in the same exchange (``routed_inline``:
+    among ``rows``, which keep theirs)."""
+    keyed = with_shard(rows, layout, keep=routed_inline)
     if routed is not None:
         keyed = keyed.unionByName(routed, allowMissingColumns=True)
     return shard_markers(keyed, layout).repartition(layout.num_shards, columns.PARTITION)
@@ -139,7 +145,7 @@ class _OnePartitionOneShard:
         yield from self.task(table).to_batches()
 
 
-def per_shard(partitioned: DataFrame, task: Callable[[pa.Table], pa.Table], schema: str) -> DataFrame:
+def per_shard(partitioned: DataFrame, task: Callable[[pa.Table], pa.Table], schema: str | StructType) -> DataFrame:
     """``task`` once per shard, over its rows as one Arrow table, on rows routed by
     ``to_shards`` (or repartitioned by ``PARTITION`` as it does)."""
     return partitioned.mapInArrow(_OnePartitionOneShard(task), schema)

@@ -53,8 +53,17 @@ class PlannedEpoch:
 
     @cached_property
     def pre_step(self) -> PreStep | None:
-        """What runs between the valid rows and the operator (a deduplication's probe)."""
-        return ProbeDuplicates(self.dedup) if self.dedup is not None else None
+        """What runs between the valid rows and the operator, in a job of its own (a
+        deduplication's probe, unless ``probes_in_stage``)."""
+        return ProbeDuplicates(self.dedup) if self.dedup is not None and not self.probes_in_stage else None
+
+    @property
+    def probes_in_stage(self) -> bool:
+        """A deduplication's probe runs in the state stage's own job (``spark/dedup.py``),
+        its kept records going on to the operator: when nothing before the shard tasks
+        needs W[N], which they learn from the probes (the operator after it has no event
+        time), and the dropped records are not written out (``write_duplicates``)."""
+        return self.dedup is not None and self.operator.event_time is None and not self.dedup.write_duplicates
 
     def enrichment_reads(self, ran: bool) -> dict[str, EnrichmentRead]:
         """Per enrichment: the version read and the records without a match (after the

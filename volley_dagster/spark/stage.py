@@ -1,7 +1,9 @@
 """One epoch's Spark work, composed once, in order: the plan (``spark/plan.py``) ->
 valid rows (``spark/side_outputs.py``) -> [the plan's pre-step: a deduplication's probe
 job, ``spark/dedup.py``, which observes the epoch's latest event time and its bad records
-as it reads; what it drops is left out] -> the operator's ``assign`` -> the side-output
+as it reads; what it drops is left out. Before an operator with no event time the probe
+runs in the state stage's job instead (``probes_in_stage``), which observes them, and
+the side-output job looks after it] -> the operator's ``assign`` -> the side-output
 job (bad records, late rows, the epoch's latest event time; after a pre-step, only for
 bad records or late rows) -> the operator's ``shard_input`` -> the epoch's one exchange
 to the shards (``spark/partitioning.py``) -> the operator's ``partials`` in the JVM ->
@@ -27,10 +29,12 @@ from volley_dagster import columns
 from volley_dagster.checkpoint.manifest import ShardEntry, ShardSnapshot
 from volley_dagster.dimensions.base import EnrichmentRead
 from volley_dagster.errors import VolleyError
-from volley_dagster.operators.base import OperatorStats, PreStepRun, StageClock, latest_event
+from volley_dagster.operators.base import OperatorStats, PreStepRun, StageClock, latest_event, summed
+from volley_dagster.operators.dedup import DEDUP_FIGURES
 from volley_dagster.operators.ttl import NEXT_DUE
 from volley_dagster.pipeline import Pipeline
 from volley_dagster.sources.offsets import EpochRange
+from volley_dagster.spark.dedup import DuplicateProbe, probe_in_stage
 from volley_dagster.spark.partitioning import per_shard, route_to_shards
 from volley_dagster.spark.plan import PlannedEpoch, plan_epoch
 from volley_dagster.spark.side_outputs import EpochSideOutputs, SideOutputs
@@ -110,9 +114,17 @@ def run_stage(
     try:
         t0 = time.perf_counter()
         ends, kept = watermarks, None
+        probed_here = plan.probes_in_stage
         if plan.single_job:  # null keys ride along: they fold into one partial row, counted per shard
             assigned = operator.assign(plan.keyed)
             epoch_clock, step = StageClock(end_of_stream=end_of_stream), merge.step
+        elif probed_here:  # the job finds the bad records and W[N] as it reads, for after it
+            assert plan.dedup is not None
+            probe = DuplicateProbe.of(plan.dedup, watermark, merge)
+            assigned = operator.assign(probe_in_stage(side.observed_rows(), plan.dedup, layout, probe))
+            epoch_clock = StageClock(watermark, None, end_of_stream)
+            # the shard tasks forget by W[N-1] advanced by the probes' tallies (``ProbeTally``)
+            step = replace(merge.step, watermark_before=watermark, watermark=watermark)
         else:
             rows = side.valid_rows()
             if plan.pre_step is not None:  # what it drops never reaches the operator, late records or state
@@ -129,7 +141,7 @@ def run_stage(
             epoch_clock = StageClock(watermark, ends.value, end_of_stream)
             step = replace(merge.step, watermark_before=watermark, watermark=ends.value)
         routed, step = operator.shard_input(assigned, epoch_clock, step)
-        partials = operator.partials(route_to_shards(routed, layout, kept))
+        partials = operator.partials(route_to_shards(routed, layout, kept, kept_inline=probed_here))
         merge = replace(merge, step=step)
         t1 = time.perf_counter()
         out_schema = ", ".join(_output_ddl(pipeline, plan) + [f"`{columns.STATS}` string"])
@@ -140,6 +152,9 @@ def run_stage(
         shards = shard_entries(stats, rng.epoch)
         output, dropped = operator.sink_output(rows, rng)
         figures = operator.epoch_figures([entry.operator for entry in shards.values()])
+        if probed_here:
+            ends = _after_probing_here(side, shards, watermarks, plan, expiry_next, rng.epoch)
+            figures.update(summed([entry.operator for entry in shards.values()], DEDUP_FIGURES))
         if side.maxima_from_shards:  # they ran at W[N-1], acting as at any W[N] the footers allowed
             assert clock is not None
             side.learn_maxima(latest_event([entry.operator for entry in shards.values()]))
@@ -156,6 +171,21 @@ def run_stage(
     output = output.sort_by([(c, "ascending") for c in pipeline.output_keys()])
     return StageResult(output, outputs, shards, t1 - t0, t2 - t1, ends.value, ends.inputs,
                        plan.enrichment_reads(ran=True), figures, pre_step_s, side.job_s)
+
+
+def _after_probing_here(side: EpochSideOutputs, shards: dict[int, ShardEntry], watermarks: Watermarks,
+                        plan: PlannedEpoch, expiry_next: int | None, epoch: int) -> Watermarks:
+    """The bad records and W[N] of an epoch whose probe ran in its state stage's job:
+    the job observed them as it read (else the side-output job finds them now); the shard
+    tasks forgot by the latest event time the probes told them, which must be the same."""
+    assert plan.event_time is not None
+    side.find(None, None, expiry_next)
+    told = latest_event([entry.operator for entry in shards.values()])
+    if told != side.maxima.get(""):
+        raise VolleyError(f"epoch {epoch}: the shard tasks forgot the deduplication's keys by the latest event time "
+                          f"{told}, the epoch's is {side.maxima.get('')}; nothing was committed. This is a fault of "
+                          "the engine (spark/dedup.py ProbeTally): report it with the epoch's log")
+    return plan.event_time.advance_all(watermarks, side.maxima)
 
 
 def shard_entries(stats: list[str], epoch: int) -> dict[int, ShardEntry]:
@@ -213,7 +243,7 @@ def _carry_forward_stage(spark: SparkSession, pipeline: Pipeline, rng: EpochRang
     empty = spark.createDataFrame([], ", ".join(_output_ddl(pipeline, plan))).toArrow()
     output, _ = plan.operator.sink_output(empty, rng)  # typed as a processed epoch's output would be
     figures = plan.operator.epoch_figures([entry.operator for entry in shards.values()])
-    figures.update((name, 0) for name in (plan.pre_step.figure_names if plan.pre_step is not None else ()))
+    figures.update((name, 0) for name in (DEDUP_FIGURES if plan.dedup is not None else ()))
     return StageResult(output, SideOutputs.empty(), shards, 0.0, time.perf_counter() - t0,
                        enrichments=plan.enrichment_reads(ran=False), figures=figures)
 
