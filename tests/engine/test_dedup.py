@@ -7,6 +7,8 @@ same records; a rescale of the remembered keys."""
 
 from __future__ import annotations
 
+import json
+
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -383,3 +385,47 @@ def test_one_record_stamped_2099_is_refused_and_later_re_sends_stay_duplicates(s
          .deduplicate(on=ID, within="60 minutes", event_time="event_time", max_event_time_skew="1 hour")
          .key_by(KEY).window(tumbling("1 minute"), on="event_time", max_event_time_skew="2 hours")
          .aggregate(n=count()).stateful_operator())
+
+
+def test_the_probe_in_the_state_stage_decides_as_the_probe_job_over_a_json_log_with_bad_records(spark, tmp_path):
+    """The same JSON log (read by the Python reader, so its parse errors are found after
+    the state stage's job) through the probe's two ways: with the duplicates written out
+    (a probe job of its own) and without (the probe in the state stage's job, the shard
+    tasks forgetting by the latest event time the probes told them). Each epoch's output,
+    figures, dead letters, watermark and keys remembered, and the state at the end, are
+    the same."""
+    from volley_dagster.demo.events import EVENT_SCHEMA
+
+    log = tmp_path / "log"
+    log.mkdir()
+    for i in range(FILES):
+        lines = [json.dumps({**row, "event_time": row["event_time"].isoformat()})
+                 for row in dedup_file(i).to_pylist()]
+        if i == 2:  # an unparseable line and a record without an id: dead letters, whichever way it runs
+            lines[7:7] = ["{not json", json.dumps({ID: None, KEY: 1, "amount": 1.0, "status": "active",
+                                                   "event_time": "2026-01-01T00:00:00+00:00"})]
+        (log / f"events-{i:06d}.jsonl").write_text("".join(line + "\n" for line in lines))
+
+    def run(write_duplicates: bool) -> tuple[EpochRunner, list]:
+        pipeline = (Pipeline("dedup_json").source(FileLog(log, format="json", schema=EVENT_SCHEMA))
+                    .deduplicate(on=ID, within="15 minutes", event_time="event_time", write_duplicates=write_duplicates)
+                    .key_by(KEY).aggregate(events=count(), total=sum_("amount"))
+                    .sink(ParquetSink(tmp_path / f"out-{write_duplicates}")).on_bad_records("dead_letter").with_shards(2))
+        runner = EpochRunner(pipeline, tmp_path / f"state-{write_duplicates}",
+                             RunSettings(max_records_per_epoch=ROWS), spark=spark)
+        return runner, runner.run_available()
+
+    (job, by_job), (here, in_stage) = run(True), run(False)
+    assert [r.epoch for r in in_stage] == [r.epoch for r in by_job] and len(in_stage) >= FILES
+    assert all(r.durations["pre_step"] > 0 for r in by_job if r.records_in)
+    assert all(r.durations["pre_step"] == 0 for r in in_stage)
+    for a, b in zip(by_job, in_stage, strict=True):
+        same_rows(b.output.to_pandas(), a.output.to_pandas(), VALUES)
+        assert {k: b.figures[k] for k in ("duplicates", "dedup_late")} == {k: a.figures[k] for k in ("duplicates", "dedup_late")}
+        assert (b.dead_letters, b.watermark) == (a.dead_letters, a.watermark), f"epoch {b.epoch}"
+    assert sum(r.dead_letters for r in in_stage) == 2
+    assert sum(r.figures["duplicates"] for r in in_stage) > 0 and sum(r.figures["dedup_late"] for r in in_stage) > 0
+    same_rows(here.read_state().to_pandas(), job.read_state().to_pandas(), VALUES)
+    remembered = [sum(s.operator.figures.get("dedup_keys_remembered", 0) for s in r.shards.values()) for r in in_stage]
+    assert remembered == [sum(s.operator.figures.get("dedup_keys_remembered", 0) for s in r.shards.values())
+                          for r in by_job]
