@@ -216,7 +216,8 @@ class PreStepRun(Protocol):
 
 class PreStep(Protocol):
     """A step between the valid rows and the operator that drops records against epoch
-    N-1's state, in a job of its own (a deduplication's probe before a window)."""
+    N-1's state, in a job of its own (a deduplication's probe, when the shard tasks need
+    W[N] before they start or the dropped records are written out: ``spark/dedup.py``)."""
 
     def run(self, rows: DataFrame, layout: ShardLayout, watermark: int | None, merge: ShardMerge) -> PreStepRun:
         """Run over the epoch's valid ``rows``, reading them all in a job before it returns:
