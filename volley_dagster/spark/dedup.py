@@ -88,13 +88,9 @@ class DuplicateProbe:
                    .append_column(columns.DEDUP_LATE, pa.array(verdicts.late[~kept]))
                    .append_column(columns.DEDUP_RUN, pa.nulls(dropped.num_rows, pa.binary())))
         runs = _runs(table, keys, times, kept)
-        n = len(runs)
-        schema = dropped.schema
-        filled = {columns.SHARD: np.full(n, shard), columns.KEY_GROUP: [g for g, _ in runs],
-                  columns.DEDUP_RUN: [r for _, r in runs]}
-        run_rows = pa.table([pa.array(filled[f.name], f.type) if f.name in filled else pa.nulls(n, f.type)
-                             for f in schema], schema=schema)
-        return pa.concat_tables([dropped, run_rows])
+        return _followed_by(dropped, len(runs), {columns.SHARD: [shard] * len(runs),
+                                                 columns.KEY_GROUP: [g for g, _ in runs],
+                                                 columns.DEDUP_RUN: [r for _, r in runs]})
 
     def verdicts(self, table: pa.Table) -> tuple[int, pa.Array, np.ndarray, Verdicts]:
         """The shard's records (``DEDUP_KEY``, ``POS``, ``DEDUP_TIME``) decided against
@@ -114,6 +110,14 @@ class DuplicateProbe:
                 finally:
                     db.close()
         return shard, keys, times, decide(self.dedup, remembered, keys, positions, times, self.watermark)
+
+
+def _followed_by(table: pa.Table, n: int, values: dict[str, list]) -> pa.Table:
+    """``table`` and ``n`` rows after it routed to their shards (runs, tallies): ``values``
+    in the columns they name, nulls in the others."""
+    more = pa.table([pa.array(values[f.name], f.type) if f.name in values else pa.nulls(n, f.type)
+                     for f in table.schema], schema=table.schema)
+    return pa.concat_tables([table, more])
 
 
 def _runs(table: pa.Table, keys: pa.Array, times: np.ndarray, kept: np.ndarray) -> list[tuple[int, bytes]]:
@@ -143,13 +147,10 @@ class KeptRecords:
         latest = int(times.max()) if len(times) else None
         own = ProbeTally(latest, int(verdicts.duplicate.sum()), int(verdicts.late.sum()))
         tallies = [(own if s == shard else ProbeTally(latest)).to_bytes() for s in range(self.num_shards)]
-        routed = {columns.SHARD: [shard] * len(runs) + list(range(self.num_shards)),
-                  columns.KEY_GROUP: [g for g, _ in runs] + [ProbeTally.key_group(shard)] * self.num_shards,
-                  columns.DEDUP_RUN: [r for _, r in runs] + tallies}
-        n = len(runs) + self.num_shards
-        return pa.concat_tables([records, pa.table(
-            [pa.array(routed[f.name], f.type) if f.name in routed else pa.nulls(n, f.type) for f in records.schema],
-            schema=records.schema)])
+        return _followed_by(records, len(runs) + self.num_shards, {
+            columns.SHARD: [shard] * len(runs) + list(range(self.num_shards)),
+            columns.KEY_GROUP: [g for g, _ in runs] + [ProbeTally.key_group(shard)] * self.num_shards,
+            columns.DEDUP_RUN: [r for _, r in runs] + tallies})
 
 
 @dataclass(frozen=True)
