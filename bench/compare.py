@@ -2,7 +2,7 @@
 ``Trigger.AvailableNow``, ``foreachBatch`` into Delta) on the same files, in one run.
 
     ./dev bench compare [--records 10000000] [--keys 1000000] [--epochs 10] [--shards 4]
-                        [--workloads A,As,Ad,At,B,Bsl,Bse,C,S,D,DB,DP,DPs,DPW,DBP,DBsl,DBse]
+                        [--workloads A,As,Ad,At,B,Bsl,Bse,C,S,D,DB,DP,DPs,DPW,DPD,DBP,DBsl,DBse]
                         [--modes warm,cold] [--engines volley,peer] [--cold-epochs 3]
                         [--state-keys 10000000] [--touched 100000] [--zipf 1.3] [--resend head|tail]
                         [--profile]
@@ -24,7 +24,11 @@ is DP over As's string-keyed log, paired with DP over A's: what string keys cost
 itself before any state work, the part of As / A no state store can take back. DPW is
 A's design floor (``bench/design_floor.py``), paired with DP: DP's tasks also restore,
 write their rows with one WriteBatch and snapshot, and the driver MERGEs them into Delta,
-as every A epoch must whatever its code; no state read, nothing combined.
+as every A epoch must whatever its code; no state read, nothing combined. DPD is DP
+over Ad's log after each record's trip through a Python task of the shard owning its
+event id and back with only the columns A reads (the deduplication's handover, deciding
+nothing), paired
+with DP over the same file: Ad - A cannot go below DPD - DP whatever the probe's code.
 C touches --touched keys per epoch in a --state-keys-key and a --touched-key state; S
 the same records per epoch (--records / --epochs, at most --keys) in a --keys-key and a
 --state-keys-key state, each built by one epoch first. Ad's files re-send the first 5%
@@ -59,6 +63,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import pyarrow as pa  # noqa: E402
+import pyarrow.compute as pc  # noqa: E402
 
 from bench.common import finish, log_arguments  # noqa: E402
 from bench.design_floor import StateWrites, merge_into_delta  # noqa: E402
@@ -252,10 +257,11 @@ PEER_TOP_LEVEL = ("latestOffset", "getBatch", "queryPlanning", "addBatch", "walC
 
 
 FLOOR_OF = {"A": "D", "B": "DB", "Bsl": "DBsl", "Bse": "DBse", "DP": "D", "DBP": "DB",
-            "DPs": "DP", "DPW": "DP"}  # also timed beside each epoch
-AGGREGATION_OF = {"D": "A", "DP": "A", "DPs": "A", "DPW": "A", "DB": "B", "DBP": "B", "DBsl": "Bsl",
+            "DPs": "DP", "DPW": "DP", "DPD": "DP"}  # also timed beside each epoch
+AGGREGATION_OF = {"D": "A", "DP": "A", "DPs": "A", "DPW": "A", "DPD": "A", "DB": "B", "DBP": "B", "DBsl": "Bsl",
                   "DBse": "Bse"}  # a floor: whose aggregation
-HANDOVER = ("DP", "DPs", "DBP", "DPW")
+HANDOVER = ("DP", "DPs", "DBP", "DPW", "DPD")
+DEDUPLICATED = ("DPD",)  # over Ad's log; its pair, DP, over the same
 STRING_KEYED = ("As", "DPs")  # over the string-keyed copy of A's log; DPs's pair, DP, over A's log itself
 OURS_ONLY = ("As", "At")  # no peer: measured against our own A
 
@@ -266,7 +272,8 @@ def floor_epoch(spark, floor: str, file: Path, shards: int, work: Path | None = 
     window) over all its events; DP and DBP, D's and DB's aggregations in A's and B's
     plans, handed to one Python task per shard and back unchanged (``python_handover``);
     DPW, DP with the state writes and the sink's MERGE every A epoch makes (``bench/design_floor.py``),
-    its state and table under ``work``."""
+    its state and table under ``work``; DPD, DP after the deduplication's handover of the records
+    (``record_handover``)."""
     t = time.perf_counter()
     events = spark.read.parquet(str(file))
     window = WINDOWS.get(AGGREGATION_OF[floor])
@@ -274,6 +281,8 @@ def floor_epoch(spark, floor: str, file: Path, shards: int, work: Path | None = 
         assert work is not None
         rows = python_handover(events, shards, window, writes=(str(work / "state"), epoch)).toArrow()
         merge_into_delta(rows, work / "delta", epoch)
+    elif floor == "DPD":
+        python_handover(record_handover(events, shards, "event_id"), shards, window).toArrow()
     elif floor in HANDOVER:
         python_handover(events, shards, window).toArrow()
     else:
@@ -319,6 +328,24 @@ def python_handover(events, shards: int, window: WindowSpec | None, writes: tupl
         task = StateWrites(writes[0], writes[1], tuple(returned))
         return per_shard(partials.select(*returned, columns.SHARD, columns.KEY_GROUP), task, schema)
     return per_shard(partials.select(*returned, columns.SHARD), lambda table: table.select(returned), schema)
+
+
+def record_handover(events, shards: int, key: str, returned: tuple[str, ...] = ("merchant_id", "amount", "status")):
+    """Ad's deduplication's handover with nothing decided: every record to one Python task
+    per shard by the hash of ``key``, as the probe routes them by the deduplication key,
+    and back with only the ``returned`` columns A's aggregation reads (the least any probe
+    must hand back; the shards' marker rows left out)."""
+    from pyspark.sql import functions as F
+
+    from volley_dagster import columns
+    from volley_dagster.spark.partitioning import per_shard, to_shards
+    from volley_dagster.state.keys import ShardLayout
+
+    names = list(returned)
+    routed = to_shards(events.withColumn(columns.KEY, F.col(key)), ShardLayout(shards))
+    return per_shard(routed.select(*events.columns, columns.KEY, columns.SHARD),
+                     lambda table: table.filter(pc.is_valid(table.column(columns.KEY))).select(names),
+                     events.select(*names).schema)
 
 
 def run_floor(w: Workload, work: Path, indices: list[int]) -> dict[str, Any]:
@@ -503,7 +530,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     log_arguments(parser)
     parser.add_argument("--zipf", type=float, default=None, help="Zipf exponent for skewed keys (default uniform)")
-    parser.add_argument("--workloads", default="A,As,Ad,At,B,Bsl,Bse,C,S,D,DB,DP,DPs,DPW,DBP,DBsl,DBse")
+    parser.add_argument("--workloads", default="A,As,Ad,At,B,Bsl,Bse,C,S,D,DB,DP,DPs,DPW,DPD,DBP,DBsl,DBse")
     parser.add_argument("--modes", default="warm,cold")
     parser.add_argument("--engines", default="volley,peer")
     parser.add_argument("--cold-epochs", type=int, default=3)
@@ -559,7 +586,8 @@ def main() -> None:
                     summary["empty_epoch_median_s"] = statistics.median(result["empty_epoch_s"])
                 record(name, engine, mode, summary, check)
     for floor in [n for n in AGGREGATION_OF if n in workloads]:
-        log = workload_log("As" if floor in STRING_KEYED else floor, work, ab, args.shards, args.resend).events
+        log = workload_log("As" if floor in STRING_KEYED else "Ad" if floor in DEDUPLICATED else floor, work, ab,
+                           args.shards, args.resend).events
         w = Workload(floor, log, ab, args.shards)
         result = spawn("floor", w, work / f"{floor}-floor", list(range(args.epochs)))
         record(floor, "spark", "warm", summarize(result), "-")
@@ -718,6 +746,18 @@ def print_notes(report: dict[str, Any], scaled: dict[str, list[str]]) -> None:
             line += f", nor A / peer over DPW / peer {design['records_per_s'] / peer['records_per_s']:.2f}x (target >= 2.5x)"
         if a:
             line += f"; A / DPW {a['median_s'] / design['median_s']:.2f}x is what A's own work costs beyond it"
+        lines.append(line)
+    trip = res.get(("DPD", "spark", "warm"))
+    if trip and trip.get("paired_floor_extra_s") is not None:
+        extra = trip["paired_floor_extra_s"]
+        line = (f"Ad's handover floor DPD (DP after every record's trip through a Python task of the shard owning its "
+                f"event id, deciding nothing): DPD / DP {trip['paired_floor_ratio']:.2f}x, DPD - DP {extra:+.2f} s, "
+                "the least a deduplication before A adds whatever its code")
+        if a:
+            line += (f"; with no cost of ours beyond it Ad / A would be {(a['median_s'] + extra) / a['median_s']:.2f}x "
+                     "(target <= 1.6x)")
+            if dedup:
+                line += f", against Ad / A {dedup['median_s'] / a['median_s']:.2f}x"
         lines.append(line)
     for labels in scaled.values():
         rows = [res.get((label, "volley", "warm")) for label in labels]
