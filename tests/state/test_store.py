@@ -4,6 +4,7 @@ WriteBatch, snapshots share unchanged files by hardlink and are verified."""
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 import pyarrow as pa
@@ -14,6 +15,7 @@ from hypothesis import strategies as st
 from tests.helpers import tree_digest
 from volley_dagster.errors import SnapshotError
 from volley_dagster.state.keys import ShardLayout, decode_keys, encode_keys, namespace_prefix
+from volley_dagster.state.options import RocksDBOptions
 from volley_dagster.state.store import ShardStore, open_snapshot_read_only, verify_snapshot
 from volley_dagster.state.transaction import strictly_ascending
 
@@ -98,6 +100,86 @@ def test_restore_write_snapshot_cycle(tmp_path):
     finally:
         db.close()
     assert len(items) == 990 and items[keys[0]] == b"new" and keys[15] not in items
+
+
+def _level0(snapshot) -> int:
+    db = open_snapshot_read_only(snapshot.path)
+    try:
+        return sum(1 for f in db.live_files() if f["level"] == 0)
+    finally:
+        db.close()
+
+
+def test_a_shard_compacts_its_level_0_when_due_and_keeps_every_write(tmp_path):
+    """A shard is open for one epoch, too briefly for RocksDB's background compactions:
+    its snapshot folds level 0 into the base when ``compaction_due``, so level 0 stays
+    bounded over a long history (without it, a file an epoch, for ever), the state on
+    disk stays within the policy's share, and every write, deletion included, survives."""
+    options = RocksDBOptions(compact_l0_files=4, compact_l0_share=2.0)
+    rng = np.random.default_rng(3)
+    model: dict[bytes, bytes] = {}
+    snap, level0, compactions = None, [], 0
+    for epoch in range(1, 25):
+        store = ShardStore.restore(snap.path if snap else None, snap.files if snap else None,
+                                   tmp_path / f"work{epoch}", options)
+        txn = store.transaction()
+        ids = sorted(rng.choice(5000, 5000 if epoch == 1 else 400, replace=False).tolist())
+        keys = keys_for(ids)
+        order = sorted(range(len(keys)), key=keys.__getitem__)
+        keys, values = [keys[i] for i in order], [epoch.to_bytes(2, "big") + bytes(30) for _ in order]
+        txn.set_many(keys, values)
+        model.update(zip(keys, values, strict=True))
+        gone = keys[:20] if epoch % 5 == 0 else []
+        txn.delete_many(gone)
+        for k in gone:
+            model.pop(k)
+        txn.flush()
+        snap = store.snapshot(tmp_path / "snaps" / str(epoch), snap.path if snap else None,
+                              snap.files if snap else None)
+        store.close()
+        level0.append(_level0(snap))
+        compactions += snap.compacted
+    assert compactions >= 5 and max(level0) < options.compact_l0_files
+    assert level0 != sorted(level0), "level 0 only grew: nothing was compacted"
+    db = open_snapshot_read_only(snap.path)
+    try:
+        assert dict(db.items()) == model
+    finally:
+        db.close()
+
+
+def test_a_lone_level_0_file_is_never_compacted_and_churn_is_bounded_by_share():
+    """The policy alone: the first epoch's file is the base until a compaction makes
+    one; a shard rewritten whole every epoch compacts once its newer files pass the share."""
+    options = RocksDBOptions(compact_l0_files=10, compact_l0_share=2.0)
+    assert not options.compaction_due(1, 0, 100)
+    assert not options.compaction_due(3, 200, 100)
+    assert options.compaction_due(4, 300, 100)
+    assert options.compaction_due(10, 10, 1000)
+    assert not options.compaction_due(9, 10, 1000)
+
+
+def test_a_shard_runs_no_background_compaction(tmp_path):
+    """Many level-0 files past RocksDB's own trigger (4): a shard opened on them leaves
+    them as they are (its compactions were dropped unfinished at every close, a core lost)."""
+    options = RocksDBOptions(compact_l0_files=1000, compact_l0_share=1e9)  # never by the policy
+    snap = None
+    for epoch in range(1, 9):
+        store = ShardStore.restore(snap.path if snap else None, snap.files if snap else None,
+                                   tmp_path / f"w{epoch}", options)
+        txn = store.transaction()
+        txn.set_many(keys_for(range(epoch * 100, epoch * 100 + 300)), [b"v" * 20] * 300)
+        txn.flush()
+        snap = store.snapshot(tmp_path / "s" / str(epoch), snap.path if snap else None, snap.files if snap else None)
+        store.close()
+    store = ShardStore.restore(snap.path, snap.files, tmp_path / "open", options)
+    try:
+        before = sorted(f["name"] for f in store.db.live_files())
+        time.sleep(1.0)
+        assert store.db.property_int_value("rocksdb.num-running-compactions") == 0
+        assert sorted(f["name"] for f in store.db.live_files()) == before and len(before) == 8
+    finally:
+        store.close()
 
 
 def test_scan_is_used_when_most_keys_are_touched(tmp_path):

@@ -225,7 +225,7 @@ class _Rewriter:
                 entries = sorted(e for s in overlapping for e in self._pending_entries(s, lo, hi))
                 counts["pending_entries"] += sst.add(entries)
         files = sst.finish()
-        store = ShardStore(rocksdict.Rdict(str(work / "db"), self.options.build()), work / "db")
+        store = ShardStore(rocksdict.Rdict(str(work / "db"), self.options.build()), work / "db", self.options)
         try:
             if files:
                 ingest = rocksdict.IngestExternalFileOptions()

@@ -30,6 +30,7 @@ class SnapshotInfo:
     files: FileDigests
     bytes_total: int
     bytes_new: int  # bytes not shared (by hardlink) with the previous snapshot
+    compacted: bool = False  # level 0 was folded into the base first (``ShardStore.compact_when_due``)
 
 
 def verify_snapshot(path: Path, files: FileDigests, full: bool = False) -> None:
@@ -61,9 +62,10 @@ def open_snapshot_read_only(path: Path, options: RocksDBOptions | None = None) -
 class ShardStore:
     """A shard's writable RocksDB in its working directory."""
 
-    def __init__(self, db: rocksdict.Rdict, work_dir: Path) -> None:
+    def __init__(self, db: rocksdict.Rdict, work_dir: Path, options: RocksDBOptions | None = None) -> None:
         self.db = db
         self.work_dir = work_dir
+        self.options = options or RocksDBOptions()
 
     @classmethod
     def restore(
@@ -86,7 +88,7 @@ class ShardStore:
                 rocksdict.Checkpoint(source).create_checkpoint(str(work_dir))
             finally:
                 source.close()
-        return cls(rocksdict.Rdict(str(work_dir), options.build()), work_dir)
+        return cls(rocksdict.Rdict(str(work_dir), options.build()), work_dir, options)
 
     def transaction(
         self, scan_fraction: float = DEFAULT_SCAN_FRACTION, resident: ResidentMirror | None = None
@@ -97,11 +99,27 @@ class ShardStore:
         """Checkpoint into ``target``, a directory of this attempt's own (never replaced)."""
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex}.tmp")
+        compacted = self.compact_when_due()
         rocksdict.Checkpoint(self.db).create_checkpoint(str(tmp))
         files, new_bytes = _digest(tmp, previous, previous_files or {})
         _install(tmp, target)
         total = sum(meta["size"] for meta in files.values())
-        return SnapshotInfo(target, files, total, new_bytes)
+        return SnapshotInfo(target, files, total, new_bytes, compacted)
+
+    def compact_when_due(self) -> bool:
+        """Flush the epoch's writes to level 0 and, when ``RocksDBOptions.compaction_due``,
+        fold level 0 into the base in the foreground (auto compactions are off: a shard is
+        open too briefly to finish one). Whether it compacted."""
+        self.db.flush()
+        live = self.db.live_files()
+        level0 = sorted((f for f in live if f["level"] == 0), key=lambda f: int(Path(f["name"]).stem))
+        base = sum(f["size"] for f in live if f["level"] > 0)
+        newer = level0 if base else level0[1:]  # never compacted: the oldest file is the base
+        base = base or sum(f["size"] for f in level0[:1])
+        if not self.options.compaction_due(len(level0), sum(f["size"] for f in newer), base):
+            return False
+        self.db.compact_range(None, None)
+        return True
 
     def close(self, remove: bool = True) -> None:
         self.db.close()
