@@ -43,6 +43,13 @@ def test_an_entry_without_the_snapshot_store_is_not_stored_remotely() -> None:
     assert entry.to_dict() == local
 
 
+def test_a_compacted_shard_says_so_and_reads_back_as_compacted() -> None:
+    entry = ShardEntry.from_dict({**WRITTEN_BEFORE, "compacted": True})
+    assert entry.compacted and "compacted" not in entry.operator.figures
+    assert entry.to_dict()["compacted"] is True and ShardEntry.from_dict(entry.to_dict()) == entry
+    assert not ShardEntry.from_dict(WRITTEN_BEFORE).compacted
+
+
 def test_a_snapshot_path_is_recorded_relative_to_the_checkpoint_root(tmp_path: Path) -> None:
     absolute = ShardSnapshot(str(tmp_path / "snapshots" / "0000000001" / "shard-0000-aa"), FILES, 1250, "aa")
     entry = ShardEntry(0, absolute, "carried_forward")

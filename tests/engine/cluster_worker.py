@@ -68,7 +68,9 @@ if __name__ == "__main__":
         shards = {}
         for shard, info in result.shards.items():
             pid = info.task_pid
-            shards[shard] = {"task_pid": pid, "ancestors": [[a, kind(a)] for a in proc_ancestors(pid)]}
+            shards[shard] = {"task_pid": pid, "ancestors": [[a, kind(a)] for a in proc_ancestors(pid)],
+                             "bytes_new": info.bytes_new, "bytes_total": info.snapshot.bytes_total,
+                             "compacted": info.compacted}
         print(json.dumps({
             "epoch": result.epoch,
             "records_in": result.records_in,

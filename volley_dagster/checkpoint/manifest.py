@@ -97,7 +97,7 @@ _ENTRY_FIELDS = ("records", "null_key_records", "keys_written", "bytes_new", "re
 _SNAPSHOT_KEYS = {"snapshot", "files", "bytes_total", "attempt", "stored_remotely"}
 _TRANSFER_KEYS = {"s3_bytes_uploaded", "s3_files_uploaded", "s3_files_reused", "s3_upload_s", "s3_restore_bytes",
                   "s3_restore_s"}
-_OWN_KEYS = {"shard", "read_mode", "task_pid", "keys_touched", "new_keys", *_ENTRY_FIELDS}
+_OWN_KEYS = {"shard", "read_mode", "task_pid", "keys_touched", "new_keys", "compacted", *_ENTRY_FIELDS}
 
 
 @dataclass(frozen=True)
@@ -115,6 +115,7 @@ class ShardEntry:
     null_key_records: int = 0
     keys_written: int = 0
     bytes_new: int = 0  # bytes not shared (by hardlink) with the previous snapshot
+    compacted: bool = False  # level 0 folded into the base before the snapshot: it shares no SST with N-1's
     restore_s: float = 0.0
     merge_s: float = 0.0
     flush_s: float = 0.0
@@ -141,6 +142,8 @@ class ShardEntry:
                              **{name: getattr(self, name) for name in _ENTRY_FIELDS}, **self.operator.figures}
         if self.task_pid is not None:
             d["task_pid"] = self.task_pid
+        if self.compacted:  # written only when true: an entry from before reads back as it was
+            d["compacted"] = True
         for transfer in (self.upload, self.download):
             if transfer is not None:
                 d.update(transfer.to_dict())
@@ -152,7 +155,8 @@ class ShardEntry:
         return cls(
             shard=d["shard"], snapshot=ShardSnapshot.from_dict(d), read_mode=d.get("read_mode", ""),
             operator=OperatorStats(d.get("keys_touched", 0), d.get("new_keys", 0), figures),
-            **{name: d.get(name, 0) for name in _ENTRY_FIELDS}, task_pid=d.get("task_pid"),
+            **{name: d.get(name, 0) for name in _ENTRY_FIELDS}, compacted=bool(d.get("compacted", False)),
+            task_pid=d.get("task_pid"),
             upload=SnapshotUpload.from_dict(d), download=SnapshotDownload.from_dict(d),
         )
 

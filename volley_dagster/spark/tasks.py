@@ -158,6 +158,7 @@ class ShardMerge:
             null_key_records=null_keys,
             keys_written=written,
             bytes_new=snap.bytes_new,
+            compacted=snap.compacted,
             restore_s=t1 - t0,
             merge_s=t2 - t1,
             flush_s=t3 - t2,

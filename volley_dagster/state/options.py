@@ -38,13 +38,13 @@ class RocksDBOptions:
         opts.set_max_background_jobs(self.background_jobs)
         return opts
 
-
     def compaction_due(self, level0_files: int, newer_bytes: int, base_bytes: int) -> bool:
         """Whether a shard folds level 0 into its base before a snapshot: when level 0
         holds ``compact_l0_files`` files (each one more place a read looks), or the files
         newer than the base hold more than ``compact_l0_share`` times its bytes (the
-        space of keys written again). A shard whose keys change little compacts every ``compact_l0_files``
-        epochs; one whose every key changes each epoch, every third; a lone file never."""
+        space of keys written again). A shard whose keys change little compacts every
+        ``compact_l0_files`` epochs; one whose every key changes each epoch, every second
+        or third; a lone file never."""
         if level0_files < 2:
             return False
         return level0_files >= self.compact_l0_files or newer_bytes > self.compact_l0_share * base_bytes
