@@ -27,8 +27,8 @@ write their rows with one WriteBatch and snapshot, and the driver MERGEs them in
 as every A epoch must whatever its code; no state read, nothing combined. DPD is DP
 over Ad's log after each record's trip through a Python task of the shard owning its
 event id and back with only the columns A reads (the deduplication's handover, deciding
-nothing), paired
-with DP over the same file: Ad - A cannot go below DPD - DP whatever the probe's code.
+nothing), paired with DP over the same file: Ad - A cannot go below DPD - DP whatever
+the probe's code.
 C touches --touched keys per epoch in a --state-keys-key and a --touched-key state; S
 the same records per epoch (--records / --epochs, at most --keys) in a --keys-key and a
 --state-keys-key state, each built by one epoch first. Ad's files re-send the first 5%

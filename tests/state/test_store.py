@@ -113,8 +113,8 @@ def _level0(snapshot) -> int:
 def test_a_shard_compacts_its_level_0_when_due_and_keeps_every_write(tmp_path):
     """A shard is open for one epoch, too briefly for RocksDB's background compactions:
     its snapshot folds level 0 into the base when ``compaction_due``, so level 0 stays
-    bounded over a long history (without it, a file an epoch, for ever), the state on
-    disk stays within the policy's share, and every write, deletion included, survives."""
+    bounded over a long history (without it, a file an epoch, for ever), and every write,
+    deletion included, survives."""
     options = RocksDBOptions(compact_l0_files=4, compact_l0_share=2.0)
     rng = np.random.default_rng(3)
     model: dict[bytes, bytes] = {}
