@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import RESULTS  # noqa: E402
 from volley_dagster.state.keys import encode_keys  # noqa: E402
 from volley_dagster.state.options import RocksDBOptions  # noqa: E402
-from volley_dagster.state.store import ShardStore, SnapshotInfo, open_snapshot_read_only  # noqa: E402
+from volley_dagster.state.store import ShardStore, SnapshotInfo  # noqa: E402
 
 VALUE_BYTES = 26  # a running aggregate's record: format byte, a sum, a count, padding
 
@@ -64,14 +64,6 @@ def cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def level0_files(snapshot: SnapshotInfo) -> int:
-    db = open_snapshot_read_only(snapshot.path)
-    try:
-        return sum(1 for f in db.live_files() if f["level"] == 0)
-    finally:
-        db.close()
-
-
 def run(options: RocksDBOptions, work: Path, batches: list[np.ndarray], seed: int) -> list[dict[str, float]]:
     """Every epoch's seconds, CPU per wall second, level-0 files and snapshot bytes."""
     rng = np.random.default_rng(seed)
@@ -96,7 +88,7 @@ def run(options: RocksDBOptions, work: Path, batches: list[np.ndarray], seed: in
             shutil.rmtree(snap.path)  # as retention would, with keep_epochs 1
         snap = new
         out.append({"seconds": wall, "cpu_s": cpu_seconds() - cpu, "cpu_per_wall": (cpu_seconds() - cpu) / wall,
-                    "level0_files": level0_files(new), "bytes": new.bytes_total, "compacted": new.compacted})
+                    "level0_files": new.level0_files, "bytes": new.bytes_total, "compacted": new.compacted})
     return out
 
 

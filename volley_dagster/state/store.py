@@ -31,6 +31,7 @@ class SnapshotInfo:
     bytes_total: int
     bytes_new: int  # bytes not shared (by hardlink) with the previous snapshot
     compacted: bool = False  # level 0 was folded into the base first (``ShardStore.compact_when_due``)
+    level0_files: int | None = None  # its level-0 files (each one more place a read looks); None: not opened
 
 
 def verify_snapshot(path: Path, files: FileDigests, full: bool = False) -> None:
@@ -99,17 +100,17 @@ class ShardStore:
         """Checkpoint into ``target``, a directory of this attempt's own (never replaced)."""
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex}.tmp")
-        compacted = self.compact_when_due()
+        compacted, level0_files = self.compact_when_due()
         rocksdict.Checkpoint(self.db).create_checkpoint(str(tmp))
         files, new_bytes = _digest(tmp, previous, previous_files or {})
         _install(tmp, target)
         total = sum(meta["size"] for meta in files.values())
-        return SnapshotInfo(target, files, total, new_bytes, compacted)
+        return SnapshotInfo(target, files, total, new_bytes, compacted, level0_files)
 
-    def compact_when_due(self) -> bool:
+    def compact_when_due(self) -> tuple[bool, int]:
         """Flush the epoch's writes to level 0 and, when ``RocksDBOptions.compaction_due``,
         fold level 0 into the base in the foreground (auto compactions are off: a shard is
-        open too briefly to finish one). Whether it compacted."""
+        open too briefly to finish one). Whether it compacted, and the level-0 files left."""
         self.db.flush()
         live = self.db.live_files()
         level0 = sorted((f for f in live if f["level"] == 0), key=lambda f: int(Path(f["name"]).stem))
@@ -117,9 +118,9 @@ class ShardStore:
         newer = level0 if base else level0[1:]  # never compacted: the oldest file is the base
         base = base or sum(f["size"] for f in level0[:1])
         if not self.options.compaction_due(len(level0), sum(f["size"] for f in newer), base):
-            return False
+            return False, len(level0)
         self.db.compact_range(None, None)
-        return True
+        return True, 0
 
     def close(self, remove: bool = True) -> None:
         self.db.close()
