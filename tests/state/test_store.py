@@ -16,7 +16,7 @@ from tests.helpers import tree_digest
 from volley_dagster.errors import SnapshotError
 from volley_dagster.state.keys import ShardLayout, decode_keys, encode_keys, namespace_prefix
 from volley_dagster.state.options import RocksDBOptions
-from volley_dagster.state.store import ShardStore, open_snapshot_read_only, verify_snapshot
+from volley_dagster.state.store import ShardStore, SnapshotInfo, open_snapshot_read_only, verify_snapshot
 from volley_dagster.state.transaction import strictly_ascending
 
 NS = namespace_prefix(1)
@@ -143,13 +143,65 @@ def test_a_shard_compacts_its_level_0_when_due_and_keeps_every_write(tmp_path):
 
 def test_a_lone_level_0_file_is_never_compacted_and_churn_is_bounded_by_share():
     """The policy alone: the first epoch's file is the base until a compaction makes
-    one; a shard rewritten whole every epoch compacts once its newer files pass the share."""
-    options = RocksDBOptions(compact_l0_files=10, compact_l0_share=2.0)
-    assert not options.compaction_due(1, 0, 100)
+    one; a shard compacts on its turn, out of it only at the cap or once its newer
+    files pass the share (a shard rewritten whole every epoch)."""
+    options = RocksDBOptions(compact_every=10, compact_together=1, compact_l0_files=20, compact_l0_share=2.0)
+    assert not options.compaction_due(1, 0, 100) and not options.compaction_due(1, 0, 100, turn=True)
     assert not options.compaction_due(3, 200, 100)
     assert options.compaction_due(4, 300, 100)
-    assert options.compaction_due(10, 10, 1000)
-    assert not options.compaction_due(9, 10, 1000)
+    assert options.compaction_due(20, 10, 1000)
+    assert not options.compaction_due(19, 10, 1000)
+    assert options.compaction_due(2, 10, 1000, turn=True)
+    assert [e for e in range(30) if options.compaction_turn(e, 3)] == [3, 13, 23]
+    assert [e for e in range(30) if options.compaction_turn(e, 13)] == [3, 13, 23]
+    pairs = RocksDBOptions(compact_every=10, compact_together=2)
+    assert [s for s in range(6) if pairs.compaction_turn(21, s)] == [2, 3]
+
+
+def test_shards_compact_on_their_turns_not_in_the_same_epoch(tmp_path):
+    """Four shards with the same churn, two running at once: each pair compacts on its
+    own turn, so no epoch compacts more than a pair (before turns, every shard compacted
+    in the same epoch: a spike of four compactions), level 0 stays within a turn's
+    files, and every shard keeps every write."""
+    options = RocksDBOptions(compact_every=6, compact_together=2, compact_l0_files=12, compact_l0_share=100.0)
+    rng = np.random.default_rng(5)
+    shards = range(4)
+    snaps: dict[int, SnapshotInfo | None] = {s: None for s in shards}
+    models: dict[int, dict[bytes, bytes]] = {s: {} for s in shards}
+    compacted_in: dict[int, list[int]] = {}
+    level0: list[int] = []
+    for epoch in range(30):
+        for shard in shards:
+            prev = snaps[shard]
+            store = ShardStore.restore(prev.path if prev else None, prev.files if prev else None,
+                                       tmp_path / f"w{shard}-{epoch}", options)
+            ids = sorted(rng.choice(3000, 3000 if epoch == 0 else 300, replace=False).tolist())
+            keys = keys_for([shard * 10_000 + i for i in ids])
+            keys.sort()
+            values = [epoch.to_bytes(2, "big") + bytes(20)] * len(keys)
+            txn = store.transaction()
+            txn.set_many(keys, values)
+            txn.flush()
+            models[shard].update(zip(keys, values, strict=True))
+            snap = store.snapshot(tmp_path / "s" / f"{shard}-{epoch}", prev.path if prev else None,
+                                  prev.files if prev else None, options.compaction_turn(epoch, shard))
+            store.close()
+            snaps[shard] = snap
+            assert snap.level0_files is not None
+            level0.append(snap.level0_files)
+            if snap.compacted:
+                compacted_in.setdefault(epoch, []).append(shard)
+    assert compacted_in and all(s in ([0, 1], [2, 3]) for s in compacted_in.values()), compacted_in
+    assert sum(len(s) for s in compacted_in.values()) >= 3 * len(shards)
+    assert max(level0) <= options.compact_every
+    for shard in shards:
+        last = snaps[shard]
+        assert last is not None
+        db = open_snapshot_read_only(last.path)
+        try:
+            assert dict(db.items()) == models[shard]
+        finally:
+            db.close()
 
 
 def test_a_shard_runs_no_background_compaction(tmp_path):

@@ -138,6 +138,7 @@ class ShardMerge:
                 Path(self.snapshot_root) / snapshot_name(shard, attempt),
                 Path(prev.path) if prev else None,
                 prev.files if prev else None,
+                self.rocksdb.compaction_turn(self.step.epoch, shard),
             )
             if resident is not None:
                 resident.commit(snap.files)

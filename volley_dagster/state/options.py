@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 import rocksdict
 
@@ -17,7 +18,9 @@ class RocksDBOptions:
     bloom_bits_per_key: float = 10.0
     write_buffer_mb: int = 64
     background_jobs: int = 2
-    compact_l0_files: int = 10
+    compact_every: int = 10
+    compact_together: int = field(default_factory=lambda: os.cpu_count() or 1)
+    compact_l0_files: int = 20
     compact_l0_share: float = 2.0
 
     def build(self) -> rocksdict.Options:
@@ -38,15 +41,27 @@ class RocksDBOptions:
         opts.set_max_background_jobs(self.background_jobs)
         return opts
 
-    def compaction_due(self, level0_files: int, newer_bytes: int, base_bytes: int) -> bool:
-        """Whether a shard folds level 0 into its base before a snapshot: when level 0
-        holds ``compact_l0_files`` files (each one more place a read looks), or the files
-        newer than the base hold more than ``compact_l0_share`` times its bytes (the
-        space of keys written again). A shard whose keys change little compacts every
-        ``compact_l0_files`` epochs; one whose every key changes each epoch, every second
-        or third; a lone file never."""
+    def compaction_turn(self, epoch: int, shard: int) -> bool:
+        """Whether ``epoch`` is ``shard``'s turn to compact. Shards see the same churn, so
+        without turns they all compacted in the same epoch, a spike of every shard's
+        compaction at once. Turns come every ``compact_every`` epochs to groups of
+        ``compact_together`` consecutive shards (as many as run at once: the default is
+        this machine's cores, what ``local[*]`` runs; a cluster sets its task slots),
+        group g at the epochs where ``(epoch - g) % compact_every == 0``: a group's
+        compactions fill the cores side by side, where one alone left the others idle."""
+        return (epoch - shard // max(1, self.compact_together)) % self.compact_every == 0
+
+    def compaction_due(self, level0_files: int, newer_bytes: int, base_bytes: int, turn: bool = False) -> bool:
+        """Whether a shard folds level 0 into its base before a snapshot: on its turn;
+        out of it, only at ``compact_l0_files`` files (a shard that missed its turns,
+        each file one more place a read looks) or when the files newer than the base hold
+        more than ``compact_l0_share`` times its bytes (the space of keys written again: a
+        shard whose every key changes compacts every second or third epoch). A lone
+        file, never."""
         if level0_files < 2:
             return False
+        if turn:
+            return True
         return level0_files >= self.compact_l0_files or newer_bytes > self.compact_l0_share * base_bytes
 
 
