@@ -1,7 +1,7 @@
 """What a shard's level 0 costs over a long history: ``--shards`` shards of ``--keys`` keys
 in all, then ``--epochs`` epochs that each rewrite ``--touched`` of them, as shard tasks do
 (restore N-1's snapshot, one ``WriteBatch``, snapshot, close), the shards of an epoch on
-``--workers`` processes as Spark's cores run them. Three ways, taking turns:
+``--workers`` processes as Spark's cores run them. Four ways, taking turns:
 ``turns`` (the engine's: RocksDB's own compactions off, level 0 folded into the base on
 the shard's turn, ``RocksDBOptions.compaction_turn`` and ``compaction_due``, a turn for
 as many shards as ``--workers``), ``one a turn`` (the same with a turn for each shard alone),

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.helpers import tree_digest
-from volley_dagster.errors import SnapshotError
+from volley_dagster.errors import ConfigError, SnapshotError
 from volley_dagster.state.keys import ShardLayout, decode_keys, encode_keys, namespace_prefix
 from volley_dagster.state.options import RocksDBOptions
 from volley_dagster.state.store import ShardStore, SnapshotInfo, open_snapshot_read_only, verify_snapshot
@@ -156,6 +156,8 @@ def test_a_lone_level_0_file_is_never_compacted_and_churn_is_bounded_by_share():
     assert [e for e in range(30) if options.compaction_turn(e, 13)] == [3, 13, 23]
     pairs = RocksDBOptions(compact_every=10, compact_together=2)
     assert [s for s in range(6) if pairs.compaction_turn(21, s)] == [2, 3]
+    with pytest.raises(ConfigError, match="compact_every must be at least 1, got 0"):
+        RocksDBOptions(compact_every=0)
 
 
 def test_shards_compact_on_their_turns_not_in_the_same_epoch(tmp_path):

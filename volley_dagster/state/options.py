@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 import rocksdict
 
+from volley_dagster.errors import ConfigError
+
 _BLOCK_CACHES: dict[int, rocksdict.Cache] = {}
 
 
@@ -22,6 +24,11 @@ class RocksDBOptions:
     compact_together: int = field(default_factory=lambda: os.cpu_count() or 1)
     compact_l0_files: int = 20
     compact_l0_share: float = 2.0
+
+    def __post_init__(self) -> None:
+        for name in ("compact_every", "compact_together", "compact_l0_files"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"RocksDBOptions.{name} must be at least 1, got {getattr(self, name)}")
 
     def build(self) -> rocksdict.Options:
         opts = rocksdict.Options(raw_mode=True)
@@ -49,7 +56,7 @@ class RocksDBOptions:
         this machine's cores, what ``local[*]`` runs; a cluster sets its task slots),
         group g at the epochs where ``(epoch - g) % compact_every == 0``: a group's
         compactions fill the cores side by side, where one alone left the others idle."""
-        return (epoch - shard // max(1, self.compact_together)) % self.compact_every == 0
+        return (epoch - shard // self.compact_together) % self.compact_every == 0
 
     def compaction_due(self, level0_files: int, newer_bytes: int, base_bytes: int, turn: bool = False) -> bool:
         """Whether a shard folds level 0 into its base before a snapshot: on its turn;
