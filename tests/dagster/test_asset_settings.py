@@ -4,6 +4,7 @@ The freshness bound follows the deployment's cadence when none is set. No Spark.
 
 from __future__ import annotations
 
+import os
 from contextlib import ExitStack
 from dataclasses import replace
 
@@ -13,7 +14,9 @@ from dagster import AssetCheckEvaluation, AssetKey, AssetObservation, DagsterInv
 from tests.dagster.conftest import build_location, payments_cutting_at_3000
 from tests.dagster.test_location import tick
 from volley_dagster import ConfigError
+from volley_dagster.dagster import CheckpointResource, TablesResource
 from volley_dagster.dagster.cadence import cron_period_s, freshness_bound_s
+from volley_dagster.dagster.epochs import make_runner
 from volley_dagster.demo.events import generate
 from volley_dagster.deploy import RUN_ALLOWANCE_S, AssetSettings
 
@@ -75,3 +78,17 @@ def test_the_freshness_bound_follows_the_cadence_unless_set(tmp_path):
     assert freshness_bound_s(replace(scheduled, freshness_bound_s=45.0)) == 45.0  # set: taken as it is
     # a weekday cron's longest wait is the weekend, from Friday 09:00 to Monday 09:00
     assert cron_period_s("0 9 * * 1-5", now=1_795_000_000.0) == 3 * 86_400
+
+
+def test_a_cluster_sets_how_many_shards_compact_together(tmp_path):
+    """The shards that compact their RocksDB in one epoch: a cluster's task slots, set on
+    the resource; by default this machine's cores. A group of none is refused by name."""
+    deployment = payments_cutting_at_3000(tmp_path)
+    tables = TablesResource(warehouse=str(tmp_path / "tables"))
+    root = str(tmp_path / "state")
+    runner = make_runner(deployment, CheckpointResource(root=root, compact_together=8), tables)
+    assert runner.settings.rocksdb.compact_together == 8
+    assert [s for s in range(20) if runner.settings.rocksdb.compaction_turn(11, s)] == [8, 9, 10, 11, 12, 13, 14, 15]
+    assert make_runner(deployment, CheckpointResource(root=root), tables).settings.rocksdb.compact_together == os.cpu_count()
+    with pytest.raises(ConfigError, match="compact_together must be at least 1, got 0"):
+        make_runner(deployment, CheckpointResource(root=root, compact_together=0), tables)

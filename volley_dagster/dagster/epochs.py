@@ -79,7 +79,7 @@ def make_runner(
     pipeline = built_pipeline(deployment, tables.settings())
     settings = RunSettings(keep_epochs=checkpoints.keep_epochs, max_records_per_epoch=checkpoints.max_records_per_epoch,
                            lease_wait_s=checkpoints.lease_wait_s, snapshot_store=checkpoints.snapshot_store(pipeline.name),
-                           resident_state=checkpoints.resident_state())
+                           resident_state=checkpoints.resident_state(), rocksdb=checkpoints.rocksdb())
     return EpochRunner(pipeline, Path(checkpoints.root) / pipeline.name, settings,
                        spark=spark.session(log) if spark is not None else None)
 

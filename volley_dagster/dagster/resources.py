@@ -19,6 +19,7 @@ from volley_dagster.sinks.iceberg import sqlite_catalog
 from volley_dagster.sinks.lineage import check_choice
 from volley_dagster.spark.session import get_or_create_spark
 from volley_dagster.spark.warm import WarmSparkUnavailable, find_or_start, warm_session
+from volley_dagster.state.options import RocksDBOptions
 from volley_dagster.state.resident import ResidentStateCache
 
 
@@ -97,6 +98,8 @@ class CheckpointResource(ConfigurableResource):
     lease_wait_s: float = 120.0  # how long a run waits for another run of the pipeline to give up its lease
     resident_state_mib: Optional[int] = None  # shard state kept in memory between epochs: None = the
     # environment's VOLLEY_RESIDENT_STATE_MIB (default 1024), 0 = off (docs/architecture.md)
+    compact_together: Optional[int] = None  # shards whose RocksDB compacts in the same epoch (their turn,
+    # every 10 epochs): a cluster's task slots; None = this machine's cores, what local[*] runs at once
 
     @field_validator("root")
     @classmethod
@@ -105,6 +108,11 @@ class CheckpointResource(ConfigurableResource):
         tick's resource init), before anything writes to ``./s3:``."""
         local_root(root)
         return root
+
+    def rocksdb(self) -> RocksDBOptions:
+        if self.compact_together is None:
+            return RocksDBOptions()
+        return RocksDBOptions(compact_together=self.compact_together)
 
     def resident_state(self) -> Optional[ResidentStateCache]:
         return ResidentStateCache.from_env(self.resident_state_mib)
