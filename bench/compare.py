@@ -177,6 +177,7 @@ def volley_epoch(runner, w: Workload, index: int, paired: bool) -> dict[str, Any
         "bytes_written": r.state_bytes_written,
         "worker_peak_rss_mib": max(s.peak_rss_mib for s in r.shards.values()),
         "state_reads": sorted(s.read_mode for s in r.shards.values()),  # "resident": the memory mirror
+        "compacted_shards": sorted(s.shard for s in r.shards.values() if s.compacted),  # RocksDBOptions.compaction_turn
     }
 
 
@@ -437,6 +438,8 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
         "checkpoint_bytes": result.get("checkpoint_bytes", 0),
         "written_per_epoch_bytes": statistics.median(written) if written else None,
         "figures": figures,
+        "per_epoch": [{"epoch": b.get("epoch"), "seconds": b[key], "compacted_shards": b.get("compacted_shards")}
+                      for b in measured],
     }
 
 
@@ -764,6 +767,14 @@ def print_notes(report: dict[str, Any], scaled: dict[str, list[str]]) -> None:
         if len(rows) == 2 and rows[0] and rows[1]:
             lines.append(f"{labels[0]} / {labels[1]}: checkpoint written per epoch "
                          + " vs ".join(f"{(r['written_per_epoch_bytes'] or 0) / MiB:.1f}" for r in rows) + " MiB")
+    for row in report["results"]:  # a p95 is often an epoch whose shards compacted: say which
+        epochs = [e for e in row.get("per_epoch", []) if e.get("compacted_shards") is not None]
+        if row["engine"] == "volley" and row["mode"] == "warm" and epochs:
+            slowest = max(epochs, key=lambda e: e["seconds"])
+            compacting = [f"{e['epoch']} ({len(e['compacted_shards'])})" for e in epochs if e["compacted_shards"]]
+            lines.append(f"{row['workload']}: slowest epoch {slowest['epoch']}, {slowest['seconds']:.2f} s, its shards "
+                         f"compacted {slowest['compacted_shards']}; epochs that compacted (shards): "
+                         f"{', '.join(compacting) or 'none'}")
     if a and "empty_epoch_median_s" in a:
         lines.append(f"empty epoch, warm: {a['empty_epoch_median_s']:.2f} s end to end (target < 0.5 s)")
     print("\n" + "\n".join(lines))
