@@ -767,7 +767,7 @@ def print_notes(report: dict[str, Any], scaled: dict[str, list[str]]) -> None:
         if len(rows) == 2 and rows[0] and rows[1]:
             lines.append(f"{labels[0]} / {labels[1]}: checkpoint written per epoch "
                          + " vs ".join(f"{(r['written_per_epoch_bytes'] or 0) / MiB:.1f}" for r in rows) + " MiB")
-    for row in report["results"]:  # a p95 is often an epoch whose shards compacted: say which
+    for row in report["results"]:  # whether the slowest epoch was one whose shards compacted
         epochs = [e for e in row.get("per_epoch", []) if e.get("compacted_shards") is not None]
         if row["engine"] == "volley" and row["mode"] == "warm" and epochs:
             slowest = max(epochs, key=lambda e: e["seconds"])
