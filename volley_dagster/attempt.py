@@ -137,6 +137,7 @@ class EpochAttempt:
         merge = ShardMerge(
             step=ShardStep(epoch, plan.key_kind, layout=pipeline.layout),
             key_column=pipeline.key_column,
+            output_keys=pipeline.output_keys(),
             operator=plan.state_operator,
             previous=self._previous_snapshots(),
             snapshot_root=str(self.log.snapshots_dir(epoch)),

@@ -168,6 +168,7 @@ def run_stage(
             plan.raw.unpersist()
         if pre is not None:
             pre.release()
+    # each shard task sorted its own rows (``ShardMerge._output``): Arrow's sort of sorted runs is a merge
     output = output.sort_by([(c, "ascending") for c in pipeline.output_keys()])
     return StageResult(output, outputs, shards, t1 - t0, t2 - t1, ends.value, ends.inputs,
                        plan.enrichment_reads(ran=True), figures, pre_step_s, side.job_s)
