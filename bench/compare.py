@@ -37,9 +37,10 @@ demo writes 1,000 events a second of event time, so in files of over 600k events
 first records are over 10 minutes old and both engines drop their copies as late, not as
 duplicates; the notes say how many went which way.
 
-Prints a row per (workload, engine, mode), then the issue's targets as one summary
-table (``report["summary"]``) and, with ``--profile``, the median phases of an epoch per
-engine. Writes ``bench/results/compare.json``, with the machine's cores and memory.
+Prints a row per (workload, engine, mode), then notes (among them, per workload, the
+epochs whose shards compacted, and what those epochs and the others took), the issue's
+targets as one summary table (``report["summary"]``) and, with ``--profile``, the median
+phases of an epoch per engine. Writes ``bench/results/compare.json``, with the machine's cores and memory.
 """
 
 from __future__ import annotations
@@ -438,7 +439,8 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
         "checkpoint_bytes": result.get("checkpoint_bytes", 0),
         "written_per_epoch_bytes": statistics.median(written) if written else None,
         "figures": figures,
-        "per_epoch": [{"epoch": b.get("epoch"), "seconds": b[key], "compacted_shards": b.get("compacted_shards")}
+        "per_epoch": [{"epoch": b.get("epoch"), "seconds": b[key], "compacted_shards": b.get("compacted_shards"),
+                       "snapshot_s": b.get("phases", {}).get("snapshot")}  # summed over the shards, compactions in it
                       for b in measured],
     }
 
@@ -772,9 +774,15 @@ def print_notes(report: dict[str, Any], scaled: dict[str, list[str]]) -> None:
         if row["engine"] == "volley" and row["mode"] == "warm" and epochs:
             slowest = max(epochs, key=lambda e: e["seconds"])
             compacting = [f"{e['epoch']} ({len(e['compacted_shards'])})" for e in epochs if e["compacted_shards"]]
-            lines.append(f"{row['workload']}: slowest epoch {slowest['epoch']}, {slowest['seconds']:.2f} s, its shards "
-                         f"compacted {slowest['compacted_shards']}; epochs that compacted (shards): "
-                         f"{', '.join(compacting) or 'none'}")
+            line = (f"{row['workload']}: slowest epoch {slowest['epoch']}, {slowest['seconds']:.2f} s, its shards "
+                    f"compacted {slowest['compacted_shards']}; epochs that compacted (shards): "
+                    f"{', '.join(compacting) or 'none'}")
+            split = [[e for e in epochs if bool(e["compacted_shards"]) is did] for did in (True, False)]
+            if all(split):
+                line += "; medians of the epochs that compacted and of the others: " + " against ".join(
+                    f"{statistics.median(e['seconds'] for e in part):.2f} s (snapshots summed "
+                    f"{statistics.median(e['snapshot_s'] or 0.0 for e in part):.2f} s)" for part in split)
+            lines.append(line)
     if a and "empty_epoch_median_s" in a:
         lines.append(f"empty epoch, warm: {a['empty_epoch_median_s']:.2f} s end to end (target < 0.5 s)")
     print("\n" + "\n".join(lines))
