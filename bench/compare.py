@@ -40,7 +40,8 @@ duplicates; the notes say how many went which way.
 Prints a row per (workload, engine, mode), then notes (among them, per workload, the
 epochs whose shards compacted, and what those epochs and the others took), the issue's
 targets as one summary table (``report["summary"]``) and, with ``--profile``, the median
-phases of an epoch per engine. Writes ``bench/results/compare.json``, with the machine's cores and memory.
+phases of an epoch per engine. Writes ``bench/results/compare.json``, with the machine's
+cores and memory.
 """
 
 from __future__ import annotations
