@@ -168,8 +168,8 @@ def run_stage(
             plan.raw.unpersist()
         if pre is not None:
             pre.release()
-    # each shard task sorted its own rows (``ShardMerge._output``): Arrow's sort of sorted runs is a merge
-    output = output.sort_by([(c, "ascending") for c in pipeline.output_keys()])
+    # by the keys each shard task sorted its own rows by (``ShardMerge._output``): a merge of sorted runs
+    output = output.sort_by([(c, "ascending") for c in merge.output_keys])
     return StageResult(output, outputs, shards, t1 - t0, t2 - t1, ends.value, ends.inputs,
                        plan.enrichment_reads(ran=True), figures, pre_step_s, side.job_s)
 
