@@ -273,7 +273,7 @@ def rescale_root(args: argparse.Namespace) -> int:
         log = EpochLog(root)
         name = log.identity().get("pipeline", "") if log.has_identity() else ""
         with PipelineLease(root, owner=f"volley rescale (pid {os.getpid()})", wait_s=args.wait, pipeline=name,
-                           on_wait=lambda message: print(f"volley rescale: {message}", file=sys.stderr)) as lease:
+                           notify=lambda message: print(f"volley rescale: {message}", file=sys.stderr)) as lease:
             result = rescale(log, args.shards, lease, store=snapshot_store(args, name))
     except VolleyError as exc:
         print(f"volley rescale: {exc}", file=sys.stderr)

@@ -113,6 +113,13 @@ class FencedError(VolleyError):
     it stopped before making anything visible. Retrying (with a new lease) is safe."""
 
 
+class LeaseLapsedError(FencedError):
+    """This runner's own lease ran out under it (the process was paused, or its heartbeat
+    could not write, for longer than the ttl), whether or not anyone took it over: it
+    stopped before its next write. The runner takes a new token and runs the epoch
+    again (``EpochRunner.run``)."""
+
+
 class DimensionTableError(VolleyError):
     """A dimension table an enrichment joins cannot be read now: a retry may succeed."""
 

@@ -27,7 +27,7 @@ from volley_dagster.checkpoint.rescale import RescaleResult
 from volley_dagster.checkpoint.side_output_files import read_side_output
 from volley_dagster.checkpoint.state_reader import read_state
 from volley_dagster.dimensions.base import TablePin
-from volley_dagster.errors import EpochOrderError, StorageFullError, is_disk_full
+from volley_dagster.errors import EpochOrderError, LeaseLapsedError, StorageFullError, is_disk_full
 from volley_dagster.pipeline import Pipeline
 from volley_dagster.result import EpochResult
 from volley_dagster.settings import RunSettings
@@ -35,6 +35,10 @@ from volley_dagster.sources.offsets import Backlog, EpochRange
 from volley_dagster.spark.session import get_or_create_spark
 from volley_dagster.spark.state_table import StateTables
 from volley_dagster.state.keys import ShardLayout
+
+# A run whose lease lapses (the process paused past its ttl) takes a new token and runs
+# the epoch again, this many times an epoch: a process that keeps pausing fails loudly.
+MAX_LEASE_RETAKES = 2
 
 
 class EpochRunner:
@@ -62,15 +66,16 @@ class EpochRunner:
     # -- the lease -------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def lease(self, owner: str = "", on_wait: Callable[[str], None] | None = None) -> Iterator[PipelineLease]:
+    def lease(self, owner: str = "", notify: Callable[[str], None] | None = None) -> Iterator[PipelineLease]:
         """Hold the pipeline's lease across several calls (a Dagster run holds it for its
         epochs). Every run, rescale and prune takes it anyway, so a bare ``run_next()``
-        is fenced too; nested calls reuse the held lease."""
+        is fenced too; nested calls reuse the held lease. ``notify`` hears a wait for
+        another holder, and a lapsed lease taken again."""
         if self._lease is not None:
             yield self._lease
             return
         lease = PipelineLease(self.log.root, owner or f"pid {os.getpid()}", wait_s=self.settings.lease_wait_s,
-                              ttl_s=self.settings.lease_ttl_s, pipeline=self.pipeline.name, on_wait=on_wait)
+                              ttl_s=self.settings.lease_ttl_s, pipeline=self.pipeline.name, notify=notify)
         try:
             lease.acquire()
         except OSError as exc:
@@ -150,8 +155,16 @@ class EpochRunner:
         if committed is not None:
             return committed
         try:
-            with self.lease():
-                return self._run_leased(epoch)
+            with self.lease() as lease:
+                retakes = 0
+                while True:
+                    try:
+                        return self._run_leased(epoch)
+                    except LeaseLapsedError as exc:  # nothing was written after the lapse: run it again
+                        if retakes == MAX_LEASE_RETAKES:
+                            raise
+                        retakes += 1
+                        lease.retake(str(exc))
         except OSError as exc:
             if not is_disk_full(exc):
                 raise

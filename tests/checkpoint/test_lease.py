@@ -25,6 +25,23 @@ lease = PipelineLease(sys.argv[1], owner="dagster run 1234abcd", wait_s=5).acqui
 print(lease.fence.token, flush=True)
 time.sleep(600)
 """
+PAUSED = """
+import sys
+from volley_dagster.checkpoint.lease import PipelineLease
+from volley_dagster.errors import LeaseLapsedError
+lease = PipelineLease(sys.argv[1], owner="cli", ttl_s=float(sys.argv[2]), pipeline="payments",
+                      notify=lambda message: print("told:", message, flush=True)).acquire()
+print(lease.fence.token, flush=True)
+sys.stdin.readline()  # the test freezes this process meanwhile
+try:
+    lease.check("epoch 2: committing sink 'balances'")
+except LeaseLapsedError as exc:
+    print("lapsed:", exc, flush=True)
+    lease.retake(str(exc))
+lease.check("epoch 2: committing sink 'balances'")
+print("holds", lease.fence.token, flush=True)
+sys.stdin.readline()
+"""
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -59,7 +76,7 @@ def test_one_holder_at_a_time_and_tokens_only_grow(tmp_path):
 def test_a_waiting_runner_says_so_and_gets_the_lease_when_it_is_released(tmp_path):
     holder = PipelineLease(tmp_path, owner="dagster run first").acquire()
     said: list[str] = []
-    waiter = PipelineLease(tmp_path, owner="dagster run second", wait_s=10, on_wait=said.append)
+    waiter = PipelineLease(tmp_path, owner="dagster run second", wait_s=10, notify=said.append)
     threading.Timer(1.0, holder.release).start()
     with waiter:
         assert waiter.fence.token == 2 and waiter.waited_s >= 0.9
@@ -106,3 +123,38 @@ def test_the_heartbeat_renews_the_record(tmp_path):
     time.sleep(0.5)
     assert current_holder(tmp_path).expires_at > first  # renewed every ttl/3
     lease.release()
+
+
+def test_a_holder_paused_past_its_lease_is_stopped_then_takes_a_new_token(tmp_path):
+    """SIGSTOP (a long GC pause, a suspended VM) past the ttl: the holder's next check
+    refuses, naming what its heartbeat did; ``retake`` gives it the next token while
+    it keeps the flock, so its old token is fenced and no one else gets in between."""
+    ttl = 1.5
+    proc = subprocess.Popen([sys.executable, "-c", PAUSED, str(tmp_path), str(ttl)], cwd=ROOT, text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        assert int(proc.stdout.readline()) == 1
+        proc.send_signal(signal.SIGSTOP)
+        time.sleep(ttl + 1.0)
+        proc.send_signal(signal.SIGCONT)
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        lapsed, told, holds = (proc.stdout.readline() for _ in range(3))
+        assert lapsed.startswith("lapsed: epoch 2: committing sink 'balances': stopped, this runner's lease of ")
+        assert "(token 1) lapsed" in lapsed and "its heartbeat is due every 0.5s and" in lapsed and "was paused" in lapsed
+        assert told.startswith("told: epoch 2: committing sink 'balances'")
+        assert told.rstrip().endswith("took the lease of 'payments' again (fencing token 2, was 1) and runs again")
+        assert holds.split() == ["holds", "2"]
+        assert newest_token(tmp_path) == 2 and current_holder(tmp_path).pid == proc.pid
+        with pytest.raises(FencedError, match=r"moved on to token 2 \(this runner holds 1\)"):
+            Fence(str(tmp_path), 1).check("epoch 2: installing shard 1's snapshot")  # what the old attempt left running
+        with pytest.raises(PipelineBusyError, match=rf"pid {proc.pid} \(cli\), token 2"):
+            PipelineLease(tmp_path, wait_s=0.3).acquire()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_retake_refuses_a_lease_never_taken(tmp_path):
+    with pytest.raises(FencedError, match="epoch 4: .* is not held, so it cannot be taken again"):
+        PipelineLease(tmp_path).retake("epoch 4: lapsed")

@@ -25,11 +25,13 @@ takes no lease: a range is created exclusively, so of two cutters one wins and t
 other reads the recorded range back.
 
 Self-fencing: on the driver, ``PipelineLease.check`` also refuses once the holder's own
-lease is within ``margin_s`` of its expiry, and a heartbeat that wakes to a lapsed
-lease stops renewing it: a holder paused past its lease (a long GC pause, a suspended
-VM) stops before its next write even before anyone took over. A taker on another
-machine waits ``margin_s`` past the expiry (clock skew between the machines), so the
-two never both believe they hold it. What this leaves open is a write already past
+lease is within ``margin_s`` of its expiry (``LeaseLapsedError``), and a heartbeat that
+wakes to a lapsed lease stops renewing it: a holder paused past its lease (a long GC
+pause, a suspended VM) stops before its next write even before anyone took over. A
+taker on another machine waits ``margin_s`` past the expiry (clock skew between the
+machines), so the two never both believe they hold it. The stopped holder heals by
+``PipelineLease.retake``: a new token, taken as ``acquire`` takes one, so the lapsed
+token fences whatever of its old attempt still runs. What this leaves open is a write already past
 its check when the pause begins: the window between one check and the write after it
 (manifests, layout records and attempt directories are created exclusively; Delta
 and Iceberg commits are optimistic; Kafka fences at the broker).
@@ -44,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
 import socket
 import threading
@@ -53,13 +56,14 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
-from volley_dagster.errors import FencedError, PipelineBusyError
+from volley_dagster.errors import FencedError, LeaseLapsedError, PipelineBusyError
 from volley_dagster.io.atomic import create_json_exclusive, read_json, write_json_atomic
 from volley_dagster.process import boot_id, is_alive, start_ticks
 
 DEFAULT_WAIT_S = 60.0
 DEFAULT_TTL_S = 30.0
 _KEEP_RECORDS = 16
+_log = logging.getLogger(__name__)
 
 
 def _now() -> float:
@@ -177,20 +181,24 @@ class PipelineLease:
         wait_s: float = DEFAULT_WAIT_S,
         ttl_s: float = DEFAULT_TTL_S,
         pipeline: str = "",
-        on_wait: Callable[[str], None] | None = None,
+        notify: Callable[[str], None] | None = None,
     ) -> None:
+        """``notify`` hears what a user watching the run should know: a wait for another
+        holder, a lapsed lease taken again (default: a warning on this module's logger)."""
         self.root = Path(root).absolute()
         self.owner = owner
         self.wait_s = wait_s
         self.ttl_s = ttl_s
         self.pipeline = pipeline
-        self.on_wait = on_wait
+        self.notify = notify or _log.warning
         self.record: LeaseRecord | None = None
         self.waited_s = 0.0
         self._fd: int | None = None
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
         self._lapsed_at: float | None = None
+        self._beat_at: float | None = None  # when the heartbeat last woke, and what its write raised
+        self._beat_error: str | None = None
 
     @property
     def held(self) -> bool:
@@ -212,13 +220,22 @@ class PipelineLease:
         now = _now()
         if self._lapsed_at is not None or now >= record.expires_at - clock_margin_s(self.ttl_s):
             self._lapsed_at = self._lapsed_at or now
-            raise FencedError(
+            raise LeaseLapsedError(
                 f"{what}: stopped, this runner's lease of {self.root} (token {record.token}) lapsed: it was due "
-                f"{_iso(record.expires_at)} and it is {_iso(now)}; the process was paused or its heartbeat could not "
-                "write for longer than the lease's ttl, so another runner may hold it now. Nothing more is written "
-                "by this one; a retry takes a new lease"
+                f"{_iso(record.expires_at)} and it is {_iso(now)}; {self._heartbeat_account(record, now)}. Another runner "
+                "may hold it now, so nothing more is written under this token; a retry takes a new lease"
             )
         self.fence.check(what)
+
+    def _heartbeat_account(self, record: LeaseRecord, now: float) -> str:
+        """What the heartbeat did since the last renewal: a failed write, or no beat in
+        time (the process or its machine paused, or the wall clock stepped forward)."""
+        every = f"its heartbeat is due every {self.ttl_s / 3:.1f}s"
+        if self._beat_error is not None:
+            return f"{every} and could not write the record ({self._beat_error})"
+        woke = "has not woken since" if self._beat_at is None else f"last woke {now - self._beat_at:.1f}s ago"
+        return (f"it was last renewed {now - record.renewed_at:.1f}s ago; {every} and {woke}, so the process or its "
+                "machine was paused, a renewal's write stalled, or the wall clock stepped forward")
 
     # -- taking and giving back ------------------------------------------------------------
 
@@ -238,18 +255,28 @@ class PipelineLease:
         self._fd = fd
         self.waited_s = time.monotonic() - started
         self._prune_records()
-        self._lapsed_at = None
-        self._stop.clear()
-        self._heartbeat = threading.Thread(target=self._renew_until_stopped, name="volley-lease", daemon=True)
-        self._heartbeat.start()
+        self._start_heartbeat()
         return self
+
+    def retake(self, why: str) -> LeaseRecord:
+        """After ``LeaseLapsedError`` (``why``), with the flock still held: a new token,
+        taken as ``acquire`` takes one (a live holder on another machine is waited out).
+        The lapsed token then fences whatever of the stopped attempt still runs."""
+        lapsed = self.record
+        if lapsed is None or self._fd is None:
+            raise FencedError(f"{why}: the lease of {self.root} is not held, so it cannot be taken again")
+        self._stop_heartbeat()
+        self._wait(lambda: not self._held_elsewhere(), time.monotonic() + self.wait_s)
+        self.record = self._take_token()
+        self._start_heartbeat()
+        self.notify(f"{why}; took the lease of {self.pipeline or self.root.name!r} again (fencing token "
+                    f"{self.record.token}, was {lapsed.token}) and runs again")
+        return self.record
 
     def release(self) -> None:
         if self.record is None:
             return
-        self._stop.set()
-        if self._heartbeat is not None:
-            self._heartbeat.join()
+        self._stop_heartbeat()
         with contextlib.suppress(OSError):
             if newest_token(self.root) == self.record.token:
                 write_json_atomic(_record_path(self.root, self.record.token),
@@ -279,8 +306,8 @@ class PipelineLease:
                     f"finish and run again (a holder killed on this machine frees the lease at once; on another "
                     f"machine, {self.ttl_s:.0f}s after its last heartbeat)"
                 )
-            if not told and self.on_wait is not None:
-                self.on_wait(f"waiting for the lease of {self.pipeline or self.root.name!r}, held by "
+            if not told:
+                self.notify(f"waiting for the lease of {self.pipeline or self.root.name!r}, held by "
                              f"{holder.describe() if holder is not None else 'another runner'}")
                 told = True
             time.sleep(0.2)
@@ -302,19 +329,34 @@ class PipelineLease:
             if create_json_exclusive(_record_path(self.root, record.token), asdict(record)):
                 return record
 
+    def _start_heartbeat(self) -> None:
+        self._lapsed_at = self._beat_at = self._beat_error = None
+        self._stop.clear()
+        self._heartbeat = threading.Thread(target=self._renew_until_stopped, name="volley-lease", daemon=True)
+        self._heartbeat.start()
+
+    def _stop_heartbeat(self) -> None:
+        self._stop.set()
+        if self._heartbeat is not None:
+            self._heartbeat.join()
+            self._heartbeat = None
+
     def _renew_until_stopped(self) -> None:
         while not self._stop.wait(self.ttl_s / 3):
             record = self.record
             if record is None or newest_token(self.root) != record.token:
                 return  # taken over: the fence stops this holder's writes
-            now = _now()
+            now = self._beat_at = _now()
             if now >= record.expires_at - clock_margin_s(self.ttl_s):
                 self._lapsed_at = now  # paused past the lease: renewing now would hide it; check() stops the holder
                 return
             renewed = replace(record, renewed_at=now, expires_at=now + self.ttl_s)
-            with contextlib.suppress(OSError):  # a missed beat only shortens the lease
+            try:
                 write_json_atomic(_record_path(self.root, record.token), asdict(renewed))
-                self.record = renewed
+            except OSError as exc:  # a missed beat only shortens the lease; check() names it if it lapses
+                self._beat_error = f"{type(exc).__name__}: {exc}"
+                continue
+            self.record, self._beat_error = renewed, None
 
     def _prune_records(self) -> None:
         for token in _tokens(self.root)[:-_KEEP_RECORDS]:

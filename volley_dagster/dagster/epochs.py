@@ -186,7 +186,7 @@ def epoch_assets(deployment: Deployment, spec_settings: TableSettings) -> list:
         if any(attempt.values()):
             context.log.info(f"retrying: run retry {attempt['run_retry']}, step retry {attempt['step_retry']}")
         try:
-            with runner.lease(owner=f"dagster run {context.run.run_id}", on_wait=context.log.info) as lease:
+            with runner.lease(owner=f"dagster run {context.run.run_id}", notify=context.log.info) as lease:
                 context.log.info(f"holding the lease of {pipeline.name!r} (fencing token {lease.fence.token}, "
                                  f"waited {lease.waited_s:.1f}s)")
                 for key in sorted(context.partition_keys, key=parse_epoch):

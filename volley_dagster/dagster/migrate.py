@@ -37,7 +37,7 @@ def migrate_job(deployment: Deployment, spec_settings: TableSettings) -> JobDefi
         for a change state cannot follow and while an epoch is cut but not committed."""
         runner = make_runner(deployment, volley_checkpoints, volley_tables, volley_spark, log=context.log.info)
         target: Pipeline = runner.pipeline
-        with runner.lease(owner=f"dagster run {context.run.run_id}", on_wait=context.log.info):
+        with runner.lease(owner=f"dagster run {context.run.run_id}", notify=context.log.info):
             result = runner.migrate(target, renames=config.renames, initial=dict(config.initial),
                                     num_shards=config.num_shards)
         context.log.info(result.describe())

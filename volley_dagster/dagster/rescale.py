@@ -31,7 +31,7 @@ def rescale_job(deployment: Deployment, spec_settings: TableSettings) -> JobDefi
         """Rewrites the last committed epoch's state into ``num_shards`` shards; the next
         epoch runs with them. Fails while an epoch is cut but not committed."""
         runner = make_runner(deployment, volley_checkpoints, volley_tables)
-        with runner.lease(owner=f"dagster run {context.run.run_id}", on_wait=context.log.info):
+        with runner.lease(owner=f"dagster run {context.run.run_id}", notify=context.log.info):
             result = runner.rescale(config.num_shards)
         context.log.info(result.describe())
         context.log_event(AssetObservation(
