@@ -117,8 +117,8 @@ def test_a_killed_worker_fails_its_run_at_once_and_its_health_says_so(instance, 
     assert instance.run_launcher.check_run_worker_health(instance.get_run_by_id(run_id)).status == WorkerStatus.RUNNING
     os.kill(pid, signal.SIGKILL)
     killed = time.monotonic()
-    run = wait_for(lambda: finished(instance, run_id), timeout=10, what="the run to be marked failed")
-    assert run.status == DagsterRunStatus.FAILURE and time.monotonic() - killed < 5
+    run = wait_for(lambda: finished(instance, run_id), timeout=30, what="the run to be marked failed")
+    assert run.status == DagsterRunStatus.FAILURE and time.monotonic() - killed < 20  # no daemon here: the launcher saw it
     assert any(f"Run execution process for {run_id}" in m and "signal" in m.lower()
                for m in engine_messages(instance, run_id)), engine_messages(instance, run_id)
     health = instance.run_launcher.check_run_worker_health(run)
