@@ -143,13 +143,15 @@ def test_a_holder_paused_past_its_lease_stops_then_heals_under_a_new_token(spark
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(first.pid, signal.SIGKILL)  # the JVM and anything left of the runner
-    assert "(token 1) lapsed" in err and "took the lease of 'payments' again (fencing token 2, was 1)" in err, err[-3000:]
+    assert "lapsed" in err and "took the lease of 'payments' again (fencing token" in err, err[-3000:]
     assert out.split() == [w for e in range(1, FILES + 1) for w in ("committed", str(e))]
-    assert newest_token(state) == 2
+    newest = newest_token(state)  # the first runner's last token
 
     second = EpochRunner(pipeline, state, RunSettings(max_records_per_epoch=MAX, keep_epochs=KEEP), spark=spark)
     assert second.run_available() == []
-    assert [second.result(e).fencing_token for e in range(1, FILES + 1)] == [1, 2, 2, 2]  # epoch 2 not under token 1
+    # epoch 2 under a newer token than epoch 1's (a loaded machine may lapse a 3 s lease more than once)
+    tokens = [second.result(e).fencing_token for e in range(1, FILES + 1)]
+    assert tokens == sorted(tokens) and tokens[0] < tokens[1] and tokens[-1] == newest, tokens
     records = log_records(FILES, PER_FILE, KEYS)
     final = reference_state(records)
     assert_state_equal(second.read_state(), final)
