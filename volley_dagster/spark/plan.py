@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from pyspark.sql import DataFrame, SparkSession
-from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
 from volley_dagster import columns
@@ -30,7 +29,7 @@ from volley_dagster.spark.read import read_range
 class PlannedEpoch:
     """The epoch's DataFrames, before anything runs."""
 
-    raw: DataFrame
+    raw: DataFrame  # the read (``EpochRead.raw``): error and raw text columns only when ``may_have_bad_records``
     keyed: DataFrame
     operator: SparkOperator
     key_kind: str
@@ -96,8 +95,7 @@ def plan_epoch(spark: SparkSession, pipeline: Pipeline, rng: EpochRange, pins: d
     if reserved:
         raise ConfigError(f"source columns {reserved} use the engine's reserved prefix _volley_")
     read = read_range(spark, source, rng, schema)
-    raw = read.raw
-    parsed = raw.where(F.col(columns.ERROR).isNull()).drop(columns.ERROR, columns.RAW)
+    raw, parsed = read.raw, read.parsed
     if pins is None:  # planned to resolve the operator, never run: no key check either
         pins = {e.name: e.table.pin() for e in pipeline.enrichments}
         verified = frozenset(pins)

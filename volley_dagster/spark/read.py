@@ -41,12 +41,20 @@ META_FIELDS = [
 
 @dataclass(frozen=True)
 class EpochRead:
-    raw: DataFrame  # the schema's columns + position, error and raw text
-    may_have_bad_records: bool  # False: every row parsed (error is always null)
+    raw: DataFrame  # the schema's columns + position; a Python read's also error and raw text
+    may_have_bad_records: bool  # False: a native read, every row parsed (no error columns)
     # a native read: each segment and its file (else empty), and per segment what the
     # file's footer says of the row groups it touches
     files: tuple[tuple[Segment, NativeParquetFile], ...] = ()
     footers: tuple[Mapping[str, ColumnStatistics], ...] = ()
+
+    @property
+    def parsed(self) -> DataFrame:
+        """The records that parsed, with their positions: a native read's rows as they
+        are (no filter and no drop to plan: each is a round trip to the JVM)."""
+        if not self.may_have_bad_records:
+            return self.raw
+        return self.raw.where(F.col(columns.ERROR).isNull()).drop(columns.ERROR, columns.RAW)
 
 
 def read_range(spark: SparkSession, source: Source, rng: EpochRange, schema: pa.Schema) -> EpochRead:
@@ -86,7 +94,6 @@ def _native_parquet(spark: SparkSession, rng: EpochRange, files: list[NativeParq
 
 
 _FILE, _ROW, _BASE = "_volley_file", "_volley_row", "_volley_base"  # the read's own, dropped by its end
-_NO_TEXT = "CAST(NULL AS STRING)"
 _SCHEME = "^[a-z]+:(//[^/]*)?"  # a file URI's scheme and authority
 
 
@@ -104,8 +111,7 @@ class _NativeScan:
         row = "_metadata.row_index"
         return (self.spark.read.schema(self.schema).parquet(path)
                 .where(F.expr(f"{row} >= {seg.start} AND {row} < {seg.end}"))
-                .selectExpr(*self.names, f"{seg.position_base()} + {row} AS {columns.POS}",
-                            f"{_NO_TEXT} AS {columns.ERROR}", f"{_NO_TEXT} AS {columns.RAW}"))
+                .selectExpr(*self.names, f"{seg.position_base()} + {row} AS {columns.POS}"))
 
     def whole_files(self, segments: list[tuple[Segment, NativeParquetFile]]) -> DataFrame | None:
         """One scan of these segments' files; None when Spark names a file otherwise than
@@ -127,5 +133,4 @@ class _NativeScan:
                                 f"_metadata.row_index AS {_ROW}")
                 .join(F.broadcast(bases), _FILE, "left")
                 .selectExpr(*self.names, f"CASE WHEN {_BASE} IS NULL THEN {unplaced} ELSE {_BASE} + {_ROW} END "
-                                         f"AS {columns.POS}",
-                            f"{_NO_TEXT} AS {columns.ERROR}", f"{_NO_TEXT} AS {columns.RAW}"))
+                                         f"AS {columns.POS}"))
