@@ -31,10 +31,10 @@ pause, a suspended VM) stops before its next write even before anyone took over.
 taker on another machine waits ``margin_s`` past the expiry (clock skew between the
 machines), so the two never both believe they hold it. The stopped holder heals by
 ``PipelineLease.retake``: a new token, taken as ``acquire`` takes one, so the lapsed
-token fences whatever of its old attempt still runs. What this leaves open is a write already past
-its check when the pause begins: the window between one check and the write after it
-(manifests, layout records and attempt directories are created exclusively; Delta
-and Iceberg commits are optimistic; Kafka fences at the broker).
+token fences whatever of its old attempt still runs. What this leaves open is a write
+already past its check when the pause begins: the window between one check and the
+write after it (manifests, layout records and attempt directories are created
+exclusively; Delta and Iceberg commits are optimistic; Kafka fences at the broker).
 
 Executors whose disk does not hold the checkpoint root (a snapshot store on S3, no
 shared disk) find no token records: they carry the driver's token without checking
@@ -308,7 +308,7 @@ class PipelineLease:
                 )
             if not told:
                 self.notify(f"waiting for the lease of {self.pipeline or self.root.name!r}, held by "
-                             f"{holder.describe() if holder is not None else 'another runner'}")
+                            f"{holder.describe() if holder is not None else 'another runner'}")
                 told = True
             time.sleep(0.2)
 
