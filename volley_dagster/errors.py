@@ -117,7 +117,7 @@ class LeaseLapsedError(FencedError):
     """This runner's own lease ran out under it (the process was paused, or its heartbeat
     could not write, for longer than the ttl), whether or not anyone took it over: it
     stopped before its next write. The runner takes a new token and runs the epoch
-    again (``EpochRunner.run``)."""
+    again (``PipelineLease.retaking_on_lapse``)."""
 
 
 class DimensionTableError(VolleyError):

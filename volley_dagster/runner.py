@@ -27,7 +27,7 @@ from volley_dagster.checkpoint.rescale import RescaleResult
 from volley_dagster.checkpoint.side_output_files import read_side_output
 from volley_dagster.checkpoint.state_reader import read_state
 from volley_dagster.dimensions.base import TablePin
-from volley_dagster.errors import EpochOrderError, LeaseLapsedError, StorageFullError, is_disk_full
+from volley_dagster.errors import EpochOrderError, StorageFullError, is_disk_full
 from volley_dagster.pipeline import Pipeline
 from volley_dagster.result import EpochResult
 from volley_dagster.settings import RunSettings
@@ -35,10 +35,6 @@ from volley_dagster.sources.offsets import Backlog, EpochRange
 from volley_dagster.spark.session import get_or_create_spark
 from volley_dagster.spark.state_table import StateTables
 from volley_dagster.state.keys import ShardLayout
-
-# A run whose lease lapses (the process paused past its ttl) takes a new token and runs
-# the epoch again, this many times an epoch: a process that keeps pausing fails loudly.
-MAX_LEASE_RETAKES = 2
 
 
 class EpochRunner:
@@ -156,15 +152,7 @@ class EpochRunner:
             return committed
         try:
             with self.lease() as lease:
-                retakes = 0
-                while True:
-                    try:
-                        return self._run_leased(epoch)
-                    except LeaseLapsedError as exc:  # nothing was written after the lapse: run it again
-                        if retakes == MAX_LEASE_RETAKES:
-                            raise
-                        retakes += 1
-                        lease.retake(str(exc))
+                return lease.retaking_on_lapse(lambda: self._run_leased(epoch))
         except OSError as exc:
             if not is_disk_full(exc):
                 raise

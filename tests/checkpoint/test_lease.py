@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from volley_dagster.checkpoint.lease import Fence, PipelineLease, current_holder, newest_token
-from volley_dagster.errors import FencedError, PipelineBusyError
+from volley_dagster.checkpoint.lease import MAX_RETAKES, Fence, PipelineLease, current_holder, newest_token
+from volley_dagster.errors import FencedError, LeaseLapsedError, PipelineBusyError
 
 HOLD = """
 import sys, time
@@ -158,3 +158,27 @@ def test_a_holder_paused_past_its_lease_is_stopped_then_takes_a_new_token(tmp_pa
 def test_retake_refuses_a_lease_never_taken(tmp_path):
     with pytest.raises(FencedError, match="epoch 4: .* is not held, so it cannot be taken again"):
         PipelineLease(tmp_path).retake("epoch 4: lapsed")
+
+
+def test_retaking_on_lapse_runs_again_under_each_new_token_then_gives_up(tmp_path):
+    told: list[str] = []
+    with PipelineLease(tmp_path, pipeline="payments", notify=told.append) as lease:
+        ran: list[int] = []
+
+        def lapses_once() -> str:
+            ran.append(lease.fence.token)
+            if len(ran) == 1:
+                raise LeaseLapsedError("epoch 3: writing its manifest: stopped, lapsed")
+            return "committed"
+
+        assert lease.retaking_on_lapse(lapses_once) == "committed" and ran == [1, 2]
+        assert told == ["epoch 3: writing its manifest: stopped, lapsed; took the lease of 'payments' again "
+                        "(fencing token 2, was 1) and runs again"]
+
+        def always_lapses() -> None:
+            ran.append(lease.fence.token)
+            raise LeaseLapsedError(f"epoch 4: lapsed under token {lease.fence.token}")
+
+        with pytest.raises(LeaseLapsedError, match=f"under token {2 + MAX_RETAKES}$"):
+            lease.retaking_on_lapse(always_lapses)
+        assert ran[2:] == list(range(2, 3 + MAX_RETAKES)) and newest_token(tmp_path) == 2 + MAX_RETAKES

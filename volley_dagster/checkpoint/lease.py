@@ -54,7 +54,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable
+from typing import Callable, TypeVar
 
 from volley_dagster.errors import FencedError, LeaseLapsedError, PipelineBusyError
 from volley_dagster.io.atomic import create_json_exclusive, read_json, write_json_atomic
@@ -63,7 +63,9 @@ from volley_dagster.process import boot_id, is_alive, start_ticks
 DEFAULT_WAIT_S = 60.0
 DEFAULT_TTL_S = 30.0
 _KEEP_RECORDS = 16
+MAX_RETAKES = 2  # lapses healed in one call of ``retaking_on_lapse``: a process that keeps pausing fails loudly
 _log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 
 def _now() -> float:
@@ -272,6 +274,19 @@ class PipelineLease:
         self.notify(f"{why}; took the lease of {self.pipeline or self.root.name!r} again (fencing token "
                     f"{self.record.token}, was {lapsed.token}) and runs again")
         return self.record
+
+    def retaking_on_lapse(self, attempt: Callable[[], _T]) -> _T:
+        """``attempt()``, called again under a new token (``retake``) each time the lease
+        lapses under it, at most ``MAX_RETAKES`` times: it wrote nothing after the lapse,
+        and running an epoch again commits it at most once."""
+        for retakes in range(MAX_RETAKES + 1):
+            try:
+                return attempt()
+            except LeaseLapsedError as exc:
+                if retakes == MAX_RETAKES:
+                    raise
+                self.retake(str(exc))
+        raise AssertionError("unreachable: the last lapse is raised")
 
     def release(self) -> None:
         if self.record is None:
