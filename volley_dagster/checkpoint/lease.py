@@ -249,8 +249,7 @@ class PipelineLease:
         fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             self._wait(lambda: _try_flock(fd), deadline)
-            self._wait(lambda: not self._held_elsewhere(), deadline)
-            self.record = self._take_token()
+            self.record = self._take_token_after_others(deadline)
         except BaseException:
             os.close(fd)
             raise
@@ -268,8 +267,7 @@ class PipelineLease:
         if lapsed is None or self._fd is None:
             raise FencedError(f"{why}: the lease of {self.root} is not held, so it cannot be taken again")
         self._stop_heartbeat()
-        self._wait(lambda: not self._held_elsewhere(), time.monotonic() + self.wait_s)
-        self.record = self._take_token()
+        self.record = self._take_token_after_others(time.monotonic() + self.wait_s)
         self._start_heartbeat()
         self.notify(f"{why}; took the lease of {self.pipeline or self.root.name!r} again (fencing token "
                     f"{self.record.token}, was {lapsed.token}) and runs again")
@@ -332,6 +330,11 @@ class PipelineLease:
         that is still renewing its record holds the lease too."""
         holder = current_holder(self.root)
         return holder is not None and not holder.on_this_machine() and holder.is_live(_now())
+
+    def _take_token_after_others(self, deadline: float) -> LeaseRecord:
+        """With the flock held: the next token, once no holder on another machine is live."""
+        self._wait(lambda: not self._held_elsewhere(), deadline)
+        return self._take_token()
 
     def _take_token(self) -> LeaseRecord:
         while True:
