@@ -9,6 +9,7 @@ import os
 
 import numpy as np
 import pyarrow as pa
+import pytest
 
 from volley_dagster import columns
 from volley_dagster.operators.accumulators import Count, Sum
@@ -21,39 +22,49 @@ from volley_dagster.state.options import RocksDBOptions
 AGGREGATE = ResolvedAggregate((("events", Count()), ("total", Sum("amount"))), (None, "float"), 1)
 
 
-def _partials(keys: np.ndarray, shard: int) -> pa.Table:
+def _named(keys: np.ndarray) -> pa.Array:
+    """String keys whose order is not their numbers' (``m-9`` after ``m-10``)."""
+    return pa.array([f"m-{k}" for k in keys.tolist()], pa.string())
+
+
+def _partials(keys: np.ndarray, shard: int, kind: str) -> pa.Table:
     """One shard's partials as the exchange delivers them: in no order, key groups
     unrelated to the keys' order, and the shard's marker row."""
     n = len(keys)
+    key_values = pa.array(keys, pa.int64()) if kind == "int" else _named(keys)
     marker = pa.table({columns.SHARD: pa.array([shard], pa.int32()), columns.KEY_GROUP: pa.nulls(1, pa.int32()),
-                       columns.MARKER: [True], columns.KEY: pa.nulls(1, pa.int64()), columns.ROWS: pa.nulls(1, pa.int64()),
+                       columns.MARKER: [True], columns.KEY: pa.nulls(1, key_values.type), columns.ROWS: pa.nulls(1, pa.int64()),
                        "events:n": pa.nulls(1, pa.int64()), "total:v": pa.nulls(1, pa.float64())})
     rows = pa.table({columns.SHARD: pa.array(np.full(n, shard), pa.int32()),
                      columns.KEY_GROUP: pa.array((keys * 2654435761) % 64, pa.int32()),
-                     columns.MARKER: pa.nulls(n, pa.bool_()), columns.KEY: pa.array(keys, pa.int64()),
+                     columns.MARKER: pa.nulls(n, pa.bool_()), columns.KEY: key_values,
                      columns.ROWS: pa.array(keys % 5 + 1, pa.int64()), "events:n": pa.array(keys % 5 + 1, pa.int64()),
                      "total:v": pa.array(keys * 0.5)})
     return pa.concat_tables([rows, marker])
 
 
-def test_a_shard_tasks_rows_leave_in_output_key_order_then_its_stats_row(tmp_path):
+@pytest.mark.parametrize("kind", ["int", "str"])
+def test_a_shard_tasks_rows_leave_in_output_key_order_then_its_stats_row(tmp_path, kind):
     rng = np.random.default_rng(11)
     keys = rng.permutation(rng.choice(1_000_000, 5_000, replace=False)).astype(np.int64)
     task = ShardMerge(
-        step=ShardStep(1, "int", layout=ShardLayout(num_shards=1)), key_column="merchant_id",
+        step=ShardStep(1, kind, layout=ShardLayout(num_shards=1)), key_column="merchant_id",
         output_keys=("merchant_id",), operator=AGGREGATE, previous={}, snapshot_root=str(tmp_path / "snapshots"),
         work_root=str(tmp_path / "work"), rocksdb=RocksDBOptions(), scan_fraction=0.5, verify_checksums=False,
         driver_pid=os.getpid(),
     )
-    out = task(_partials(keys, 0))
+    out = task(_partials(keys, 0, kind))
 
     assert out.column(columns.STATS)[out.num_rows - 1].is_valid  # the stats row is last
     stats, rows = split_task_output(out)
     assert json.loads(stats[0])["shard"] == 0 and json.loads(stats[0])["records"] == int((keys % 5 + 1).sum())
-    got = rows.column("merchant_id").to_numpy()
-    assert got.tolist() == sorted(keys.tolist())  # every key once, ascending
+    got = rows.column("merchant_id").to_pylist()
+    names = keys.tolist() if kind == "int" else _named(keys).to_pylist()
+    assert got == sorted(names)  # every key once, ascending
     # in the state's own order (key group, key) the same rows would not be
-    by_state = np.lexsort((keys, (keys * 2654435761) % 64))
-    assert keys[by_state].tolist() != got.tolist()
-    assert rows.column("events").to_pylist() == (got % 5 + 1).tolist()
-    assert rows.column("total").to_pylist() == (got * 0.5).tolist()
+    key_groups = (keys * 2654435761) % 64
+    assert [names[i] for i in sorted(range(len(names)), key=lambda i: (key_groups[i], names[i]))] != got
+    number_of = dict(zip(names, keys.tolist(), strict=True))
+    numbers = np.array([number_of[name] for name in got])
+    assert rows.column("events").to_pylist() == (numbers % 5 + 1).tolist()
+    assert rows.column("total").to_pylist() == (numbers * 0.5).tolist()
