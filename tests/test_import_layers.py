@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 ENGINE = Path(__file__).resolve().parents[1] / "volley_dagster"
@@ -72,3 +74,22 @@ def test_the_engine_has_no_import_cycles() -> None:
 
 def test_a_cycle_is_found() -> None:
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_a_shard_task_imports_no_sink_or_table_library() -> None:
+    """A Spark Python worker unpickling a shard task imports ``spark/tasks.py`` and its
+    operator: the package's lazy names (``lazy_exports``) keep PyIceberg, SQLAlchemy,
+    delta-rs, pandas and Dagster out of it (1.4 s of a fresh worker's start)."""
+    heavy = ("pyiceberg", "sqlalchemy", "deltalake", "pandas", "dagster")
+    code = ("import sys, volley_dagster.spark.tasks, volley_dagster.operators.aggregate, volley_dagster.operators.window; "
+            f"print(','.join(m for m in {heavy!r} if m in sys.modules))")
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert loaded == ""
+
+
+def test_every_public_name_loads() -> None:
+    import volley_dagster
+    from volley_dagster import dimensions, sinks
+
+    for package in (volley_dagster, dimensions, sinks):
+        assert all(getattr(package, name) is not None for name in package.__all__), package.__name__

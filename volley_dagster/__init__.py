@@ -4,10 +4,14 @@ The engine is importable and testable without Dagster; the Dagster integration
 (``volley_dagster.dagster``, which this package never imports) is a thin layer over it,
 and this repository's code location (``assets/``, ``resources/``, ``sensors/``) the demo
 built on that.
+
+The public names below load when first used (``lazy_exports``).
 """
 
-from volley_dagster.checkpoint.s3_snapshots import S3SnapshotStore
-from volley_dagster.dimensions import DeltaDimension, IcebergDimension, ParquetDimension
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from volley_dagster.errors import (
     AggregateOverflowError,
     ConfigError,
@@ -35,17 +39,40 @@ from volley_dagster.errors import (
     StorageFullError,
     VolleyError,
 )
-from volley_dagster.operators.accumulators import count, first, last, max_, mean, min_, sum_
-from volley_dagster.operators.window import session, sliding, tumbling
-from volley_dagster.pipeline import Pipeline
-from volley_dagster.result import EpochResult
-from volley_dagster.runner import EpochRunner
-from volley_dagster.settings import RunSettings
-from volley_dagster.sinks import DeltaSink, IcebergSink, MemorySink, ParquetSink, S3Endpoint, Sink
-from volley_dagster.sources.base import Source
-from volley_dagster.sources.file_log import FileLog
-from volley_dagster.sources.multi import MultiSource
-from volley_dagster.spark.session import get_or_create_spark
+from volley_dagster.lazy_exports import lazy_exports
+
+_LAZY: dict[str, tuple[str, ...]] = {
+    "volley_dagster.checkpoint.s3_snapshots": ("S3SnapshotStore",),
+    "volley_dagster.dimensions": ("DeltaDimension", "IcebergDimension", "ParquetDimension"),
+    "volley_dagster.operators.accumulators": ("count", "first", "last", "max_", "mean", "min_", "sum_"),
+    "volley_dagster.operators.window": ("session", "sliding", "tumbling"),
+    "volley_dagster.pipeline": ("Pipeline",),
+    "volley_dagster.result": ("EpochResult",),
+    "volley_dagster.runner": ("EpochRunner",),
+    "volley_dagster.settings": ("RunSettings",),
+    "volley_dagster.sinks": ("DeltaSink", "IcebergSink", "MemorySink", "ParquetSink", "S3Endpoint", "Sink"),
+    "volley_dagster.sources.base": ("Source",),
+    "volley_dagster.sources.file_log": ("FileLog",),
+    "volley_dagster.sources.multi": ("MultiSource",),
+    "volley_dagster.spark.session": ("get_or_create_spark",),
+}
+__getattr__ = lazy_exports(__name__, _LAZY)
+
+if TYPE_CHECKING:
+    from volley_dagster.checkpoint.s3_snapshots import S3SnapshotStore
+    from volley_dagster.dimensions import DeltaDimension, IcebergDimension, ParquetDimension
+    from volley_dagster.operators.accumulators import count, first, last, max_, mean, min_, sum_
+    from volley_dagster.operators.window import session, sliding, tumbling
+    from volley_dagster.pipeline import Pipeline
+    from volley_dagster.result import EpochResult
+    from volley_dagster.runner import EpochRunner
+    from volley_dagster.settings import RunSettings
+    from volley_dagster.sinks import DeltaSink, IcebergSink, MemorySink, ParquetSink, S3Endpoint, Sink
+    from volley_dagster.sources.base import Source
+    from volley_dagster.sources.file_log import FileLog
+    from volley_dagster.sources.multi import MultiSource
+    from volley_dagster.spark.session import get_or_create_spark
+
 
 __all__ = [
     "AggregateOverflowError",

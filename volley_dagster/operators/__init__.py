@@ -2,25 +2,28 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from volley_dagster.errors import StateLayoutError
 from volley_dagster.json_records import JsonObject
-from volley_dagster.operators.base import StatefulOperator, StateNamespaces
-from volley_dagster.operators.dedup import (
-    Deduplicated,
-    Deduplication,
-    ResolvedUniqueRecords,
-    dedup_namespaces,
-)
-from volley_dagster.operators.dedup_state import DEDUP_NAMESPACES
-from volley_dagster.operators.join import JOIN_NAMESPACES, IntervalJoin, ResolvedJoin
-from volley_dagster.operators.join_rows import RowCodec
-from volley_dagster.operators.ttl import StateTtl, with_ttl_namespaces
-from volley_dagster.operators.window_state import WINDOW_NAMESPACES
+
+if TYPE_CHECKING:
+    from volley_dagster.operators.base import StatefulOperator, StateNamespaces
+
+# each operator's modules load where a function below needs them: ``operators.base``,
+# which every shard task imports, does not bring pandas (windows) or the join's with it
 
 
 def recorded_namespaces(layout: JsonObject) -> StateNamespaces:
     """The namespaces of the operator that wrote a checkpoint root, from the layout it
     recorded (``pipeline.json``): for tools that have no pipeline (``volley rescale``)."""
+    from volley_dagster.operators.base import StateNamespaces
+    from volley_dagster.operators.dedup import dedup_namespaces
+    from volley_dagster.operators.dedup_state import DEDUP_NAMESPACES
+    from volley_dagster.operators.join import JOIN_NAMESPACES
+    from volley_dagster.operators.ttl import StateTtl, with_ttl_namespaces
+    from volley_dagster.operators.window_state import WINDOW_NAMESPACES
+
     if "unique_records" in layout:
         return StateNamespaces(DEDUP_NAMESPACES)
     if "join" in layout:
@@ -38,6 +41,10 @@ def recorded_operator(layout: JsonObject) -> StatefulOperator:
     state exactly as the engine wrote it."""
     from volley_dagster.operators import accumulators as acc
     from volley_dagster.operators.aggregate import Aggregate
+    from volley_dagster.operators.dedup import Deduplicated, Deduplication, ResolvedUniqueRecords
+    from volley_dagster.operators.join import IntervalJoin, ResolvedJoin
+    from volley_dagster.operators.join_rows import RowCodec
+    from volley_dagster.operators.ttl import StateTtl
     from volley_dagster.operators.window import WindowedAggregate, Windowing, Windows
 
     if "unique_records" in layout:
@@ -66,4 +73,6 @@ def recorded_operator(layout: JsonObject) -> StatefulOperator:
 
 def without_dedup(operator: StatefulOperator) -> StatefulOperator:
     """The aggregate or window a deduplication feeds (the operator itself without one)."""
+    from volley_dagster.operators.dedup import Deduplicated
+
     return operator.inner if isinstance(operator, Deduplicated) else operator

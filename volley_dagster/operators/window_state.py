@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
-import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -92,6 +91,8 @@ def group_windows(
     boundary = np.ones(len(order), dtype=bool)
     boundary[1:] = key_index[1:] != key_index[:-1]
     if sessions:
+        import pandas as pd  # here: a worker that merges no sessions does not import pandas (0.3 s)
+
         reach = pd.Series(end).groupby(key_index).cummax().to_numpy()
         boundary[1:] |= start[1:] > reach[:-1]
     else:
