@@ -34,9 +34,9 @@ from volley_dagster.checkpoint.rescale import RescaleResult, rescale
 from volley_dagster.checkpoint.s3_snapshots import S3SnapshotStore
 from volley_dagster.errors import ConfigError, EpochOrderError, StateLayoutError
 from volley_dagster.json_records import JsonObject
-from volley_dagster.operators import recorded_operator, without_dedup
 from volley_dagster.operators.aggregate import ResolvedAggregate
 from volley_dagster.operators.base import MigratableOperator, StatefulOperator
+from volley_dagster.operators.recorded import recorded_operator, without_dedup
 from volley_dagster.operators.ttl import TOUCHED
 from volley_dagster.state.options import RocksDBOptions
 

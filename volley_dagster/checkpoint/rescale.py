@@ -56,8 +56,8 @@ from volley_dagster.checkpoint.manifest import ShardSnapshot
 from volley_dagster.checkpoint.s3_snapshots import S3SnapshotStore
 from volley_dagster.errors import EpochOrderError, FencedError, StateLayoutError
 from volley_dagster.json_records import JsonObject
-from volley_dagster.operators import recorded_namespaces
 from volley_dagster.operators.base import StateNamespaces
+from volley_dagster.operators.recorded import recorded_namespaces
 from volley_dagster.state.keys import PREFIX_BYTES, ShardLayout, namespace_prefix
 from volley_dagster.state.options import RocksDBOptions
 from volley_dagster.state.pending_index import PendingIndex, PersistentPendingIndex

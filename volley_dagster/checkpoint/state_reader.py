@@ -22,8 +22,8 @@ from volley_dagster.checkpoint.epoch_log import EpochLog
 from volley_dagster.checkpoint.s3_snapshots import S3SnapshotStore
 from volley_dagster.checkpoint.snapshots import SnapshotRef, locate, on_this_machine
 from volley_dagster.errors import ConfigError
-from volley_dagster.operators import recorded_operator
 from volley_dagster.operators.base import StatefulOperator
+from volley_dagster.operators.recorded import recorded_operator
 from volley_dagster.state.keys import decode_keys, key_columns, namespace_prefix
 from volley_dagster.state.options import RocksDBOptions
 from volley_dagster.state.pending_index import stored_entries
