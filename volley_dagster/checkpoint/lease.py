@@ -277,14 +277,15 @@ class PipelineLease:
         """``attempt()``, called again under a new token (``retake``) each time the lease
         lapses under it, at most ``MAX_RETAKES`` times: it wrote nothing after the lapse,
         and running an epoch again commits it at most once."""
-        for retakes in range(MAX_RETAKES + 1):
+        retakes = 0
+        while True:
             try:
                 return attempt()
             except LeaseLapsedError as exc:
                 if retakes == MAX_RETAKES:
                     raise
+                retakes += 1
                 self.retake(str(exc))
-        raise AssertionError("unreachable: the last lapse is raised")
 
     def release(self) -> None:
         if self.record is None:
