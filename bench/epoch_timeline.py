@@ -1,10 +1,9 @@
-"""Where a small epoch's time goes, on one timeline: the driver before Spark's first stage
-(the DataFrames planned through py4j, then, from the last job's ``toArrow``, optimised
-and code-generated in the JVM),
-each stage and each of its tasks (launch, run, the JVM's CPU in it), and the driver
-after the last stage (output, sinks, manifest, pruning). An epoch of a few thousand
-records pays these whatever its size; ``compare --profile`` shows them only inside its
-phases.
+"""Where a small epoch's time goes, on one timeline: the driver before Spark's first
+stage (the DataFrames planned through py4j, then, from the last job's ``toArrow``,
+optimised and code-generated in the JVM), each stage and each of its tasks (launch, run,
+the JVM's CPU in it), and the driver after the last stage (output, sinks, manifest,
+pruning). An epoch of a few thousand records pays these whatever its size; ``compare
+--profile`` shows them only inside its phases.
 
     ./dev bench epoch_timeline [--records 200000] [--keys 20000] [--epochs 10] [--shards 4]
                                [--workloads A,B] [--show 2]
@@ -103,9 +102,7 @@ def epoch_parts(seconds: float, stages: list[dict[str, Any]], last_collect_s: fl
     ``last_collect_s``: when the epoch's last ``toArrow`` was called; from there to the
     next stage, the JVM plans that job."""
     if not stages:
-        return {"epoch_s": seconds, "before_first_stage_s": seconds, "stages_s": 0.0, "after_last_stage_s": 0.0,
-                "last_job_planned_in_jvm_s": 0.0, "task_run_summed_s": 0.0, "task_jvm_cpu_summed_s": 0.0,
-                "stages": 0, "tasks": 0}
+        raise RuntimeError("an epoch of this bench ran no Spark stage: each epoch reads a file of records")
     tasks = [t for s in stages for t in s["tasks"]]
     job_start = min((s["submitted_s"] for s in stages if s["submitted_s"] >= last_collect_s), default=last_collect_s)
     return {"epoch_s": seconds, "before_first_stage_s": stages[0]["submitted_s"],
