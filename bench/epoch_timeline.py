@@ -96,9 +96,10 @@ class StatusStore:
 
 
 def epoch_parts(seconds: float, stages: list[dict[str, Any]], last_collect_s: float) -> dict[str, float]:
-    """The epoch cut into: before the first stage, each stage in turn (with the gaps
-    between them, where the JVM plans the next), after the last. A shard stage with
-    more tasks than cores runs in waves: its tasks' run time summed against its wall.
+    """The epoch cut into: before the first stage, from the first stage's start to the
+    last's end (the gaps between stages, where the JVM plans the next, inside it), after
+    the last. A shard stage with more tasks than cores runs in waves: its tasks' run
+    time summed against its wall.
     ``last_collect_s``: when the epoch's last ``toArrow`` was called; from there to the
     next stage, the JVM plans that job."""
     if not stages:
@@ -172,7 +173,7 @@ def main() -> int:
               f"{m['task_jvm_cpu_summed_s']:>8.3f}")
     for r in results:
         print(f"\n{r['workload']}:")
-        for epoch in r["epochs"][-args.show:]:
+        for epoch in r["epochs"][max(0, len(r["epochs"]) - args.show):]:  # --show 0: none ([-0:] is all)
             print_epoch(epoch)
     report = {"args": vars(args), "results": results}
     print(f"\nwrote {finish('epoch_timeline', report, work, keep=args.workdir is not None)}")
