@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 import pytest
+import rocksdict
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -201,3 +202,64 @@ def test_state_ttl_expires_each_key_as_a_plain_fold_over_random_epochs(tmp_path,
         assert expired_total > 50
     finally:
         db.close()
+
+
+@pytest.mark.parametrize("slide,max_pending", [(10, None), (5, None), (10, 3)], ids=["tumbling", "sliding", "evicting"])
+def test_windows_fire_once_with_every_epochs_partials_whichever_path_they_take(tmp_path, slide, max_pending):
+    """40 epochs of random (key, time) records over a real RocksDB, windows of 10 sliding
+    by ``slide``, fired at a watermark 8 behind the latest time (so windows span epochs
+    and records arrive out of order): each epoch fires exactly the windows a plain fold
+    has closed, with all their records. Windows that end after every open one of the
+    shard fire straight from their partials (fewer keys touched than the epoch has);
+    the rest merge with state. With 3 pending entries in memory the rest are evicted:
+    while any is, the latest open end is unknown and every window takes the state path."""
+    from volley_dagster import columns
+    from volley_dagster.operators.base import ShardStep
+    from volley_dagster.operators.window_state import apply_windows
+    from volley_dagster.state.options import RocksDBOptions
+    from volley_dagster.state.transaction import ShardTransaction
+
+    size, delay = 10, 8
+    aggregate = ResolvedAggregate((("n", count()),), (None,), 2)
+    rng = np.random.default_rng(11)
+    db = rocksdict.Rdict(str(tmp_path / "db"), RocksDBOptions().build())
+    open_windows: dict[tuple[int, int], int] = {}  # (key, start) -> records
+    limit, latest, straight, merged, evicted = None, 0, 0, 0, 0
+    try:
+        for epoch in range(1, 41):
+            n = int(rng.integers(0, 30))
+            times = latest - delay + rng.integers(0, 5 * size, n)  # some before the watermark: late
+            keys = rng.integers(0, 6, n)
+            pairs: dict[tuple[int, int], int] = {}
+            for k, t in zip(keys.tolist(), times.tolist(), strict=True):
+                for start in range(t - t % slide - size + slide, t + 1, slide):
+                    if limit is None or start + size > limit:  # Spark drops a closed window's pairs before the shards
+                        pairs[(k, start)] = pairs.get((k, start), 0) + 1
+            latest = max([latest, *times.tolist()])
+            limit = latest - delay
+            rows = sorted(pairs.items())
+            data = pa.table({columns.KEY_GROUP: pa.array([k % 3 for (k, _), _ in rows], pa.int64()),
+                             columns.KEY: pa.array([k for (k, _), _ in rows], pa.int64()),
+                             columns.WINDOW_START: pa.array([s for (_, s), _ in rows], pa.int64()),
+                             columns.WINDOW_END: pa.array([s + size for (_, s), _ in rows], pa.int64()),
+                             columns.ROWS: pa.array([c for _, c in rows], pa.int64()),
+                             "n:n": pa.array([c for _, c in rows], pa.int64())})
+            txn = ShardTransaction(db)
+            out, stats = apply_windows(aggregate, False, max_pending, txn, data,
+                                       ShardStep(epoch, "int", fire_limit=limit))
+            txn.flush()
+            for pair, c in pairs.items():
+                open_windows[pair] = open_windows.get(pair, 0) + c
+            due = sorted(p for p in open_windows if p[1] + size <= limit)
+            want = [(k, s, s + size, open_windows.pop((k, s))) for k, s in due]
+            got = sorted(zip(out[0].to_pylist(), *(pa.array(a).cast(pa.int64()).to_pylist() for a in out[1:]),
+                             strict=True))
+            assert got == want, f"epoch {epoch}"
+            distinct = len({k for k, _ in pairs})
+            straight += stats.keys_touched < distinct
+            merged += stats.keys_touched > 0
+            evicted += stats.figures["pending_evicted_now"]
+    finally:
+        db.close()
+    assert merged > 10 and straight > 5
+    assert evicted > 0 if max_pending is not None else evicted == 0

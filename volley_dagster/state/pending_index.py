@@ -173,6 +173,18 @@ class PersistentPendingIndex:
             return False
         return self.meta.evicted > 0 or (self.meta.min_end is not None and self.meta.min_end <= limit)
 
+    def open_until(self) -> int | None:
+        """The latest end among the entries, so of every open window (each has an entry
+        with its exact end); ``NO_OPEN_WINDOW`` when there are none. None: unknown (entries
+        were evicted, and the evicted part keeps only its earliest end)."""
+        if self.meta.evicted:
+            return None
+        if not self.meta.resident and self._index is None:
+            return NO_OPEN_WINDOW
+        if self._index is None and self.meta.max_end is not None:
+            return self.meta.max_end
+        return int(self.index.ends[-1]) if len(self.index) else NO_OPEN_WINDOW
+
     def pop_due(self, limit: int) -> list[bytes]:
         """State keys with an entry ending at or before ``limit``, removed from the index."""
         due = list(self.index.pop_due(limit)) if self.meta.min_end is not None and self.meta.min_end <= limit else []
@@ -262,6 +274,7 @@ class PersistentPendingIndex:
 
 
 NO_ENTRY = int(np.iinfo(np.int64).max)
+NO_OPEN_WINDOW = int(np.iinfo(np.int64).min)
 
 
 def _namespace_end(ns: bytes) -> bytes:
