@@ -643,7 +643,8 @@ class Target:
     """One line of the summary: the warm row ``ours`` against its peer's (records/s,
     at least ``peer_x`` times) and against the row ``floor`` (median epoch seconds, at
     most ``floor_x`` times: the median of per-file pairs when ``floor`` is the one
-    timed beside each epoch, ``FLOOR_OF``, else median against median); None: no target."""
+    timed beside each epoch, ``FLOOR_OF`` or ``BESIDE_A``, else median against median);
+    None: no target."""
 
     ours: str
     peer_x: float | None
