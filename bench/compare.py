@@ -2,7 +2,7 @@
 ``Trigger.AvailableNow``, ``foreachBatch`` into Delta) on the same files, in one run.
 
     ./dev bench compare [--records 10000000] [--keys 1000000] [--epochs 10] [--shards 4]
-                        [--workloads A,As,Ad,At,B,Bsl,Bse,C,S,D,DB,DP,DPs,DPW,DPD,DBP,DBsl,DBse]
+                        [--workloads A,As,Ad,At,B,Bsl,Bse,C,S,D,DB,DP,DPs,DPt,DPW,DPD,DBP,DBsl,DBse]
                         [--modes warm,cold] [--engines volley,peer] [--cold-epochs 3]
                         [--state-keys 10000000] [--touched 100000] [--zipf 1.3] [--resend head|tail]
                         [--profile]
@@ -24,7 +24,10 @@ DP and DBP are D's and DB's aggregations through A's and
 B's plans and one Python task per shard that hands its rows back unchanged, each paired
 with its floor: what a state stage in the Python workers pays before any state work; DPs
 is DP over As's string-keyed log, paired with DP over A's: what string keys cost Spark
-itself before any state work, the part of As / A no state store can take back. DPW is
+itself before any state work, the part of As / A no state store can take back. DPt is
+DP with one more partial per key, its latest event time (what an event-time TTL keeps
+and reads the ``event_time`` column for), paired with DP: the part of At / A that Spark
+and the handover pay before any state or index work. DPW is
 A's design floor (``bench/design_floor.py``), paired with DP: DP's tasks also restore,
 write their rows with one WriteBatch and snapshot, and the driver MERGEs them into Delta,
 as every A epoch must whatever its code; no state read, nothing combined. DPD is DP
@@ -278,14 +281,14 @@ PEER_TOP_LEVEL = ("latestOffset", "getBatch", "queryPlanning", "addBatch", "walC
 # also timed beside each epoch: A and B beside the handover floors their targets name,
 # so that one run's floor ratios hold on a machine whose speed drifts within it
 FLOOR_OF = {"A": "DP", "B": "DBP", "Bsl": "DBsl", "Bse": "DBse", "DP": "D", "DBP": "DB",
-            "DPs": "DP", "DPW": "DP", "DPD": "DP"}
-AGGREGATION_OF = {"D": "A", "DP": "A", "DPs": "A", "DPW": "A", "DPD": "A", "DB": "B", "DBP": "B", "DBsl": "Bsl",
+            "DPs": "DP", "DPt": "DP", "DPW": "DP", "DPD": "DP"}
+AGGREGATION_OF = {"D": "A", "DP": "A", "DPs": "A", "DPt": "A", "DPW": "A", "DPD": "A", "DB": "B", "DBP": "B", "DBsl": "Bsl",
                   "DBse": "Bse"}  # a floor: whose aggregation
 # our own rows whose target is a ratio to A: warm, each epoch takes turns with an epoch
 # of A (over A's own log, in its own state) in the same process, so that the ratio is a
 # median of pairs, not of two rows run minutes apart
 BESIDE_A = {"As": "A", "Ad": "A", "At": "A"}
-HANDOVER = ("DP", "DPs", "DBP", "DPW", "DPD")
+HANDOVER = ("DP", "DPs", "DPt", "DBP", "DPW", "DPD")
 DEDUPLICATED = ("DPD",)  # over Ad's log; its pair, DP, over the same
 STRING_KEYED = ("As", "DPs")  # over the string-keyed copy of A's log; DPs's pair, DP, over A's log itself
 OURS_ONLY = ("As", "At")  # no peer: measured against our own A
@@ -296,6 +299,7 @@ def floor_epoch(spark, floor: str, file: Path, shards: int, work: Path | None = 
     over the epoch's file; DB (DBsl, DBse), B's (Bsl's, Bse's), a groupBy of (merchant,
     window) over all its events; DP and DBP, D's and DB's aggregations in A's and B's
     plans, handed to one Python task per shard and back unchanged (``python_handover``);
+    DPt, DP with each key's latest event time as one more partial (At's ``TOUCHED_PARTIAL``);
     DPW, DP with the state writes and the sink's MERGE every A epoch makes (``bench/design_floor.py``),
     its state and table under ``work``; DPD, DP after the deduplication's handover of the records
     (``record_handover``)."""
@@ -309,37 +313,45 @@ def floor_epoch(spark, floor: str, file: Path, shards: int, work: Path | None = 
     elif floor == "DPD":
         python_handover(record_handover(events, shards, "event_id"), shards, window).toArrow()
     elif floor in HANDOVER:
-        python_handover(events, shards, window).toArrow()
+        python_handover(events, shards, window, touched=floor == "DPt").toArrow()
     else:
         rows, by, values = floor_aggregation(events, window)
         rows.groupBy("merchant_id", *by).agg(*values).toArrow()
     return time.perf_counter() - t
 
 
-def floor_aggregation(events, window: WindowSpec | None):
+def floor_aggregation(events, window: WindowSpec | None, touched: bool = False):
     """A floor's rows, window column (none for D) and named aggregates, as the
-    workload's pipeline in ``bench/workloads.py`` computes them."""
+    workload's pipeline in ``bench/workloads.py`` computes them; ``touched``: also each
+    key's latest event time, as At's pipeline pre-aggregates it for its TTL."""
     from pyspark.sql import functions as F
+
+    from volley_dagster.operators.ttl import TOUCHED_PARTIAL
 
     if window is not None:
         return events, [window.spark()], [
             F.count(F.lit(1)).alias("events"), F.sum("amount").alias("total"), F.max("amount").alias("largest")]
-    return events.where("status = 'active'"), [], [F.sum("amount").alias("total"), F.count(F.lit(1)).alias("events")]
+    values = [F.sum("amount").alias("total"), F.count(F.lit(1)).alias("events")]
+    if touched:
+        values.append(F.max(F.unix_micros("event_time")).alias(TOUCHED_PARTIAL))
+    return events.where("status = 'active'"), [], values
 
 
-def python_handover(events, shards: int, window: WindowSpec | None, writes: tuple[str, int] | None = None):
+def python_handover(events, shards: int, window: WindowSpec | None, writes: tuple[str, int] | None = None,
+                    touched: bool = False):
     """A's (or B's) state stage with no state: the same shuffle into shard partitions,
     the same partials per key (and window), one ``per_shard`` Python task per shard
     that returns its rows as they came. What a state kept in the Python workers
     (rocksdict) pays before its first lookup, on top of the stateless floor. ``writes``
-    (a state root and the epoch): the tasks also write the rows as state (``StateWrites``)."""
+    (a state root and the epoch): the tasks also write the rows as state (``StateWrites``);
+    ``touched``: At's latest event time per key rides along (``floor_aggregation``)."""
     from pyspark.sql import functions as F
 
     from volley_dagster import columns
     from volley_dagster.spark.partitioning import ROUTING_COLUMNS, per_shard, to_shards
     from volley_dagster.state.keys import ShardLayout
 
-    rows, spark_window, values = floor_aggregation(events.withColumnRenamed("merchant_id", columns.KEY), window)
+    rows, spark_window, values = floor_aggregation(events.withColumnRenamed("merchant_id", columns.KEY), window, touched)
     by: list[str] = []
     if spark_window:  # as B's plan carries a window: its bounds in microseconds
         by = [columns.WINDOW_START, columns.WINDOW_END]
@@ -558,7 +570,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     log_arguments(parser)
     parser.add_argument("--zipf", type=float, default=None, help="Zipf exponent for skewed keys (default uniform)")
-    parser.add_argument("--workloads", default="A,As,Ad,At,B,Bsl,Bse,C,S,D,DB,DP,DPs,DPW,DPD,DBP,DBsl,DBse")
+    parser.add_argument("--workloads", default="A,As,Ad,At,B,Bsl,Bse,C,S,D,DB,DP,DPs,DPt,DPW,DPD,DBP,DBsl,DBse")
     parser.add_argument("--modes", default="warm,cold")
     parser.add_argument("--engines", default="volley,peer")
     parser.add_argument("--cold-epochs", type=int, default=3)
@@ -786,6 +798,18 @@ def print_notes(report: dict[str, Any], scaled: dict[str, list[str]]) -> None:
         if a and a.get("paired_floor_ratio"):
             line += (f"; A / DPW {a['paired_floor_ratio'] / design['paired_floor_ratio']:.2f}x (the two pairs with DP "
                      "divided) is what A's own work costs beyond it")
+        lines.append(line)
+    expiring, stamped = res.get(("At", "volley", "warm")), res.get(("DPt", "spark", "warm"))
+    if stamped and stamped.get("paired_floor_extra_s") is not None:
+        extra = stamped["paired_floor_extra_s"]
+        line = (f"At's handover floor DPt (DP with each key's latest event time as one more partial, read from the "
+                f"event_time column): DPt / DP {stamped['paired_floor_ratio']:.2f}x, DPt - DP {extra:+.2f} s, "
+                "what Spark and the handover add for an event-time TTL before any state or index work")
+        if a:
+            line += (f"; with no cost of ours beyond it At / A would be {(a['median_s'] + extra) / a['median_s']:.2f}x "
+                     "(target <= 1.15x)")
+            if expiring and expiring.get("paired_floor_extra_s") is not None:
+                line += f", against At - A {expiring['paired_floor_extra_s']:+.2f} s (paired)"
         lines.append(line)
     trip = res.get(("DPD", "spark", "warm"))
     if trip and trip.get("paired_floor_extra_s") is not None:
