@@ -167,7 +167,13 @@ def test_kill_9_mid_epoch_heals_without_anyone(healing):
         for record in failed:  # the killed run, and none for ordering
             assert "needs epoch" not in failure_messages(instance, record.dagster_run.run_id)
         retried = [r for r in runs if r.dagster_run.tags.get("dagster/retry_number")]
-        assert retried, "Dagster retried a killed run"
+        if not retried:
+            # Dagster's retry daemon gives a run up when it cannot create the retry (its code
+            # server too slow on a loaded machine): it says so on the run and tags it
+            # will_retry=false, and the sensor requests the run's epochs itself (dagster/runs.py)
+            gave_up = {r.dagster_run.run_id: run_logs(instance, r.dagster_run.run_id) for r in failed}
+            assert any("Failed to retry run" in logs for logs in gave_up.values()), (
+                "Dagster neither retried a killed run nor said it could not", gave_up)
         # the server's death failed an attempt inside a run, retried there on the server started in its place
         stepped = [r.dagster_run.run_id for r in runs if any(
             e.is_dagster_event and e.dagster_event.event_type_value == "STEP_UP_FOR_RETRY"
