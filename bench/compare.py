@@ -763,6 +763,23 @@ def print_profile(report: dict[str, Any]) -> None:
                   + " ".join(f"{ph[c]:>{w}.2f}" if c in ph else f"{'-':>{w}}" for c, w in zip(columns, widths, strict=True)))
 
 
+def handover_floor_line(floor: str, what: str, row: dict[str, Any], a: dict[str, Any] | None, ours: str,
+                        ours_row: dict[str, Any] | None, target: float) -> str:
+    """A handover floor paired with DP (DPt, DPD): its ratio and seconds beyond DP, and
+    what ``ours`` / A would be with no cost of ours beyond it, against what it is (paired
+    when ``ours`` took turns with A, ``BESIDE_A``)."""
+    extra = row["paired_floor_extra_s"]
+    line = f"{ours}'s handover floor {floor} ({what}): {floor} / DP {row['paired_floor_ratio']:.2f}x, {floor} - DP {extra:+.2f} s"
+    if a:
+        line += (f"; with no cost of ours beyond it {ours} / A would be {(a['median_s'] + extra) / a['median_s']:.2f}x "
+                 f"(target <= {target}x)")
+        if ours_row:
+            paired = ours_row.get("paired_floor_ratio")
+            line += (f", against {ours} / A {paired:.2f}x (paired)" if paired else
+                     f", against {ours} / A {ours_row['median_s'] / a['median_s']:.2f}x")
+    return line
+
+
 def print_notes(report: dict[str, Any], scaled: dict[str, list[str]]) -> None:
     """What the summary does not show: pairs with the floor timed right after each
     epoch, the handover floors against theirs, checkpoint writes, the empty epoch."""
@@ -799,30 +816,14 @@ def print_notes(report: dict[str, Any], scaled: dict[str, list[str]]) -> None:
             line += (f"; A / DPW {a['paired_floor_ratio'] / design['paired_floor_ratio']:.2f}x (the two pairs with DP "
                      "divided) is what A's own work costs beyond it")
         lines.append(line)
-    expiring, stamped = res.get(("At", "volley", "warm")), res.get(("DPt", "spark", "warm"))
-    if stamped and stamped.get("paired_floor_extra_s") is not None:
-        extra = stamped["paired_floor_extra_s"]
-        line = (f"At's handover floor DPt (DP with each key's latest event time as one more partial, read from the "
-                f"event_time column): DPt / DP {stamped['paired_floor_ratio']:.2f}x, DPt - DP {extra:+.2f} s, "
-                "what Spark and the handover add for an event-time TTL before any state or index work")
-        if a:
-            line += (f"; with no cost of ours beyond it At / A would be {(a['median_s'] + extra) / a['median_s']:.2f}x "
-                     "(target <= 1.15x)")
-            if expiring and expiring.get("paired_floor_extra_s") is not None:
-                line += f", against At - A {expiring['paired_floor_extra_s']:+.2f} s (paired)"
-        lines.append(line)
-    trip = res.get(("DPD", "spark", "warm"))
-    if trip and trip.get("paired_floor_extra_s") is not None:
-        extra = trip["paired_floor_extra_s"]
-        line = (f"Ad's handover floor DPD (DP after every record's trip through a Python task of the shard owning its "
-                f"event id, deciding nothing): DPD / DP {trip['paired_floor_ratio']:.2f}x, DPD - DP {extra:+.2f} s, "
-                "the least a deduplication before A adds whatever its code")
-        if a:
-            line += (f"; with no cost of ours beyond it Ad / A would be {(a['median_s'] + extra) / a['median_s']:.2f}x "
-                     "(target <= 1.6x)")
-            if dedup:
-                line += f", against Ad / A {dedup['median_s'] / a['median_s']:.2f}x"
-        lines.append(line)
+    for floor, ours, what, target in (
+            ("DPt", "At", "DP with each key's latest event time as one more partial, read from the event_time column: "
+             "what Spark and the handover add for an event-time TTL before any state or index work", 1.15),
+            ("DPD", "Ad", "DP after every record's trip through a Python task of the shard owning its event id, "
+             "deciding nothing: the least a deduplication before A adds whatever its code", 1.6)):
+        row = res.get((floor, "spark", "warm"))
+        if row and row.get("paired_floor_extra_s") is not None:
+            lines.append(handover_floor_line(floor, what, row, a, ours, res.get((ours, "volley", "warm")), target))
     for labels in scaled.values():
         rows = [res.get((label, "volley", "warm")) for label in labels]
         if len(rows) == 2 and rows[0] and rows[1]:
