@@ -23,9 +23,10 @@ VALUES = ["events", "total", "largest", "first_event", "last_event"]
 def window_pipeline(
     events: Path, output: Path, windows: Windows, *, delay: str, lateness: str,
     max_pending: int | None = None, shards: int = 2, name: str = "windows", tables: Path | None = None,
-    ntz: bool = False, skew: str | None = None,
+    ntz: bool = False, skew: str | None = None, parquet: bool = True,
 ) -> Pipeline:
-    """``ntz``: event time as TIMESTAMP_NTZ (same wall-clock values: the session is UTC)."""
+    """``ntz``: event time as TIMESTAMP_NTZ (same wall-clock values: the session is UTC);
+    ``parquet``: a Parquet file per epoch under ``output`` too."""
     pipeline = Pipeline(name).source(FileLog(events, format="parquet")).where("status != 'failed'")
     if ntz:
         pipeline = pipeline.with_column("event_time", "cast(event_time as timestamp_ntz)")
@@ -36,9 +37,10 @@ def window_pipeline(
                 max_pending_windows=max_pending, max_event_time_skew=skew)
         .aggregate(events=count(), total=sum_("amount"), largest=max_("amount"),
                    first_event=first("event_id"), last_event=last("event_id"))
-        .sink(ParquetSink(output))
         .with_shards(shards)
     )
+    if parquet:
+        pipeline = pipeline.sink(ParquetSink(output))
     return with_tables(pipeline, tables, delta_mode="append", iceberg_table="volley.windows")
 
 
@@ -185,3 +187,14 @@ def crash_window_pipeline(events: Path, output: Path, tables: Path | None = None
     from volley_dagster import session
 
     return window_pipeline(events, output, session("8 seconds"), delay="5 seconds", lateness="0 seconds", tables=tables)
+
+
+def staged_window_pipeline(events: Path, output: Path, tables: Path) -> Pipeline:
+    """The kill -9 tests' window pipeline with one sink, a local Delta append, whose rows
+    the shard tasks write into the table's folder themselves (``sinks/staged_files.py``)."""
+    from volley_dagster import session
+    from volley_dagster.sinks.delta import DeltaSink
+
+    pipeline = window_pipeline(events, output, session("8 seconds"), delay="5 seconds", lateness="0 seconds",
+                               parquet=False)
+    return pipeline.sink(DeltaSink(tables / "delta", mode="append"))

@@ -45,8 +45,10 @@ from volley_dagster.result import EpochResult
 from volley_dagster.settings import RunSettings
 from volley_dagster.sinks.base import SinkCommitResult
 from volley_dagster.sinks.committer import SinkCommitter
+from volley_dagster.sinks.staged_files import StagingTarget
 from volley_dagster.sources.offsets import EpochRange
 from volley_dagster.spark.plan import PlannedEpoch
+from volley_dagster.spark.session import executors_share_this_disk
 from volley_dagster.spark.stage import StageResult, plan_epoch, run_stage
 from volley_dagster.spark.tasks import ShardMerge
 
@@ -99,7 +101,8 @@ class EpochAttempt:
             t_sinks = time.perf_counter()
             paths = self._write_side_outputs(stage)
             self.status = AttemptStatus.SIDE_OUTPUTS_WRITTEN
-            sinks = SinkCommitter(self.pipeline, self.log, self.lease.check).commit(stage.output, self.rng)
+            sinks = SinkCommitter(self.pipeline, self.log, self.lease.check).commit(
+                stage.output, self.rng, {sink: tuple(files) for sink, files in stage.staged.items()})
             faults.fault_point("after_sinks", self.epoch)
             self.status = AttemptStatus.SINKS_COMMITTED
             t_commit = time.perf_counter()
@@ -151,6 +154,7 @@ class EpochAttempt:
             resident=settings.resident_state,
             state_identity=f"{self.log.root.resolve()}|{pipeline.name}",
             fence=self.lease.fence,
+            staging=staging_targets(self.spark, pipeline, plan),
         )
         return plan, merge
 
@@ -271,6 +275,19 @@ def _describe_bad(epoch: int, dead: pa.Table, quote: bool) -> str:
 
 def _bounded(text: str) -> str:
     return text if len(text) <= MAX_REASON_CHARS else f"{text[:MAX_REASON_CHARS]}... ({len(text)} characters)"
+
+
+def staging_targets(spark: SparkSession, pipeline: Pipeline, plan: PlannedEpoch) -> tuple[StagingTarget, ...]:
+    """The sinks' folders the shard tasks write the epoch's rows to, when every sink has
+    one on this machine (``Sink.staging_folder``), the tasks run here too (a local
+    Spark, whose executors share its disk) and their rows are what the sinks take;
+    else none, and the rows come to the driver."""
+    folders = [(sink.name, sink.staging_folder()) for sink in pipeline.sinks]
+    if not folders or any(folder is None for _, folder in folders) or not plan.operator.rows_are_sink_rows:
+        return ()
+    if not executors_share_this_disk(spark):
+        return ()
+    return tuple(StagingTarget(name, folder) for name, folder in folders if folder is not None)
 
 
 def _refuse_speculation(spark: SparkSession) -> None:

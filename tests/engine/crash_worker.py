@@ -1,5 +1,5 @@
 """Runs a pipeline to the end in its own process, for kill -9 tests:
-``python -m tests.engine.crash_worker BASE MAX_RECORDS KEEP [payments|payments_json|payments_enriched|channels|refunds|windows|ttl|dedup|unique|payments_kafka]``
+``python -m tests.engine.crash_worker BASE MAX_RECORDS KEEP [payments|payments_json|payments_enriched|channels|refunds|windows|windows_delta|ttl|dedup|unique|payments_kafka]``
 (``payments_kafka`` reads the topic ``VOLLEY_TEST_KAFKA_TOPIC`` at ``VOLLEY_TEST_KAFKA``;
 ``VOLLEY_TEST_LEASE_TTL`` sets the runner's lease ttl in seconds).
 
@@ -17,7 +17,7 @@ from pathlib import Path
 from tests.dedup_reference import dedup_pipeline, unique_pipeline
 from tests.helpers import channels, enriched_payments, payments, payments_on_kafka
 from tests.ttl_reference import ttl_pipeline
-from tests.window_reference import crash_window_pipeline
+from tests.window_reference import crash_window_pipeline, staged_window_pipeline
 from volley_dagster import EpochRunner
 from volley_dagster.demo.payments import local_tables
 from volley_dagster.demo.refunds import refunds_pipeline
@@ -39,6 +39,7 @@ def main(argv: list[str]) -> int:
     base, max_records, keep = Path(argv[0]), int(argv[1]), int(argv[2])
     kind = argv[3] if len(argv) > 3 else "payments"
     build = {"payments": payments, "payments_enriched": enriched_payments, "payments_json": partial(payments, fmt="json"), "windows": crash_window_pipeline,
+             "windows_delta": staged_window_pipeline,
              "channels": lambda events, out, tables: channels(events.parent),
              "refunds": lambda events, out, tables: refunds_pipeline(events, local_tables(tables)), "ttl": ttl_pipeline, "dedup": dedup_pipeline, "unique": unique_pipeline,
              "payments_kafka": partial(payments_on_kafka, bootstrap_servers=os.environ.get("VOLLEY_TEST_KAFKA", ""),

@@ -8,6 +8,7 @@ from __future__ import annotations
 import shutil
 
 import pandas as pd
+import pyarrow.compute as pc
 import pytest
 from deltalake import DeltaTable
 
@@ -86,6 +87,9 @@ def test_the_volley_state_commands_print_diff_and_export_a_delta_table(three_epo
     assert "Delta table" in capsys.readouterr().out
     exported = DeltaTable(str(target)).to_pyarrow_table()
     assert_state_equal(exported.drop_columns(["key_group", "shard"]), reference_at(runner, 2))
+    files = DeltaTable(str(target)).get_add_actions(flatten=True)  # statistics a reader prunes files by
+    assert sum(files.column("num_records").to_pylist()) == exported.num_rows
+    assert min(files.column("min.merchant_id").to_pylist()) == pc.min(exported.column("merchant_id")).as_py()
     assert volley(["state", "export", root, "--epoch", "2", "--to", f"delta:{target}"]) == 1  # one table per export
     assert "already exists" in capsys.readouterr().err
 

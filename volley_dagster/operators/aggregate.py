@@ -4,7 +4,7 @@ those partials into RocksDB state and emit each changed key's new value."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Sequence
+from typing import Any, ClassVar, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -148,6 +148,8 @@ class ResolvedAggregate:
     def runs_without_records(self) -> bool:
         """With ``ttl_epochs``, keys expire in epochs without records too."""
         return self.ttl is not None and self.ttl.by_epochs
+
+    rows_are_sink_rows: ClassVar[bool] = True
 
     def null_key_reason(self, key_column: str) -> str:
         return f"null key: {key_column!r} is null"

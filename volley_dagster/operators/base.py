@@ -154,6 +154,11 @@ class SparkOperator(StatefulOperator, Protocol):
         """Whether an epoch without records must still run the shard tasks (keys may
         expire, windows may fire); else its snapshots are N-1's, carried forward."""
 
+    @property
+    def rows_are_sink_rows(self) -> bool:
+        """Whether ``sink_output`` passes the shard tasks' rows through unchanged, so that
+        the tasks may write them straight into the sinks' folders (``ShardMerge.staging``)."""
+
     def null_key_reason(self, key_column: str) -> str:
         """Why a record whose key is null is a dead letter."""
 

@@ -417,6 +417,11 @@ class ResolvedUniqueRecords:
 
     runs_without_records: ClassVar[bool] = False
 
+    @property
+    def rows_are_sink_rows(self) -> bool:
+        """With ``write_duplicates`` the tasks return every record, flagged, for ``sink_output`` to split."""
+        return not self.dedup.write_duplicates
+
     def null_key_reason(self, key_column: str) -> str:
         return self.dedup.describe_null()
 

@@ -274,6 +274,7 @@ class ResolvedJoin:
         return self.join.event_time
 
     runs_without_records: ClassVar[bool] = False  # without records the watermark stays: nothing leaves
+    rows_are_sink_rows: ClassVar[bool] = True
 
     def null_key_reason(self, key_column: str) -> str:
         return f"null join key: {key_column!r} is null"

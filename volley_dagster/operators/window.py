@@ -256,6 +256,7 @@ class ResolvedWindowAggregate:
         return self.windowing.event_time
 
     runs_without_records: ClassVar[bool] = True  # the end of the stream fires every window
+    rows_are_sink_rows: ClassVar[bool] = True
 
     def null_key_reason(self, key_column: str) -> str:
         return f"null key: {key_column!r} is null"

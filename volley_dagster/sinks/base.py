@@ -12,6 +12,7 @@ import pyarrow as pa
 from volley_dagster.errors import ConfigError
 from volley_dagster.json_records import JsonObject
 from volley_dagster.sinks.lineage import ForeignLineage, Lineage, SinkBinding, SinkCommit, SinkMark, decide
+from volley_dagster.sinks.staged_files import StagedFile
 
 
 @dataclass(frozen=True)
@@ -21,7 +22,9 @@ class CommitContext:
     ``SinkBinding``); ``replace``: this commit also removes every row the table held;
     ``retired_columns``: output columns a migration removed or renamed away, which an
     upsert table drops (``EpochLog.retired_columns``); ``expiry_column``: the output
-    column that is true on a key's expiry (state TTL), whose row an upsert deletes."""
+    column that is true on a key's expiry (state TTL), whose row an upsert deletes;
+    ``staged``: the shard tasks also wrote the epoch's rows (``output`` holds them too) as
+    these files in the sink's ``staging_folder``, for the commit to add as they are."""
 
     pipeline: str
     epoch: int
@@ -31,6 +34,7 @@ class CommitContext:
     binding: SinkBinding | None = None
     retired_columns: frozenset[str] = frozenset()
     expiry_column: str | None = None
+    staged: tuple[StagedFile, ...] = ()
 
     @property
     def sink_epoch(self) -> int:
@@ -146,6 +150,12 @@ class Sink(ABC):
 
     def location(self) -> SinkLocation:
         return SinkLocation(type(self).__name__.lower())
+
+    def staging_folder(self) -> str | None:
+        """A folder on this machine where the shard tasks may write an epoch's rows as
+        Parquet files, for ``commit`` to add as they are (``CommitContext.staged``); None:
+        the rows come to the driver."""
+        return None
 
     @abstractmethod
     def committed_mark(self, pipeline: str) -> SinkMark | None:

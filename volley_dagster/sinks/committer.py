@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from typing import Callable
+from typing import Callable, Mapping
 
 import pyarrow as pa
 
@@ -27,6 +27,7 @@ from volley_dagster.errors import EpochOrderError
 from volley_dagster.pipeline import Pipeline
 from volley_dagster.sinks.base import CommitContext, Sink, SinkCommitResult
 from volley_dagster.sinks.lineage import SinkBinding
+from volley_dagster.sinks.staged_files import StagedFile
 from volley_dagster.sources.offsets import EpochRange
 
 
@@ -39,16 +40,19 @@ class SinkCommitter:
         self.log = log
         self.check_fence = check_fence
 
-    def commit(self, output: pa.Table, rng: EpochRange) -> dict[str, SinkCommitResult]:
+    def commit(self, output: pa.Table, rng: EpochRange,
+               staged: Mapping[str, tuple[StagedFile, ...]] | None = None) -> dict[str, SinkCommitResult]:
         """Every sink, concurrently: skip what it holds of this lineage, refuse (or, by
-        the sink's choice, replace or follow) another lineage's epochs, commit the rest."""
+        the sink's choice, replace or follow) another lineage's epochs, commit the rest.
+        ``staged``: per sink, the files the shard tasks wrote ``output`` to in its staging folder."""
         sinks, epoch = self.pipeline.sinks, rng.epoch
         base = CommitContext(self.pipeline.name, epoch, self.pipeline.output_keys(), self.log.lineage(), rng.digest(),
                              retired_columns=self.log.retired_columns(), expiry_column=self.pipeline.expiry_column())
+        contexts = {sink.name: replace(base, staged=(staged or {}).get(sink.name, ())) for sink in sinks}
         if len(sinks) < 2:
-            return {sink.name: self._commit_one(sink, output, base) for sink in sinks}
+            return {sink.name: self._commit_one(sink, output, contexts[sink.name]) for sink in sinks}
         with ThreadPoolExecutor(len(sinks), thread_name_prefix=f"volley-sinks-{epoch}") as pool:
-            futures = [(sink.name, pool.submit(self._commit_one, sink, output, base)) for sink in sinks]
+            futures = [(sink.name, pool.submit(self._commit_one, sink, output, contexts[sink.name])) for sink in sinks]
         failed = [error for _, future in futures if (error := future.exception()) is not None]
         if failed:
             raise failed[0]  # in the pipeline's order; the other sinks have finished

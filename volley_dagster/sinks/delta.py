@@ -23,12 +23,15 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import pyarrow as pa
 from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 from deltalake import Field as DeltaField
+from deltalake import Schema as DeltaSchema
 from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundError
+from deltalake.transaction import AddAction, RemoveAction, create_table_with_add_actions
 
 from volley_dagster.columns import sql_identifier
 from volley_dagster.io.paths import table_uri
@@ -36,6 +39,7 @@ from volley_dagster.io.s3 import S3Endpoint
 from volley_dagster.json_records import JsonObject
 from volley_dagster.sinks.base import CommitContext, SinkHistory, SinkLocation, SinkPosition, SinkWrite, commit_tags
 from volley_dagster.sinks.lineage import ForeignLineage, SinkCommit, SinkMark
+from volley_dagster.sinks.staged_files import StagedFile
 from volley_dagster.sinks.table import Mode, TableSink
 
 SCHEMA_CHANGE = "volley.schema_change"  # commit info of a rewrite that only changed the schema
@@ -128,31 +132,61 @@ class DeltaSink(TableSink[DeltaTable]):
     def _position(self, table: DeltaTable | None) -> SinkPosition:
         return SinkPosition(version=table.version() if table is not None else None)
 
-    def _write(self, table: DeltaTable | None, output: pa.Table, ctx: CommitContext,
-               keys: tuple[str, ...], expired: pa.Table) -> SinkWrite:
+    def staging_folder(self) -> str | None:
+        """The table's own folder, for an append to a local table that no partitioning
+        or epoch column shapes: the shard tasks' files are added to it as they are."""
+        if self.mode != "append" or self.partition_by or self.epoch_column or "://" in self.uri:
+            return None
+        return self.uri
+
+    def _commit_properties(self, ctx: CommitContext, rows: int) -> CommitProperties:
         app_id = self.app_id(ctx.pipeline)
-        props = CommitProperties(
+        return CommitProperties(
             app_transactions=[Transaction(app_id=app_id, version=ctx.sink_epoch), *_mark_transactions(app_id, ctx.mark)],
-            custom_metadata={**commit_tags(ctx, output.num_rows + expired.num_rows), "volley.app_id": app_id},
+            custom_metadata={**commit_tags(ctx, rows), "volley.app_id": app_id},
             max_commit_retries=0,
         )
+
+    def _write(self, table: DeltaTable | None, output: pa.Table, ctx: CommitContext,
+               keys: tuple[str, ...], expired: pa.Table) -> SinkWrite:
+        props = self._commit_properties(ctx, output.num_rows + expired.num_rows)
         counts = self._write_rows(table, output, keys, props, ctx.replace, expired)
         return SinkWrite(counts, self._position(self._load()))
+
+    def _add_files(self, table: DeltaTable | None, files: tuple[StagedFile, ...], schema: pa.Schema,
+                   ctx: CommitContext) -> SinkWrite:
+        rows = sum(f.rows for f in files)
+        props = self._commit_properties(ctx, rows)
+        adds = [f.add_action() for f in files]
+        if table is None:
+            with self._created_exclusively():
+                create_table_with_add_actions(self.uri, DeltaSchema.from_arrow(schema), adds, mode="error",
+                                              commit_properties=props)
+        else:
+            changes: list[AddAction | RemoveAction] = [*adds]
+            table.create_write_transaction(changes, mode="append", schema=table.schema(), commit_properties=props)
+        return SinkWrite({"inserted": rows, "updated": 0}, self._position(self._load()))
+
+    @contextmanager
+    def _created_exclusively(self) -> Iterator[None]:
+        """A first commit made with mode="error", which keeps creation exclusive: a racing
+        creator fails to write version 0 (CommitFailedError) or finds the table (DeltaError),
+        and either way this commit lost the race."""
+        try:
+            yield
+        except DeltaError as exc:
+            if isinstance(exc, CommitFailedError) or self._load() is None:
+                raise
+            raise CommitFailedError(f"table {self.uri} was created concurrently: {exc}") from exc
 
     def _write_rows(self, table: DeltaTable | None, output: pa.Table, keys: tuple[str, ...],
                     props: CommitProperties, replace: bool, expired: pa.Table) -> dict[str, int]:
         if table is None:
             # The first commit creates the table (version 0) with this epoch's rows
             # and txn; a MERGE into an empty table would insert the same rows.
-            # mode="error" keeps creation exclusive: a racing creator fails to
-            # write version 0 (CommitFailedError) or finds the table (DeltaError).
-            try:
+            with self._created_exclusively():
                 write_deltalake(self.uri, output, mode="error", partition_by=self.partition_by,
                                 storage_options=self.storage_options or None, commit_properties=props)
-            except DeltaError as exc:
-                if isinstance(exc, CommitFailedError) or self._load() is None:
-                    raise
-                raise CommitFailedError(f"table {self.uri} was created concurrently: {exc}") from exc
             return {"inserted": output.num_rows, "updated": 0}
         if replace:  # another lineage's rows go in the same commit (its schema too)
             write_deltalake(table, output, mode="overwrite", schema_mode="overwrite", commit_properties=props)

@@ -32,6 +32,7 @@ from volley_dagster.checkpoint.epoch_archive import epoch_key
 from volley_dagster.errors import ConfigError, SinkCommitError, VolleyError
 from volley_dagster.sinks.base import CommitContext, Sink, SinkCommitResult, SinkPosition, SinkWrite, upsert_keys
 from volley_dagster.sinks.lineage import ForeignLineage, SinkMark, check_choice
+from volley_dagster.sinks.staged_files import StagedFile
 
 Mode = Literal["append", "upsert"]
 Table = TypeVar("Table")
@@ -84,6 +85,14 @@ class TableSink(Sink, Generic[Table]):
         ``expired``: upsert only, the keys (``keys`` columns) whose rows the same commit
         deletes (state TTL). Returns the row counts and the table's new position."""
 
+    def _add_files(self, table: Table | None, files: tuple[StagedFile, ...], schema: pa.Schema,
+                   ctx: CommitContext) -> SinkWrite:
+        """Commit the epoch as ``files`` (rows of ``schema``, already in the table's
+        ``staging_folder``), as ``_write`` commits rows: on the checked state of ``table``
+        (None: create it), tagged with ``ctx.mark``. Only a sink with a staging folder
+        is given files."""
+        raise NotImplementedError(f"{type(self).__name__} has no staging folder")
+
     @abstractmethod
     def _position(self, table: Table | None) -> SinkPosition:
         """Where the table stands (its version or snapshot id), for the manifest."""
@@ -112,6 +121,8 @@ class TableSink(Sink, Generic[Table]):
 
     def commit(self, output: pa.Table, ctx: CommitContext) -> SinkCommitResult:
         keys = upsert_keys(self, self.mode, self.key_columns, ctx)
+        # the tasks' files hold ``output`` as it came: an append's rows, no epoch column added
+        staged = ctx.staged if self.mode == "append" and self.epoch_column is None and not ctx.replace else ()
         output, expired = _split_expired(_with_epoch(output, self.epoch_column, ctx.epoch), ctx.expiry_column, keys)
         conflicts, lost_to = 0, None
         for _ in range(self.max_attempts):
@@ -121,7 +132,7 @@ class TableSink(Sink, Generic[Table]):
                 if not ctx.should_commit(self.name, held):
                     return SinkCommitResult(skipped=True, held_epoch=held.epoch if held else None,
                                             conflicts=conflicts, mode=self.mode, position=self._position(table))
-                rows = output
+                rows, fits = output, table is None
                 if table is not None and not ctx.replace:
                     schema = self._schema(table)
                     if self._change_schema(table, schema, output.schema, ctx):
@@ -129,7 +140,11 @@ class TableSink(Sink, Generic[Table]):
                         continue  # decide again on the table as its schema change left it
                     if self.mode == "append" or output.num_rows == 0:
                         rows = _with_table_columns(schema, output)
-                written = self._write(table, rows, ctx, keys, expired)
+                    fits = _same_columns(schema, output.schema)
+                if staged and fits:
+                    written = self._add_files(table, staged, output.schema, ctx)
+                else:  # files the shard tasks wrote that no commit adds are left to the format's cleanup
+                    written = self._write(table, rows, ctx, keys, expired)
             except self.conflicts as exc:
                 conflicts, lost_to = conflicts + 1, exc  # someone committed since we looked (possibly this very epoch): decide again
                 self._forget()
@@ -181,6 +196,14 @@ def _split_expired(output: pa.Table, expiry_column: str | None, keys: tuple[str,
         return output, output.select(list(keys)).slice(0, 0)
     flag = output.column(expiry_column)
     return output.filter(pc.invert(flag)).drop_columns([expiry_column]), output.filter(flag).select(list(keys))
+
+
+def _same_columns(table: pa.Schema, output: pa.Schema) -> bool:
+    """Whether files of ``output``'s columns hold exactly the table's (a string column
+    in whichever Arrow string type the format reads it back as)."""
+    def kind(t: pa.DataType) -> object:
+        return "string" if pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t) else t
+    return table.names == output.names and all(kind(a.type) == kind(b.type) for a, b in zip(table, output, strict=True))
 
 
 def _with_table_columns(schema: pa.Schema, output: pa.Table) -> pa.Table:

@@ -1,13 +1,12 @@
 """A DataFrame (the state at an epoch, a change feed) written as a new Delta table:
 each Spark task writes its rows as one Parquet file under the table, and the driver
-commits the files' add actions in the table's first version. No row passes through
-the driver, and a failed export leaves no table (files without a log are no table).
+commits the files' add actions, with their statistics (``sinks/staged_files.py``), in
+the table's first version. No row passes through the driver, and a failed export
+leaves no table (files without a log are no table).
 """
 
 from __future__ import annotations
 
-import json
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -18,13 +17,14 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 from deltalake import DeltaTable
 from deltalake import Schema as DeltaSchema
-from deltalake.transaction import AddAction, CommitProperties, create_table_with_add_actions
+from deltalake.transaction import CommitProperties, create_table_with_add_actions
 from pyspark.sql import DataFrame
 from pyspark.sql.pandas.types import to_arrow_schema
 
 from volley_dagster.errors import ConfigError
+from volley_dagster.sinks.staged_files import StagedFile, delta_stats
 
-_WRITTEN = "path string, size long, rows long"
+_WRITTEN = "path string, size long, rows long, stats string"
 
 
 @dataclass(frozen=True)
@@ -64,9 +64,9 @@ class ParquetPartWriter:
                 writer.close()
         if writer is not None:
             size = fs.get_file_info(f"{folder}/{name}").size
-            yield pa.RecordBatch.from_pylist([{"path": name, "size": size, "rows": rows}],
-                                             schema=pa.schema([("path", pa.string()), ("size", pa.int64()),
-                                                               ("rows", pa.int64())]))
+            written = StagedFile(name, size, rows, delta_stats(writer.writer.metadata))
+            yield pa.RecordBatch.from_pylist([written.to_dict()], schema=pa.schema(
+                [("path", pa.string()), ("size", pa.int64()), ("rows", pa.int64()), ("stats", pa.string())]))
 
 
 def export_to_delta(df: DataFrame, uri: str, description: str) -> DeltaExport:
@@ -78,14 +78,13 @@ def export_to_delta(df: DataFrame, uri: str, description: str) -> DeltaExport:
                           "location or remove that table first")
     schema = to_arrow_schema(df.schema, timezone="UTC")
     export_id = uuid.uuid4().hex[:12]
-    written = df.mapInArrow(ParquetPartWriter(uri, schema, export_id), _WRITTEN).toArrow().to_pylist()
-    now_ms = int(time.time() * 1000)
-    actions = [AddAction(w["path"], w["size"], {}, now_ms, True, json.dumps({"numRecords": w["rows"]}))
-               for w in written]
+    written = [StagedFile.from_dict(w) for w in
+               df.mapInArrow(ParquetPartWriter(uri, schema, export_id), _WRITTEN).toArrow().to_pylist()]
+    actions = [w.add_action() for w in written]
     properties = CommitProperties(custom_metadata={"volley.export": description})
     create_table_with_add_actions(uri, DeltaSchema.from_arrow(schema), actions, mode="error",
                                   description=description, commit_properties=properties)
-    return DeltaExport(uri, sum(w["rows"] for w in written), len(written), DeltaTable(uri).version())
+    return DeltaExport(uri, sum(w.rows for w in written), len(written), DeltaTable(uri).version())
 
 
 def _absolute(uri: str) -> str:

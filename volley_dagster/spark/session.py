@@ -54,6 +54,19 @@ def on_loopback(master: str) -> bool:
     return urlsplit(master).hostname in ("127.0.0.1", "localhost", "::1")
 
 
+def executors_share_this_disk(spark: SparkSession) -> bool:
+    """Whether the session's tasks run on this machine, so that a file a task writes is
+    on the driver's disk too: a local master, reached directly or through a Spark
+    Connect server on this machine's loopback (the warm Spark). Unknown counts as no."""
+    try:
+        if type(spark).__module__.startswith("pyspark.sql.connect"):  # a Spark Connect session: where is its server?
+            if urlsplit(f"sc://{spark.client.host}").hostname not in ("127.0.0.1", "localhost", "::1"):
+                return False
+        return str(spark.conf.get("spark.master", "")).startswith("local")
+    except Exception:  # Spark Connect may not expose every static setting
+        return False
+
+
 def default_conf(master: str = "local[*]") -> dict[str, str]:
     """What a session on ``master`` starts with; the user's configuration goes over it."""
     cores = os.cpu_count() or 2

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Iterator
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 from pyspark import StorageLevel
 from pyspark.sql import SparkSession
 
@@ -33,13 +34,21 @@ from volley_dagster.operators.base import OperatorStats, PreStepRun, StageClock,
 from volley_dagster.operators.dedup import DEDUP_FIGURES
 from volley_dagster.operators.ttl import NEXT_DUE
 from volley_dagster.pipeline import Pipeline
+from volley_dagster.sinks.staged_files import StagedFile, StagingTarget
 from volley_dagster.sources.offsets import EpochRange
 from volley_dagster.spark.dedup import DuplicateProbe, probe_in_stage
 from volley_dagster.spark.partitioning import per_shard, route_to_shards
 from volley_dagster.spark.plan import PlannedEpoch, plan_epoch
 from volley_dagster.spark.side_outputs import EpochSideOutputs, SideOutputs
 from volley_dagster.spark.task_errors import engine_errors
-from volley_dagster.spark.tasks import ShardMerge, attempt_id, snapshot_name, snapshot_upload, split_task_output
+from volley_dagster.spark.tasks import (
+    ShardMerge,
+    attempt_id,
+    snapshot_name,
+    snapshot_upload,
+    split_task_output,
+    staged_files,
+)
 from volley_dagster.state.store import SnapshotInfo, carry_forward
 from volley_dagster.watermarks import Watermarks
 
@@ -59,6 +68,7 @@ class StageResult:
     figures: dict[str, int] = field(default_factory=dict)  # the operator's (``epoch_figures``)
     pre_step_s: float = 0.0  # of ``read_transform_s``: the plan's pre-step job (a deduplication's probe)
     side_output_s: float = 0.0  # of ``read_transform_s``: the side-output job (0: none ran)
+    staged: dict[str, list[StagedFile]] = field(default_factory=dict)  # per sink: ``output`` as the tasks wrote it
 
 
 @contextmanager
@@ -149,6 +159,9 @@ def run_stage(
             out = per_shard(partials, merge, out_schema).toArrow()
         t2 = time.perf_counter()
         stats, rows = split_task_output(out)
+        stats, staged = staged_files(stats)
+        if staged:
+            rows = read_staged(rows.schema, merge.staging, staged)
         shards = shard_entries(stats, rng.epoch)
         output, dropped = operator.sink_output(rows, rng)
         figures = operator.epoch_figures([entry.operator for entry in shards.values()])
@@ -171,7 +184,7 @@ def run_stage(
     # by the keys each shard task sorted its own rows by (``ShardMerge._output``): a merge of sorted runs
     output = output.sort_by([(c, "ascending") for c in merge.output_keys])
     return StageResult(output, outputs, shards, t1 - t0, t2 - t1, ends.value, ends.inputs,
-                       plan.enrichment_reads(ran=True), figures, pre_step_s, side.job_s)
+                       plan.enrichment_reads(ran=True), figures, pre_step_s, side.job_s, staged)
 
 
 def _after_probing_here(side: EpochSideOutputs, shards: dict[int, ShardEntry], watermarks: Watermarks,
@@ -187,6 +200,14 @@ def _after_probing_here(side: EpochSideOutputs, shards: dict[int, ShardEntry], w
                           f"{told}, the epoch's is {side.maxima.get('')}; nothing was committed. This is a fault of "
                           "the engine (spark/dedup.py ProbeTally): report it with the epoch's log")
     return plan.event_time.advance_all(watermarks, side.maxima)
+
+
+def read_staged(schema: pa.Schema, targets: tuple[StagingTarget, ...], staged: dict[str, list[StagedFile]]) -> pa.Table:
+    """The epoch's output from the files the shard tasks wrote it to (every sink's
+    files hold the same rows: the first sink's are read), typed as the tasks' rows come back."""
+    target = targets[0]
+    parts = [pq.read_table(Path(target.folder) / f.path).cast(schema) for f in staged[target.sink]]
+    return pa.concat_tables(parts) if parts else schema.empty_table()
 
 
 def shard_entries(stats: list[str], epoch: int) -> dict[int, ShardEntry]:

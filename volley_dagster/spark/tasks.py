@@ -27,11 +27,14 @@ from volley_dagster.checkpoint.s3_snapshots import S3SnapshotStore, UploadResult
 from volley_dagster.checkpoint.snapshots import SnapshotRef, on_this_machine
 from volley_dagster.errors import StorageFullError, is_disk_full
 from volley_dagster.operators.base import ShardStep, StatefulOperator
+from volley_dagster.sinks.staged_files import StagedFile, StagingTarget, stage_rows
 from volley_dagster.sources.base import Source
 from volley_dagster.sources.offsets import Segment
 from volley_dagster.state.options import RocksDBOptions
 from volley_dagster.state.resident import ResidentMirror, ResidentStateCache
 from volley_dagster.state.store import ShardStore
+
+STAGED = "staged"  # a stats row's files the task wrote its rows to, per sink (``ShardMerge.staging``)
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,7 @@ class ShardMerge:
     resident: ResidentStateCache | None = None  # shards' state kept in this machine's memory between epochs
     state_identity: str = ""  # whose state (checkpoint root and pipeline): a mirror is only ever its own
     fence: Fence | None = None  # the runner's lease token: checked before this attempt's work becomes visible
+    staging: tuple[StagingTarget, ...] = ()  # sinks the task writes its rows to as files (``sinks/staged_files.py``)
 
     def __call__(self, table: pa.Table) -> pa.Table:
         shard = table.column(columns.SHARD)[0].as_py()
@@ -193,9 +197,14 @@ class ShardMerge:
         rows = pa.table(values, names=names)
         if rows.num_rows > 1:
             rows = rows.sort_by([(c, "ascending") for c in self.output_keys])
+        stats = entry.to_dict()
+        if self.staging and rows.num_rows:  # the rows go to the sinks' folders, not back to the driver
+            name = f"part-{self.step.epoch:010d}-{entry.shard:05d}-{entry.snapshot.attempt}.parquet"
+            stats[STAGED] = {t.sink: stage_rows(rows, t, name).to_dict() for t in self.staging}
+            rows = rows.slice(0, 0)
         rows = rows.append_column(columns.STATS, pa.nulls(rows.num_rows, pa.string()))
         stats_row = pa.table(
-            [pa.nulls(1, arr.type) for arr in values] + [pa.array([json.dumps(entry.to_dict())], pa.string())],
+            [pa.nulls(1, arr.type) for arr in values] + [pa.array([json.dumps(stats)], pa.string())],
             names=names + [columns.STATS],
         )
         return pa.concat_tables([rows, stats_row])
@@ -210,6 +219,19 @@ def split_task_output(out: pa.Table) -> tuple[list[str], pa.Table]:
     bounds = zip(np.concatenate([[0], at + 1]), np.append(at, out.num_rows), strict=True)
     rows = pa.concat_tables([body.slice(start, end - start) for start, end in bounds])
     return stats_column.take(pa.array(at, pa.int64())).to_pylist(), rows
+
+
+def staged_files(stats: list[str]) -> tuple[list[str], dict[str, list[StagedFile]]]:
+    """The shard tasks' stats without their staged files, and those files per sink
+    (``ShardMerge.staging``), in shard order."""
+    records = sorted((json.loads(v) for v in stats), key=lambda r: r["shard"])
+    if not any(STAGED in r for r in records):
+        return stats, {}
+    staged: dict[str, list[StagedFile]] = {}
+    for record in records:
+        for sink, staged_file in record.pop(STAGED, {}).items():
+            staged.setdefault(sink, []).append(StagedFile.from_dict(staged_file))
+    return [json.dumps(r) for r in records], staged
 
 
 def snapshot_upload(upload: UploadResult) -> SnapshotUpload:

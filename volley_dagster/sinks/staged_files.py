@@ -1,0 +1,123 @@
+"""Epoch rows the shard tasks write straight into a sink's folder as Parquet files, for
+the sink to commit as they are (``Sink.staging_folder``): the rows never travel to the
+driver to be encoded there, one core's work, and the tasks write side by side.
+
+Each file carries the statistics the Delta log keeps for it, read from the file's own
+footer (what the Parquet writer computed), per the Delta protocol's per-file
+statistics: ``numRecords``, and per top-level column ``nullCount`` and, where the footer
+has them, ``minValues``/``maxValues``, as readers prune files by them. Bounds are never
+tighter than the data, so no reader skips a file that holds a matching row: timestamps
+are written to the millisecond, the minimum rounded down and the maximum up; a string's
+bounds only when at most 32 characters (a prefix is no maximum); and columns of other
+kinds (binary, decimal, nested, timestamps without a zone) get none.
+
+A file that no commit adds (the attempt failed, or the sink already held the epoch, or
+wrote the rows themselves) is in no table version: readers never see it, and the
+format's own cleanup (Delta's ``vacuum``) removes it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from datetime import date, datetime, timedelta, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from volley_dagster.json_records import JsonObject
+
+if TYPE_CHECKING:
+    from deltalake.transaction import AddAction
+
+MAX_STRING_BOUND = 32  # characters: Spark's own bound for string statistics
+_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+
+
+@dataclass(frozen=True)
+class StagingTarget:
+    """Where the shard tasks write one sink's rows: the sink's name and its folder."""
+
+    sink: str
+    folder: str
+
+
+@dataclass(frozen=True)
+class StagedFile:
+    """One Parquet file written into a table's folder, not yet in its log: its path
+    relative to the table, its size, its rows and its Delta statistics (JSON)."""
+
+    path: str
+    size: int
+    rows: int
+    stats: str
+
+    def to_dict(self) -> JsonObject:
+        return {"path": self.path, "size": self.size, "rows": self.rows, "stats": self.stats}
+
+    @classmethod
+    def from_dict(cls, d: JsonObject) -> StagedFile:
+        return cls(d["path"], d["size"], d["rows"], d["stats"])
+
+    def add_action(self) -> AddAction:
+        """The file in a Delta commit (on the driver: the tasks never import delta-rs)."""
+        from deltalake.transaction import AddAction
+
+        return AddAction(self.path, self.size, {}, int(time.time() * 1000), True, self.stats)
+
+
+def stage_rows(rows: pa.Table, target: StagingTarget, name: str) -> StagedFile:
+    """``rows`` as the Parquet file ``name`` in the target's folder."""
+    footers: list[pq.FileMetaData] = []
+    path = Path(target.folder) / name
+    path.parent.mkdir(parents=True, exist_ok=True)  # the table's first commit creates the rest
+    pq.write_table(rows, path, metadata_collector=footers)
+    return StagedFile(name, path.stat().st_size, rows.num_rows, delta_stats(footers[0]))
+
+
+def delta_stats(metadata: pq.FileMetaData) -> str:
+    """The add action's ``stats`` for a Parquet file, from its footer."""
+    nulls: dict[str, int] = {}
+    lows: dict[str, Any] = {}
+    highs: dict[str, Any] = {}
+    columns = [metadata.schema.column(i) for i in range(metadata.num_columns)]
+    for i, column in enumerate(columns):
+        if "." in column.path:  # nested: its statistics are the struct's, not kept here
+            continue
+        name = column.path
+        groups = [metadata.row_group(g).column(i).statistics for g in range(metadata.num_row_groups)]
+        if any(s is None for s in groups):
+            continue
+        nulls[name] = sum(s.null_count for s in groups)
+        bounded = [s for s in groups if s.has_min_max]
+        if len(bounded) != len(groups) or not bounded:
+            continue
+        low = _bound(min(s.min for s in bounded), up=False)
+        high = _bound(max(s.max for s in bounded), up=True)
+        if low is not None and high is not None:
+            lows[name], highs[name] = low, high
+    stats: JsonObject = {"numRecords": metadata.num_rows, "minValues": lows, "maxValues": highs, "nullCount": nulls}
+    return json.dumps(stats, separators=(",", ":"))
+
+
+def _bound(value: Any, up: bool) -> Any:
+    """A footer's bound as the log writes it (None: none written for this kind)."""
+    if isinstance(value, bool) or isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        return value if value == value else None  # a NaN bounds nothing
+    if isinstance(value, str):
+        return value if len(value) <= MAX_STRING_BOUND else None
+    if isinstance(value, datetime):
+        if value.tzinfo is None:
+            return None
+        micros = (value - _EPOCH) // timedelta(microseconds=1)
+        millis = -(-micros // 1000) if up else micros // 1000
+        at = _EPOCH + timedelta(milliseconds=millis)
+        return at.strftime("%Y-%m-%dT%H:%M:%S.") + f"{at.microsecond // 1000:03d}Z"
+    if isinstance(value, date):
+        return value.isoformat()
+    return None
