@@ -101,8 +101,7 @@ class EpochAttempt:
             t_sinks = time.perf_counter()
             paths = self._write_side_outputs(stage)
             self.status = AttemptStatus.SIDE_OUTPUTS_WRITTEN
-            sinks = SinkCommitter(self.pipeline, self.log, self.lease.check).commit(
-                stage.output, self.rng, {sink: tuple(files) for sink, files in stage.staged.items()})
+            sinks = SinkCommitter(self.pipeline, self.log, self.lease.check).commit(stage.output, self.rng, stage.staged)
             faults.fault_point("after_sinks", self.epoch)
             self.status = AttemptStatus.SINKS_COMMITTED
             t_commit = time.perf_counter()

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from datetime import date, datetime, timedelta, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from deltalake.transaction import AddAction
 
 MAX_STRING_BOUND = 32  # characters: Spark's own bound for string statistics
+Bound = int | float | str  # a column's minimum or maximum as the log writes it (bool is an int)
 _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 
 
@@ -81,8 +82,8 @@ def stage_rows(rows: pa.Table, target: StagingTarget, name: str) -> StagedFile:
 def delta_stats(metadata: pq.FileMetaData) -> str:
     """The add action's ``stats`` for a Parquet file, from its footer."""
     nulls: dict[str, int] = {}
-    lows: dict[str, Any] = {}
-    highs: dict[str, Any] = {}
+    lows: dict[str, Bound] = {}
+    highs: dict[str, Bound] = {}
     columns = [metadata.schema.column(i) for i in range(metadata.num_columns)]
     for i, column in enumerate(columns):
         if "." in column.path:  # nested: its statistics are the struct's, not kept here
@@ -103,7 +104,7 @@ def delta_stats(metadata: pq.FileMetaData) -> str:
     return json.dumps(stats, separators=(",", ":"))
 
 
-def _bound(value: Any, up: bool) -> Any:
+def _bound(value: object, up: bool) -> Bound | None:
     """A footer's bound as the log writes it (None: none written for this kind)."""
     if isinstance(value, bool) or isinstance(value, int):
         return value

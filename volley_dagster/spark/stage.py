@@ -68,7 +68,7 @@ class StageResult:
     figures: dict[str, int] = field(default_factory=dict)  # the operator's (``epoch_figures``)
     pre_step_s: float = 0.0  # of ``read_transform_s``: the plan's pre-step job (a deduplication's probe)
     side_output_s: float = 0.0  # of ``read_transform_s``: the side-output job (0: none ran)
-    staged: dict[str, list[StagedFile]] = field(default_factory=dict)  # per sink: ``output`` as the tasks wrote it
+    staged: dict[str, tuple[StagedFile, ...]] = field(default_factory=dict)  # per sink: ``output`` as the tasks wrote it
 
 
 @contextmanager
@@ -202,7 +202,8 @@ def _after_probing_here(side: EpochSideOutputs, shards: dict[int, ShardEntry], w
     return plan.event_time.advance_all(watermarks, side.maxima)
 
 
-def read_staged(schema: pa.Schema, targets: tuple[StagingTarget, ...], staged: dict[str, list[StagedFile]]) -> pa.Table:
+def read_staged(schema: pa.Schema, targets: tuple[StagingTarget, ...],
+                staged: dict[str, tuple[StagedFile, ...]]) -> pa.Table:
     """The epoch's output from the files the shard tasks wrote it to (every sink's
     files hold the same rows: the first sink's are read), typed as the tasks' rows come back."""
     target = targets[0]

@@ -221,7 +221,7 @@ def split_task_output(out: pa.Table) -> tuple[list[str], pa.Table]:
     return stats_column.take(pa.array(at, pa.int64())).to_pylist(), rows
 
 
-def staged_files(stats: list[str]) -> tuple[list[str], dict[str, list[StagedFile]]]:
+def staged_files(stats: list[str]) -> tuple[list[str], dict[str, tuple[StagedFile, ...]]]:
     """The shard tasks' stats without their staged files, and those files per sink
     (``ShardMerge.staging``), in shard order."""
     records = sorted((json.loads(v) for v in stats), key=lambda r: r["shard"])
@@ -231,7 +231,7 @@ def staged_files(stats: list[str]) -> tuple[list[str], dict[str, list[StagedFile
     for record in records:
         for sink, staged_file in record.pop(STAGED, {}).items():
             staged.setdefault(sink, []).append(StagedFile.from_dict(staged_file))
-    return [json.dumps(r) for r in records], staged
+    return [json.dumps(r) for r in records], {sink: tuple(files) for sink, files in staged.items()}
 
 
 def snapshot_upload(upload: UploadResult) -> SnapshotUpload:
