@@ -414,6 +414,9 @@ def child(args: argparse.Namespace) -> None:
     else:
         out = run_floor(w, work, indices)
     Path(args.out).write_text(json.dumps(out))
+    # stopped, not left to the exit: else PySpark's worker daemon, cut off from the
+    # JVM as it goes, prints a BrokenPipeError traceback into the run's output
+    spark_session(w.shards).stop()
 
 
 def spawn(engine: str, w: Workload, work: Path, indices: list[int], empty: int = 0, paired: bool = False) -> dict[str, Any]:
