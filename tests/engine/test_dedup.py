@@ -13,6 +13,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from pyspark.sql import functions as F
 
 from tests.dedup_reference import (
     ID,
@@ -25,7 +26,20 @@ from tests.dedup_reference import (
 )
 from tests.engine.test_crash_recovery import run_until_killed
 from tests.ttl_reference import same_rows
-from volley_dagster import ConfigError, EpochRunner, FileLog, ParquetSink, Pipeline, count, sum_, tumbling
+from volley_dagster import (
+    ConfigError,
+    EpochRunner,
+    FileLog,
+    ParquetSink,
+    Pipeline,
+    columns,
+    count,
+    first,
+    last,
+    max_,
+    sum_,
+    tumbling,
+)
 from volley_dagster.checkpoint.migrate import plan_migration
 from volley_dagster.cli import main as volley
 from volley_dagster.demo.events import write_events
@@ -35,6 +49,7 @@ from volley_dagster.sources.storage import storage_for
 
 FILES, ROWS = 5, 400  # file 4 (epoch 4) repeats ids past the bound (late), file 5 a reused id again
 VALUES = [KEY, "events", "total"]
+EVERY_VALUE = [*VALUES, "opening", "closing", "top", "ids"]  # the probe-in-stage test's aggregate
 
 
 def check_side_output(runner: EpochRunner, result, dropped: list[int], late: list[int]) -> None:
@@ -393,7 +408,8 @@ def test_the_probe_in_the_state_stage_decides_as_the_probe_job_over_a_json_log_w
     (a probe job of its own) and without (the probe in the state stage's job, the shard
     tasks forgetting by the latest event time the probes told them). Each epoch's output,
     figures, dead letters, watermark and keys remembered, and the state at the end, are
-    the same."""
+    the same; the probe in the stage hands on only the columns the aggregate reads
+    (``first`` and ``last`` read the log position too)."""
     from volley_dagster.demo.events import EVENT_SCHEMA
 
     log = tmp_path / "log"
@@ -409,7 +425,8 @@ def test_the_probe_in_the_state_stage_decides_as_the_probe_job_over_a_json_log_w
     def run(write_duplicates: bool) -> tuple[EpochRunner, list]:
         pipeline = (Pipeline("dedup_json").source(FileLog(log, format="json", schema=EVENT_SCHEMA))
                     .deduplicate(on=ID, within="15 minutes", event_time="event_time", write_duplicates=write_duplicates)
-                    .key_by(KEY).aggregate(events=count(), total=sum_("amount"))
+                    .key_by(KEY).aggregate(events=count(), total=sum_("amount"), opening=first("amount"),
+                                           closing=last("amount"), top=max_("amount"), ids=count(ID))
                     .sink(ParquetSink(tmp_path / f"out-{write_duplicates}")).on_bad_records("dead_letter").with_shards(2))
         runner = EpochRunner(pipeline, tmp_path / f"state-{write_duplicates}",
                              RunSettings(max_records_per_epoch=ROWS), spark=spark)
@@ -420,12 +437,39 @@ def test_the_probe_in_the_state_stage_decides_as_the_probe_job_over_a_json_log_w
     assert all(r.durations["pre_step"] > 0 for r in by_job if r.records_in)
     assert all(r.durations["pre_step"] == 0 for r in in_stage)
     for a, b in zip(by_job, in_stage, strict=True):
-        same_rows(b.output.to_pandas(), a.output.to_pandas(), VALUES)
+        same_rows(b.output.to_pandas(), a.output.to_pandas(), EVERY_VALUE)
         assert {k: b.figures[k] for k in ("duplicates", "dedup_late")} == {k: a.figures[k] for k in ("duplicates", "dedup_late")}
         assert (b.dead_letters, b.watermark) == (a.dead_letters, a.watermark), f"epoch {b.epoch}"
     assert sum(r.dead_letters for r in in_stage) == 2
     assert sum(r.figures["duplicates"] for r in in_stage) > 0 and sum(r.figures["dedup_late"] for r in in_stage) > 0
-    same_rows(here.read_state().to_pandas(), job.read_state().to_pandas(), VALUES)
+    same_rows(here.read_state().to_pandas(), job.read_state().to_pandas(), EVERY_VALUE)
     remembered = [sum(s.operator.figures.get("dedup_keys_remembered", 0) for s in r.shards.values()) for r in in_stage]
     assert remembered == [sum(s.operator.figures.get("dedup_keys_remembered", 0) for s in r.shards.values())
                           for r in by_job]
+
+
+def test_the_probe_in_the_state_stage_passes_on_only_what_the_aggregate_reads(spark, tmp_path):
+    """Spark cannot prune columns through the probe's Python task: the columns no step
+    after it reads are dropped before its exchange (a status string, the event time, the
+    id), and a ``first`` brings the log position along."""
+    from volley_dagster.operators.aggregate import Aggregate
+    from volley_dagster.operators.dedup import Deduplication
+    from volley_dagster.operators.event_time import EventTime
+    from volley_dagster.spark.dedup import DuplicateProbe, probe_in_stage
+    from volley_dagster.state.keys import ShardLayout
+    from volley_dagster.state.options import RocksDBOptions
+
+    rows = spark.createDataFrame(dedup_file(0).to_pandas()).select(
+        "*", F.monotonically_increasing_id().alias(columns.POS), F.col(KEY).cast("long").alias(columns.KEY),
+        F.col(ID).alias(columns.DEDUP_KEY))
+    dedup = Deduplication((ID,), 60_000_000, EventTime("event_time"))
+    probe = DuplicateProbe(dedup, None, {}, RocksDBOptions(), False)
+    layout = ShardLayout(2)
+    kept = [columns.SHARD, columns.KEY_GROUP, columns.DEDUP_RUN]
+    for accumulators, passed in ((dict(n=count(), total=sum_("amount")), [columns.KEY, "amount"]),
+                                 (dict(opening=first("amount"), ids=count(ID)), [ID, columns.POS, columns.KEY, "amount"])):
+        operator = Aggregate(tuple(accumulators.items())).resolve(rows.schema)
+        out = probe_in_stage(rows, dedup, layout, probe, operator.input_columns())
+        assert sorted(out.columns) == sorted(passed + kept)
+    assert sorted(probe_in_stage(rows, dedup, layout, probe, None).columns) == sorted(
+        [c for c in rows.columns if c != columns.DEDUP_KEY] + kept)

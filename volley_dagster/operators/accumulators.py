@@ -102,6 +102,10 @@ class Accumulator(ABC):
             raise ConfigError(f"{type(self).__name__.lower()}({self.column!r}): no such column; columns are {schema.names}")
         return value_kind(self.column, schema[self.column].dataType)
 
+    def input_columns(self) -> tuple[str, ...]:
+        """The columns of the keyed rows ``partials`` reads."""
+        return () if self.column is None else (self.column,)
+
     @abstractmethod
     def partials(self, name: str, kind: ValueKind | None) -> dict[str, Column]:
         """Spark aggregate expressions, by partial column name."""
@@ -243,6 +247,9 @@ class Max(_Reducing):
 @dataclass(frozen=True)
 class _Positional(_ValueAccumulator):
     """A value chosen by log order; its position (epoch, event position) is kept with it."""
+
+    def input_columns(self) -> tuple[str, ...]:
+        return (*super().input_columns(), columns.POS)
 
     def partials(self, name, kind):
         value = numeric_expr(self.column, kind)

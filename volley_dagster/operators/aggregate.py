@@ -157,6 +157,12 @@ class ResolvedAggregate:
     def output_schema(self, key_ddl: str) -> list[str]:
         return [key_ddl] + self.output_ddl()
 
+    def input_columns(self) -> tuple[str, ...]:
+        reads = [columns.KEY] + [c for _, acc in self.accumulators for c in acc.input_columns()]
+        if self.ttl is not None and self.ttl.event_time is not None:
+            reads.append(self.ttl.event_time.time_column)
+        return tuple(dict.fromkeys(reads))
+
     def assign(self, rows: DataFrame) -> DataFrame:
         return rows
 

@@ -165,6 +165,11 @@ class SparkOperator(StatefulOperator, Protocol):
     def output_schema(self, key_ddl: str) -> list[str]:
         """Spark DDL of every column the shard tasks return, the key's (``key_ddl``) first."""
 
+    def input_columns(self) -> tuple[str, ...] | None:
+        """The columns of its input rows that the steps below read (None: all of them).
+        A step before it that hands the rows through Python (a deduplication's probe in
+        the state stage's job) passes on only these, as Spark cannot prune through it."""
+
     def assign(self, rows: DataFrame) -> DataFrame:
         """The rows the operator folds (windows: one per record and window)."""
 

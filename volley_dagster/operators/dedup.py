@@ -429,6 +429,9 @@ class ResolvedUniqueRecords:
         """The records' own columns, the deduplication key's first."""
         return [self.ddl[0]] + self.output_ddl()
 
+    def input_columns(self) -> None:
+        return None
+
     def assign(self, rows: DataFrame) -> DataFrame:
         return rows
 

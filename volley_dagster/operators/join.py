@@ -282,6 +282,9 @@ class ResolvedJoin:
     def output_schema(self, key_ddl: str) -> list[str]:
         return [key_ddl] + self.output_ddl()
 
+    def input_columns(self) -> None:
+        return None
+
     def assign(self, rows: DataFrame) -> DataFrame:
         return rows
 

@@ -195,6 +195,9 @@ class ResolvedWindowAggregate:
         return pa.table(front + bounds + self.aggregate.outputs(rows),
                         names=names + [WINDOW_START, WINDOW_END] + self.aggregate.output_names())
 
+    def input_columns(self) -> None:
+        return None
+
     def assign(self, keyed: DataFrame) -> DataFrame:
         """One row per (record, window) with the window's bounds in microseconds; for a
         session, the record's own ``[t, t+gap)`` (sessions are formed by ``partials``)."""

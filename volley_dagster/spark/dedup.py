@@ -229,13 +229,18 @@ def probe_duplicates(rows: DataFrame, dedup: Deduplication, layout: ShardLayout,
         raise
 
 
-def probe_in_stage(rows: DataFrame, dedup: Deduplication, layout: ShardLayout, probe: DuplicateProbe) -> DataFrame:
+def probe_in_stage(rows: DataFrame, dedup: Deduplication, layout: ShardLayout, probe: DuplicateProbe,
+                   reads: tuple[str, ...] | None) -> DataFrame:
     """The epoch's valid ``rows`` (with ``DEDUP_KEY``) routed by their deduplication key
     to ``KeptRecords``, in the job that ends in the shard tasks (nothing runs here): the
-    kept records come out without ``DEDUP_KEY``, followed by the runs and tallies with
-    their shard (``partitioning.route_to_shards(kept_inline=True)``)."""
-    passed = tuple(c for c in rows.columns if c not in (columns.DEDUP_KEY, columns.SHARD, columns.KEY_GROUP))
-    timed = rows.withColumn(columns.DEDUP_TIME, dedup.event_time.event_us())
+    kept records come out with the columns the operator ``reads`` only (None: all but
+    ``DEDUP_KEY``; the others are neither shuffled nor handed to Python and back),
+    followed by the runs and tallies with their shard
+    (``partitioning.route_to_shards(kept_inline=True)``)."""
+    passed = tuple(c for c in rows.columns if c not in (columns.DEDUP_KEY, columns.SHARD, columns.KEY_GROUP)
+                   and (reads is None or c in reads))
+    timed = rows.withColumn(columns.DEDUP_TIME, dedup.event_time.event_us()).select(
+        *dict.fromkeys([*passed, columns.DEDUP_KEY, columns.DEDUP_TIME, columns.POS]))
     routed = with_shard(timed, layout, columns.DEDUP_KEY).withColumn(columns.PARTITION, partition_of_shard(layout))
     schema = T.StructType([T.StructField(c, rows.schema[c].dataType, True) for c in passed] + [
         T.StructField(columns.SHARD, T.IntegerType(), True), T.StructField(columns.KEY_GROUP, T.IntegerType(), True),

@@ -131,7 +131,8 @@ def run_stage(
         elif probed_here:  # the job finds the bad records and W[N] as it reads, for after it
             assert plan.dedup is not None
             probe = DuplicateProbe.of(plan.dedup, watermark, merge)
-            assigned = operator.assign(probe_in_stage(side.observed_rows(), plan.dedup, layout, probe))
+            assigned = operator.assign(probe_in_stage(side.observed_rows(), plan.dedup, layout, probe,
+                                                     operator.input_columns()))
             epoch_clock = StageClock(watermark, None, end_of_stream)
             # the shard tasks forget by W[N-1] advanced by the probes' tallies (``ProbeTally``)
             step = replace(merge.step, watermark_before=watermark, watermark=watermark)
