@@ -455,6 +455,7 @@ def test_the_probe_in_the_state_stage_passes_on_only_what_the_aggregate_reads(sp
     from volley_dagster.operators.aggregate import Aggregate
     from volley_dagster.operators.dedup import Deduplication
     from volley_dagster.operators.event_time import EventTime
+    from volley_dagster.operators.ttl import StateTtl
     from volley_dagster.spark.dedup import DuplicateProbe, probe_in_stage
     from volley_dagster.state.keys import ShardLayout
     from volley_dagster.state.options import RocksDBOptions
@@ -471,5 +472,7 @@ def test_the_probe_in_the_state_stage_passes_on_only_what_the_aggregate_reads(sp
         operator = Aggregate(tuple(accumulators.items())).resolve(rows.schema)
         out = probe_in_stage(rows, dedup, layout, probe, operator.input_columns())
         assert sorted(out.columns) == sorted(passed + kept)
+    timed = Aggregate((("n", count()),), ttl=StateTtl(duration_us=60_000_000, event_time=EventTime("event_time")))
+    assert timed.resolve(rows.schema).input_columns() == (columns.KEY, "event_time")  # what its TTL's partial reads
     assert sorted(probe_in_stage(rows, dedup, layout, probe, None).columns) == sorted(
         [c for c in rows.columns if c != columns.DEDUP_KEY] + kept)

@@ -430,6 +430,7 @@ class ResolvedUniqueRecords:
         return [self.ddl[0]] + self.output_ddl()
 
     def input_columns(self) -> None:
+        """All: the kept records reach the sinks whole."""
         return None
 
     def assign(self, rows: DataFrame) -> DataFrame:

@@ -283,6 +283,7 @@ class ResolvedJoin:
         return [key_ddl] + self.output_ddl()
 
     def input_columns(self) -> None:
+        """All: each side's rows reach the output whole."""
         return None
 
     def assign(self, rows: DataFrame) -> DataFrame:

@@ -196,6 +196,7 @@ class ResolvedWindowAggregate:
                         names=names + [WINDOW_START, WINDOW_END] + self.aggregate.output_names())
 
     def input_columns(self) -> None:
+        """All: a deduplication before a window probes in a job of its own, which hands no rows on."""
         return None
 
     def assign(self, keyed: DataFrame) -> DataFrame:
