@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import re
 import socket
 import subprocess
@@ -15,13 +16,43 @@ import psutil
 from volley_dagster.process import parent_pid
 
 
+LISTEN_PORTS_FROM = 10_000  # the test servers' ports are drawn from here up to the ephemeral range
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range for outgoing connections' local ports (and for ``bind`` to port 0)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32_768, 60_999  # Linux's default
+
+
 def free_ports(n: int) -> list[int]:
-    """``n`` distinct ports free on 127.0.0.1 (held open together so none repeats)."""
+    """``n`` distinct ports free on this machine (held open together so none repeats),
+    below the ephemeral range: a server restarted on its ports after an outage must find
+    them free, and while it is down, a port in that range may become any outgoing
+    connection's own (a SeaweedFS restart once found its admin port taken so)."""
+    low = ephemeral_ports()[0]
+    if low - LISTEN_PORTS_FROM < 100 * n:
+        raise RuntimeError(f"the ephemeral port range starts at {low}: too few ports below it from "
+                           f"{LISTEN_PORTS_FROM} for the test servers; lower net.ipv4.ip_local_port_range's start")
+    rng = random.Random()  # seeded from the OS: two xdist workers draw apart
+    ports: list[int] = []
     with ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
+        for _ in range(100 * n):
+            port = rng.randrange(LISTEN_PORTS_FROM, low)
+            if port in ports:
+                continue
+            sock = stack.enter_context(socket.socket())
+            try:
+                sock.bind(("0.0.0.0", port))  # taken on any address, or lingering in TIME_WAIT: not free
+            except OSError:
+                continue
+            ports.append(port)
+            if len(ports) == n:
+                return ports
+    raise RuntimeError(f"found only {len(ports)} of {n} free ports in {LISTEN_PORTS_FROM}-{low - 1}")
 
 
 def wait_ready(check: Any, timeout: float, what: str, proc: subprocess.Popen[bytes], log: Path) -> None:
