@@ -19,7 +19,7 @@ from volley_dagster.process import parent_pid
 LISTEN_PORTS_FROM = 10_000  # the test servers' ports are drawn from here up to the ephemeral range
 
 
-def ephemeral_ports() -> tuple[int, int]:
+def ephemeral_port_range() -> tuple[int, int]:
     """The kernel's range for outgoing connections' local ports (and for ``bind`` to port 0)."""
     try:
         low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
@@ -33,7 +33,7 @@ def free_ports(n: int) -> list[int]:
     below the ephemeral range: a server restarted on its ports after an outage must find
     them free, and while it is down, a port in that range may become any outgoing
     connection's own (a SeaweedFS restart once found its admin port taken so)."""
-    low = ephemeral_ports()[0]
+    low = ephemeral_port_range()[0]
     if low - LISTEN_PORTS_FROM < 100 * n:
         raise RuntimeError(f"the ephemeral port range starts at {low}: too few ports below it from "
                            f"{LISTEN_PORTS_FROM} for the test servers; lower net.ipv4.ip_local_port_range's start")

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import socket
 
-from harness.processes import LISTEN_PORTS_FROM, ephemeral_ports, free_ports
+from harness.processes import LISTEN_PORTS_FROM, ephemeral_port_range, free_ports
 
 
 def test_free_ports_are_distinct_bindable_and_below_the_ephemeral_range():
-    low, high = ephemeral_ports()
+    low, high = ephemeral_port_range()
     assert LISTEN_PORTS_FROM < low <= high
     ports = free_ports(10)
     assert len(set(ports)) == 10
@@ -27,6 +27,6 @@ def test_an_outgoing_connection_never_takes_a_server_port():
         server.bind(("127.0.0.1", port))
         server.listen()
         client.connect(("127.0.0.1", port))
-        low, high = ephemeral_ports()
+        low, high = ephemeral_port_range()
         assert low <= client.getsockname()[1] <= high
         assert not low <= port <= high

@@ -448,7 +448,7 @@ def test_the_probe_in_the_state_stage_decides_as_the_probe_job_over_a_json_log_w
                           for r in by_job]
 
 
-def test_the_probe_in_the_state_stage_passes_on_only_what_the_aggregate_reads(spark, tmp_path):
+def test_the_probe_in_the_state_stage_passes_on_only_what_the_aggregate_reads(spark):
     """Spark cannot prune columns through the probe's Python task: the columns no step
     after it reads are dropped before its exchange (a status string, the event time, the
     id), and a ``first`` brings the log position along."""
