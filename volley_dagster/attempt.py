@@ -101,7 +101,8 @@ class EpochAttempt:
             t_sinks = time.perf_counter()
             paths = self._write_side_outputs(stage)
             self.status = AttemptStatus.SIDE_OUTPUTS_WRITTEN
-            sinks = SinkCommitter(self.pipeline, self.log, self.lease.check).commit(stage.output, self.rng, stage.staged)
+            sinks = SinkCommitter(self.pipeline, self.log, self.lease.check).commit(stage.output, self.rng, stage.staged,
+                                                                                   stage.rewritten)
             faults.fault_point("after_sinks", self.epoch)
             self.status = AttemptStatus.SINKS_COMMITTED
             t_commit = time.perf_counter()
@@ -277,16 +278,24 @@ def _bounded(text: str) -> str:
 
 
 def staging_targets(spark: SparkSession, pipeline: Pipeline, plan: PlannedEpoch) -> tuple[StagingTarget, ...]:
-    """The sinks' folders the shard tasks write the epoch's rows to, when every sink has
-    one on this machine (``Sink.staging_folder``), the tasks run here too (a local
-    Spark, whose executors share its disk) and their rows are what the sinks take;
-    else none, and the rows come to the driver."""
+    """Where the shard tasks write the epoch's rows themselves, when their rows are what
+    the sinks take and the tasks run on this machine (a local Spark, whose executors
+    share its disk): into every sink's folder when each has one (``Sink.staging_folder``),
+    and the rows stay out of the driver; else, when each task's rows hold each of its
+    keys once, into the upsert tables whose files are laid out by shard
+    (``Sink.rewrite_target``), and the rows come to the driver too; else nowhere."""
+    operator = plan.operator
     folders = [(sink.name, sink.staging_folder()) for sink in pipeline.sinks]
-    if not folders or any(folder is None for _, folder in folders) or not plan.operator.rows_are_sink_rows:
+    appends = bool(folders) and all(folder is not None for _, folder in folders)
+    if not operator.rows_are_sink_rows or not (appends or operator.one_row_per_key):
         return ()
     if not executors_share_this_disk(spark):
         return ()
-    return tuple(StagingTarget(name, folder) for name, folder in folders if folder is not None)
+    if appends:
+        return tuple(StagingTarget(name, folder) for name, folder in folders if folder is not None)
+    targets = (sink.rewrite_target(pipeline.layout, pipeline.key_column, pipeline.expiry_column())
+               for sink in pipeline.sinks)
+    return tuple(target for target in targets if target is not None)
 
 
 def _refuse_speculation(spark: SparkSession) -> None:

@@ -2,7 +2,9 @@
 epoch's rows into the table's folder themselves, and the sink commits those files with
 the epoch's txn. The table and each epoch's output are what the rows path gives, and a
 kill -9 after the files were written, or after their commit, still leaves each window
-in the table exactly once."""
+in the table exactly once. A running aggregate's Delta upsert: each shard task rewrites
+its own files of the table (``sinks/shard_files.py``), and after someone compacts the
+table the sink MERGEs, the table the reference state either way."""
 
 from __future__ import annotations
 
@@ -10,13 +12,18 @@ import re
 import signal
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from deltalake import DeltaTable
 
 from tests.engine.test_crash_recovery import KEEP, run_until_killed
+from tests.helpers import assert_state_equal, log_records, payments, reference_state
 from tests.window_reference import reference, staged_window_pipeline, window_rows
 from volley_dagster import EpochRunner, MemorySink
 from volley_dagster.demo.events import generate
+from volley_dagster.sinks.shard_files import owned_files
+from volley_dagster.sinks.staged_files import same_columns
 from volley_dagster.settings import RunSettings
 
 FILES, PER_FILE = 4, 300
@@ -72,3 +79,27 @@ def test_a_kill_9_after_the_tasks_wrote_their_files_leaves_each_window_once(spar
     else:  # the killed attempt committed them; the re-run found the epoch held
         assert committed == [p for p in written if p in committed] and set(committed) <= set(written)
         assert runner.result(3).sinks["delta"].skipped
+
+
+def test_a_running_aggregates_upsert_is_each_shards_rewrite_of_its_files(spark, tmp_path):
+    generate(tmp_path / "events", FILES, PER_FILE, 40)
+    pipeline = payments(tmp_path / "events", tmp_path / "out", shards=3, tables=tmp_path / "tables")
+    table = tmp_path / "tables" / "delta"
+    runner = EpochRunner(pipeline, tmp_path / "state", RunSettings(max_records_per_epoch=PER_FILE), spark=spark)
+    first = runner.run_available(max_epochs=2)
+    assert [r.sinks["delta"].counts["files_added"] for r in first] == [3, 3]  # one file a shard, rewritten whole
+    assert first[1].sinks["delta"].counts["files_removed"] == 3
+    owned = owned_files([(p, 0, 1) for p in table_files(table)], pipeline.layout)
+    assert owned is not None and sorted(owned) == [0, 1, 2]
+    schema = pa.schema(DeltaTable(str(table)).schema().to_arrow())
+    for path in table_files(table):  # the tasks' files hold the table's own types (a timestamp's zone too)
+        assert same_columns(pq.read_schema(table / path), schema), (pq.read_schema(table / path), schema)
+    assert_state_equal(DeltaTable(str(table)).to_pyarrow_table(), reference_state(log_records(2, PER_FILE, 40)))
+
+    DeltaTable(str(table)).optimize.compact(min_commit_interval=None)  # another writer: one file of every shard's rows
+    assert owned_files([(p, 0, 1) for p in table_files(table)], pipeline.layout) is None
+    rest = runner.run_available()
+    assert [r.epoch for r in rest] == [3, 4]
+    assert not any("files_added" in r.sinks["delta"].counts for r in rest)  # MERGEd
+    assert all(r.sinks["delta"].counts["updated"] + r.sinks["delta"].counts["inserted"] == r.records_out for r in rest)
+    assert_state_equal(DeltaTable(str(table)).to_pyarrow_table(), reference_state(log_records(FILES, PER_FILE, 40)))

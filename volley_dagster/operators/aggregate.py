@@ -150,6 +150,7 @@ class ResolvedAggregate:
         return self.ttl is not None and self.ttl.by_epochs
 
     rows_are_sink_rows: ClassVar[bool] = True
+    one_row_per_key: ClassVar[bool] = True
 
     def null_key_reason(self, key_column: str) -> str:
         return f"null key: {key_column!r} is null"

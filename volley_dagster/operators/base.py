@@ -159,6 +159,12 @@ class SparkOperator(StatefulOperator, Protocol):
         """Whether ``sink_output`` passes the shard tasks' rows through unchanged, so that
         the tasks may write them straight into the sinks' folders (``ShardMerge.staging``)."""
 
+    @property
+    def one_row_per_key(self) -> bool:
+        """Whether each shard task's rows hold each of its keys (the pipeline's key) at
+        most once, so that an upsert by that key is each task's own files rewritten
+        (``sinks/shard_files.py``)."""
+
     def null_key_reason(self, key_column: str) -> str:
         """Why a record whose key is null is a dead letter."""
 

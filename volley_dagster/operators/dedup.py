@@ -422,6 +422,8 @@ class ResolvedUniqueRecords:
         """With ``write_duplicates`` the tasks return every record, flagged, for ``sink_output`` to split."""
         return not self.dedup.write_duplicates
 
+    one_row_per_key: ClassVar[bool] = False  # one row per record kept, whichever its key
+
     def null_key_reason(self, key_column: str) -> str:
         return self.dedup.describe_null()
 

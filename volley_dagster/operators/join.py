@@ -275,6 +275,7 @@ class ResolvedJoin:
 
     runs_without_records: ClassVar[bool] = False  # without records the watermark stays: nothing leaves
     rows_are_sink_rows: ClassVar[bool] = True
+    one_row_per_key: ClassVar[bool] = False
 
     def null_key_reason(self, key_column: str) -> str:
         return f"null join key: {key_column!r} is null"

@@ -261,6 +261,7 @@ class ResolvedWindowAggregate:
 
     runs_without_records: ClassVar[bool] = True  # the end of the stream fires every window
     rows_are_sink_rows: ClassVar[bool] = True
+    one_row_per_key: ClassVar[bool] = False
 
     def null_key_reason(self, key_column: str) -> str:
         return f"null key: {key_column!r} is null"

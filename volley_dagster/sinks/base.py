@@ -12,7 +12,9 @@ import pyarrow as pa
 from volley_dagster.errors import ConfigError
 from volley_dagster.json_records import JsonObject
 from volley_dagster.sinks.lineage import ForeignLineage, Lineage, SinkBinding, SinkCommit, SinkMark, decide
-from volley_dagster.sinks.staged_files import StagedFile
+from volley_dagster.sinks.shard_files import RewrittenFiles
+from volley_dagster.sinks.staged_files import StagedFile, StagingTarget
+from volley_dagster.state.keys import ShardLayout
 
 
 @dataclass(frozen=True)
@@ -24,7 +26,9 @@ class CommitContext:
     upsert table drops (``EpochLog.retired_columns``); ``expiry_column``: the output
     column that is true on a key's expiry (state TTL), whose row an upsert deletes;
     ``staged``: the shard tasks also wrote the epoch's rows (``output`` holds them too) as
-    these files in the sink's ``staging_folder``, for the commit to add as they are."""
+    these files in the sink's ``staging_folder``, for the commit to add as they are;
+    ``rewritten``: an upsert's shard tasks rewrote the table's files with ``output``
+    (``sinks/shard_files.py``), for the commit to swap in when the table is as planned."""
 
     pipeline: str
     epoch: int
@@ -35,6 +39,7 @@ class CommitContext:
     retired_columns: frozenset[str] = frozenset()
     expiry_column: str | None = None
     staged: tuple[StagedFile, ...] = ()
+    rewritten: RewrittenFiles | None = None
 
     @property
     def sink_epoch(self) -> int:
@@ -79,7 +84,8 @@ _RESULT_KEYS = {"skipped", "rows", "mode", "conflicts", "replaced", "held_epoch"
 class SinkCommitResult:
     """What one epoch's commit to one sink did; ``to_dict`` is its entry in the manifest
     (one flat object, as every manifest so far has it). ``counts``: the rows the commit
-    inserted, updated, deleted, rewritten, by the sink's own names. ``seconds``,
+    inserted, updated, deleted, rewritten, by the sink's own names (and the files, where
+    the shard tasks rewrote them: ``files_removed``, ``files_added``). ``seconds``,
     ``lineage`` and ``sink_epoch`` are set by the committer (``sinks/committer.py``)."""
 
     skipped: bool
@@ -155,6 +161,12 @@ class Sink(ABC):
         """A folder on this machine where the shard tasks may write an epoch's rows as
         Parquet files, for ``commit`` to add as they are (``CommitContext.staged``); None:
         the rows come to the driver."""
+        return None
+
+    def rewrite_target(self, layout: ShardLayout, key_column: str, expiry_column: str | None) -> StagingTarget | None:
+        """Where and how the shard tasks rewrite this upsert table's files themselves,
+        each its own keys' (``sinks/shard_files.py``), when its files are laid out by
+        ``layout``'s shards; None: the sink commits the rows it is given."""
         return None
 
     @abstractmethod

@@ -27,6 +27,7 @@ from volley_dagster.errors import EpochOrderError
 from volley_dagster.pipeline import Pipeline
 from volley_dagster.sinks.base import CommitContext, Sink, SinkCommitResult
 from volley_dagster.sinks.lineage import SinkBinding
+from volley_dagster.sinks.shard_files import RewrittenFiles
 from volley_dagster.sinks.staged_files import StagedFile
 from volley_dagster.sources.offsets import EpochRange
 
@@ -41,14 +42,17 @@ class SinkCommitter:
         self.check_fence = check_fence
 
     def commit(self, output: pa.Table, rng: EpochRange,
-               staged: Mapping[str, tuple[StagedFile, ...]] | None = None) -> dict[str, SinkCommitResult]:
+               staged: Mapping[str, tuple[StagedFile, ...]] | None = None,
+               rewritten: Mapping[str, RewrittenFiles] | None = None) -> dict[str, SinkCommitResult]:
         """Every sink, concurrently: skip what it holds of this lineage, refuse (or, by
         the sink's choice, replace or follow) another lineage's epochs, commit the rest.
-        ``staged``: per sink, the files the shard tasks wrote ``output`` to in its staging folder."""
+        ``staged``: per sink, the files the shard tasks wrote ``output`` to in its staging
+        folder; ``rewritten``: per upsert sink, its files as the shard tasks rewrote them."""
         sinks, epoch = self.pipeline.sinks, rng.epoch
         base = CommitContext(self.pipeline.name, epoch, self.pipeline.output_keys(), self.log.lineage(), rng.digest(),
                              retired_columns=self.log.retired_columns(), expiry_column=self.pipeline.expiry_column())
-        contexts = {sink.name: replace(base, staged=(staged or {}).get(sink.name, ())) for sink in sinks}
+        contexts = {sink.name: replace(base, staged=(staged or {}).get(sink.name, ()),
+                                       rewritten=(rewritten or {}).get(sink.name)) for sink in sinks}
         if len(sinks) < 2:
             return {sink.name: self._commit_one(sink, output, contexts[sink.name]) for sink in sinks}
         with ThreadPoolExecutor(len(sinks), thread_name_prefix=f"volley-sinks-{epoch}") as pool:

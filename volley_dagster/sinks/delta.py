@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -39,8 +40,10 @@ from volley_dagster.io.s3 import S3Endpoint
 from volley_dagster.json_records import JsonObject
 from volley_dagster.sinks.base import CommitContext, SinkHistory, SinkLocation, SinkPosition, SinkWrite, commit_tags
 from volley_dagster.sinks.lineage import ForeignLineage, SinkCommit, SinkMark
-from volley_dagster.sinks.staged_files import StagedFile
+from volley_dagster.sinks.shard_files import RewrittenFiles, ShardFilesPlan, owned_files
+from volley_dagster.sinks.staged_files import StagedFile, StagingTarget
 from volley_dagster.sinks.table import Mode, TableSink
+from volley_dagster.state.keys import ShardLayout
 
 SCHEMA_CHANGE = "volley.schema_change"  # commit info of a rewrite that only changed the schema
 _DELETE = "_volley_delete"  # a MERGE source row that deletes its key's row
@@ -139,6 +142,24 @@ class DeltaSink(TableSink[DeltaTable]):
             return None
         return self.uri
 
+    def rewrite_target(self, layout: ShardLayout, key_column: str, expiry_column: str | None) -> StagingTarget | None:
+        """For an upsert by the pipeline's key into a local table that no partitioning or
+        epoch column shapes, whose files (if any) the shard tasks wrote for ``layout``."""
+        if (self.mode != "upsert" or self.partition_by or self.epoch_column or "://" in self.uri
+                or self.key_columns not in (None, (key_column,))):
+            return None
+        table = self._load()
+        if table is None:
+            return StagingTarget(self.name, self.uri, ShardFilesPlan(None, key_column, expiry_column))
+        if "deletionVectors" in (table.protocol().writer_features or []):  # a removed file's vector is not ours to drop
+            return None
+        actions = table.get_add_actions(flatten=True)
+        files = owned_files(zip(actions.column("path").to_pylist(), actions.column("size_bytes").to_pylist(),
+                                actions.column("num_records").to_pylist(), strict=True), layout)
+        if files is None:
+            return None
+        return StagingTarget(self.name, self.uri, ShardFilesPlan(table.version(), key_column, expiry_column, files))
+
     def _commit_properties(self, ctx: CommitContext, rows: int) -> CommitProperties:
         app_id = self.app_id(ctx.pipeline)
         return CommitProperties(
@@ -166,6 +187,23 @@ class DeltaSink(TableSink[DeltaTable]):
             changes: list[AddAction | RemoveAction] = [*adds]
             table.create_write_transaction(changes, mode="append", schema=table.schema(), commit_properties=props)
         return SinkWrite({"inserted": rows, "updated": 0}, self._position(self._load()))
+
+    def _rewrite_files(self, table: DeltaTable | None, rewritten: RewrittenFiles, schema: pa.Schema, rows: int,
+                       ctx: CommitContext) -> SinkWrite | None:
+        if (table.version() if table is not None else None) != rewritten.version or not (rewritten.added or rewritten.removed):
+            return None  # the planned files are not the table's now; an epoch with no changes commits its txn alone
+        props = self._commit_properties(ctx, rows)
+        adds = [f.add_action() for f in rewritten.added]
+        if table is None:
+            with self._created_exclusively():
+                create_table_with_add_actions(self.uri, DeltaSchema.from_arrow(schema), adds, mode="error",
+                                              commit_properties=props)
+        else:
+            now = int(time.time() * 1000)
+            removes = [RemoveAction(f.path, True, now, f.size, {}) for f in rewritten.removed]
+            table.create_write_transaction([*removes, *adds], mode="append", schema=table.schema(),
+                                           commit_properties=props)
+        return SinkWrite(rewritten.counts(), self._position(self._load()))
 
     @contextmanager
     def _created_exclusively(self) -> Iterator[None]:

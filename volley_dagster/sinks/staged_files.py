@@ -33,6 +33,8 @@ from volley_dagster.json_records import JsonObject
 if TYPE_CHECKING:
     from deltalake.transaction import AddAction
 
+    from volley_dagster.sinks.shard_files import ShardFilesPlan
+
 MAX_STRING_BOUND = 32  # characters: Spark's own bound for string statistics
 Bound = int | float | str  # a column's minimum or maximum as the log writes it (bool is an int)
 _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
@@ -40,10 +42,13 @@ _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 
 @dataclass(frozen=True)
 class StagingTarget:
-    """Where the shard tasks write one sink's rows: the sink's name and its folder."""
+    """Where the shard tasks write one sink's rows: the sink's name and its folder.
+    ``rewrite``: an upsert table laid out by shard, whose files each task rewrites with
+    its rows (``sinks/shard_files.py``); None: the rows are appended as they are."""
 
     sink: str
     folder: str
+    rewrite: ShardFilesPlan | None = None
 
 
 @dataclass(frozen=True)
@@ -70,13 +75,29 @@ class StagedFile:
         return AddAction(self.path, self.size, {}, int(time.time() * 1000), True, self.stats)
 
 
-def stage_rows(rows: pa.Table, target: StagingTarget, name: str) -> StagedFile:
-    """``rows`` as the Parquet file ``name`` in the target's folder."""
+def stage_rows(rows: pa.Table, target: StagingTarget, name: str, key: str | None = None) -> StagedFile:
+    """``rows`` as the Parquet file ``name`` in the target's folder. Only text columns
+    other than the key (``key``: its values mostly distinct) get dictionary pages: a
+    number's or a distinct value's dictionary outgrows its page and is dropped, after
+    the writer built it (half of a shard's write time, for a larger file)."""
     footers: list[pq.FileMetaData] = []
     path = Path(target.folder) / name
     path.parent.mkdir(parents=True, exist_ok=True)  # the table's first commit creates the rest
-    pq.write_table(rows, path, metadata_collector=footers)
+    dictionary = [f.name for f in rows.schema if f.name != key and _is_text(f.type)]
+    pq.write_table(rows, path, metadata_collector=footers, use_dictionary=dictionary)
     return StagedFile(name, path.stat().st_size, rows.num_rows, delta_stats(footers[0]))
+
+
+def _is_text(t: pa.DataType) -> bool:
+    return pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t) or pa.types.is_large_binary(t)
+
+
+def same_columns(table: pa.Schema, output: pa.Schema) -> bool:
+    """Whether files of ``output``'s columns hold exactly the table's (a string column
+    in whichever Arrow string type the format reads it back as)."""
+    def kind(t: pa.DataType) -> object:
+        return "string" if pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t) else t
+    return table.names == output.names and all(kind(a.type) == kind(b.type) for a, b in zip(table, output, strict=True))
 
 
 def delta_stats(metadata: pq.FileMetaData) -> str:

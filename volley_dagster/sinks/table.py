@@ -32,7 +32,8 @@ from volley_dagster.checkpoint.epoch_archive import epoch_key
 from volley_dagster.errors import ConfigError, SinkCommitError, VolleyError
 from volley_dagster.sinks.base import CommitContext, Sink, SinkCommitResult, SinkPosition, SinkWrite, upsert_keys
 from volley_dagster.sinks.lineage import ForeignLineage, SinkMark, check_choice
-from volley_dagster.sinks.staged_files import StagedFile
+from volley_dagster.sinks.shard_files import RewrittenFiles
+from volley_dagster.sinks.staged_files import StagedFile, same_columns
 
 Mode = Literal["append", "upsert"]
 Table = TypeVar("Table")
@@ -93,6 +94,15 @@ class TableSink(Sink, Generic[Table]):
         is given files."""
         raise NotImplementedError(f"{type(self).__name__} has no staging folder")
 
+    def _rewrite_files(self, table: Table | None, rewritten: RewrittenFiles, schema: pa.Schema, rows: int,
+                       ctx: CommitContext) -> SinkWrite | None:
+        """Commit the epoch as the shard tasks' rewrite of the table's files (of
+        ``schema``; ``rows``: the epoch's changed and deleted rows), on the checked state
+        of ``table``, tagged with ``ctx.mark``; None when ``table`` is not the state the
+        rewrite was planned on (or it changes nothing), and the rows are committed
+        instead. Only a sink that gives a ``rewrite_target`` is given a rewrite."""
+        raise NotImplementedError(f"{type(self).__name__} has no rewrite target")
+
     @abstractmethod
     def _position(self, table: Table | None) -> SinkPosition:
         """Where the table stands (its version or snapshot id), for the manifest."""
@@ -123,6 +133,7 @@ class TableSink(Sink, Generic[Table]):
         keys = upsert_keys(self, self.mode, self.key_columns, ctx)
         # the tasks' files hold ``output`` as it came: an append's rows, no epoch column added
         staged = ctx.staged if self.mode == "append" and self.epoch_column is None and not ctx.replace else ()
+        rewritten = ctx.rewritten if self.mode == "upsert" and self.epoch_column is None and not ctx.replace else None
         output, expired = _split_expired(_with_epoch(output, self.epoch_column, ctx.epoch), ctx.expiry_column, keys)
         conflicts, lost_to = 0, None
         for _ in range(self.max_attempts):
@@ -140,10 +151,13 @@ class TableSink(Sink, Generic[Table]):
                         continue  # decide again on the table as its schema change left it
                     if self.mode == "append" or output.num_rows == 0:
                         rows = _with_table_columns(schema, output)
-                    fits = _same_columns(schema, output.schema)
+                    fits = same_columns(schema, output.schema)
+                written: SinkWrite | None = None
                 if staged and fits:
                     written = self._add_files(table, staged, output.schema, ctx)
-                else:  # files the shard tasks wrote that no commit adds are left to the format's cleanup
+                elif rewritten is not None and fits:  # None: the table moved on since the plan
+                    written = self._rewrite_files(table, rewritten, output.schema, output.num_rows + expired.num_rows, ctx)
+                if written is None:  # files the shard tasks wrote that no commit adds are left to the format's cleanup
                     written = self._write(table, rows, ctx, keys, expired)
             except self.conflicts as exc:
                 conflicts, lost_to = conflicts + 1, exc  # someone committed since we looked (possibly this very epoch): decide again
@@ -196,14 +210,6 @@ def _split_expired(output: pa.Table, expiry_column: str | None, keys: tuple[str,
         return output, output.select(list(keys)).slice(0, 0)
     flag = output.column(expiry_column)
     return output.filter(pc.invert(flag)).drop_columns([expiry_column]), output.filter(flag).select(list(keys))
-
-
-def _same_columns(table: pa.Schema, output: pa.Schema) -> bool:
-    """Whether files of ``output``'s columns hold exactly the table's (a string column
-    in whichever Arrow string type the format reads it back as)."""
-    def kind(t: pa.DataType) -> object:
-        return "string" if pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t) else t
-    return table.names == output.names and all(kind(a.type) == kind(b.type) for a, b in zip(table, output, strict=True))
 
 
 def _with_table_columns(schema: pa.Schema, output: pa.Table) -> pa.Table:

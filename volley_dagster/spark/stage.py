@@ -15,6 +15,7 @@ together.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -34,6 +35,7 @@ from volley_dagster.operators.base import OperatorStats, PreStepRun, StageClock,
 from volley_dagster.operators.dedup import DEDUP_FIGURES
 from volley_dagster.operators.ttl import NEXT_DUE
 from volley_dagster.pipeline import Pipeline
+from volley_dagster.sinks.shard_files import RewrittenFiles, collected
 from volley_dagster.sinks.staged_files import StagedFile, StagingTarget
 from volley_dagster.sources.offsets import EpochRange
 from volley_dagster.spark.dedup import DuplicateProbe, probe_in_stage
@@ -43,17 +45,19 @@ from volley_dagster.spark.side_outputs import EpochSideOutputs, SideOutputs
 from volley_dagster.spark.task_errors import engine_errors
 from volley_dagster.spark.tasks import (
     ShardMerge,
+    TaskFiles,
     attempt_id,
     snapshot_name,
     snapshot_upload,
     split_task_output,
-    staged_files,
+    task_files,
 )
 from volley_dagster.state.store import SnapshotInfo, carry_forward
 from volley_dagster.watermarks import Watermarks
 
 __all__ = ["PlannedEpoch", "StageResult", "plan_epoch", "run_stage"]
 _NO_WATERMARK = Watermarks()
+_log = logging.getLogger(__name__)
 
 @dataclass
 class StageResult:
@@ -69,6 +73,7 @@ class StageResult:
     pre_step_s: float = 0.0  # of ``read_transform_s``: the plan's pre-step job (a deduplication's probe)
     side_output_s: float = 0.0  # of ``read_transform_s``: the side-output job (0: none ran)
     staged: dict[str, tuple[StagedFile, ...]] = field(default_factory=dict)  # per sink: ``output`` as the tasks wrote it
+    rewritten: dict[str, RewrittenFiles] = field(default_factory=dict)  # per upsert sink: its files as the tasks rewrote them
 
 
 @contextmanager
@@ -160,9 +165,9 @@ def run_stage(
             out = per_shard(partials, merge, out_schema).toArrow()
         t2 = time.perf_counter()
         stats, rows = split_task_output(out)
-        stats, staged = staged_files(stats)
-        if staged:
-            rows = read_staged(rows.schema, merge.staging, staged)
+        stats, files = task_files(stats)
+        if files.staged:
+            rows = read_staged(rows.schema, merge.staging, files.staged)
         shards = shard_entries(stats, rng.epoch)
         output, dropped = operator.sink_output(rows, rng)
         figures = operator.epoch_figures([entry.operator for entry in shards.values()])
@@ -185,7 +190,8 @@ def run_stage(
     # by the keys each shard task sorted its own rows by (``ShardMerge._output``): a merge of sorted runs
     output = output.sort_by([(c, "ascending") for c in merge.output_keys])
     return StageResult(output, outputs, shards, t1 - t0, t2 - t1, ends.value, ends.inputs,
-                       plan.enrichment_reads(ran=True), figures, pre_step_s, side.job_s, staged)
+                       plan.enrichment_reads(ran=True), figures, pre_step_s, side.job_s, files.staged,
+                       _rewritten(merge, files))
 
 
 def _after_probing_here(side: EpochSideOutputs, shards: dict[int, ShardEntry], watermarks: Watermarks,
@@ -201,6 +207,24 @@ def _after_probing_here(side: EpochSideOutputs, shards: dict[int, ShardEntry], w
                           f"{told}, the epoch's is {side.maxima.get('')}; nothing was committed. This is a fault of "
                           "the engine (spark/dedup.py ProbeTally): report it with the epoch's log")
     return plan.event_time.advance_all(watermarks, side.maxima)
+
+
+def _rewritten(merge: ShardMerge, files: TaskFiles) -> dict[str, RewrittenFiles]:
+    """Per upsert sink, its files as every shard task rewrote them (a sink one task
+    refused for MERGEs the epoch's rows)."""
+    assert merge.step.layout is not None
+    out: dict[str, RewrittenFiles] = {}
+    for target in merge.staging:
+        if target.rewrite is not None:
+            rewrites = files.rewrites.get(target.sink, [])
+            rewritten = collected(target.rewrite, rewrites, merge.step.layout.num_shards)
+            if rewritten is not None:
+                out[target.sink] = rewritten
+            else:  # its MERGE writes files of no shard's: the table is MERGEd into from now on
+                reasons = "; ".join(r.refused for r in rewrites if r.refused) or "a shard task reported no rewrite"
+                _log.warning("epoch %d: sink %r MERGEs the epoch's rows instead of the shard tasks' files: %s",
+                             merge.step.epoch, target.sink, reasons)
+    return out
 
 
 def read_staged(schema: pa.Schema, targets: tuple[StagingTarget, ...],

@@ -12,7 +12,7 @@ import os
 import resource
 import time
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterator
 
@@ -27,6 +27,7 @@ from volley_dagster.checkpoint.s3_snapshots import S3SnapshotStore, UploadResult
 from volley_dagster.checkpoint.snapshots import SnapshotRef, on_this_machine
 from volley_dagster.errors import StorageFullError, is_disk_full
 from volley_dagster.operators.base import ShardStep, StatefulOperator
+from volley_dagster.sinks.shard_files import ShardRewrite, rewrite_shard
 from volley_dagster.sinks.staged_files import StagedFile, StagingTarget, stage_rows
 from volley_dagster.sources.base import Source
 from volley_dagster.sources.offsets import Segment
@@ -35,6 +36,7 @@ from volley_dagster.state.resident import ResidentMirror, ResidentStateCache
 from volley_dagster.state.store import ShardStore
 
 STAGED = "staged"  # a stats row's files the task wrote its rows to, per sink (``ShardMerge.staging``)
+REWRITTEN = "rewritten"  # a stats row's rewrite of an upsert table's files, per sink (``sinks/shard_files.py``)
 
 
 @dataclass(frozen=True)
@@ -198,9 +200,16 @@ class ShardMerge:
         if rows.num_rows > 1:
             rows = rows.sort_by([(c, "ascending") for c in self.output_keys])
         stats = entry.to_dict()
-        if self.staging and rows.num_rows:  # the rows go to the sinks' folders, not back to the driver
+        rewrites = [t for t in self.staging if t.rewrite is not None]
+        if rewrites:  # the upsert tables' files this shard owns, rewritten; the rows go back too
+            assert self.step.layout is not None
+            stats[REWRITTEN] = {t.sink: rewrite_shard(rows, t, self.step.layout, entry.shard, self.step.epoch,
+                                                      entry.snapshot.attempt or attempt_id()).to_dict()
+                                for t in rewrites}
+        appends = [t for t in self.staging if t.rewrite is None]
+        if appends and rows.num_rows:  # the rows go to the sinks' folders, not back to the driver
             name = f"part-{self.step.epoch:010d}-{entry.shard:05d}-{entry.snapshot.attempt}.parquet"
-            stats[STAGED] = {t.sink: stage_rows(rows, t, name).to_dict() for t in self.staging}
+            stats[STAGED] = {t.sink: stage_rows(rows, t, name, self.key_column).to_dict() for t in appends}
             rows = rows.slice(0, 0)
         rows = rows.append_column(columns.STATS, pa.nulls(rows.num_rows, pa.string()))
         stats_row = pa.table(
@@ -221,17 +230,28 @@ def split_task_output(out: pa.Table) -> tuple[list[str], pa.Table]:
     return stats_column.take(pa.array(at, pa.int64())).to_pylist(), rows
 
 
-def staged_files(stats: list[str]) -> tuple[list[str], dict[str, tuple[StagedFile, ...]]]:
-    """The shard tasks' stats without their staged files, and those files per sink
-    (``ShardMerge.staging``), in shard order."""
+@dataclass(frozen=True)
+class TaskFiles:
+    """What the shard tasks wrote into the sinks' folders (``ShardMerge.staging``), per
+    sink, in shard order: the files an append adds, an upsert's rewrites."""
+
+    staged: dict[str, tuple[StagedFile, ...]] = field(default_factory=dict)
+    rewrites: dict[str, list[ShardRewrite]] = field(default_factory=dict)
+
+
+def task_files(stats: list[str]) -> tuple[list[str], TaskFiles]:
+    """The shard tasks' stats without the files they wrote, and those files."""
     records = sorted((json.loads(v) for v in stats), key=lambda r: r["shard"])
-    if not any(STAGED in r for r in records):
-        return stats, {}
+    if not any(STAGED in r or REWRITTEN in r for r in records):
+        return stats, TaskFiles()
     staged: dict[str, list[StagedFile]] = {}
+    rewrites: dict[str, list[ShardRewrite]] = {}
     for record in records:
         for sink, staged_file in record.pop(STAGED, {}).items():
             staged.setdefault(sink, []).append(StagedFile.from_dict(staged_file))
-    return [json.dumps(r) for r in records], {sink: tuple(files) for sink, files in staged.items()}
+        for sink, rewrite in record.pop(REWRITTEN, {}).items():
+            rewrites.setdefault(sink, []).append(ShardRewrite.from_dict(rewrite))
+    return [json.dumps(r) for r in records], TaskFiles({sink: tuple(files) for sink, files in staged.items()}, rewrites)
 
 
 def snapshot_upload(upload: UploadResult) -> SnapshotUpload:
