@@ -5,6 +5,8 @@ for the same rows, and never tighter than the data)."""
 from __future__ import annotations
 
 from dataclasses import replace
+import sys
+from decimal import Decimal
 from pathlib import Path
 
 import pyarrow as pa
@@ -61,17 +63,23 @@ def test_bounds_are_never_tighter_than_the_rows(tmp_path):
     rows = pa.table({
         "at": pa.array([1_700_000_000_000_001, 1_700_000_000_999_999], pa.timestamp("us", tz="UTC")),
         "long": pa.array(["a" * 40, "b"]),
-        "local": pa.array([1, 2], pa.timestamp("us")),
+        "local": pa.array([1_700_000_000_000_001, 1_700_000_000_999_999], pa.timestamp("us")),
+        "sum": pa.array([float("inf"), -1.5]),  # a sum that overflowed
+        "price": pa.array([Decimal("0.10"), Decimal("-2.25")], pa.decimal128(10, 2)),
     })
     table = staged_table(tmp_path / "t", rows)
     stats = file_stats(table)
     low, high = stats["min.at"][0], stats["max.at"][0]
     assert low <= rows.column("at")[0].as_py() and high >= rows.column("at")[1].as_py()
     assert (high - low).total_seconds() == 1.0  # to the millisecond, outward
-    assert "min.long" not in stats or stats["min.long"] == [None]  # a 40-character string bounds nothing
-    assert stats["null_count.local"] == [0] and ("min.local" not in stats or stats["min.local"] == [None])
-    # a reader that prunes by them still finds every row
-    assert table.to_pyarrow_table(filters=[("at", ">=", rows.column("at")[1].as_py())]).num_rows == 1
+    assert stats["min.long"] == ["a" * 40] and stats["max.long"] == ["b"]  # whole, as delta-rs writes them
+    assert stats["max.sum"] == [sys.float_info.max] and stats["min.price"][0] <= Decimal("-2.25") < Decimal("0.10") <= stats["max.price"][0]
+    assert stats["min.local"][0] <= rows.column("local")[0].as_py() and stats["max.local"][0] >= rows.column("local")[1].as_py()
+    # delta-rs's reader skips a file whose bound for a filtered column is missing: each finds its rows
+    for column, op, value, found in [("at", ">=", rows.column("at")[1].as_py(), 1), ("long", "==", "b", 1),
+                                     ("long", "<", "b", 1), ("local", ">", rows.column("local")[0].as_py(), 1),
+                                     ("sum", ">", 0.0, 1), ("sum", "<", 0.0, 1), ("price", ">", Decimal("0.05"), 1)]:
+        assert table.to_pyarrow_table(filters=[(column, op, value)]).num_rows == found, (column, op, value)
 
 
 def files_of(table: DeltaTable) -> list[str]:

@@ -4,12 +4,15 @@ driver to be encoded there, one core's work, and the tasks write side by side.
 
 Each file carries the statistics the Delta log keeps for it, read from the file's own
 footer (what the Parquet writer computed), per the Delta protocol's per-file
-statistics: ``numRecords``, and per top-level column ``nullCount`` and, where the footer
-has them, ``minValues``/``maxValues``, as readers prune files by them. Bounds are never
-tighter than the data, so no reader skips a file that holds a matching row: timestamps
-are written to the millisecond, the minimum rounded down and the maximum up; a string's
-bounds only when at most 32 characters (a prefix is no maximum); and columns of other
-kinds (binary, decimal, nested, timestamps without a zone) get none.
+statistics: ``numRecords``, and per top-level column ``nullCount`` and
+``minValues``/``maxValues``, as readers prune files by them. Every column of a kind
+delta-rs keeps bounds for gets them whenever the footer has them: delta-rs's own reader
+skips a file whose bound for a filtered column is missing. Bounds are never tighter
+than the data, but for one case: timestamps are written to the millisecond, the
+minimum rounded down and the maximum up; a decimal as the nearest float outward; a
+string whole; an infinite float as the largest finite one (the log is JSON, which has
+no infinity: only a filter beyond 1.8e308 could miss that row); binary and nested
+columns get none (delta-rs keeps none for them either).
 
 A file that no commit adds (the attempt failed, or the sink already held the epoch, or
 wrote the rows themselves) is in no table version: readers never see it, and the
@@ -19,9 +22,12 @@ format's own cleanup (Delta's ``vacuum``) removes it.
 from __future__ import annotations
 
 import json
+import math
+import sys
 import time
 from dataclasses import dataclass
 from datetime import date, datetime, timedelta, timezone
+from decimal import Decimal
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -35,7 +41,6 @@ if TYPE_CHECKING:
 
     from volley_dagster.sinks.shard_files import ShardFilesPlan
 
-MAX_STRING_BOUND = 32  # characters: Spark's own bound for string statistics
 Bound = int | float | str  # a column's minimum or maximum as the log writes it (bool is an int)
 _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 
@@ -129,16 +134,20 @@ def _bound(value: object, up: bool) -> Bound | None:
     """A footer's bound as the log writes it (None: none written for this kind)."""
     if isinstance(value, bool) or isinstance(value, int):
         return value
-    if isinstance(value, float):
-        return value if value == value else None  # a NaN bounds nothing
+    if isinstance(value, float):  # the footer leaves NaNs out, as delta-rs does
+        return max(-sys.float_info.max, min(sys.float_info.max, value))  # JSON has no infinity
+    if isinstance(value, Decimal):
+        near = float(value)
+        outward = math.nextafter(near, math.inf if up else -math.inf)
+        return near if Decimal(near) == value else outward
     if isinstance(value, str):
-        return value if len(value) <= MAX_STRING_BOUND else None
+        return value  # the footer's own, whole (a writer drops statistics it would truncate)
     if isinstance(value, datetime):
-        if value.tzinfo is None:
-            return None
-        micros = (value - _EPOCH) // timedelta(microseconds=1)
+        micros = ((value if value.tzinfo else value.replace(tzinfo=timezone.utc)) - _EPOCH) // timedelta(microseconds=1)
         millis = -(-micros // 1000) if up else micros // 1000
         at = _EPOCH + timedelta(milliseconds=millis)
+        if value.tzinfo is None:  # without a zone, as delta-rs writes it
+            return at.strftime("%Y-%m-%d %H:%M:%S.") + f"{at.microsecond // 1000:03d}"
         return at.strftime("%Y-%m-%dT%H:%M:%S.") + f"{at.microsecond // 1000:03d}Z"
     if isinstance(value, date):
         return value.isoformat()
