@@ -29,8 +29,8 @@ DP with one more partial per key, its latest event time (what an event-time TTL 
 and reads the ``event_time`` column for), paired with DP: the part of At / A that Spark
 and the handover pay before any state or index work. DPW is
 A's design floor (``bench/design_floor.py``), paired with DP: DP's tasks also restore,
-write their rows with one WriteBatch and snapshot, and the driver MERGEs them into Delta,
-as every A epoch must whatever its code; no state read, nothing combined. DPD is DP
+write their rows with one WriteBatch, snapshot and rewrite their own files of a Delta
+table, which the driver commits, as every A epoch must whatever its code; no state read, nothing combined. DPD is DP
 over Ad's log after each record's trip through a Python task of the shard owning its
 event id and back with only the columns A reads (the deduplication's handover, deciding
 nothing), paired with DP over the same file: Ad - A cannot go below DPD - DP whatever
@@ -74,7 +74,7 @@ import pyarrow as pa  # noqa: E402
 import pyarrow.compute as pc  # noqa: E402
 
 from bench.common import finish, log_arguments  # noqa: E402
-from bench.design_floor import StateWrites, merge_into_delta  # noqa: E402
+from bench.design_floor import StateWrites, commit_to_delta, delta_table  # noqa: E402
 from bench.workloads import (  # noqa: E402
     WINDOWS,
     WindowSpec,
@@ -88,6 +88,8 @@ from bench.workloads import (  # noqa: E402
     string_key_log,
 )
 from volley_dagster.settings import RunSettings  # noqa: E402
+from volley_dagster.sinks.staged_files import StagingTarget  # noqa: E402
+from volley_dagster.state.keys import ShardLayout  # noqa: E402
 
 MiB = 2**20
 GiB = 2**30
@@ -300,7 +302,7 @@ def floor_epoch(spark, floor: str, file: Path, shards: int, work: Path | None = 
     window) over all its events; DP and DBP, D's and DB's aggregations in A's and B's
     plans, handed to one Python task per shard and back unchanged (``python_handover``);
     DPt, DP with each key's latest event time as one more partial (At's ``TOUCHED_PARTIAL``);
-    DPW, DP with the state writes and the sink's MERGE every A epoch makes (``bench/design_floor.py``),
+    DPW, DP with the state writes and the Delta commit every A epoch makes (``bench/design_floor.py``),
     its state and table under ``work``; DPD, DP after the deduplication's handover of the records
     (``record_handover``)."""
     t = time.perf_counter()
@@ -308,8 +310,10 @@ def floor_epoch(spark, floor: str, file: Path, shards: int, work: Path | None = 
     window = WINDOWS.get(AGGREGATION_OF[floor])
     if floor == "DPW":
         assert work is not None
-        rows = python_handover(events, shards, window, writes=(str(work / "state"), epoch)).toArrow()
-        merge_into_delta(rows, work / "delta", epoch)
+        layout = ShardLayout(shards)
+        sink, target = delta_table(work / "delta", layout)
+        rows = python_handover(events, shards, window, writes=(str(work / "state"), epoch, target)).toArrow()
+        commit_to_delta(rows, sink, target, work / "state", epoch, layout)
     elif floor == "DPD":
         python_handover(record_handover(events, shards, "event_id"), shards, window).toArrow()
     elif floor in HANDOVER:
@@ -337,19 +341,20 @@ def floor_aggregation(events, window: WindowSpec | None, touched: bool = False):
     return events.where("status = 'active'"), [], values
 
 
-def python_handover(events, shards: int, window: WindowSpec | None, writes: tuple[str, int] | None = None,
+def python_handover(events, shards: int, window: WindowSpec | None,
+                    writes: tuple[str, int, StagingTarget | None] | None = None,
                     touched: bool = False):
     """A's (or B's) state stage with no state: the same shuffle into shard partitions,
     the same partials per key (and window), one ``per_shard`` Python task per shard
     that returns its rows as they came. What a state kept in the Python workers
     (rocksdict) pays before its first lookup, on top of the stateless floor. ``writes``
-    (a state root and the epoch): the tasks also write the rows as state (``StateWrites``);
+    (a state root, the epoch, a Delta table's rewrite target): the tasks also write the
+    rows as state, and rewrite their files of the table (``StateWrites``);
     ``touched``: At's latest event time per key rides along (``floor_aggregation``)."""
     from pyspark.sql import functions as F
 
     from volley_dagster import columns
     from volley_dagster.spark.partitioning import ROUTING_COLUMNS, per_shard, to_shards
-    from volley_dagster.state.keys import ShardLayout
 
     rows, spark_window, values = floor_aggregation(events.withColumnRenamed("merchant_id", columns.KEY), window, touched)
     by: list[str] = []
@@ -362,7 +367,7 @@ def python_handover(events, shards: int, window: WindowSpec | None, writes: tupl
     returned = [c for c in partials.columns if c not in ROUTING_COLUMNS]
     schema = partials.select(*returned).schema
     if writes is not None:
-        task = StateWrites(writes[0], writes[1], tuple(returned))
+        task = StateWrites(writes[0], writes[1], tuple(returned), ShardLayout(shards), writes[2])
         return per_shard(partials.select(*returned, columns.SHARD, columns.KEY_GROUP), task, schema)
     return per_shard(partials.select(*returned, columns.SHARD), lambda table: table.select(returned), schema)
 
@@ -810,7 +815,7 @@ def print_notes(report: dict[str, Any], scaled: dict[str, list[str]]) -> None:
     a = res.get(("A", "volley", "warm"))
     design, peer = res.get(("DPW", "spark", "warm")), res.get(("A", "peer", "warm"))
     if design and design.get("paired_floor_ratio"):
-        line = (f"A's design floor DPW (DP, and the state writes and the sink's MERGE every A epoch makes, "
+        line = (f"A's design floor DPW (DP, and the state writes and the Delta commit every A epoch makes, "
                 f"bench/design_floor.py): no code of ours brings A / DP under DPW / DP {design['paired_floor_ratio']:.2f}x "
                 "(target <= 1.5x)")
         if peer and peer["records_per_s"]:

@@ -3,12 +3,13 @@ whatever its logic, on top of DP's handover.
 
 In each shard task: restore the shard's RocksDB from the last epoch's hardlink snapshot,
 write the epoch's rows as state records (A's state keys, fixed-width values) with one
-``WriteBatch``, take a hardlink snapshot with its digests; on the driver, MERGE the rows
-into a Delta table through A's own ``DeltaSink``. Nothing is
-read from the state and nothing combined, so A does all of this and more: A / DP cannot
-go below DPW / DP, nor A's rate reach more than peer / DPW times its peer's, whatever
-A's own code costs. The engine's own classes do the work (``ShardStore``,
-``encode_keys``, ``DeltaSink``), so the floor moves with them.
+``WriteBatch``, take a hardlink snapshot with its digests, and rewrite the shard's own
+files of a Delta table with the rows (``sinks/shard_files.py``); on the driver, commit
+those files through A's own ``DeltaSink``. Nothing is read from the state and nothing
+combined, so A does all of this and more: A / DP cannot go below DPW / DP, nor A's rate
+reach more than peer / DPW times its peer's, whatever A's own code costs. The engine's
+own classes do the work (``ShardStore``, ``encode_keys``, ``rewrite_shard``,
+``DeltaSink``), so the floor moves with them.
 """
 
 from __future__ import annotations
@@ -24,7 +25,10 @@ import pyarrow.compute as pc
 from volley_dagster import columns
 from volley_dagster.sinks import DeltaSink
 from volley_dagster.sinks.base import CommitContext
-from volley_dagster.state.keys import encode_keys
+from volley_dagster.sinks.shard_files import ShardRewrite, collected, rewrite_shard
+from volley_dagster.sinks.staged_files import StagingTarget
+from volley_dagster.spark.tasks import attempt_id
+from volley_dagster.state.keys import ShardLayout, encode_keys
 from volley_dagster.state.store import ShardStore
 
 _NAMESPACE = 1  # A's operator's, as far as the bytes go: two bytes before the key group
@@ -32,12 +36,15 @@ _NAMESPACE = 1  # A's operator's, as far as the bytes go: two bytes before the k
 
 @dataclass(frozen=True)
 class StateWrites:
-    """Per shard (``per_shard``): restore, one ``WriteBatch`` of the rows, snapshot;
-    returns the rows (``returned``) as they came."""
+    """Per shard (``per_shard``): restore, one ``WriteBatch`` of the rows, snapshot, the
+    shard's files of ``table`` rewritten (beside the snapshot: what it did); returns the
+    rows (``returned``) as they came."""
 
     root: str
     epoch: int
     returned: tuple[str, ...]
+    layout: ShardLayout
+    table: StagingTarget | None = None
 
     def __call__(self, table: pa.Table) -> pa.Table:
         shard = table.column(columns.SHARD)[0].as_py()
@@ -59,7 +66,11 @@ class StateWrites:
         finally:
             store.close()
         (here / f"{self.epoch}.json").write_text(json.dumps(snap.files))
-        return given.select(list(self.returned))
+        returned = given.select(list(self.returned))
+        if self.table is not None:
+            rewrite = rewrite_shard(returned, self.table, self.layout, shard, self.epoch + 1, attempt_id())
+            (here / f"{self.epoch}.rewrite.json").write_text(json.dumps(rewrite.to_dict()))
+        return returned
 
 
 def _records(values: pa.Table) -> list[bytes]:
@@ -71,8 +82,22 @@ def _records(values: pa.Table) -> list[bytes]:
     return record.view(f"V{record.dtype.itemsize}").tolist()
 
 
-def merge_into_delta(rows: pa.Table, uri: Path, epoch: int) -> None:
-    """A's Delta sink's commit of the rows (epochs count from 1), through the engine's own
-    ``DeltaSink``: the first creates the table, each later one MERGEs on the key with its txn."""
-    DeltaSink(uri, mode="upsert").commit(rows, CommitContext(pipeline="bench_dpw", epoch=epoch + 1,
-                                                             key_columns=(columns.KEY,)))
+def delta_table(uri: Path, layout: ShardLayout) -> tuple[DeltaSink, StagingTarget | None]:
+    """A's Delta sink for the floor's table, and where its shard tasks rewrite its files."""
+    sink = DeltaSink(uri, mode="upsert")
+    return sink, sink.rewrite_target(layout, columns.KEY, None)
+
+
+def commit_to_delta(rows: pa.Table, sink: DeltaSink, target: StagingTarget | None, root: Path, epoch: int,
+                    layout: ShardLayout) -> None:
+    """A's Delta sink's commit of the epoch (epochs count from 1): the shard tasks' files
+    (``StateWrites``) with its txn, as A commits them."""
+    rewritten = None
+    if target is not None and target.rewrite is not None:
+        rewrites = [ShardRewrite.from_dict(json.loads((root / f"shard-{s:04d}" / f"{epoch}.rewrite.json").read_text()))
+                    for s in range(layout.num_shards)]
+        rewritten = collected(target.rewrite, rewrites, layout.num_shards)
+        if rewritten is None:
+            raise RuntimeError(f"DPW epoch {epoch}: a shard task did not rewrite its files: {rewrites}")
+    sink.commit(rows, CommitContext(pipeline="bench_dpw", epoch=epoch + 1, key_columns=(columns.KEY,),
+                                    rewritten=rewritten))
