@@ -9,6 +9,7 @@ from __future__ import annotations
 import tempfile
 from dataclasses import replace
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pyarrow as pa
@@ -44,14 +45,14 @@ def context(epoch: int) -> CommitContext:
 
 
 def rewritten_commit(sink: DeltaSink, output: pa.Table, epoch: int, max_rows_per_file: int = 1_000_000,
-                     before_commit: object = None) -> SinkCommitResult:
+                     before_commit: Callable[[], None] | None = None) -> SinkCommitResult:
     """The epoch as a pipeline runs it: planned, each shard's files rewritten, committed."""
     target = sink.rewrite_target(LAYOUT, KEY, EXPIRY)
     assert target is not None and target.rewrite is not None
     target = replace(target, rewrite=replace(target.rewrite, max_rows_per_file=max_rows_per_file))
     assert target.rewrite is not None
     rewrites = [rewrite_shard(part, target, LAYOUT, s, epoch, f"{epoch:04x}") for s, part in enumerate(shard_rows(output))]
-    if callable(before_commit):
+    if before_commit is not None:
         before_commit()
     return sink.commit(output, replace(context(epoch), rewritten=collected(target.rewrite, rewrites, LAYOUT.num_shards)))
 

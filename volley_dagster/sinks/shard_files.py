@@ -158,8 +158,10 @@ def rewrite_shard(rows: pa.Table, target: StagingTarget, layout: ShardLayout, sh
     had = owned[0].buckets if owned else 1
     buckets = max(had, _power_of_two_at_least(-(-(sum(f.rows for f in owned) + kept.num_rows) // plan.max_rows_per_file)))
     changed = rows.column(key).combine_chunks()
-    touched = set(np.unique(buckets_of(changed, buckets)).tolist()) if buckets == had else set(range(buckets))
-    reading = tuple(f for f in owned if f.bucket in touched) if buckets == had else owned
+    reading = owned  # a shard whose buckets doubled rewrites all its files into the new ones
+    if buckets == had:
+        touched = set(np.unique(buckets_of(changed, buckets)).tolist())
+        reading = tuple(f for f in owned if f.bucket in touched)
     try:
         old = _read(Path(target.folder), reading, kept.schema)
     except (OSError, pa.ArrowInvalid) as exc:
