@@ -13,7 +13,7 @@ from typing import Callable
 
 import numpy as np
 import pyarrow as pa
-from deltalake import DeltaTable
+from deltalake import DeltaTable, write_deltalake
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -132,17 +132,39 @@ def test_files_of_another_writer_or_layout_leave_the_table_to_the_merge(tmp_path
     assert owned_files([(name, 10, None)], LAYOUT) is None  # no row count: not one of ours
 
 
-def test_a_table_that_moved_on_since_the_plan_takes_the_rows(tmp_path: Path) -> None:
+def test_a_table_whose_files_changed_since_the_plan_takes_the_rows(tmp_path: Path) -> None:
     sink = DeltaSink(tmp_path / "t", mode="upsert")
     rewritten_commit(sink, rows([1, 2, 3], [False] * 3, 1), 1)
 
-    def another_commit() -> None:
+    def set_property() -> None:  # a commit of the table's metadata only: its files are the planned ones
         DeltaTable(str(tmp_path / "t")).alter.set_table_properties({"delta.logRetentionDuration": "interval 60 days"})
 
-    result = rewritten_commit(sink, rows([2, 3, 4], [False, True, False], 2), 2, before_commit=another_commit)
+    second = rewritten_commit(sink, rows([3], [False], 2), 2, before_commit=set_property)
+    assert second.counts["files_added"] == 1 and second.counts["updated"] == 1
+
+    def another_writer() -> None:  # a file added since the plan
+        write_deltalake(str(tmp_path / "t"), rows([7], [False], 0).drop_columns([EXPIRY]), mode="append")
+
+    result = rewritten_commit(sink, rows([2, 3, 4], [False, True, False], 3), 3, before_commit=another_writer)
     assert not result.skipped and "files_added" not in result.counts  # MERGEd
     assert result.counts == {"inserted": 1, "updated": 1, "deleted": 1}
-    assert table_rows(sink) == [(1, 11.0), (2, 22.0), (4, 42.0)]
+    assert table_rows(sink) == [(1, 11.0), (2, 23.0), (4, 43.0), (7, 70.0)]
+
+
+def test_a_column_a_migration_added_is_null_in_the_rows_the_epoch_left(tmp_path: Path) -> None:
+    ours, merged = DeltaSink(tmp_path / "ours", mode="upsert"), DeltaSink(tmp_path / "merged", mode="upsert")
+    first = rows([1, 2, 3, 4], [False] * 4, 1)
+    rewritten_commit(ours, first, 1)
+    merged.commit(first, context(1))
+    second = rows([2, 5], [False, False], 2)
+    second = second.append_column("region", pa.array(["eu", "us"]))  # a migration's new column, last
+    result = rewritten_commit(ours, second, 2)
+    merged.commit(second, context(2))
+    assert result.counts["files_added"] == 2  # the epoch's schema change did not change the files
+    got, expected = ours.read(), merged.read()
+    assert got.schema.names == expected.schema.names == [KEY, "total", "region"]
+    assert sorted(got.to_pylist(), key=lambda r: r[KEY]) == sorted(expected.to_pylist(), key=lambda r: r[KEY])
+    assert {r[KEY]: r["region"] for r in got.to_pylist()} == {1: None, 2: "eu", 3: None, 4: None, 5: "us"}
 
 
 def test_a_task_that_cannot_rewrite_its_files_leaves_the_epoch_to_the_merge(tmp_path: Path) -> None:

@@ -190,7 +190,8 @@ class DeltaSink(TableSink[DeltaTable]):
 
     def _rewrite_files(self, table: DeltaTable | None, rewritten: RewrittenFiles, schema: pa.Schema, rows: int,
                        ctx: CommitContext) -> SinkWrite | None:
-        if (table.version() if table is not None else None) != rewritten.version or not (rewritten.added or rewritten.removed):
+        files = None if table is None else table.get_add_actions(flatten=True).column("path").to_pylist()
+        if not rewritten.planned_on(files) or not (rewritten.added or rewritten.removed):
             return None  # the planned files are not the table's now; an epoch with no changes commits its txn alone
         props = self._commit_properties(ctx, rows)
         adds = [f.add_action() for f in rewritten.added]

@@ -13,9 +13,11 @@ the new buckets.
 The layout holds while every file of the table is one of these, named for a shard's
 own key-group range. Any other file (a MERGE's, another writer's, or one from before a
 rescale moved the ranges) leaves the sink MERGEing the rows as before, as does a table
-that moved on between the plan and the commit (the commit is built on the planned
-version only). A task that cannot rewrite its files (one vanished, its columns differ
-from the rows') says why, and the sink MERGEs that epoch.
+whose files changed between the plan and the commit (a commit that changed only its
+metadata, such as a migration's added column, does not count: the tasks' old rows get
+nulls in it, as a MERGE leaves the rows it does not touch). A task that cannot rewrite
+its files (one vanished, it has a column the rows lack) says why, and the sink MERGEs
+that epoch.
 """
 
 from __future__ import annotations
@@ -89,10 +91,18 @@ class ShardRewrite:
 
 @dataclass(frozen=True)
 class RewrittenFiles:
-    """Every shard's rewrite of one sink's files, all planned on table ``version``."""
+    """Every shard's rewrite of one sink's files, all planned on table ``version``
+    (None: no table yet), whose files were ``planned``."""
 
     version: int | None
     shards: tuple[ShardRewrite, ...]
+    planned: frozenset[str] = frozenset()
+
+    def planned_on(self, files: Iterable[str] | None) -> bool:
+        """Whether a table holding ``files`` (None: no table) is the one the rewrite was planned on."""
+        if files is None or self.version is None:
+            return files is None and self.version is None
+        return frozenset(files) == self.planned
 
     @property
     def removed(self) -> list[OwnedFile]:
@@ -113,7 +123,8 @@ def collected(plan: ShardFilesPlan, rewrites: list[ShardRewrite], num_shards: in
     one refused, and the sink MERGEs the epoch's rows)."""
     if sorted(r.shard for r in rewrites) != list(range(num_shards)) or any(r.refused for r in rewrites):
         return None
-    return RewrittenFiles(plan.version, tuple(sorted(rewrites, key=lambda r: r.shard)))
+    return RewrittenFiles(plan.version, tuple(sorted(rewrites, key=lambda r: r.shard)),
+                          frozenset(f.path for files in plan.files.values() for f in files))
 
 
 def file_name(layout: ShardLayout, shard: int, bucket: int, buckets: int, epoch: int, attempt: str) -> str:
@@ -210,12 +221,18 @@ def _by_bucket(rows: pa.Table, key: str, buckets: int) -> Iterable[tuple[int, pa
 
 
 def _read(folder: Path, files: tuple[OwnedFile, ...], schema: pa.Schema) -> pa.Table | str:
-    """The files' rows as ``schema``; a string says why they cannot be (other columns)."""
+    """The files' rows as ``schema``, null in the columns a migration added since they
+    were written; a string says why they cannot be (a column the rows lack)."""
     parts = []
     for f in files:
         part = pq.read_table(folder / f.path)
+        extra = [n for n in part.schema.names if n not in schema.names]
+        if extra:
+            return f"file {f.path} has columns {extra} the epoch's rows lack"
+        part = pa.table({c.name: part.column(c.name) if c.name in part.schema.names else pa.nulls(part.num_rows, c.type)
+                         for c in schema})
         if not same_columns(part.schema, schema):
-            return f"file {f.path} has columns {part.schema.names}, the epoch's rows {schema.names}"
+            return f"file {f.path} has columns {part.schema}, the epoch's rows {schema}"
         parts.append(part.cast(schema))
     return pa.concat_tables(parts) if parts else schema.empty_table()
 

@@ -98,8 +98,8 @@ class TableSink(Sink, Generic[Table]):
                        ctx: CommitContext) -> SinkWrite | None:
         """Commit the epoch as the shard tasks' rewrite of the table's files (of
         ``schema``; ``rows``: the epoch's changed and deleted rows), on the checked state
-        of ``table``, tagged with ``ctx.mark``; None when ``table`` is not the state the
-        rewrite was planned on (or it changes nothing), and the rows are committed
+        of ``table``, tagged with ``ctx.mark``; None when ``table`` does not hold the files
+        the rewrite was planned on (or it changes nothing), and the rows are committed
         instead. Only a sink that gives a ``rewrite_target`` is given a rewrite."""
         raise NotImplementedError(f"{type(self).__name__} has no rewrite target")
 
@@ -155,7 +155,7 @@ class TableSink(Sink, Generic[Table]):
                 written: SinkWrite | None = None
                 if staged and fits:
                     written = self._add_files(table, staged, output.schema, ctx)
-                elif rewritten is not None and fits:  # None: the table moved on since the plan
+                elif rewritten is not None and fits:  # None: the table's files changed since the plan
                     written = self._rewrite_files(table, rewritten, output.schema, output.num_rows + expired.num_rows, ctx)
                 if written is None:  # files the shard tasks wrote that no commit adds are left to the format's cleanup
                     written = self._write(table, rows, ctx, keys, expired)
