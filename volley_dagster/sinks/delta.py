@@ -151,7 +151,7 @@ class DeltaSink(TableSink[DeltaTable]):
         table = self._load()
         if table is None:
             return StagingTarget(self.name, self.uri, ShardFilesPlan(None, key_column, expiry_column))
-        if "deletionVectors" in (table.protocol().writer_features or []):  # a removed file's vector is not ours to drop
+        if _deletion_vectors(table):
             return None
         actions = table.get_add_actions(flatten=True)
         files = owned_files(zip(actions.column("path").to_pylist(), actions.column("size_bytes").to_pylist(),
@@ -191,7 +191,8 @@ class DeltaSink(TableSink[DeltaTable]):
     def _rewrite_files(self, table: DeltaTable | None, rewritten: RewrittenFiles, schema: pa.Schema, rows: int,
                        ctx: CommitContext) -> SinkWrite | None:
         files = None if table is None else table.get_add_actions(flatten=True).column("path").to_pylist()
-        if not rewritten.planned_on(files) or not (rewritten.added or rewritten.removed):
+        if not rewritten.planned_on(files) or not (rewritten.added or rewritten.removed) or \
+                (table is not None and _deletion_vectors(table)):
             return None  # the planned files are not the table's now; an epoch with no changes commits its txn alone
         props = self._commit_properties(ctx, rows)
         adds = [f.add_action() for f in rewritten.added]
@@ -301,6 +302,12 @@ class DeltaSink(TableSink[DeltaTable]):
     def describe(self) -> JsonObject:
         return {**super().describe(), "uri": self.uri, "mode": self.mode,
                 "key_columns": list(self.key_columns) if self.key_columns else None}
+
+
+def _deletion_vectors(table: DeltaTable) -> bool:
+    """Whether the table may hold deletion vectors: a file removed with its rows
+    rewritten from the file alone would bring back the rows its vector deleted."""
+    return "deletionVectors" in (table.protocol().writer_features or [])
 
 
 def _padded(keys: pa.Table, schema: pa.Schema) -> pa.Table:
