@@ -191,8 +191,8 @@ class DeltaSink(TableSink[DeltaTable]):
     def _rewrite_files(self, table: DeltaTable | None, rewritten: RewrittenFiles, schema: pa.Schema, rows: int,
                        ctx: CommitContext) -> SinkWrite | None:
         files = None if table is None else table.get_add_actions(flatten=True).column("path").to_pylist()
-        if not rewritten.planned_on(files) or not (rewritten.added or rewritten.removed) or \
-                (table is not None and _deletion_vectors(table)):
+        as_planned = rewritten.planned_on(files) and not (table is not None and _deletion_vectors(table))
+        if not as_planned or not (rewritten.added or rewritten.removed):
             return None  # the planned files are not the table's now; an epoch with no changes commits its txn alone
         props = self._commit_properties(ctx, rows)
         adds = [f.add_action() for f in rewritten.added]
