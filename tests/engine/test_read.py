@@ -6,6 +6,8 @@ read as a pattern goes to the Python reader, whose tasks share small segments.""
 
 from __future__ import annotations
 
+import re
+
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -66,6 +68,17 @@ def test_whole_files_are_one_scan_and_every_record_keeps_its_file_and_offset(spa
         seen += rows
         after = rng.end
     assert len(seen) == len(set(seen)) == sum(SIZES)
+
+
+def test_a_lone_whole_file_is_scanned_without_row_bounds(spark, tmp_path):
+    written = write_log(tmp_path / "log")
+    log = FileLog(tmp_path / "log")
+    rng = log.cut(1, {}, SIZES[0])  # the first file, whole
+    assert [(s.start, s.end) for s in rng.segments] == [(0, SIZES[0])]
+    rows, n_scans = read_rows(spark, log, rng)
+    assert n_scans == 1 and rows == [(NAMES[0], i, written[NAMES[0]].column("value")[i].as_py()) for i in range(SIZES[0])]
+    plan = read_range(spark, log, rng, log.schema()).raw._jdf.queryExecution().executedPlan().toString()
+    assert re.search(r"\bFilter\b", plan) is None, plan  # every row is the segment's: nothing to filter
 
 
 def native(log: FileLog, rng: EpochRange) -> bool:
