@@ -50,7 +50,7 @@ from volley_dagster.sources.offsets import EpochRange
 from volley_dagster.spark.plan import PlannedEpoch
 from volley_dagster.spark.session import executors_share_this_disk
 from volley_dagster.spark.stage import StageResult, plan_epoch, run_stage
-from volley_dagster.spark.tasks import ShardMerge
+from volley_dagster.spark.tasks import ShardMerge, attempt_id
 
 MAX_REASON_CHARS = 160  # a reason quotes the record's values: an error message carries a bounded part
 
@@ -137,6 +137,7 @@ class EpochAttempt:
             self.log.drop_dimension_pin(epoch, exc.table, exc.version)
             raise
         self.log.check_identity(identity_of(self.declared, plan.state_operator, plan.key_kind))
+        local = executors_share_this_disk(self.spark)  # a file a task writes is on this disk too
         merge = ShardMerge(
             step=ShardStep(epoch, plan.key_kind, layout=pipeline.layout),
             key_column=pipeline.key_column,
@@ -154,7 +155,8 @@ class EpochAttempt:
             resident=settings.resident_state,
             state_identity=f"{self.log.root.resolve()}|{pipeline.name}",
             fence=self.lease.fence,
-            staging=staging_targets(self.spark, pipeline, plan),
+            staging=staging_targets(pipeline, plan) if local else (),
+            rows_folder=str(self.log.work_dir(epoch) / f"rows-{attempt_id()}") if local else "",
         )
         return plan, merge
 
@@ -277,19 +279,17 @@ def _bounded(text: str) -> str:
     return text if len(text) <= MAX_REASON_CHARS else f"{text[:MAX_REASON_CHARS]}... ({len(text)} characters)"
 
 
-def staging_targets(spark: SparkSession, pipeline: Pipeline, plan: PlannedEpoch) -> tuple[StagingTarget, ...]:
-    """Where the shard tasks write the epoch's rows themselves, when their rows are what
-    the sinks take and the tasks run on this machine (a local Spark, whose executors
-    share its disk): into every sink's folder when each has one (``Sink.staging_folder``),
-    and the rows stay out of the driver; else, when each task's rows hold each of its
-    keys once, into the upsert tables whose files are laid out by shard
-    (``Sink.rewrite_target``), and the rows come to the driver too; else nowhere."""
+def staging_targets(pipeline: Pipeline, plan: PlannedEpoch) -> tuple[StagingTarget, ...]:
+    """Where the shard tasks of a local Spark (whose executors share this disk) write the
+    epoch's rows themselves, when their rows are what the sinks take: into every sink's
+    folder when each has one (``Sink.staging_folder``), and the driver reads them back
+    from there; else, when each task's rows hold each of its keys once, into the upsert
+    tables whose files are laid out by shard (``Sink.rewrite_target``), and the rows
+    come to the driver too (``ShardMerge.rows_folder``); else nowhere."""
     operator = plan.operator
     folders = [(sink.name, sink.staging_folder()) for sink in pipeline.sinks]
     appends = bool(folders) and all(folder is not None for _, folder in folders)
     if not operator.rows_are_sink_rows or not (appends or operator.one_row_per_key):
-        return ()
-    if not executors_share_this_disk(spark):
         return ()
     if appends:
         return tuple(StagingTarget(name, folder) for name, folder in folders if folder is not None)

@@ -1,6 +1,7 @@
 """A shard task's rows leave it sorted by the pipeline's output keys, then its stats
-row: the driver's sort of the epoch then only merges the shards' runs. Spark-free: the
-task is called as Spark's ``mapInArrow`` would, on one shard's partials."""
+row: the driver's sort of the epoch then only merges the shards' runs. A local Spark's
+task leaves its rows in a file for the driver instead, and they read back the same.
+Spark-free: the task is called as Spark's ``mapInArrow`` would, on one shard's partials."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from volley_dagster import columns
 from volley_dagster.operators.accumulators import Count, Sum
 from volley_dagster.operators.aggregate import ResolvedAggregate
 from volley_dagster.operators.base import ShardStep
-from volley_dagster.spark.tasks import ShardMerge, split_task_output
+from volley_dagster.errors import VolleyError
+from volley_dagster.spark.tasks import ShardMerge, read_rows, split_task_output, task_files
 from volley_dagster.state.keys import ShardLayout
 from volley_dagster.state.options import RocksDBOptions
 
@@ -43,17 +45,20 @@ def _partials(keys: np.ndarray, shard: int, kind: str) -> pa.Table:
     return pa.concat_tables([rows, marker])
 
 
+def _task(root, kind: str, rows_folder: str = "") -> ShardMerge:
+    return ShardMerge(
+        step=ShardStep(1, kind, layout=ShardLayout(num_shards=1)), key_column="merchant_id",
+        output_keys=("merchant_id",), operator=AGGREGATE, previous={}, snapshot_root=str(root / "snapshots"),
+        work_root=str(root / "work"), rocksdb=RocksDBOptions(), scan_fraction=0.5, verify_checksums=False,
+        driver_pid=os.getpid(), rows_folder=rows_folder,
+    )
+
+
 @pytest.mark.parametrize("kind", ["int", "str"])
 def test_a_shard_tasks_rows_leave_in_output_key_order_then_its_stats_row(tmp_path, kind):
     rng = np.random.default_rng(11)
     keys = rng.permutation(rng.choice(1_000_000, 5_000, replace=False)).astype(np.int64)
-    task = ShardMerge(
-        step=ShardStep(1, kind, layout=ShardLayout(num_shards=1)), key_column="merchant_id",
-        output_keys=("merchant_id",), operator=AGGREGATE, previous={}, snapshot_root=str(tmp_path / "snapshots"),
-        work_root=str(tmp_path / "work"), rocksdb=RocksDBOptions(), scan_fraction=0.5, verify_checksums=False,
-        driver_pid=os.getpid(),
-    )
-    out = task(_partials(keys, 0, kind))
+    out = _task(tmp_path, kind)(_partials(keys, 0, kind))
 
     assert out.column(columns.STATS)[out.num_rows - 1].is_valid  # the stats row is last
     stats, rows = split_task_output(out)
@@ -68,3 +73,22 @@ def test_a_shard_tasks_rows_leave_in_output_key_order_then_its_stats_row(tmp_pat
     numbers = np.array([number_of[name] for name in got])
     assert rows.column("events").to_pylist() == (numbers % 5 + 1).tolist()
     assert rows.column("total").to_pylist() == (numbers * 0.5).tolist()
+
+
+def test_a_local_sparks_task_leaves_its_rows_in_a_file_the_driver_reads_back_alike(tmp_path):
+    keys = np.random.default_rng(5).choice(100_000, 2_000, replace=False).astype(np.int64)
+    through_spark = split_task_output(_task(tmp_path / "a", "int")(_partials(keys, 0, "int")))[1]
+    folder = tmp_path / "b" / "rows"
+    out = _task(tmp_path / "b", "int", str(folder))(_partials(keys, 0, "int"))
+
+    assert out.num_rows == 1  # the stats row alone travels through Spark
+    stats, rows = split_task_output(out)
+    stats, files = task_files(stats)
+    assert rows.num_rows == 0 and len(files.rows) == 1 and "rows_file" not in json.loads(stats[0])
+    assert json.loads(stats[0])["records"] == int((keys % 5 + 1).sum())
+    read = read_rows(rows.schema, folder, files.rows)
+    assert read.schema == through_spark.schema and read.equals(through_spark)
+
+    (folder / files.rows[0]).unlink()  # cleared meanwhile: the epoch fails, naming the file, and commits nothing
+    with pytest.raises(VolleyError, match=rf"{files.rows[0]}.*is gone; nothing was committed"):
+        read_rows(rows.schema, folder, files.rows)

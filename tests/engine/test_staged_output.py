@@ -4,7 +4,9 @@ the epoch's txn. The table and each epoch's output are what the rows path gives,
 kill -9 after the files were written, or after their commit, still leaves each window
 in the table exactly once. A running aggregate's Delta upsert: each shard task rewrites
 its own files of the table (``sinks/shard_files.py``), and after someone compacts the
-table the sink MERGEs, the table the reference state either way."""
+table the sink MERGEs, the table the reference state either way. Where no sink takes the tasks' files, a local
+Spark's tasks leave their rows in files for the driver, which reads the same output a
+cluster's rows bring through Spark's result."""
 
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ from tests.engine.test_crash_recovery import KEEP, run_until_killed
 from tests.helpers import assert_state_equal, log_records, payments, reference_state
 from tests.window_reference import reference, staged_window_pipeline, window_rows
 from volley_dagster import EpochRunner, MemorySink
+from volley_dagster import attempt as attempt_module
+from volley_dagster.spark import stage as stage_module
 from volley_dagster.demo.events import generate
 from volley_dagster.sinks.shard_files import owned_files
 from volley_dagster.sinks.staged_files import same_columns
@@ -103,3 +107,26 @@ def test_a_running_aggregates_upsert_is_each_shards_rewrite_of_its_files(spark, 
     assert not any("files_added" in r.sinks["delta"].counts for r in rest)  # MERGEd
     assert all(r.sinks["delta"].counts["updated"] + r.sinks["delta"].counts["inserted"] == r.records_out for r in rest)
     assert_state_equal(DeltaTable(str(table)).to_pyarrow_table(), reference_state(log_records(FILES, PER_FILE, 40)))
+
+
+def test_a_local_sparks_tasks_hand_the_driver_their_rows_in_files_as_spark_would(spark, tmp_path, monkeypatch):
+    generate(tmp_path / "events", FILES, PER_FILE, 40)
+
+    def run(name: str) -> list:
+        pipeline = payments(tmp_path / "events", tmp_path / name / "out").sink(MemorySink())  # no staging: rows
+        return EpochRunner(pipeline, tmp_path / name / "state", RunSettings(max_records_per_epoch=PER_FILE),
+                           spark=spark).run_available()
+
+    read: list[int] = []
+    read_rows = stage_module.read_rows
+    monkeypatch.setattr(stage_module, "read_rows", lambda *a: read.append(len(a[2])) or read_rows(*a))
+    local = run("local")
+    assert read == [3] * FILES  # a file a shard, every epoch
+    assert not list((tmp_path / "local" / "state").glob("work/*/rows-*"))  # read, then removed
+    monkeypatch.setattr(attempt_module, "executors_share_this_disk", lambda spark: False)  # as a cluster's executors
+    remote = run("remote")
+    assert len(read) == FILES  # through Spark's result
+    for a, b in zip(local, remote, strict=True):
+        assert a.output is not None and b.output is not None and a.output.num_rows > 0
+        assert a.output.schema == b.output.schema and a.output.equals(b.output), a.epoch
+        assert a.records_out == b.records_out == a.output.num_rows

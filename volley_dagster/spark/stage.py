@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -47,6 +48,7 @@ from volley_dagster.spark.tasks import (
     ShardMerge,
     TaskFiles,
     attempt_id,
+    read_rows,
     snapshot_name,
     snapshot_upload,
     split_task_output,
@@ -168,6 +170,8 @@ def run_stage(
         stats, files = task_files(stats)
         if files.staged:
             rows = read_staged(rows.schema, merge.staging, files.staged)
+        elif files.rows:
+            rows = read_rows(rows.schema, Path(merge.rows_folder), files.rows)
         shards = shard_entries(stats, rng.epoch)
         output, dropped = operator.sink_output(rows, rng)
         figures = operator.epoch_figures([entry.operator for entry in shards.values()])
@@ -183,6 +187,8 @@ def run_stage(
             dropped = pre.dropped(rng)
         outputs = side.resolve(sum(s.null_key_records for s in shards.values()), dropped)
     finally:
+        if merge.rows_folder:  # read, or of a failed attempt: a crash's leftovers go with the epoch's work/
+            shutil.rmtree(merge.rows_folder, ignore_errors=True)
         if cached:
             plan.raw.unpersist()
         if pre is not None:
