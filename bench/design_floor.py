@@ -3,13 +3,14 @@ whatever its logic, on top of DP's handover.
 
 In each shard task: restore the shard's RocksDB from the last epoch's hardlink snapshot,
 write the epoch's rows as state records (A's state keys, fixed-width values) with one
-``WriteBatch``, take a hardlink snapshot with its digests, and rewrite the shard's own
-files of a Delta table with the rows (``sinks/shard_files.py``); on the driver, commit
-those files through A's own ``DeltaSink``. Nothing is read from the state and nothing
+``WriteBatch``, take a hardlink snapshot with its digests, rewrite the shard's own
+files of a Delta table with the rows (``sinks/shard_files.py``), and leave the rows in a
+file for the driver (``write_rows``); on the driver, read them and commit the files
+through A's own ``DeltaSink``. Nothing is read from the state and nothing
 combined, so A does all of this and more: A / DP cannot go below DPW / DP, nor A's rate
 reach more than peer / DPW times its peer's, whatever A's own code costs. The engine's
 own classes do the work (``ShardStore``, ``encode_keys``, ``rewrite_shard``,
-``DeltaSink``), so the floor moves with them.
+``DeltaSink``, ``write_rows``), so the floor moves with them.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from volley_dagster.sinks import DeltaSink
 from volley_dagster.sinks.base import CommitContext
 from volley_dagster.sinks.shard_files import ShardRewrite, collected, rewrite_shard
 from volley_dagster.sinks.staged_files import StagingTarget
-from volley_dagster.spark.tasks import attempt_id
+from volley_dagster.spark.tasks import attempt_id, read_rows, write_rows
 from volley_dagster.state.keys import ShardLayout, encode_keys
 from volley_dagster.state.store import ShardStore
 
@@ -37,8 +38,9 @@ _NAMESPACE = 1  # A's operator's, as far as the bytes go: two bytes before the k
 @dataclass(frozen=True)
 class StateWrites:
     """Per shard (``per_shard``): restore, one ``WriteBatch`` of the rows, snapshot, the
-    shard's files of ``table`` rewritten (beside the snapshot: what it did); returns the
-    rows (``returned``) as they came."""
+    shard's files of ``table`` rewritten (beside the snapshot: what it did); the rows
+    (``returned``) as they came, in a file beside the snapshot (``write_rows``, as A's
+    tasks on a local Spark hand theirs over) or, with no table, back through Spark."""
 
     root: str
     epoch: int
@@ -70,6 +72,8 @@ class StateWrites:
         if self.table is not None:
             rewrite = rewrite_shard(returned, self.table, self.layout, shard, self.epoch + 1, attempt_id())
             (here / f"{self.epoch}.rewrite.json").write_text(json.dumps(rewrite.to_dict()))
+            write_rows(returned, here, f"{self.epoch}.rows")
+            return returned.slice(0, 0)
         return returned
 
 
@@ -91,7 +95,8 @@ def delta_table(uri: Path, layout: ShardLayout) -> tuple[DeltaSink, StagingTarge
 def commit_to_delta(rows: pa.Table, sink: DeltaSink, target: StagingTarget | None, root: Path, epoch: int,
                     layout: ShardLayout) -> None:
     """A's Delta sink's commit of the epoch (epochs count from 1): the shard tasks' files
-    (``StateWrites``) with its txn, as A commits them."""
+    (``StateWrites``) with its txn, as A commits them; ``rows``: what came back through
+    Spark (none, with a table: the tasks' rows are read from their files, as A's are)."""
     rewritten = None
     if target is not None and target.rewrite is not None:
         rewrites = [ShardRewrite.from_dict(json.loads((root / f"shard-{s:04d}" / f"{epoch}.rewrite.json").read_text()))
@@ -99,5 +104,7 @@ def commit_to_delta(rows: pa.Table, sink: DeltaSink, target: StagingTarget | Non
         rewritten = collected(target.rewrite, rewrites, layout.num_shards)
         if rewritten is None:
             raise RuntimeError(f"DPW epoch {epoch}: a shard task did not rewrite its files: {rewrites}")
+        rows = pa.concat_tables([read_rows(rows.schema, root / f"shard-{s:04d}", (f"{epoch}.rows.arrow",))
+                                 for s in range(layout.num_shards)])
     sink.commit(rows, CommitContext(pipeline="bench_dpw", epoch=epoch + 1, key_columns=(columns.KEY,),
                                     rewritten=rewritten))
