@@ -13,10 +13,10 @@ import pyarrow as pa
 import pytest
 
 from volley_dagster import columns
+from volley_dagster.errors import VolleyError
 from volley_dagster.operators.accumulators import Count, Sum
 from volley_dagster.operators.aggregate import ResolvedAggregate
 from volley_dagster.operators.base import ShardStep
-from volley_dagster.errors import VolleyError
 from volley_dagster.spark.tasks import ShardMerge, read_rows, split_task_output, task_files
 from volley_dagster.state.keys import ShardLayout
 from volley_dagster.state.options import RocksDBOptions

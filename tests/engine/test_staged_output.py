@@ -4,9 +4,9 @@ the epoch's txn. The table and each epoch's output are what the rows path gives,
 kill -9 after the files were written, or after their commit, still leaves each window
 in the table exactly once. A running aggregate's Delta upsert: each shard task rewrites
 its own files of the table (``sinks/shard_files.py``), and after someone compacts the
-table the sink MERGEs, the table the reference state either way. Where no sink takes the tasks' files, a local
-Spark's tasks leave their rows in files for the driver, which reads the same output a
-cluster's rows bring through Spark's result."""
+table the sink MERGEs, the table the reference state either way. Where no sink takes
+the tasks' files, a local Spark's tasks leave their rows in files for the driver, which
+reads the same output a cluster's rows bring through Spark's result."""
 
 from __future__ import annotations
 
@@ -24,11 +24,11 @@ from tests.helpers import assert_state_equal, log_records, payments, reference_s
 from tests.window_reference import reference, staged_window_pipeline, window_rows
 from volley_dagster import EpochRunner, MemorySink
 from volley_dagster import attempt as attempt_module
-from volley_dagster.spark import stage as stage_module
 from volley_dagster.demo.events import generate
+from volley_dagster.settings import RunSettings
 from volley_dagster.sinks.shard_files import owned_files
 from volley_dagster.sinks.staged_files import same_columns
-from volley_dagster.settings import RunSettings
+from volley_dagster.spark import stage as stage_module
 
 FILES, PER_FILE = 4, 300
 PART = re.compile(r"part-(\d{10})-\d{5}-\w+\.parquet")
