@@ -21,3 +21,5 @@ def test_the_driver_is_pinned_to_loopback_only_for_a_master_on_loopback(master: 
         ("127.0.0.1", "127.0.0.1") if loopback else (None, None))
     assert conf["spark.sql.session.timeZone"] == "UTC"  # the engine's own settings stay
     assert conf["spark.python.unix.domain.socket.enabled"] == "true"  # executor to Python worker: no TCP
+    assert conf["spark.python.sql.dataFrameDebugging.enabled"] == "false"  # no call-site round trips per Column call
+    assert conf["spark.sql.ui.explainMode"] == "simple"  # the plan text Spark writes at each job: the cheap one

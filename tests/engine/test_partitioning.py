@@ -7,12 +7,13 @@ import json
 
 import pyarrow as pa
 import pytest
+from py4j.clientserver import ClientServerConnection
 from pyspark.sql import functions as F
 
 from volley_dagster import columns
 from volley_dagster.checkpoint.manifest import ShardEntry, ShardSnapshot
 from volley_dagster.errors import VolleyError
-from volley_dagster.spark.partitioning import _OnePartitionOneShard, per_shard, to_shards
+from volley_dagster.spark.partitioning import ROUTING_COLUMNS, _OnePartitionOneShard, per_shard, to_shards
 from volley_dagster.spark.stage import shard_entries
 from volley_dagster.state.keys import ShardLayout
 
@@ -47,6 +48,23 @@ def test_each_shard_task_gets_exactly_its_keys_after_one_exchange_and_no_sort(sp
     pairs = list(zip(expected.column(columns.SHARD).to_pylist(), expected.column(columns.KEY).to_pylist(), strict=True))
     by_shard = {s: sorted(k for sh, k in pairs if sh == s) for s in range(num_shards)}
     assert {s["shard"]: s["keys"] for s in summaries} == by_shard
+
+
+def test_planning_sends_the_jvm_no_python_call_sites(spark, monkeypatch):
+    """The engine's session turns PySpark 4's capture of each Column function's Python
+    call site off (``default_conf``): it cost ten more round trips to the JVM a call."""
+    sent: list[str] = []
+    send = ClientServerConnection.send_command
+
+    def recorded(connection: ClientServerConnection, command: str) -> str:
+        sent.append(command)
+        return send(connection, command)
+
+    monkeypatch.setattr(ClientServerConnection, "send_command", recorded)
+    rows = spark.range(100).select((F.col("id") % 7).alias(columns.KEY), F.lit(1).alias("n"))
+    to_shards(rows, ShardLayout(4)).groupBy(*ROUTING_COLUMNS, columns.KEY).agg(F.sum("n").alias("n"))
+    assert len(sent) > 10  # the plan was built through py4j
+    assert not [c for c in sent if "PySparkCurrentOrigin" in c]
 
 
 def test_a_partition_holding_two_shards_is_refused_naming_them():

@@ -86,6 +86,14 @@ def default_conf(master: str = "local[*]") -> dict[str, str]:
         "spark.ui.showConsoleProgress": "false",
         "spark.driver.memory": os.environ.get("VOLLEY_SPARK_DRIVER_MEMORY", "4g"),
         "spark.python.worker.reuse": "true",
+        # PySpark 4 wraps every Column function in a capture of its Python call site, for
+        # error messages: ten more round trips to the JVM each (F.col: 13 against 3), 80
+        # of a running aggregate's epoch and 70 ms of its planning (./dev bench driver_calls)
+        "spark.python.sql.dataFrameDebugging.enabled": "false",
+        # the plan text Spark writes for its UI at each job and each adaptive re-plan, UI on
+        # or off: "formatted" took 5-7 ms a time against 1-2, about 20 ms of a running
+        # aggregate's epoch (a user who turns the UI on may set it back)
+        "spark.sql.ui.explainMode": "simple",
         # an executor talks to its Python workers over a Unix socket, not loopback TCP, where
         # each task's first small writes wait on a delayed ACK (about 40 ms): a 4-task Python
         # stage 176 against 252 ms with no work in it (./dev bench python_tasks)
