@@ -46,7 +46,7 @@ from volley_dagster.operators.dedup import (
 )
 from volley_dagster.operators.dedup_state import read_remembered, runs_by_key_group
 from volley_dagster.sources.offsets import EpochRange
-from volley_dagster.spark.partitioning import partition_of_shard, per_shard, with_shard
+from volley_dagster.spark.partitioning import per_shard, with_shard
 from volley_dagster.spark.task_errors import engine_errors
 from volley_dagster.spark.tasks import ShardMerge
 from volley_dagster.state.keys import ShardLayout, key_kind
@@ -208,7 +208,7 @@ def _dropped() -> Column:
 def probe_duplicates(rows: DataFrame, dedup: Deduplication, layout: ShardLayout, probe: DuplicateProbe) -> ProbedEpoch:
     """Run the probe job over the epoch's valid ``rows`` (with ``DEDUP_KEY``)."""
     narrow = rows.select(columns.POS, columns.DEDUP_KEY, dedup.event_time.event_us().alias(columns.DEDUP_TIME))
-    routed = with_shard(narrow, layout, columns.DEDUP_KEY).withColumn(columns.PARTITION, partition_of_shard(layout))
+    routed = with_shard(narrow, layout, columns.DEDUP_KEY)
     key_type = rows.schema[columns.DEDUP_KEY].dataType.simpleString()
     schema = (f"`{columns.SHARD}` int, `{columns.KEY_GROUP}` int, `{columns.DEDUP_KEY}` {key_type}, "
               f"`{columns.DEDUP_TIME}` bigint, `{columns.POS}` bigint, `{columns.DUPLICATE}` boolean, "
@@ -241,7 +241,7 @@ def probe_in_stage(rows: DataFrame, dedup: Deduplication, layout: ShardLayout, p
                    and (reads is None or c in reads))
     timed = rows.withColumn(columns.DEDUP_TIME, dedup.event_time.event_us()).select(
         *dict.fromkeys([*passed, columns.DEDUP_KEY, columns.DEDUP_TIME, columns.POS]))
-    routed = with_shard(timed, layout, columns.DEDUP_KEY).withColumn(columns.PARTITION, partition_of_shard(layout))
+    routed = with_shard(timed, layout, columns.DEDUP_KEY)
     schema = T.StructType([T.StructField(c, rows.schema[c].dataType, True) for c in passed] + [
         T.StructField(columns.SHARD, T.IntegerType(), True), T.StructField(columns.KEY_GROUP, T.IntegerType(), True),
         T.StructField(columns.DEDUP_RUN, T.BinaryType(), True)])

@@ -18,7 +18,7 @@ from typing import Callable, Iterator
 
 import pyarrow as pa
 import pyarrow.compute as pc
-from pyspark.sql import Column, DataFrame
+from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql.types import StructType
 
@@ -60,30 +60,32 @@ def partition_values(num_shards: int) -> tuple[int, ...]:
 
 
 def with_shard(df: DataFrame, layout: ShardLayout, key: str = columns.KEY, keep: bool = False) -> DataFrame:
-    """Key group (a stable hash of the key column ``key``) and shard (its range) as Spark
-    expressions; ``keep``: rows that have them already keep theirs. SQL text, one plan
-    change: each ``F`` call and each ``withColumn`` is a round trip to the JVM, and an
-    epoch plans a dozen of them."""
+    """Key group (a stable hash of the key column ``key``), shard (its range) and the
+    partition Spark's hash partitioning puts the shard in, as Spark expressions; ``keep``:
+    rows that have them already keep theirs. SQL text, one plan change: each ``F`` call
+    and each ``withColumn`` is a round trip to the JVM, and an epoch plans a dozen of them."""
     key_group = f"cast(pmod(xxhash64({sql_identifier(key)}), {layout.num_key_groups}) as int)"
     shard = f"cast(({key_group} * {layout.num_shards}) div {layout.num_key_groups} as int)"
     if keep:
         key_group, shard = f"coalesce({columns.KEY_GROUP}, {key_group})", f"coalesce({columns.SHARD}, {shard})"
-    return df.withColumns({columns.KEY_GROUP: F.expr(key_group), columns.SHARD: F.expr(shard)})
+    return df.withColumns({columns.KEY_GROUP: F.expr(key_group), columns.SHARD: F.expr(shard),
+                           columns.PARTITION: F.expr(partition_of_shard(shard, layout))})
 
 
-def partition_of_shard(layout: ShardLayout) -> Column:
+def partition_of_shard(shard: str, layout: ShardLayout) -> str:
+    """The partition of the shard that the SQL expression ``shard`` gives, as SQL text."""
     values = ", ".join(map(str, partition_values(layout.num_shards)))
-    return F.expr(f"element_at(array({values}), {columns.SHARD} + 1)")
+    return f"element_at(array({values}), {shard} + 1)"
 
 
 def shard_markers(df: DataFrame, layout: ShardLayout) -> DataFrame:
-    """``df`` plus one marker row per shard, so every shard task runs (and snapshots)
-    even when the epoch has no rows for it."""
-    markers = df.sparkSession.range(layout.num_shards).selectExpr(
-        f"cast(id as int) as {columns.SHARD}", f"true as {columns.MARKER}")
-    return df.unionByName(markers, allowMissingColumns=True).withColumn(
-        columns.PARTITION, partition_of_shard(layout)
-    )
+    """``df`` (routed by ``with_shard``) plus one marker row per shard, so every shard task
+    runs (and snapshots) even when the epoch has no rows for it. A table of literals,
+    planned in one step."""
+    rows = ", ".join(f"({shard}, true, {partition})" for shard, partition in enumerate(partition_values(layout.num_shards)))
+    markers = df.sparkSession.sql(
+        f"SELECT * FROM VALUES {rows} AS markers({columns.SHARD}, {columns.MARKER}, {columns.PARTITION})")
+    return df.unionByName(markers, allowMissingColumns=True)
 
 
 # What ``to_shards`` adds: an aggregate grouping by these (and its own keys) finds its
@@ -119,6 +121,7 @@ def to_shards(rows: DataFrame, layout: ShardLayout, routed: DataFrame | None = N
     among ``rows``, which keep theirs)."""
     keyed = with_shard(rows, layout, keep=routed_inline)
     if routed is not None:
+        routed = routed.withColumn(columns.PARTITION, F.expr(partition_of_shard(columns.SHARD, layout)))
         keyed = keyed.unionByName(routed, allowMissingColumns=True)
     return shard_markers(keyed, layout).repartition(layout.num_shards, columns.PARTITION)
 
