@@ -87,8 +87,8 @@ def default_conf(master: str = "local[*]") -> dict[str, str]:
         "spark.driver.memory": os.environ.get("VOLLEY_SPARK_DRIVER_MEMORY", "4g"),
         "spark.python.worker.reuse": "true",
         # PySpark 4 wraps every Column function in a capture of its Python call site, for
-        # error messages: ten more round trips to the JVM each (F.col: 13 against 3), 80
-        # of a running aggregate's epoch and 70 ms of its planning (./dev bench driver_calls)
+        # error messages: ten more round trips to the JVM a call (F.col: 13 against 3), 80
+        # of the 365 a running aggregate's epoch made, 70 ms of its planning
         "spark.python.sql.dataFrameDebugging.enabled": "false",
         # the plan text Spark writes for its UI at each job and each adaptive re-plan, UI on
         # or off: "formatted" took 5-7 ms a time against 1-2, about 20 ms of a running
