@@ -40,7 +40,7 @@ from volley_dagster.operators.ttl import (
 from volley_dagster.sources.offsets import EpochRange
 from volley_dagster.spark.partitioning import ShardRoute
 from volley_dagster.state import bulk_rows
-from volley_dagster.state.keys import decode_keys, encode_keys, key_columns, namespace_prefix
+from volley_dagster.state.keys import decode_keys, encode_keys, in_state_order, key_columns, namespace_prefix
 from volley_dagster.state.resident import MirrorKeys, ResidentRecords, ResidentShard
 from volley_dagster.state.transaction import ShardTransaction
 
@@ -210,22 +210,29 @@ class ResolvedAggregate:
     def apply(self, txn: ShardTransaction, data: pa.Table, step: ShardStep) -> tuple[list[pa.Array], OperatorStats]:
         """Running aggregate: every touched key's new value is the output; with a TTL,
         also every key that expires, once, flagged ``expired``."""
-        # in state-key order: lookups, the mirror and the WriteBatch all go faster sorted
-        data = data.sort_by([(columns.KEY_GROUP, "ascending"), (columns.KEY, "ascending")])
+        # by key: the mirror looks int keys up in one sweep and the rows leave in the task's
+        # output order (``ShardMerge._output`` then sorts sorted rows); RocksDB is written
+        # in state-key order (``_write``)
+        data = data.sort_by([(columns.KEY, "ascending")])
         n = data.num_rows
         key_groups = data.column(columns.KEY_GROUP).to_numpy(zero_copy_only=False)
         key_values = data.column(columns.KEY).combine_chunks()
-        keys = encode_keys(self.namespace, key_groups, key_values)
-        expiry = ShardExpiry(self.ttl, txn, step, keys) if self.ttl is not None else None
-        if expiry is not None and expiry.due:  # untouched keys whose TTL entry came due: read them too
-            keys = keys + expiry.due
-            key_values = pa.concat_arrays([key_values, decode_keys(step.key_kind, expiry.due)[1].cast(key_values.type)])
+        keys: list[bytes] | None = None  # each row's state key: for the TTL and for reads the mirror cannot answer
+        expiry = None
+        if self.ttl is not None:
+            keys = encode_keys(self.namespace, key_groups, key_values)
+            expiry = ShardExpiry(self.ttl, txn, step, keys)
+            if expiry.due:  # untouched keys whose TTL entry came due: read them too
+                keys = keys + expiry.due
+                due = decode_keys(step.key_kind, expiry.due)[1].cast(key_values.type)
+                key_values = pa.concat_arrays([key_values, due])
         resident = txn.resident if isinstance(txn.resident, ResidentShard) else None
         mirror_keys = MirrorKeys.of(key_values) if resident is not None else None
         found = resident.lookup(mirror_keys, self.blank_rows) if resident is not None and mirror_keys is not None else None
         if found is not None:
             state, existed = found
         else:
+            keys = keys if keys is not None else encode_keys(self.namespace, key_groups, key_values)
             state, existed = self.decode(txn.get_many(keys, namespace_prefix(self.namespace)))
             if resident is not None:
                 self._mirror(resident, txn.scanned_entries, step.key_kind)
@@ -243,20 +250,18 @@ class ResolvedAggregate:
         outputs = [key_values] + self.outputs(state)
         stats = OperatorStats(n, int((~existed[:n]).sum()), records=partial_records(data))
         if expiry is None:
-            txn.set_many(keys, self.encode(state))
+            self._write(txn, key_groups, key_values, state)
             if resident is not None and mirror_keys is not None:
                 resident.update(mirror_keys, state)
             return outputs, stats
+        assert keys is not None
         touched_now = self._touched_now(data, step)
         expired = expiry.settle(keys, state, existed, touched_now)
         written = ~expired[:n]
         lives = bulk_rows.select(state[:n], written)
+        self._write(txn, key_groups, key_values, state, written)
         if expired.any():
-            key_array = np.array(keys, dtype=object)
-            txn.set_many(key_array[:n][written].tolist(), self.encode(lives))
-            txn.delete_many(key_array[expired].tolist())
-        else:
-            txn.set_many(keys[:n], self.encode(lives))
+            txn.delete_many(np.array(keys, dtype=object)[expired].tolist())
         if resident is not None and mirror_keys is not None:
             if expired.any() or len(state) > n:
                 resident.update(mirror_keys[:n][written], lives)
@@ -271,6 +276,17 @@ class ResolvedAggregate:
         if not expiry.ttl.by_epochs and n:  # for a watermark the stage learns from its shards (``acts_from``)
             figures[LATEST_EVENT] = int(touched_now.max())
         return out, OperatorStats(stats.keys_touched, stats.new_keys, figures, stats.records)
+
+    def _write(self, txn: ShardTransaction, key_groups: np.ndarray, key_values: pa.Array, state: np.ndarray,
+               written: np.ndarray | None = None) -> None:
+        """The touched rows' states (those ``written`` only, when given) in one batch in
+        state-key order, encoded in that order: the rows are sorted by key, and moving
+        Python's bytes objects into another order took as long as the sort it saves."""
+        rows = in_state_order(key_groups)
+        if written is not None:
+            rows = rows[written[rows]]
+        txn.set_many(encode_keys(self.namespace, key_groups[rows], key_values.take(pa.array(rows))),
+                     self.encode(bulk_rows.take(state, rows)))
 
     def _touched_now(self, data: pa.Table, step: ShardStep) -> np.ndarray:
         """What the epoch stamps on the keys it updates: its number, or each key's latest event time."""

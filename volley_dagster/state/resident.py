@@ -110,10 +110,10 @@ class MirrorKeys:
     def search_order(self) -> np.ndarray | None:
         """The order to look these keys up and write them back in: a search per key in
         turn misses the cache at every step unless each starts where the last ended, and
-        a write scattered over the mirror touches a page a key. An aggregate's keys come
-        sorted by key group and key: a run per key group, each sweeping the whole mirror
-        (250k keys in 64 runs into a 2.5M-key mirror: search 87 ms, write 59; in one
-        run 12 and 28, the stable sort of the runs 7). None: already one run."""
+        a write scattered over the mirror touches a page a key (250k keys in 64 sorted
+        runs into a 2.5M-key mirror: search 87 ms, write 59; in one run 12 and 28, the
+        stable sort of the runs 7). An aggregate's int keys come sorted, one run; string
+        keys' hashes in no order. None: already one run."""
         if not np.any(self.order[1:] < self.order[:-1]):
             return None
         return np.argsort(self.order, kind="stable")
