@@ -8,6 +8,8 @@
     sinks       each sink commits unless it already holds the epoch (``sinks/committer.py``)
     commit      the manifest, written last and once: the commit point
     prune       retention of old snapshots, and of the attempts that lost
+    compact     the committed snapshots handed to the driver's background compactor
+                (``state/compactor.py``), which readies compacted copies for N+1
 
 ``status`` says how far the attempt got (as Quix Streams' ``PartitionTransaction``
 does); one that raised keeps the step it failed in. An attempt reads what it starts
@@ -51,6 +53,7 @@ from volley_dagster.spark.plan import PlannedEpoch
 from volley_dagster.spark.session import executors_share_this_disk
 from volley_dagster.spark.stage import StageResult, plan_epoch, run_stage
 from volley_dagster.spark.tasks import ShardMerge, attempt_id
+from volley_dagster.state.compactor import CompactionJob, shared_compactor, worth_compacting
 
 MAX_REASON_CHARS = 160  # a reason quotes the record's values: an error message carries a bounded part
 
@@ -116,6 +119,7 @@ class EpochAttempt:
             self.status = AttemptStatus.COMMITTED
             self._prune()
             self.status = AttemptStatus.PRUNED
+            self._compact_in_background(result)
             return result
         except BaseException:
             self.failed = True
@@ -157,6 +161,7 @@ class EpochAttempt:
             fence=self.lease.fence,
             staging=staging_targets(pipeline, plan) if local else (),
             rows_folder=str(self.log.work_dir(epoch) / f"rows-{attempt_id()}") if local else "",
+            checkpoint_root=str(self.log.root),
         )
         return plan, merge
 
@@ -227,6 +232,17 @@ class EpochAttempt:
         store = self.settings.snapshot_store
         if store is not None:  # from the root's manifests at prune time, fenced before each delete
             store.retain_committed(self.log, self.epoch, self.settings.keep_epochs, before_delete=self.lease.check)
+
+    def _compact_in_background(self, result: EpochResult) -> None:
+        """Each committed shard snapshot with level-0 files to fold, to the compactor."""
+        options = self.settings.rocksdb
+        if not options.compact_in_background:
+            return
+        root, moot_once = self.log.root, str(self.log.epoch_dir(self.epoch + 1) / "manifest.json")
+        shared_compactor().submit([
+            CompactionJob(str(root), self.epoch, shard, str(root / entry.snapshot.path), entry.snapshot.files, options,
+                          moot_once)
+            for shard, entry in sorted(result.shards.items()) if worth_compacting(entry.snapshot.files)])
 
     # -- what the plan starts from ---------------------------------------------------
 

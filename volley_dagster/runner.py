@@ -34,6 +34,7 @@ from volley_dagster.settings import RunSettings
 from volley_dagster.sources.offsets import Backlog, EpochRange
 from volley_dagster.spark.session import get_or_create_spark
 from volley_dagster.spark.state_table import StateTables
+from volley_dagster.state.compactor import shared_compactor
 from volley_dagster.state.keys import ShardLayout
 
 
@@ -192,6 +193,12 @@ class EpochRunner:
                     break
                 results.append(result)
         return results
+
+    def wait_for_compactions(self, timeout_s: float = 60.0) -> None:
+        """Wait until the background compactor has finished what this process handed it
+        (``state/compactor.py``): it writes under the checkpoint root's ``compacted/``
+        for a moment after each commit, so wait before deleting or copying a root."""
+        shared_compactor().close(timeout_s)
 
     def committed_epoch(self) -> int:
         return self.log.last_committed()

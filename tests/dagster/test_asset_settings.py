@@ -90,5 +90,8 @@ def test_a_cluster_sets_how_many_shards_compact_together(tmp_path):
     assert runner.settings.rocksdb.compact_together == 8
     assert [s for s in range(20) if runner.settings.rocksdb.compaction_turn(11, s)] == [8, 9, 10, 11, 12, 13, 14, 15]
     assert make_runner(deployment, CheckpointResource(root=root), tables).settings.rocksdb.compact_together == os.cpu_count()
+    assert make_runner(deployment, CheckpointResource(root=root), tables).settings.rocksdb.compact_in_background
+    inline = make_runner(deployment, CheckpointResource(root=root, compact_together=8, compact_in_background=False), tables)
+    assert not inline.settings.rocksdb.compact_in_background and inline.settings.rocksdb.compact_together == 8
     with pytest.raises(ConfigError, match="compact_together must be at least 1, got 0"):
         make_runner(deployment, CheckpointResource(root=root, compact_together=0), tables)

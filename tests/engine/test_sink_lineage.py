@@ -55,6 +55,7 @@ def test_a_new_root_over_old_tables_fails_then_each_choice_equals_the_reference(
     old_lineage = old.log.lineage().id
     old_changes = old.pipeline.sinks[2].read()
     before = table_versions(old)
+    old.wait_for_compactions()
     shutil.rmtree(tmp_path / "state")  # "use a new checkpoint root", with the same tables
 
     new = runner_for(tmp_path, spark)
@@ -67,6 +68,7 @@ def test_a_new_root_over_old_tables_fails_then_each_choice_equals_the_reference(
 
     for choice, offset in (("continue", 3), ("replace", 6)):
         if choice == "replace":
+            new.wait_for_compactions()  # the background compactor writes under the root after a commit
             shutil.rmtree(tmp_path / "state")  # and once more: a third lineage replaces both
         chosen = runner_for(tmp_path, spark, choice)
         assert [r.epoch for r in chosen.run_available()] == [1, 2, 3]
@@ -94,12 +96,14 @@ def test_a_root_restored_from_a_copy_skips_what_it_committed_and_refuses_another
     generate(tmp_path / "events", FILES, PER_FILE, KEYS)
     runner = runner_for(tmp_path, spark)
     runner.run_available(max_epochs=2)
+    runner.wait_for_compactions()  # a backup: taken once nothing writes the root
     shutil.copytree(tmp_path / "state", tmp_path / "copy")  # a backup taken at epoch 2
     runner.run_available()
     generate(tmp_path / "events", 1, PER_FILE, KEYS, first_file=FILES)
     before = table_versions(runner)
 
     def restore() -> None:
+        runner.wait_for_compactions()
         shutil.rmtree(tmp_path / "state")
         shutil.copytree(tmp_path / "copy", tmp_path / "state")
 

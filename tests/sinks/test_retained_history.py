@@ -194,6 +194,7 @@ def test_a_pipeline_paused_past_the_tables_retention_is_still_recognised(tmp_pat
     assert f"epoch 10: [{rows_of(10)}] rows, manifest says {rows_of(10) + 1}" in checks["row_counts"].description
 
     # another root over the same table is told whose epochs it holds, by the lineage's id
+    runner.wait_for_compactions()
     shutil.rmtree(tmp_path / "state")
     other = runner_for(tmp_path, make_sink(kind, tmp_path))
     with pytest.raises(SinkLineageError, match=f"holds epoch 11 of lineage {lineage.id} "):

@@ -15,6 +15,7 @@ Layout under the checkpoint root::
     retention.json                     the epoch up to which retention removed side outputs
     snapshots/0000000007/rescale-0001-<attempt>/shard-0005/   epoch 7's state rewritten by a rescale
     snapshots/0000000007/shard-0003-<attempt>/   the attempt the manifest names (losers are pruned)
+    compacted/0000000007/shard-0003-<attempt>/   its compacted alternate, for epoch 8 (state/compacted.py)
     work/0000000007/shard-0003-<attempt>/  a task attempt's writable DB (deleted after)
     lease/                             the pipeline's lease and fencing tokens (checkpoint/lease.py)
 
@@ -51,6 +52,7 @@ from volley_dagster.json_records import JsonObject
 from volley_dagster.result import EpochResult
 from volley_dagster.sinks.lineage import Lineage, SinkBinding
 from volley_dagster.sources.offsets import EpochRange
+from volley_dagster.state.compacted import remove_alternates
 from volley_dagster.state.keys import ShardLayout
 from volley_dagster.watermarks import Watermarks
 
@@ -475,12 +477,14 @@ class EpochLog:
         """Delete snapshots older than the last ``keep`` committed epochs, and those
         epochs' side outputs (dead letters, late records, duplicates: record contents,
         which must not outlive the retention, nor fill the disk); the attempts of
-        retained epochs that lost (no manifest or layout record names them); and the
+        retained epochs that lost (no manifest or layout record names them); the
+        compacted alternates of the epochs before ``committed`` (``state/compacted.py``); and the
         working directories of dead attempts up to ``committed``. Offsets and manifests
         stay: they are the history the UI shows (a manifest still names a pruned side
         output's path and count). Returns the epochs whose snapshots were deleted."""
         self._prune_side_outputs(committed - keep)
         self._compact(committed - keep)
+        remove_alternates(self.root, committed)
         removed = []
         snaps = self.root / "snapshots"
         if snaps.is_dir():

@@ -100,6 +100,8 @@ class CheckpointResource(ConfigurableResource):
     # environment's VOLLEY_RESIDENT_STATE_MIB (default 1024), 0 = off (docs/architecture.md)
     compact_together: Optional[int] = None  # shards whose RocksDB compacts in the same epoch (their turn,
     # every 10 epochs): a cluster's task slots; None = this machine's cores, what local[*] runs at once
+    compact_in_background: bool = True  # the driver's compactor folds committed snapshots, not the shard
+    # tasks (state/compactor.py); off: each shard compacts in its own task, on the epoch's critical path
 
     @field_validator("root")
     @classmethod
@@ -111,8 +113,8 @@ class CheckpointResource(ConfigurableResource):
 
     def rocksdb(self) -> RocksDBOptions:
         if self.compact_together is None:
-            return RocksDBOptions()
-        return RocksDBOptions(compact_together=self.compact_together)
+            return RocksDBOptions(compact_in_background=self.compact_in_background)
+        return RocksDBOptions(compact_together=self.compact_together, compact_in_background=self.compact_in_background)
 
     def resident_state(self) -> Optional[ResidentStateCache]:
         return ResidentStateCache.from_env(self.resident_state_mib)

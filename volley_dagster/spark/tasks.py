@@ -31,6 +31,7 @@ from volley_dagster.sinks.shard_files import ShardRewrite, rewrite_shard
 from volley_dagster.sinks.staged_files import StagedFile, StagingTarget, stage_rows
 from volley_dagster.sources.base import Source
 from volley_dagster.sources.offsets import Segment
+from volley_dagster.state.compacted import RestoreSource, restore_source
 from volley_dagster.state.options import RocksDBOptions
 from volley_dagster.state.resident import ResidentMirror, ResidentStateCache
 from volley_dagster.state.store import ShardStore
@@ -90,6 +91,7 @@ class ShardMerge:
     fence: Fence | None = None  # the runner's lease token: checked before this attempt's work becomes visible
     staging: tuple[StagingTarget, ...] = ()  # sinks the task writes its rows to as files (``sinks/staged_files.py``)
     rows_folder: str = ""  # a local Spark's: the task leaves its rows there for the driver (``write_rows``)
+    checkpoint_root: str = ""  # where the background compactor's alternates of N-1 are (``state/compacted.py``)
 
     def __call__(self, table: pa.Table) -> pa.Table:
         shard = table.column(columns.SHARD)[0].as_py()
@@ -127,12 +129,13 @@ class ShardMerge:
         resident: ResidentMirror | None, t0: float,
     ) -> pa.Table:
         attempt = attempt_id()
+        background = self.rocksdb.compact_in_background
         with on_this_machine(prev, self.remote, self.cache_root) as (source, download):
+            base = RestoreSource(source, prev.files if prev else None)
+            if background and self.checkpoint_root and download is None:  # the compactor's copy of N-1, if ready
+                base = restore_source(Path(self.checkpoint_root), source, base.files, self.verify_checksums)
             store = ShardStore.restore(  # an S3 restore is checkpointed into work/, then removed
-                source,
-                prev.files if prev else None,
-                Path(self.work_root) / snapshot_name(shard, attempt),
-                self.rocksdb,
+                base.path, base.files, Path(self.work_root) / snapshot_name(shard, attempt), self.rocksdb,
                 self.verify_checksums,
             )
         try:
@@ -145,10 +148,13 @@ class ShardMerge:
             self.check_fence(f"epoch {self.step.epoch} shard {shard} attempt {attempt}: installing its snapshot")
             snap = store.snapshot(
                 Path(self.snapshot_root) / snapshot_name(shard, attempt),
-                Path(prev.path) if prev else None,
-                prev.files if prev else None,
+                base.path,
+                base.files,
                 self.rocksdb.compaction_turn(self.step.epoch, shard),
+                backstop=background,
             )
+            if base.compacted:  # built on the alternate: it shares no SST with N-1's snapshot
+                snap = replace(snap, compacted=True, bytes_new=snap.bytes_total)
             if resident is not None:
                 resident.commit(snap.files)
             t4 = time.perf_counter()

@@ -24,6 +24,7 @@ class RocksDBOptions:
     compact_together: int = field(default_factory=lambda: os.cpu_count() or 1)
     compact_l0_files: int = 20
     compact_l0_share: float = 2.0
+    compact_in_background: bool = True  # the driver's compactor folds committed snapshots (``state/compactor.py``)
 
     def __post_init__(self) -> None:
         for name in ("compact_every", "compact_together", "compact_l0_files"):
@@ -58,15 +59,20 @@ class RocksDBOptions:
         compactions fill the cores side by side, where one alone left the others idle."""
         return (epoch - shard // self.compact_together) % self.compact_every == 0
 
-    def compaction_due(self, level0_files: int, newer_bytes: int, base_bytes: int, turn: bool = False) -> bool:
+    def compaction_due(self, level0_files: int, newer_bytes: int, base_bytes: int, turn: bool = False,
+                       backstop: bool = False) -> bool:
         """Whether a shard folds level 0 into its base before a snapshot: on its turn;
         out of it, only at ``compact_l0_files`` files (a shard that missed its turns,
         each file one more place a read looks) or when the files newer than the base hold
         more than ``compact_l0_share`` times its bytes (the space of keys written again: a
         shard whose every key changes compacts every second or third epoch). A lone
-        file, never."""
+        file, never. ``backstop``: a task's own check while the background compactor
+        does this work (``compact_in_background``), for a shard whose compactions it
+        missed: only at the cap or at twice the share, never on a turn."""
         if level0_files < 2:
             return False
+        if backstop:
+            return level0_files >= self.compact_l0_files or newer_bytes > 2 * self.compact_l0_share * base_bytes
         if turn:
             return True
         return level0_files >= self.compact_l0_files or newer_bytes > self.compact_l0_share * base_bytes

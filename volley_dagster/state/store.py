@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import rocksdict
@@ -97,20 +97,27 @@ class ShardStore:
         return ShardTransaction(self.db, scan_fraction, resident)
 
     def snapshot(
-        self, target: Path, previous: Path | None, previous_files: FileDigests | None, compaction_turn: bool = False
+        self, target: Path, previous: Path | None, previous_files: FileDigests | None, compaction_turn: bool = False,
+        backstop: bool = False,
     ) -> SnapshotInfo:
         """Checkpoint into ``target``, a directory of this attempt's own (never replaced).
-        ``compaction_turn``: ``RocksDBOptions.compaction_turn`` of the epoch and shard."""
+        ``compaction_turn``: ``RocksDBOptions.compaction_turn`` of the epoch and shard;
+        ``backstop``: the background compactor does the compactions (``compact_when_due``)."""
+        compacted, level0_files = self.compact_when_due(compaction_turn, backstop)
+        info = self.checkpoint(target, previous, previous_files)
+        return replace(info, compacted=compacted, level0_files=level0_files)
+
+    def checkpoint(self, target: Path, previous: Path | None, previous_files: FileDigests | None) -> SnapshotInfo:
+        """The database as it is, checkpointed into ``target`` (which must not exist), with
+        the digests of the files it shares with ``previous`` taken from ``previous_files``."""
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex}.tmp")
-        compacted, level0_files = self.compact_when_due(compaction_turn)
         rocksdict.Checkpoint(self.db).create_checkpoint(str(tmp))
         files, new_bytes = _digest(tmp, previous, previous_files or {})
         _install(tmp, target)
-        total = sum(meta["size"] for meta in files.values())
-        return SnapshotInfo(target, files, total, new_bytes, compacted, level0_files)
+        return SnapshotInfo(target, files, sum(meta["size"] for meta in files.values()), new_bytes)
 
-    def compact_when_due(self, turn: bool = False) -> tuple[bool, int]:
+    def compact_when_due(self, turn: bool = False, backstop: bool = False) -> tuple[bool, int]:
         """Flush the epoch's writes to level 0 and, when ``RocksDBOptions.compaction_due``,
         fold level 0 into the base in the foreground (auto compactions are off: a shard is
         open too briefly to finish one). Whether it compacted, and the level-0 files left."""
@@ -120,7 +127,7 @@ class ShardStore:
         base = sum(f["size"] for f in live if f["level"] > 0)
         newer = level0 if base else level0[1:]  # never compacted: the oldest file is the base
         base = base or sum(f["size"] for f in level0[:1])
-        if not self.options.compaction_due(len(level0), sum(f["size"] for f in newer), base, turn):
+        if not self.options.compaction_due(len(level0), sum(f["size"] for f in newer), base, turn, backstop):
             return False, len(level0)
         self.db.compact_range(None, None)
         return True, 0
