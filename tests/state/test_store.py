@@ -4,7 +4,10 @@ WriteBatch, snapshots share unchanged files by hardlink and are verified."""
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -101,6 +104,36 @@ def test_restore_write_snapshot_cycle(tmp_path):
     finally:
         db.close()
     assert len(items) == 990 and items[keys[0]] == b"new" and keys[15] not in items
+
+
+def test_a_restore_never_opens_the_snapshot_and_copies_one_on_another_filesystem(tmp_path):
+    """rocksdict rewrites ``rocksdict-config.json`` at every open, read-only too (for a
+    moment the file is empty): a restore leaves every file of the snapshot untouched,
+    mtimes included. A snapshot on another filesystem (a cache the snapshot store
+    restored into) cannot be hardlinked: it is copied, and reads the same."""
+    store = ShardStore.restore(None, None, tmp_path / "work1")
+    keys = keys_for(range(500))
+    txn = store.transaction()
+    txn.set_many(keys, [b"v"] * 500)
+    txn.flush()
+    snap = store.snapshot(tmp_path / "snaps" / "1", None, None)
+    store.close()
+    touched = {p.name: p.stat().st_mtime_ns for p in snap.path.iterdir()}
+    time.sleep(0.01)
+    ShardStore.restore(snap.path, snap.files, tmp_path / "work2").close()
+    assert {p.name: p.stat().st_mtime_ns for p in snap.path.iterdir()} == touched
+
+    elsewhere = Path(tempfile.mkdtemp(dir="/dev/shm"))  # tmpfs: another filesystem than the test's
+    try:
+        assert elsewhere.stat().st_dev != tmp_path.stat().st_dev
+        shutil.copytree(snap.path, elsewhere / "1")
+        store = ShardStore.restore(elsewhere / "1", snap.files, tmp_path / "work3")
+        try:
+            assert store.transaction().get_many(keys[:2], NS) == [b"v", b"v"]
+        finally:
+            store.close()
+    finally:
+        shutil.rmtree(elsewhere)
 
 
 def test_a_shard_compacts_its_level_0_when_due_and_keeps_every_write(tmp_path):

@@ -134,7 +134,7 @@ class ShardMerge:
             base = RestoreSource(source, prev.files if prev else None)
             if background and self.checkpoint_root and download is None:  # the compactor's copy of N-1, if ready
                 base = restore_source(Path(self.checkpoint_root), source, base.files, self.verify_checksums)
-            store = ShardStore.restore(  # an S3 restore is checkpointed into work/, then removed
+            store = ShardStore.restore(  # an S3 restore is copied into work/, then removed
                 base.path, base.files, Path(self.work_root) / snapshot_name(shard, attempt), self.rocksdb,
                 self.verify_checksums,
             )

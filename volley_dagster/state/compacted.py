@@ -20,13 +20,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-
-import rocksdict
 
 from volley_dagster.errors import SnapshotError
 from volley_dagster.io.atomic import read_json, write_json_atomic
@@ -35,7 +32,6 @@ from volley_dagster.state.options import RocksDBOptions
 from volley_dagster.state.store import ShardStore, verify_snapshot
 
 ALTERNATES = "compacted"  # under the checkpoint root, beside snapshots/
-_ROCKSDICT_CONFIG = "rocksdict-config.json"  # rocksdict's, rewritten at every open
 
 
 @dataclass(frozen=True)
@@ -57,7 +53,7 @@ def record_path(root: Path, snapshot: Path) -> Path | None:
     return (root / ALTERNATES / relative).with_name(f"{snapshot.name}.json")
 
 
-def lineage(files: FileDigests) -> str:
+def made_from(files: FileDigests) -> str:
     """One digest of a snapshot's file digests: what an alternate must have been made from."""
     canonical = json.dumps({name: [meta["size"], meta["sha256"]] for name, meta in sorted(files.items())})
     return hashlib.sha256(canonical.encode()).hexdigest()
@@ -72,7 +68,7 @@ def restore_source(root: Path, snapshot: Path | None, files: FileDigests | None,
     try:
         data = read_json(record)
         alternate, alternate_files = record.with_name(data["dir"]), data["files"]
-        if data["of"] != lineage(files or {}) or alternate.parent != record.parent:
+        if data["of"] != made_from(files or {}) or alternate.parent != record.parent:
             return RestoreSource(snapshot, files)
         verify_snapshot(alternate, alternate_files, full=full)
     except (OSError, ValueError, KeyError, TypeError, SnapshotError):  # none; cut short; not as recorded
@@ -92,8 +88,7 @@ def compact_snapshot(root: Path, snapshot: Path, files: FileDigests, options: Ro
     if restore_source(root, snapshot, files).compacted:
         return True
     name = f"{snapshot.name}-{uuid.uuid4().hex[:8]}"
-    store = ShardStore(rocksdict.Rdict(str(_linked_copy(snapshot, files, record.with_name(f".{name}.work"))),
-                                       options.build()), record.with_name(f".{name}.work"), options)
+    store = ShardStore.restore(snapshot, files, record.with_name(f".{name}.work"), options)
     try:
         compacted, _ = store.compact_when_due(turn)
         if not compacted:
@@ -101,25 +96,8 @@ def compact_snapshot(root: Path, snapshot: Path, files: FileDigests, options: Ro
         info = store.checkpoint(record.with_name(name), snapshot, files)
     finally:
         store.close()
-    write_json_atomic(record, {"of": lineage(files), "dir": name, "files": info.files})
+    write_json_atomic(record, {"of": made_from(files), "dir": name, "files": info.files})
     return True
-
-
-def _linked_copy(snapshot: Path, files: FileDigests, work: Path) -> Path:
-    """A writable copy of the snapshot without opening it: its SSTs (immutable) hardlinked,
-    RocksDB's other files copied. Not through ``open_snapshot_read_only``: rocksdict
-    rewrites its ``rocksdict-config.json`` at every open, read-only too, and a task or the
-    driver checking the snapshot's sizes meanwhile would find that file empty. The
-    copy's own open writes its own."""
-    own = {name: meta for name, meta in files.items() if name != _ROCKSDICT_CONFIG}
-    verify_snapshot(snapshot, own)
-    work.mkdir(parents=True)
-    for name in own:
-        if name.endswith(".sst"):
-            os.link(snapshot / name, work / name)
-        else:
-            shutil.copyfile(snapshot / name, work / name)
-    return work
 
 
 def remove_alternates(root: Path, before: int) -> None:

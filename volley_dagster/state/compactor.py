@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import IO
 
 from volley_dagster.json_records import JsonObject
-from volley_dagster.state.compacted import compact_snapshot, record_path
+from volley_dagster.state.compacted import compact_snapshot
 from volley_dagster.state.digests import FileDigests
 from volley_dagster.state.options import RocksDBOptions
 
@@ -64,15 +64,14 @@ class CompactionJob:
 
     def run(self) -> bool:
         """Whether the snapshot has an alternate now."""
-        if self.moot_once and Path(self.moot_once).exists():
+        if self.moot():
             return False
         return compact_snapshot(Path(self.root), Path(self.snapshot), self.files, self.options,
                                 self.options.compaction_turn(self.epoch, self.shard))
 
-    def stale(self) -> bool:
-        """The prune removed its epoch's alternates (the next epoch committed), or retention its snapshot."""
-        record = record_path(Path(self.root), Path(self.snapshot))
-        return record is None or not record.parent.is_dir() or not Path(self.snapshot).is_dir()
+    def moot(self) -> bool:
+        """The next epoch committed: nothing restores the copy, and the prune (or retention) may remove it under us."""
+        return bool(self.moot_once) and Path(self.moot_once).exists()
 
 
 def worth_compacting(files: FileDigests) -> bool:
@@ -198,7 +197,7 @@ def serve(stream: IO[str], idle_exit_s: float = IDLE_EXIT_S) -> None:
         try:
             job.run()
         except Exception as exc:  # the next epoch restores the snapshot itself
-            if job.stale():
+            if job.moot():
                 continue  # removed under it: nothing restores from it any more
             print(f"volley compactor: epoch {job.epoch} shard {job.shard} ({job.snapshot}): {exc}; the next epoch "
                   "restores the snapshot itself", file=sys.stderr)

@@ -1,13 +1,16 @@
 """One RocksDB per state shard: restore from a snapshot, write, snapshot again.
 
 Snapshots are ``rocksdict.Checkpoint``s: SST files are hardlinked, so a
-snapshot costs what changed since the last one. A snapshot is never opened
-read-write (that rewrites its MANIFEST and may unlink SSTs): restores open it
-read-only and checkpoint it into an attempt-scoped working directory.
+snapshot costs what changed since the last one. A restore never opens the snapshot
+(read-write rewrites its MANIFEST and may unlink SSTs; rocksdict rewrites its
+``rocksdict-config.json`` at every open, read-only too, and a reader checking the
+snapshot meanwhile finds that file empty): it hardlinks the SSTs (immutable) into an
+attempt-scoped working directory and copies RocksDB's other files beside them.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import uuid
@@ -22,6 +25,8 @@ from volley_dagster.state.digests import FileDigest, FileDigests, sha256_file
 from volley_dagster.state.options import RocksDBOptions
 from volley_dagster.state.resident import ResidentMirror
 from volley_dagster.state.transaction import DEFAULT_SCAN_FRACTION, ShardTransaction
+
+ROCKSDICT_CONFIG = "rocksdict-config.json"  # rocksdict's own, rewritten at every open: a restore's open writes its own
 
 
 @dataclass(frozen=True)
@@ -83,12 +88,11 @@ class ShardStore:
             shutil.rmtree(work_dir)
         work_dir.parent.mkdir(parents=True, exist_ok=True)
         if snapshot is not None:
-            verify_snapshot(snapshot, snapshot_files or {}, full=verify_checksums)
-            source = open_snapshot_read_only(snapshot, options)
-            try:
-                rocksdict.Checkpoint(source).create_checkpoint(str(work_dir))
-            finally:
-                source.close()
+            own = {name: meta for name, meta in (snapshot_files or {}).items() if name != ROCKSDICT_CONFIG}
+            verify_snapshot(snapshot, own, full=verify_checksums)
+            work_dir.mkdir()
+            for name in own:
+                _link_or_copy(snapshot / name, work_dir / name, link=name.endswith(".sst"))
         return cls(rocksdict.Rdict(str(work_dir), options.build()), work_dir, options)
 
     def transaction(
@@ -155,6 +159,19 @@ def carry_forward(previous: Path, previous_files: FileDigests, target: Path) -> 
     files: FileDigests = {name: FileDigest(size=meta["size"], sha256=meta["sha256"])
                           for name, meta in previous_files.items()}
     return SnapshotInfo(target, files, sum(meta["size"] for meta in files.values()), 0)
+
+
+def _link_or_copy(source: Path, target: Path, link: bool) -> None:
+    """Hardlink an immutable file (a copy when ``source`` is on another filesystem: a
+    snapshot the store restored into a cache elsewhere); copy one RocksDB rewrites."""
+    if link:
+        try:
+            os.link(source, target)
+            return
+        except OSError as exc:
+            if exc.errno != errno.EXDEV:
+                raise
+    shutil.copyfile(source, target)
 
 
 def _install(tmp: Path, target: Path) -> None:
