@@ -82,16 +82,23 @@ class ShardStore:
         options: RocksDBOptions | None = None,
         verify_checksums: bool = False,
     ) -> ShardStore:
-        """A writable copy of ``snapshot`` (empty state when None) in ``work_dir``."""
+        """A writable copy of ``snapshot`` (empty state when None) in ``work_dir``: the files
+        ``snapshot_files`` names, checked against it; without it, the folder's files."""
         options = options or RocksDBOptions()
         if work_dir.exists():
             shutil.rmtree(work_dir)
         work_dir.parent.mkdir(parents=True, exist_ok=True)
         if snapshot is not None:
-            own = {name: meta for name, meta in (snapshot_files or {}).items() if name != ROCKSDICT_CONFIG}
-            verify_snapshot(snapshot, own, full=verify_checksums)
+            if snapshot_files is None:
+                if not snapshot.is_dir():
+                    raise SnapshotError(f"snapshot {snapshot} is missing")
+                names = [entry.name for entry in os.scandir(snapshot) if entry.name != ROCKSDICT_CONFIG]
+            else:
+                own = {name: meta for name, meta in snapshot_files.items() if name != ROCKSDICT_CONFIG}
+                verify_snapshot(snapshot, own, full=verify_checksums)
+                names = list(own)
             work_dir.mkdir()
-            for name in own:
+            for name in names:
                 _link_or_copy(snapshot / name, work_dir / name, link=name.endswith(".sst"))
         return cls(rocksdict.Rdict(str(work_dir), options.build()), work_dir, options)
 
