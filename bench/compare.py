@@ -2,7 +2,7 @@
 ``Trigger.AvailableNow``, ``foreachBatch`` into Delta) on the same files, in one run.
 
     ./dev bench compare [--records 10000000] [--keys 1000000] [--epochs 10] [--shards 4]
-                        [--workloads A,As,Ad,At,B,Bsl,Bse,C,S,D,DB,DP,DPs,DPt,DPW,DPD,DBP,DBsl,DBse]
+                        [--workloads A,As,Ad,At,B,Bsl,Bse,C,S,D,DB,DP,DPs,DPt,DPW,DPX,DPD,DBP,DBsl,DBse]
                         [--modes warm,cold] [--engines volley,peer] [--cold-epochs 3]
                         [--state-keys 10000000] [--touched 100000] [--zipf 1.3] [--resend head|tail]
                         [--profile]
@@ -34,7 +34,9 @@ table, which the driver commits, as every A epoch must whatever its code; no sta
 over Ad's log after each record's trip through a Python task of the shard owning its
 event id and back with only the columns A reads (the deduplication's handover, deciding
 nothing), paired with DP over the same file: Ad - A cannot go below DPD - DP whatever
-the probe's code.
+the probe's code. DPX is DP over Ad's log after the records' exchange by their event id
+alone, in the JVM (no Python): what Spark's own plan pays for a deduplication whose key
+is not the aggregate's; DPD - DPX is the records' trip to Python and back.
 C touches --touched keys per epoch in a --state-keys-key and a --touched-key state; S
 the same records per epoch (--records / --epochs, at most --keys) in a --keys-key and a
 --state-keys-key state, each built by one epoch first. Ad's files re-send the first 5%
@@ -47,7 +49,7 @@ Prints a row per (workload, engine, mode), then notes (among them, per workload,
 epochs whose shards compacted, and what those epochs and the others took), the issue's
 targets as one summary table (``report["summary"]``) and, with ``--profile``, the median
 phases of an epoch per engine. Writes ``bench/results/compare.json``, with the machine's
-cores and memory.
+cores and memory (``compare-partial.json`` for a run of some workloads or one engine).
 """
 
 from __future__ import annotations
@@ -283,17 +285,18 @@ PEER_TOP_LEVEL = ("latestOffset", "getBatch", "queryPlanning", "addBatch", "walC
 # also timed beside each epoch: A and B beside the handover floors their targets name,
 # so that one run's floor ratios hold on a machine whose speed drifts within it
 FLOOR_OF = {"A": "DP", "B": "DBP", "Bsl": "DBsl", "Bse": "DBse", "DP": "D", "DBP": "DB",
-            "DPs": "DP", "DPt": "DP", "DPW": "DP", "DPD": "DP"}
-AGGREGATION_OF = {"D": "A", "DP": "A", "DPs": "A", "DPt": "A", "DPW": "A", "DPD": "A", "DB": "B", "DBP": "B", "DBsl": "Bsl",
-                  "DBse": "Bse"}  # a floor: whose aggregation
+            "DPs": "DP", "DPt": "DP", "DPW": "DP", "DPX": "DP", "DPD": "DP"}
+AGGREGATION_OF = {"D": "A", "DP": "A", "DPs": "A", "DPt": "A", "DPW": "A", "DPX": "A", "DPD": "A", "DB": "B", "DBP": "B",
+                  "DBsl": "Bsl", "DBse": "Bse"}  # a floor: whose aggregation
 # our own rows whose target is a ratio to A: warm, each epoch takes turns with an epoch
 # of A (over A's own log, in its own state) in the same process, so that the ratio is a
 # median of pairs, not of two rows run minutes apart
 BESIDE_A = {"As": "A", "Ad": "A", "At": "A"}
-HANDOVER = ("DP", "DPs", "DPt", "DBP", "DPW", "DPD")
-DEDUPLICATED = ("DPD",)  # over Ad's log; its pair, DP, over the same
+HANDOVER = ("DP", "DPs", "DPt", "DBP", "DPW", "DPX", "DPD")
+DEDUPLICATED = ("DPX", "DPD")  # over Ad's log; its pair, DP, over the same
 STRING_KEYED = ("As", "DPs")  # over the string-keyed copy of A's log; DPs's pair, DP, over A's log itself
 OURS_ONLY = ("As", "At")  # no peer: measured against our own A
+ALL_WORKLOADS = "A,As,Ad,At,B,Bsl,Bse,C,S,D,DB,DP,DPs,DPt,DPW,DPX,DPD,DBP,DBsl,DBse"
 
 
 def floor_epoch(spark, floor: str, file: Path, shards: int, work: Path | None = None, epoch: int = 0) -> float:
@@ -304,7 +307,7 @@ def floor_epoch(spark, floor: str, file: Path, shards: int, work: Path | None = 
     DPt, DP with each key's latest event time as one more partial (At's ``TOUCHED_PARTIAL``);
     DPW, DP with the state writes and the Delta commit every A epoch makes (``bench/design_floor.py``),
     its state and table under ``work``; DPD, DP after the deduplication's handover of the records
-    (``record_handover``)."""
+    (``record_handover``); DPX, DP after their exchange alone (``record_handover(to_python=False)``)."""
     t = time.perf_counter()
     events = spark.read.parquet(str(file))
     window = WINDOWS.get(AGGREGATION_OF[floor])
@@ -314,8 +317,8 @@ def floor_epoch(spark, floor: str, file: Path, shards: int, work: Path | None = 
         sink, target = delta_table(work / "delta", layout)
         rows = python_handover(events, shards, window, writes=(str(work / "state"), epoch, target)).toArrow()
         commit_to_delta(rows, sink, target, work / "state", epoch, layout)
-    elif floor == "DPD":
-        python_handover(record_handover(events, shards, "event_id"), shards, window).toArrow()
+    elif floor in DEDUPLICATED:
+        python_handover(record_handover(events, shards, "event_id", to_python=floor == "DPD"), shards, window).toArrow()
     elif floor in HANDOVER:
         python_handover(events, shards, window, touched=floor == "DPt").toArrow()
     else:
@@ -372,11 +375,13 @@ def python_handover(events, shards: int, window: WindowSpec | None,
     return per_shard(partials.select(*returned, columns.SHARD), lambda table: table.select(returned), schema)
 
 
-def record_handover(events, shards: int, key: str, returned: tuple[str, ...] = ("merchant_id", "amount", "status")):
+def record_handover(events, shards: int, key: str, returned: tuple[str, ...] = ("merchant_id", "amount", "status"),
+                    to_python: bool = True):
     """Ad's deduplication's handover with nothing decided: every record to one Python task
     per shard by the hash of ``key``, as the probe routes them by the deduplication key,
     and back with only the ``returned`` columns A's aggregation reads (the least any probe
-    must hand back; the shards' marker rows left out)."""
+    must hand back; the shards' marker rows left out). ``to_python=False``: the exchange
+    alone, the records never leaving the JVM."""
     from pyspark.sql import functions as F
 
     from volley_dagster import columns
@@ -385,6 +390,8 @@ def record_handover(events, shards: int, key: str, returned: tuple[str, ...] = (
 
     names = list(returned)
     routed = to_shards(events.withColumn(columns.KEY, F.col(key)), ShardLayout(shards))
+    if not to_python:
+        return routed.where(F.col(columns.KEY).isNotNull()).select(names)
     return per_shard(routed.select(*events.columns, columns.KEY, columns.SHARD),
                      lambda table: table.filter(pc.is_valid(table.column(columns.KEY))).select(names),
                      events.select(*names).schema)
@@ -578,7 +585,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     log_arguments(parser)
     parser.add_argument("--zipf", type=float, default=None, help="Zipf exponent for skewed keys (default uniform)")
-    parser.add_argument("--workloads", default="A,As,Ad,At,B,Bsl,Bse,C,S,D,DB,DP,DPs,DPt,DPW,DPD,DBP,DBsl,DBse")
+    parser.add_argument("--workloads", default=ALL_WORKLOADS)
     parser.add_argument("--modes", default="warm,cold")
     parser.add_argument("--engines", default="volley,peer")
     parser.add_argument("--cold-epochs", type=int, default=3)
@@ -655,7 +662,9 @@ def main() -> None:
     print_summary(report, scaled)
     if args.profile:
         print_profile(report)
-    finish("compare", report, work, keep=bool(args.workdir))
+    # a run of a few workloads or one engine leaves the whole table's file as it was
+    whole = set(workloads) >= set(ALL_WORKLOADS.split(",")) and {"volley", "peer"} <= set(engines)
+    finish("compare" if whole else "compare-partial", report, work, keep=bool(args.workdir))
 
 
 @dataclass(frozen=True)
@@ -832,6 +841,11 @@ def print_notes(report: dict[str, Any], scaled: dict[str, list[str]]) -> None:
         row = res.get((floor, "spark", "warm"))
         if row and row.get("paired_floor_extra_s") is not None:
             lines.append(handover_floor_line(floor, what, row, a, ours, res.get((ours, "volley", "warm")), target))
+    exchange, trip = res.get(("DPX", "spark", "warm")), res.get(("DPD", "spark", "warm"))
+    if exchange and trip and None not in (exchange.get("paired_floor_extra_s"), trip.get("paired_floor_extra_s")):
+        lines.append(f"Of DPD - DP, the records' exchange by event id in the JVM (DPX - DP, what Spark's own plan pays) "
+                     f"{exchange['paired_floor_extra_s']:+.2f} s (DPX / DP {exchange['paired_floor_ratio']:.2f}x), their trip "
+                     f"to Python and back {trip['paired_floor_extra_s'] - exchange['paired_floor_extra_s']:+.2f} s")
     for labels in scaled.values():
         rows = [res.get((label, "volley", "warm")) for label in labels]
         if len(rows) == 2 and rows[0] and rows[1]:
