@@ -81,6 +81,13 @@ class JoinReference:
         self.waiting = staying
         return pairs, outer, late
 
+    def end_of_stream(self) -> set[Out]:
+        """The final epoch: every waiting row leaves, whatever its bound; the outer rows."""
+        outer = {(row.key, row.rid, None) if row.side == 0 else (row.key, None, row.rid)
+                 for row in self.waiting if not row.matched and OUTER[self.how][row.side]}
+        self.waiting = []
+        return outer
+
     def held(self) -> tuple[int, int]:
         """Rows waiting on the left, on the right."""
         return (sum(r.side == 0 for r in self.waiting), sum(r.side == 1 for r in self.waiting))

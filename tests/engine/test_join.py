@@ -15,9 +15,12 @@ import pyarrow.parquet as pq
 import pytest
 from deltalake import DeltaTable
 
+from pyspark.sql import functions as F
+
 from tests.engine.test_crash_recovery import run_until_killed
 from tests.join_reference import JoinReference, Row
-from volley_dagster import EpochRunner, RunSettings
+from volley_dagster import DeltaSink, EpochRunner, FileLog, Pipeline, RunSettings
+from volley_dagster import columns as engine_columns
 from volley_dagster.checkpoint.migrate import plan_migration
 from volley_dagster.columns import POS_OFFSET_BITS
 from volley_dagster.demo.payments import local_tables
@@ -95,6 +98,14 @@ def test_the_join_equals_the_reference_epoch_by_epoch(spark, tmp_path, how):
     waiting = runner.read_state()
     assert set(zip(waiting.column("payment_id").to_pylist(), waiting.column("row").to_pylist(), strict=True)) == {
         (row.key, row.rid) for row in reference.waiting}
+    assert reference.waiting, "rows wait for the end of the stream"
+    [final] = runner.flush()  # review J2: the end of the stream emits every waiting outer row
+    outer_at_end = reference.end_of_stream()
+    assert final.end_of_stream and final.records_in == 0 and emitted(final.output) == outer_at_end
+    assert final.figures["join_unmatched"] == len(outer_at_end) > 0
+    assert runner.read_state().num_rows == 0 and reference.held() == (0, 0)
+    _carries_its_records_columns(final.output, columns_of)
+    results.append(final)
     everything = {row for r in results for row in emitted(r.output)}
     delta = DeltaTable(str(tmp_path / "tables" / "delta" / "payment_refunds")).to_pyarrow_table()
     assert emitted(delta) == everything and delta.num_rows == len(everything)  # upsert by key and both row ids
@@ -114,6 +125,67 @@ def _carries_its_records_columns(output: pa.Table, columns_of: dict[str, dict[st
         for id_column, names in (("payments_row", LEFT_COLUMNS), ("refunds_row", RIGHT_COLUMNS)):
             record = columns_of.get(row[id_column]) if row[id_column] is not None else None
             assert {n: row[n] for n in names} == {n: record[n] if record else None for n in names}, row
+
+
+def _items(df):
+    """Each payment as two items, ``a`` when paid and ``b`` 20 minutes later; a refund as it is."""
+    is_payment = F.col(engine_columns.SOURCE) == "payments"
+    df = df.withColumn("part", F.explode(F.when(is_payment, F.array(F.lit("a"), F.lit("b")))
+                                         .otherwise(F.array(F.lit(None).cast("string")))))
+    return df.withColumn("paid_at", F.when(F.col("part") == "b", F.col("paid_at") + F.expr("INTERVAL 20 MINUTES"))
+                         .otherwise(F.col("paid_at")))
+
+
+def test_a_transform_that_explodes_records_gives_each_row_its_own_identity(spark, tmp_path):
+    """Review J1: a transform before the join that gives several rows per record (an
+    order's items). Each item waits, matches and leaves as its own row, with its own
+    columns and id (``"<epoch>:<position>.<rank>"`` after the first), through an upsert
+    sink and to the end of the stream, as the reference fed the items says."""
+    events = tmp_path / "events"
+    write_refund_logs(events, 3, PER_FILE)
+    table = tmp_path / "tables" / "items"
+    pipeline = (
+        Pipeline("items")
+        .sources({"payments": FileLog(f"{events}/payments", format="parquet"),
+                  "refunds": FileLog(f"{events}/refunds", format="parquet")})
+        .transform(_items)
+        .join(left="payments", right="refunds", on="payment_id", left_time="paid_at", right_time="refunded_at",
+              between=("0 seconds", "+30 minutes"), how="left", max_out_of_orderness="1 minute",
+              left_columns=["part", "paid_at"], right_columns=["refund_amount"])
+        .sink(DeltaSink(str(table), name="items", mode="upsert"))
+        .with_shards(2)
+    )
+    runner = EpochRunner(pipeline, tmp_path / "state", RunSettings(max_records_per_epoch=MAX), spark=spark)
+    reference = JoinReference(0, duration_us("30 minutes", "upper"), "left", duration_us("1 minute", "ooo"))
+    twenty = duration_us("20 minutes", "item")
+    everything: set[tuple[object, object, object]] = set()
+    parts: dict[str, str] = {}  # each left row id: the item it names
+    results = runner.run_available() + runner.flush()
+    for result in results:
+        rows, _ = epoch_rows(runner, events, result.epoch)
+        before = reference.watermark
+        on_time = [(side, key, at, rid, part) for side, key, time, rid in rows
+                   for at, part in (((time, "a"), (time + twenty, "b")) if side == 0 else ((time, None),))
+                   if before is None or at > before]
+        # the rows of one record and key that are on time are ranked by event time: ids "<rid>", "<rid>.1"
+        both = {rid for _, _, _, rid, part in on_time if part == "a"} & {rid for *_, rid, part in on_time if part == "b"}
+        items = [(side, key, at, f"{rid}.1" if part == "b" and rid in both else rid)
+                 for side, key, at, rid, part in on_time]
+        parts.update({item[3]: part for item, (*_, part) in zip(items, on_time, strict=True) if item[0] == 0})
+        pairs, outer, _ = reference.run(items)
+        if result.end_of_stream:
+            outer |= reference.end_of_stream()
+        assert result.input_watermarks == {"payments": reference.side_marks[0], "refunds": reference.side_marks[1]}
+        assert emitted(result.output) == pairs | outer, f"epoch {result.epoch}"
+        for row in result.output.to_pylist():
+            if row["payments_row"] is not None:
+                assert row["part"] == parts[row["payments_row"]], row
+        everything |= emitted(result.output)
+    assert results[-1].end_of_stream and results[-1].figures["join_unmatched"] > 0
+    assert runner.read_state().num_rows == 0
+    assert any(left is not None and left.endswith(".1") and right is not None for _, left, right in everything)
+    delta = DeltaTable(str(table)).to_pyarrow_table()
+    assert emitted(delta) == everything and delta.num_rows == len(everything)
 
 
 def _log_size(events: Path) -> int:

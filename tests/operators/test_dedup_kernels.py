@@ -14,7 +14,7 @@ import pytest
 import rocksdict
 
 from volley_dagster.operators.base import ShardStep
-from volley_dagster.operators.dedup import Deduplication, ProbeTally, SeenKeys, decide
+from volley_dagster.operators.dedup import Deduplication, ProbeTally, SeenKeys, decide, first_occurrences
 from volley_dagster.operators.dedup_state import LEGACY_BY_DEADLINE_NS, LEGACY_SEEN_NS, RUNS_NS, read_remembered
 from volley_dagster.operators.event_time import EventTime
 from volley_dagster.state.keys import ShardLayout, encode_keys, namespace_prefix
@@ -138,3 +138,15 @@ def test_probe_tallies_cross_as_bytes_and_combine_to_the_latest_time_and_the_sum
     assert ProbeTally.combined([ProbeTally(None), ProbeTally(None, 1, 1)]) == ProbeTally(None, 1, 1)
     assert ProbeTally.combined([]) == ProbeTally(None)
     assert {ProbeTally.key_group(s) for s in range(4)} == {-1, -2, -3, -4}  # never a key group of a run
+
+
+def test_the_rows_of_one_record_are_one_event_kept_or_dropped_together():
+    """A transform that explodes a record gives several rows one position (review J1):
+    rows of the key's first record are all first, whatever their order; a later
+    record's rows with that key are all duplicates, and other keys are decided alone."""
+    keys = pa.array(["a", "b", "a", "a", "b", "c", "a"])
+    positions = np.array([5, 5, 5, 9, 2, 9, 5])
+    assert first_occurrences(keys, positions).tolist() == [True, False, True, False, True, True, True]
+    shuffled = np.array([6, 3, 0, 5, 2, 1, 4])
+    again = first_occurrences(keys.take(pa.array(shuffled)), positions[shuffled])
+    assert again.tolist() == [True, False, True, True, True, False, True]

@@ -150,3 +150,51 @@ def test_a_join_is_configured_with_named_errors():
         IntervalJoin("a", "b", "k", "t", "u", 0, 10, "outer")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="two different sources"):
         IntervalJoin("a", "a", "k", "t", "u", 0, 10)
+
+
+def _rows(rows: list[tuple[int, int, int, int, str]]) -> pa.Table:
+    """(side, key, time, position, note) rows, as the stage routes them: several may share a position."""
+    return pa.table({
+        columns.KEY: pa.array([k for _, k, *_ in rows], pa.int64()),
+        columns.KEY_GROUP: pa.array([k % 8 for _, k, *_ in rows], pa.int32()),
+        columns.POS: pa.array([p for *_, p, _ in rows], pa.int64()),
+        columns.JOIN_SIDE: pa.array([s for s, *_ in rows], pa.int8()),
+        columns.JOIN_TIME: pa.array([t for _, _, t, *_ in rows], pa.int64()),
+        columns.JOIN_ROW: pa.array([json.dumps({"rid": p, "note": n}) for *_, p, n in rows], pa.string()),
+        columns.ROWS: pa.array([1] * len(rows), pa.int32()),
+    })
+
+
+def test_rows_of_one_record_keep_their_own_ids_and_columns_while_they_wait(tmp_path):
+    """A transform that explodes a record (an order into its items) gives the join
+    several rows at one position: each waits, matches and leaves as its own row (review
+    J1: they shared one id, so the last row's columns overwrote the others', and the
+    first to leave deleted the others' columns)."""
+    shard = JoinShard(JoinBounds(0, 100, (True, False)), (CODEC, CODEC), None, ("orders", "shipments"))
+    db = rocksdict.Rdict(str(tmp_path / "db"), RocksDBOptions().build())
+
+    def run(epoch: int, rows: list[tuple[int, int, int, int, str]], before: int | None, after: int | None,
+            again: bool = True) -> list[tuple[object, ...]]:
+        step = ShardStep(epoch, "int", watermark_before=before, watermark=after, layout=LAYOUT, shard=0)
+        first = apply_join(shard, ShardTransaction(db), _rows(rows), step)[0] if again else None
+        txn = ShardTransaction(db)
+        outputs = apply_join(shard, txn, _rows(rows), step)[0]
+        txn.flush()
+        emitted = sorted(zip(*(a.to_pylist() for a in outputs), strict=True), key=str)
+        if first is not None:
+            assert sorted(zip(*(a.to_pylist() for a in first), strict=True), key=str) == emitted, "a retry differs"
+        return emitted
+
+    try:
+        assert run(1, [(0, 1, 20, 7, "pear"), (0, 1, 10, 7, "apple")], None, None) == []
+        paired = run(2, [(1, 1, 50, 0, "box")], None, 0)
+        assert sorted((left_id, note) for _, left_id, _, _, note, _, _ in paired) == [("1:7", "apple"), ("1:7.1", "pear")]
+        assert len({(row[1], row[2]) for row in paired}) == 2, "two pairs, two (left, right) ids"
+        assert run(3, [], 0, 115) == []  # the apple leaves (bound 110), matched: no outer row
+        late_match = run(4, [(1, 1, 118, 0, "crate")], 115, 115)
+        assert [(left_id, note, right_note) for _, left_id, _, _, note, _, right_note in late_match] == \
+            [("1:7.1", "pear", "crate")]
+        assert run(5, [], 115, 300) == []  # the pear leaves matched; nothing waits
+        assert not list(scan_prefix(db, (10).to_bytes(2, "big")))
+    finally:
+        db.close()

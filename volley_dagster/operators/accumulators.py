@@ -254,8 +254,11 @@ class _Positional(_ValueAccumulator):
     def partials(self, name, kind):
         value = numeric_expr(self.column, kind)
         pos = F.when(value.isNotNull(), F.col(columns.POS))
+        # rows of one record (a transform's explode) share a position: the value breaks
+        # the tie (first: the least, last: the greatest), the same on every re-run
+        order = F.when(value.isNotNull(), F.struct(F.col(columns.POS), value))
         pick, at = (F.min_by, F.min) if self._earliest else (F.max_by, F.max)
-        return {f"{name}:v": pick(value, pos), f"{name}:p": at(pos)}
+        return {f"{name}:v": pick(value, order), f"{name}:p": at(pos)}
 
     def fields(self, name, kind):
         return super().fields(name, kind) + [(f"{name}:e", np.int64), (f"{name}:p", np.int64)]

@@ -181,7 +181,10 @@ class Deduplication:
 
 
 def first_occurrences(keys: pa.Array, positions: np.ndarray) -> np.ndarray:
-    """For each row, whether it is its key's first by log position (bulk: one sort)."""
+    """For each row, whether it is of its key's first record by log position (bulk: one
+    sort). Every row of that record counts as first: a transform that explodes a record
+    gives several rows one position, and they are one event's parts, kept or dropped
+    together."""
     n = len(keys)
     first = np.zeros(n, dtype=bool)
     if n == 0:
@@ -192,7 +195,9 @@ def first_occurrences(keys: pa.Array, positions: np.ndarray) -> np.ndarray:
     starts = np.ones(n, dtype=bool)
     if n > 1:
         starts[1:] = pc.not_equal(ordered.slice(1), ordered.slice(0, n - 1)).to_numpy(zero_copy_only=False)
-    first[order[starts]] = True
+    ordered_positions = np.asarray(positions)[order]
+    earliest = ordered_positions[np.flatnonzero(starts)][np.cumsum(starts) - 1]
+    first[order[ordered_positions == earliest]] = True
     return first
 
 

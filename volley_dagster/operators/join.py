@@ -20,6 +20,9 @@ time is its side's column, and the watermark trails the latest of both sides by
 - **Outer rows.** With ``how="left"`` (``"right"``, ``"full"``), a left (right, either)
   row that leaves state never matched is emitted once then, with nulls for the other
   side.
+- **End of the stream.** The final epoch (``runner.flush()``, ``end_of_stream``) lets
+  every row leave, whatever its bound, as it fires every window: each unmatched row of
+  an outer side is emitted then.
 
 So what an epoch emits depends only on the recorded ranges and the watermark in N-1's
 manifest, never on timing: Spark's outer-join null rows depend on when micro-batches
@@ -33,7 +36,7 @@ row ids. The shard side is ``operators/join_state.py``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import TYPE_CHECKING, ClassVar, Literal, Sequence
 
@@ -71,6 +74,7 @@ if TYPE_CHECKING:
 JoinHow = Literal["inner", "left", "right", "full"]
 _OUTER: dict[str, tuple[bool, bool]] = {"inner": (False, False), "left": (True, False), "right": (False, True),
                                         "full": (True, True)}
+END_OF_STREAM_US = np.iinfo(np.int64).max - 1  # the leave limit of the final epoch: every row leaves
 LATE_REASON = "late: event time at or before the watermark the epoch started from"
 JOIN_NAMESPACES = StateNamespaces(JOIN_NAMESPACES_KEYED)
 
@@ -273,7 +277,7 @@ class ResolvedJoin:
     def event_time(self) -> SideTimes:
         return self.join.event_time
 
-    runs_without_records: ClassVar[bool] = False  # without records the watermark stays: nothing leaves
+    runs_without_records: ClassVar[bool] = False  # without records the watermark stays: nothing leaves (but at the end)
     rows_are_sink_rows: ClassVar[bool] = True
     one_row_per_key: ClassVar[bool] = False
 
@@ -306,7 +310,11 @@ class ResolvedJoin:
         return None  # W[N] decides which rows leave the join's state
 
     def shard_input(self, assigned: DataFrame, clock: StageClock, step: ShardStep) -> tuple[DataFrame, ShardStep]:
-        """Each record on time: its key, row id, side, event time and columns (as text)."""
+        """Each record on time: its key, row id, side, event time and columns (as text).
+        At the end of the stream every waiting row leaves (no record can come to match
+        it), as every window fires: an outer side's unmatched rows are emitted then."""
+        if clock.end_of_stream:
+            step = replace(step, watermark=END_OF_STREAM_US)
         is_left = F.col(self.join.source_column) == F.lit(self.join.left)
         return assigned.where(~self._is_late(clock.watermark_before)).select(
             F.col(columns.KEY), F.col(columns.POS),

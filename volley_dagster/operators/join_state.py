@@ -28,7 +28,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from volley_dagster import columns
-from volley_dagster.errors import SnapshotError, StateLimitError
+from volley_dagster.errors import ConfigError, SnapshotError, StateLimitError
 from volley_dagster.operators.base import OperatorStats, ShardStep, partial_records
 from volley_dagster.operators.join_rows import RowCodec
 from volley_dagster.state.keys import decode_keys, encode_keys, namespace_prefix, packed_records
@@ -38,12 +38,16 @@ from volley_dagster.state.transaction import ShardTransaction
 INDEX_NS, ROWS_NS, BY_BOUND_NS, COUNTS_NS = 9, 10, 11, 12
 JOIN_NAMESPACES_KEYED = (INDEX_NS, ROWS_NS, BY_BOUND_NS, COUNTS_NS)
 LEFT, RIGHT = 0, 1
-# a row is the epoch that read it and its position in that epoch's range (``columns.POS``)
+# a row is the epoch that read it and its position in that epoch's range (``columns.POS``);
+# the second and later rows one record gives a key (a transform's explode) are told
+# apart by their rank among them, packed into a negative position (``row_numbers``)
 ENTRY = np.dtype([("side", "u1"), ("matched", "u1"), ("epoch", "<u4"), ("row", "<i8"), ("time", "<i8")])
 _ROW_SUFFIX = np.dtype([("side", "u1"), ("epoch", ">u4"), ("row", ">i8")])
 _BOUND_PREFIX = np.dtype([("ns", ">u2"), ("kg", ">u2"), ("bound", ">u8"), ("side", "u1"), ("epoch", ">u4"),
                           ("row", ">i8")])
 _MAX, _MIN = np.iinfo(np.int64).max, np.iinfo(np.int64).min
+_RANK_SHIFT, _RANK_BITS = 28, 12  # in a packed position: rank in bits 28-39, below the segment's bits (columns.POS)
+_SEGMENT_MASK, _OFFSET_MASK = -1 << columns.POS_OFFSET_BITS, (1 << _RANK_SHIFT) - 1
 FIGURES = ("join_pairs", "join_unmatched", "join_left_rows", "join_right_rows", "join_rows_evicted")
 
 
@@ -115,7 +119,7 @@ def apply_join(join: JoinShard, txn: ShardTransaction, data: pa.Table,
         ki=np.concatenate([old["ki"], ki_all[:len(keys_new)]]),
         side=np.concatenate([old["side"], sides_new]),
         epoch=np.concatenate([old["epoch"], np.full(len(keys_new), step.epoch, dtype=np.int64)]),
-        row=np.concatenate([old["row"], data.column(columns.POS).to_numpy(zero_copy_only=False).astype(np.int64)]),
+        row=np.concatenate([old["row"], row_numbers(data, ki_all[:len(keys_new)], step.epoch, join.side_names)]),
         time=np.concatenate([old["time"], data.column(columns.JOIN_TIME).to_numpy(zero_copy_only=False).astype(np.int64)]),
         matched=np.concatenate([old["matched"].astype(bool), np.zeros(len(keys_new), dtype=bool)]),
         new=np.concatenate([np.zeros(n_old, dtype=bool), np.ones(len(keys_new), dtype=bool)]),
@@ -147,6 +151,42 @@ def apply_join(join: JoinShard, txn: ShardTransaction, data: pa.Table,
                "join_rows_evicted": int((leaves & ~w.new).sum())}
     return outputs, OperatorStats(len(keys), int(np.count_nonzero(np.array([v is None for v in stored]))),
                                   figures, partial_records(data))
+
+
+def row_numbers(data: pa.Table, ki: np.ndarray, epoch: int, side_names: tuple[str, str]) -> np.ndarray:
+    """Each new row's number in state: its record's position (``columns.POS``), or, for
+    the second and later rows a record gives one key and side (a transform that explodes
+    records), the position packed with the row's rank among them, negated so it is never
+    a position. The rank orders those rows by event time, then columns: the same on every
+    re-run of the recorded range, so a retry gives each row the same id. Only rows on time
+    reach a shard, so the rank counts those."""
+    positions = data.column(columns.POS).to_numpy(zero_copy_only=False).astype(np.int64)
+    sides = data.column(columns.JOIN_SIDE).to_numpy(zero_copy_only=False).astype(np.int64)
+    if len(positions) < 2:
+        return positions
+    order = pc.sort_indices(pa.table({"k": ki, "s": sides, "p": positions, "t": data.column(columns.JOIN_TIME),
+                                      "c": data.column(columns.JOIN_ROW)}),
+                            sort_keys=[(c, "ascending") for c in ("k", "s", "p", "t", "c")]).to_numpy()
+    same = (ki[order][1:] == ki[order][:-1]) & (sides[order][1:] == sides[order][:-1]) \
+        & (positions[order][1:] == positions[order][:-1])
+    if not same.any():
+        return positions
+    starts = np.flatnonzero(np.concatenate([[True], ~same]))
+    ranks = np.empty(len(order), dtype=np.int64)
+    ranks[order] = np.arange(len(order)) - np.repeat(starts, np.diff(np.append(starts, len(order))))
+    exploded = ranks > 0
+    offsets = positions & ~_SEGMENT_MASK
+    too_far = exploded & ((offsets > _OFFSET_MASK) | (ranks >= 1 << _RANK_BITS))
+    if too_far.any():
+        at = int(np.flatnonzero(too_far)[0])
+        raise ConfigError(
+            f"epoch {epoch}: the join's {side_names[int(sides[at])]!r} side got "
+            f"{int(np.count_nonzero(positions == positions[at]))} rows from one record (position {int(positions[at])}) "
+            f"with one key; it tells apart at most {1 << _RANK_BITS} rows of one record and key, in epochs that read "
+            f"fewer than {1 << _RANK_SHIFT:,} records of one file: lower max_records_per_epoch, or emit fewer rows "
+            "per record in the transform; nothing was committed")
+    packed = -((positions & _SEGMENT_MASK) | (ranks << _RANK_SHIFT) | offsets)
+    return np.where(exploded, packed, positions)
 
 
 def _due(txn: ShardTransaction, step: ShardStep, kind: str) -> tuple[np.ndarray, pa.Array]:
@@ -310,12 +350,19 @@ def _texts(txn: ShardTransaction, w: _Waiting, n_old: int, row_keys: pa.Array, d
 
 def row_ids(epochs: np.ndarray, rows: np.ndarray, index: np.ndarray) -> pa.Array:
     """Each row's id, ``"<epoch>:<position>"`` (the epoch that read it, its position in
-    that epoch's range: unique in the log, the same on every re-run), in bulk; null
-    where ``index`` is -1 (the missing side of an outer row)."""
+    that epoch's range: unique in the log, the same on every re-run), with ``".<rank>"``
+    after it for the second and later rows one record gave one key (``row_numbers``), in
+    bulk; null where ``index`` is -1 (the missing side of an outer row)."""
     at = np.maximum(index, 0)
+    number = rows[at] if len(index) else np.zeros(0, np.int64)
+    packed = np.where(number < 0, -number, 0)
+    position = np.where(number < 0, (packed & _SEGMENT_MASK) | (packed & _OFFSET_MASK), number)
+    rank = (packed >> _RANK_SHIFT) & ((1 << _RANK_BITS) - 1)
     epoch = pa.array(epochs[at] if len(index) else np.zeros(0, np.int64), pa.int64()).cast(pa.string())
-    row = pa.array(rows[at] if len(index) else np.zeros(0, np.int64), pa.int64()).cast(pa.string())
-    ids = pc.binary_join_element_wise(epoch, row, pa.scalar(":"))
+    ids = pc.binary_join_element_wise(epoch, pa.array(position, pa.int64()).cast(pa.string()), pa.scalar(":"))
+    if (number < 0).any():
+        ranked = pc.binary_join_element_wise(ids, pa.array(rank, pa.int64()).cast(pa.string()), pa.scalar("."))
+        ids = pc.if_else(pa.array(number < 0), ranked, ids)
     return pc.if_else(pa.array(index < 0), pa.scalar(None, pa.string()), ids)
 
 

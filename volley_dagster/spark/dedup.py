@@ -56,8 +56,8 @@ from volley_dagster.state.transaction import ShardTransaction
 
 _PROBED = [columns.SHARD, columns.KEY_GROUP, columns.DEDUP_KEY, columns.DEDUP_TIME, columns.POS]
 _VERDICTS = [columns.DUPLICATE, columns.DEDUP_LATE]
-# Up to this many dropped records, their positions are broadcast to the anti-join (8 bytes
-# each), so the epoch's records are not shuffled by position to leave them out.
+# Up to this many dropped records, their positions and keys are broadcast to the anti-join
+# (8 bytes and the key each), so the epoch's records are not shuffled to leave them out.
 BROADCAST_DROPPED_MAX = 4_000_000
 
 
@@ -179,13 +179,15 @@ class ProbedEpoch:
         return {DUPLICATES: self.duplicates, DEDUP_LATE: self.late}
 
     def remaining(self, rows: DataFrame) -> DataFrame:
-        """``rows`` without the dropped ones (duplicates and late), and without their key."""
+        """``rows`` without the dropped ones (duplicates and late), and without their key:
+        a dropped row is its position and key, since a transform that explodes a record
+        gives rows of one position other keys, each decided on its own."""
         if not self.duplicates and not self.late:
             return rows.drop(columns.DEDUP_KEY)
-        dropped = self.probed.where(_dropped()).select(columns.POS)
+        dropped = self.probed.where(_dropped()).select(columns.POS, columns.DEDUP_KEY)
         if self.duplicates + self.late <= BROADCAST_DROPPED_MAX:
             dropped = F.broadcast(dropped)
-        return rows.join(dropped, columns.POS, "left_anti").drop(columns.DEDUP_KEY)
+        return rows.join(dropped, [columns.POS, columns.DEDUP_KEY], "left_anti").drop(columns.DEDUP_KEY)
 
     def dropped(self, rng: EpochRange) -> pa.Table | None:
         return None if self.dropped_records is None else self.dedup.side_output(self.dropped_records, rng)
