@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import asdict, dataclass, field, fields, replace
 
 import pyarrow as pa
@@ -68,6 +69,26 @@ class EpochResult:
                       "sinks": {name: SinkCommitResult.from_dict(c) for name, c in manifest["sinks"].items()},
                       "enrichments": {name: EnrichmentRead.from_dict(r)
                                       for name, r in manifest.get("enrichments", {}).items()}})
+
+    def _legacy_figure(self, name: str) -> int:
+        warnings.warn(f"EpochResult.{name} is deprecated: read EpochResult.figures[{name!r}] instead "
+                      "(every operator's figures are there); it will be removed in 1.0", DeprecationWarning, stacklevel=3)
+        return self.figures.get(name, 0)
+
+    @property
+    def keys_expired(self) -> int:
+        """Deprecated: ``figures["keys_expired"]``."""
+        return self._legacy_figure("keys_expired")
+
+    @property
+    def duplicates(self) -> int:
+        """Deprecated: ``figures["duplicates"]``."""
+        return self._legacy_figure("duplicates")
+
+    @property
+    def dedup_late(self) -> int:
+        """Deprecated: ``figures["dedup_late"]``."""
+        return self._legacy_figure("dedup_late")
 
     @property
     def records_per_second(self) -> float:

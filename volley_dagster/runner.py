@@ -30,7 +30,7 @@ from volley_dagster.dimensions.base import TablePin
 from volley_dagster.errors import EpochOrderError, StorageFullError, is_disk_full
 from volley_dagster.pipeline import Pipeline
 from volley_dagster.result import EpochResult
-from volley_dagster.settings import RunSettings
+from volley_dagster.settings import RunSettings, with_runner_keywords
 from volley_dagster.sources.offsets import Backlog, EpochRange
 from volley_dagster.spark.session import get_or_create_spark
 from volley_dagster.spark.state_table import StateTables
@@ -42,16 +42,17 @@ class EpochRunner:
     """``EpochRunner(pipeline, checkpoint_root="state/").run_next()``."""
 
     def __init__(self, pipeline: Pipeline, checkpoint_root: str | Path, settings: RunSettings | None = None, *,
-                 spark: SparkSession | None = None) -> None:
+                 spark: SparkSession | None = None, **deprecated: object) -> None:
         """Runs ``pipeline`` with its state and epoch log under ``checkpoint_root``, as
         ``settings`` say (``settings.py``), on ``spark`` (default:
-        ``get_or_create_spark()`` on first use)."""
+        ``get_or_create_spark()`` on first use). ``deprecated``: ``RunSettings``'s fields
+        as keywords, as before it existed (a ``DeprecationWarning``)."""
         pipeline.validate()
         self.pipeline = pipeline
         self.log = EpochLog(checkpoint_root)
         self.log.root.mkdir(mode=0o700, parents=True, exist_ok=True)  # a new root is its owner's alone
         self._spark = spark
-        self.settings = settings or RunSettings()
+        self.settings = with_runner_keywords(settings, deprecated)
         self._lease: PipelineLease | None = None
 
     @property

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import os
 import tempfile
-from dataclasses import dataclass, field
+import warnings
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
+from typing import Mapping
 
 from volley_dagster.checkpoint.lease import DEFAULT_TTL_S, DEFAULT_WAIT_S
 from volley_dagster.checkpoint.s3_snapshots import S3SnapshotStore
@@ -65,3 +67,30 @@ class RunSettings:
     def reading(self) -> ReadSettings:
         """What reading snapshots needs of these (state reads, the dedup probe)."""
         return ReadSettings(self.snapshot_store, self.snapshot_cache, self.rocksdb, self.verify_checksums)
+
+
+def with_runner_keywords(settings: RunSettings | None, keywords: Mapping[str, object]) -> RunSettings:
+    """``EpochRunner(pipeline, root, max_records_per_epoch=..., keep_epochs=...)``, as it
+    was before ``RunSettings`` (deprecated, see CHANGELOG.md): the keywords still work,
+    over ``settings``, with a warning that names the replacement."""
+    settings = settings or RunSettings()
+    if not keywords:
+        return settings
+    known = {f.name for f in fields(RunSettings)}
+    unknown = sorted(set(keywords) - known)
+    if unknown:
+        raise TypeError(f"EpochRunner() got an unexpected keyword argument {unknown[0]!r}; "
+                        f"its settings are RunSettings's: {sorted(known)}")
+    given = dict(keywords)
+    if isinstance(given.get("resident_state"), bool):  # True: the default cache, False: none
+        given["resident_state"] = ResidentStateCache.from_env() if given["resident_state"] else None
+    if given.get("rocksdb", RocksDBOptions()) is None:
+        given["rocksdb"] = RocksDBOptions()
+    if given.get("snapshot_cache", "") is None:
+        given["snapshot_cache"] = default_snapshot_cache()
+    elif "snapshot_cache" in given:
+        given["snapshot_cache"] = str(given["snapshot_cache"])
+    shown = ", ".join(f"{name}=..." for name in sorted(given))
+    warnings.warn(f"EpochRunner({shown}) is deprecated: pass settings=RunSettings({shown}) instead "
+                  "(volley_dagster.RunSettings); the keywords will be removed in 1.0", DeprecationWarning, stacklevel=3)
+    return replace(settings, **given)  # type: ignore[arg-type]
