@@ -40,6 +40,11 @@ class SourceUnavailableError(VolleyError):
     ``SourceError``, which re-running cannot fix."""
 
 
+class SourceNotReadyError(SourceUnavailableError):
+    """The source has no records yet to infer its schema from (no files, and no
+    ``schema=``): a pipeline of several sources waits for it, and a run is retried."""
+
+
 class SourceDataLostError(SourceError):
     """Records of a recorded (or about to be cut) range are gone from the source before
     they were read, as retention deletes a Kafka topic's old offsets: the error names

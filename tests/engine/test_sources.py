@@ -156,3 +156,27 @@ def test_a_pipeline_of_two_sources_migrates_like_one(spark, tmp_path):
                                   rtol=1e-9)
     since = pa.concat_tables([web.slice(PER_FILE), store.slice(PER_FILE)])  # the second file of each
     assert got["seen_since"].sum() == pc.sum(pc.equal(since.column("status"), "active")).as_py()
+
+
+def test_a_join_whose_second_log_has_no_files_yet_waits_then_runs(spark, tmp_path):
+    """Review M1 on Spark: the refunds log has no file yet, so nothing is cut (no run
+    fails); once its first file lands, the first epoch reads both logs from their starts
+    and joins them."""
+    from volley_dagster.demo.payments import local_tables
+    from volley_dagster.demo.refunds import refunds_pipeline, write_refund_logs
+
+    events = tmp_path / "events"
+    write_refund_logs(events, 1, 300)
+    landed = tmp_path / "refunds-landed"
+    (events / "refunds").rename(landed)
+    (events / "refunds").mkdir()
+    runner = EpochRunner(refunds_pipeline(events, local_tables(tmp_path / "tables"), shards=2), tmp_path / "state",
+                         spark=spark)
+    assert runner.run_next() is None and runner.log.last_cut() == 0
+    assert runner.backlog().parts["payments"].records == 300
+    for f in landed.iterdir():
+        f.rename(events / "refunds" / f.name)
+    both = sum(pq.read_metadata(f).num_rows for f in events.rglob("*.parquet"))
+    result = runner.run_next()
+    assert result is not None and result.epoch == 1 and result.records_in == both > 300
+    assert result.figures["join_pairs"] > 0

@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from volley_dagster.demo.events import generate
-from volley_dagster.errors import ConfigError, SourceChangedError, SourceError
+from volley_dagster.errors import ConfigError, SourceChangedError, SourceError, SourceNotReadyError, SourceUnavailableError
 from volley_dagster.sources.file_log import FileLog
 from volley_dagster.sources.multi import MultiSource
 from volley_dagster.sources.offsets import EpochRange, Position
@@ -84,3 +84,42 @@ def test_sources_that_cannot_be_read_as_one_are_refused_by_name(tmp_path):
         MultiSource({"web": FileLog(tmp_path / "web"), "other": FileLog(tmp_path / "web")}, "amount").schema()
     with pytest.raises(SourceError, match="names no source"):
         both.cut(2, {"": Position("events-000000.parquet", 0, 10)}, None)  # a single source's positions
+
+
+def test_a_source_with_no_files_yet_holds_the_cut_until_its_first_file_lands(tmp_path):
+    """Review M1: a source with no files (and no schema=) has no columns yet; the pipeline
+    cuts nothing until it has, then reads both from their starts (the error, were a run
+    to meet it, is transient: retried, never a stop)."""
+    generate(tmp_path / "web", 2, 100, 10)
+    (tmp_path / "store").mkdir()
+    sources = MultiSource({"web": FileLog(tmp_path / "web"), "store": FileLog(tmp_path / "store")})
+    assert sources.waiting_for() == ["store"]
+    with pytest.raises(SourceNotReadyError, match="no parquet files yet") as no_schema:
+        sources.schema()
+    assert isinstance(no_schema.value, SourceUnavailableError)
+    empty = sources.cut(1, {}, 1_000)
+    assert empty.records == 0 and not empty.segments
+    assert sources.backlog(empty.end).parts["web"].records == 200  # what waits still shows
+    generate(tmp_path / "store", 1, 100, 10, seed=8)
+    first = sources.cut(1, empty.end, 1_000)
+    assert (sources.range_of("web", first).records, sources.range_of("store", first).records) == (200, 100)
+    assert "amount" in sources.schema().names
+
+
+def test_a_column_one_source_lacks_is_nullable_in_the_merged_schema(tmp_path):
+    """Review M2: a column declared non-nullable (Parquet ``required``) in one source and
+    absent from the other is nullable in the merged schema, which the other's rows fill
+    with nulls; one non-nullable in every source stays so."""
+    for name, table in (("a", pa.table({"k": pa.array([1], pa.int64()), "amount": pa.array([5], pa.int64())},
+                                       schema=pa.schema([pa.field("k", pa.int64(), nullable=False),
+                                                         pa.field("amount", pa.int64(), nullable=False)]))),
+                        ("b", pa.table({"k": pa.array([2], pa.int64())},
+                                       schema=pa.schema([pa.field("k", pa.int64(), nullable=False)])))):
+        (tmp_path / name).mkdir()
+        pq.write_table(table, tmp_path / name / "events-000000.parquet")
+    sources = MultiSource({"a": FileLog(tmp_path / "a"), "b": FileLog(tmp_path / "b")})
+    schema = sources.schema()
+    assert schema.field("amount").nullable and not schema.field("k").nullable
+    rng = sources.cut(1, {}, None)
+    b = sources.read_segment(next(s for s in rng.segments if s.partition == "b/"), schema, 1)
+    assert b.column("amount").to_pylist() == [None]

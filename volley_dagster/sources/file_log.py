@@ -20,7 +20,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from volley_dagster.errors import ConfigError, SourceChangedError, SourceError
+from volley_dagster.errors import ConfigError, SourceChangedError, SourceError, SourceNotReadyError
 from volley_dagster.json_records import JsonObject
 from volley_dagster.sources import formats
 from volley_dagster.sources.base import NativeParquetFile, Source, SourceSnapshot
@@ -122,7 +122,8 @@ class FileLog(Source):
         if self._schema is None:
             parts = self.partitions()
             if not parts:
-                raise SourceError(f"{self.uri}: no {self.format} files yet, so no schema to infer; pass schema=")
+                raise SourceNotReadyError(f"{self.uri}: no {self.format} files yet, so no schema to infer: it is read "
+                                          "once its first file lands (or pass schema= to read it from the start)")
             first = min((files[0] for files in parts.values()), key=lambda f: f.path)
             self._schema = formats.read_schema(self.format, self.storage.read(first.path))
         return self._schema

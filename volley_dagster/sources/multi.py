@@ -17,7 +17,7 @@ from dataclasses import replace
 
 import pyarrow as pa
 
-from volley_dagster.errors import ConfigError, SourceError
+from volley_dagster.errors import ConfigError, SourceError, SourceNotReadyError
 from volley_dagster.json_records import JsonObject
 from volley_dagster.sources.base import Source, SourceSnapshot
 from volley_dagster.sources.offsets import Backlog, EpochRange, Segment, SourcePosition, fair_shares
@@ -47,15 +47,20 @@ class MultiSource(Source):
                 "sources": {name: source.describe() for name, source in self.sources.items()}}
 
     def schema(self) -> pa.Schema:
+        """Every source's columns, by name. A column is nullable unless every source has
+        it non-nullable: a source that lacks it gives its rows nulls."""
         if self._schema is None:
             fields: dict[str, tuple[str, pa.Field]] = {}
-            for name, source in self.sources.items():
-                for f in source.schema():
+            schemas = {name: source.schema() for name, source in self.sources.items()}
+            for name, schema in schemas.items():
+                for f in schema:
                     seen = fields.setdefault(f.name, (name, f))
                     if not seen[1].type.equals(f.type):
                         raise ConfigError(f"column {f.name!r} is {seen[1].type} in source {seen[0]!r} and {f.type} in "
                                           f"source {name!r}; cast one of them in its source's schema")
-            merged = [f for _, f in fields.values()]
+            required = {column for column in fields
+                        if all(column in s.names and not s.field(column).nullable for s in schemas.values())}
+            merged = [f if f.name in required else f.with_nullable(True) for _, f in fields.values()]
             if self.source_column is not None:
                 if self.source_column in fields:
                     raise ConfigError(f"source_column {self.source_column!r} is already a column of source "
@@ -92,13 +97,27 @@ class MultiSource(Source):
                          if s.partition.startswith(prefix))
         return replace(rng, start=own(rng.start), end=own(rng.end), segments=segments)
 
+    def waiting_for(self) -> list[str]:
+        """The sources whose schema is not known yet (no files, no ``schema=``): until
+        each has one, the columns of the records are not known, so nothing is cut."""
+        waiting = []
+        for name, source in self.sources.items():
+            try:
+                source.schema()
+            except SourceNotReadyError:
+                waiting.append(name)
+        return waiting
+
     def cut(self, epoch: int, after: Mapping[str, SourcePosition], max_records: int | None,
             final: bool = False) -> EpochRange:
         """Each source's range from where it stopped, at most ``max_records`` together,
-        shared fairly between the sources (a quiet one leaves its share to the others)."""
+        shared fairly between the sources (a quiet one leaves its share to the others);
+        nothing while a source's schema is not known yet (``waiting_for``)."""
         split = self.split(after)
         quota: dict[str, int | None] = dict.fromkeys(self.sources)
-        if max_records is not None:
+        if self._schema is None and self.waiting_for():
+            quota = dict.fromkeys(self.sources, 0)
+        elif max_records is not None:
             waiting = {name: source.available_records(split[name]) for name, source in self.sources.items()}
             quota = dict(fair_shares(waiting, max_records))
         segments: list[Segment] = []
