@@ -149,7 +149,7 @@ class DimensionVersionLostError(DimensionTableError):
 
 
 # The one place that classifies failures. Permanent: errors that name bad input, a
-# setting, a lineage, a schema or a corrupt snapshot: the same run fails the same way,
+# setting, a lineage, a schema, a corrupt snapshot or state past its bound: the same run fails the same way,
 # so a retry only hides them and a person must act. Transient: everything else. Named
 # ones: S3 5xx, throttling, timeouts and refused connections (SnapshotStorageError,
 # SourceUnavailableError), a lost executor, a catalog lock or commit conflict
@@ -157,7 +157,7 @@ class DimensionVersionLostError(DimensionTableError):
 # full disk; an error of no known class is transient too, since a retry of an epoch is
 # always safe (it commits at most once).
 _PERMANENT = (ConfigError, EpochOrderError, SourceError, MalformedRecordError, StateLayoutError, SinkLineageError,
-              AggregateOverflowError, DimensionVersionLostError)
+              AggregateOverflowError, DimensionVersionLostError, StateLimitError)
 
 
 def is_retryable(exc: BaseException) -> bool:

@@ -25,7 +25,7 @@ from volley_dagster.checkpoint.migrate import plan_migration
 from volley_dagster.columns import POS_OFFSET_BITS
 from volley_dagster.demo.payments import local_tables
 from volley_dagster.demo.refunds import refunds_pipeline, write_refund_logs
-from volley_dagster.errors import StateLayoutError, StateLimitError
+from volley_dagster.errors import StateLayoutError, StateLimitError, is_retryable
 from volley_dagster.operators.event_time import duration_us
 from volley_dagster.sinks.iceberg import IcebergSink
 
@@ -200,6 +200,7 @@ def test_a_join_refuses_to_hold_more_than_max_state_rows_and_commits_nothing_and
     with pytest.raises(StateLimitError, match=r"past max_state_rows=100; nothing was committed") as failure:
         runner.run_next()
     assert "'payments'" in str(failure.value) and "epoch 1 shard" in str(failure.value)
+    assert not is_retryable(failure.value), "review J6: a person resizes the bound; a retry fails the same way"
     assert runner.committed_epoch() == 0
     sized = refunds_pipeline(events, local_tables(tmp_path / "tables"), shards=2, max_state_rows=10_000)
     runner = EpochRunner(sized, tmp_path / "state", spark=spark)

@@ -19,7 +19,7 @@ from pyspark.sql import types as T
 
 from tests.join_reference import JoinReference, Row
 from volley_dagster import columns
-from volley_dagster.errors import ConfigError, StateLimitError
+from volley_dagster.errors import ConfigError, StateLimitError, is_retryable
 from volley_dagster.operators.base import ShardStep
 from volley_dagster.operators.join import JOIN_NAMESPACES, IntervalJoin, signed_duration_us
 from volley_dagster.operators.join_rows import RowCodec
@@ -137,6 +137,7 @@ def test_state_past_max_state_rows_is_refused_naming_how_to_size_it(tmp_path):
         assert "epoch 7 shard 0" in message and "max_state_rows=3" in message
         assert "2 of 'orders', 2 of 'payments'" in message and "nothing was committed" in message
         assert "between=" in message and "max_out_of_orderness" in message
+        assert not is_retryable(failure.value)  # review J6: retried forever before
     finally:
         db.close()
 
