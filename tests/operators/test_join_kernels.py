@@ -199,3 +199,30 @@ def test_rows_of_one_record_keep_their_own_ids_and_columns_while_they_wait(tmp_p
         assert not list(scan_prefix(db, (10).to_bytes(2, "big")))
     finally:
         db.close()
+
+
+def test_a_hot_key_pairs_only_its_new_rows_by_range(tmp_path):
+    """Review J5: one key with thousands of rows waiting per side; an epoch's new rows
+    pair with exactly the waiting rows in their interval (found by range search, not by
+    pairing every waiting row with every other). ``bench/join_hot_key.py`` measures it."""
+    n = 3_000
+    shard = JoinShard(JoinBounds(-5, 10, (False, False)), (CODEC, CODEC), None, ("l", "r"))
+    db = rocksdict.Rdict(str(tmp_path / "db"), RocksDBOptions().build())
+    try:
+        waiting = [(1, 1, t, i) for i, t in enumerate(range(0, 3 * n, 3))]  # right rows every 3 us
+        waiting += [(0, 1, 100_000 + t, n + i) for i, t in enumerate(range(0, 3 * n, 3))]  # left rows after them all
+        txn = ShardTransaction(db)
+        first = apply_join(shard, txn, _table(waiting, "int"), ShardStep(1, "int", layout=LAYOUT, shard=0))[0]
+        txn.flush()
+        assert len(first[0]) == 0
+        new = [(0, 1, 600, 0), (1, 1, 100_030, 1)]  # a left row among the right ones, a right row among the left
+        outputs, stats = apply_join(shard, ShardTransaction(db), _table(new, "int"),
+                                    ShardStep(2, "int", layout=LAYOUT, shard=0))
+        left_rid, right_rid = outputs[3].to_pylist(), outputs[5].to_pylist()
+        rights = {t for _, _, t, _ in waiting[:n]}
+        lefts = {t - 100_000 for _, _, t, _ in waiting[n:]}
+        expected = {(0, r) for r in range(n) if 3 * r - 600 in range(-5, 11) and 3 * r in rights} | \
+                   {(n + i, 1) for i in range(n) if 100_030 - (100_000 + 3 * i) in range(-5, 11) and 3 * i in lefts}
+        assert set(zip(left_rid, right_rid, strict=True)) == expected and stats.figures["join_pairs"] == len(expected)
+    finally:
+        db.close()

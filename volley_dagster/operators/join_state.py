@@ -13,7 +13,7 @@ keyed state:
 One epoch, in bulk: read the index of every key the epoch touches or whose rows fall
 due (one range scan per key group of namespace 11, from past the previous watermark
 to the new one, so it costs what leaves), join the epoch's rows with each other and
-with the waiting ones (Arrow's hash join on the key, then the time bound in NumPy),
+with the waiting ones (range searches over rows sorted by key and time, in NumPy),
 mark the matched, let leave every row whose bound the watermark has reached (an
 unmatched one of an outer side is emitted with nulls first), and write it all in the
 shard's one ``WriteBatch``. A row's columns are read back only when it is emitted.
@@ -227,18 +227,40 @@ def _decode_index(stored: list[bytes | None]) -> np.ndarray:
 
 def _pairs(bounds: JoinBounds, w: _Waiting) -> tuple[np.ndarray, np.ndarray]:
     """Every (left, right) pair of one key within the bounds with at least one new row
-    (pairs of two waiting rows were emitted when the later came): Arrow's hash join on
-    the key, the bounds in NumPy."""
+    (pairs of two waiting rows were emitted when the later came): each new left row
+    against every right row, and each new right row against the waiting left rows, by
+    range searches over rows sorted by key and time, so a hot key costs its rows and the
+    pairs it emits, never its waiting rows squared."""
     left, right = np.flatnonzero(w.side == LEFT), np.flatnonzero(w.side == RIGHT)
+    empty = np.zeros(0, dtype=np.int64)
     if not len(left) or not len(right) or not w.new.any():
-        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-    joined = pa.table({"k": w.ki[left], "l": left}).join(pa.table({"k": w.ki[right], "r": right}), "k",
-                                                                join_type="inner")
-    li = joined.column("l").to_numpy().astype(np.int64)
-    ri = joined.column("r").to_numpy().astype(np.int64)
-    gap = w.time[ri] - w.time[li]
-    keep = (gap >= bounds.lower_us) & (gap <= bounds.upper_us) & (w.new[li] | w.new[ri])
-    return li[keep], ri[keep]
+        return empty, empty
+    new_left, old_left, new_right = left[w.new[left]], left[~w.new[left]], right[w.new[right]]
+    l1, r1 = _within(w, new_left, right, bounds.lower_us, bounds.upper_us)  # tl + lower <= tr <= tl + upper
+    r2, l2 = _within(w, new_right, old_left, -bounds.upper_us, -bounds.lower_us)  # tr - upper <= tl <= tr - lower
+    return np.concatenate([l1, l2]), np.concatenate([r1, r2])
+
+
+def _within(w: _Waiting, queries: np.ndarray, candidates: np.ndarray, low: int,
+            high: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each of ``queries`` (row indexes) with every one of ``candidates`` of its key whose
+    time is in ``[t + low, t + high]``, as (query, candidate) pairs: the candidates sorted
+    by (key, time) once, each query's run found by two binary searches. Times are ranked
+    first so that (key, rank) packs into one sortable integer."""
+    empty = np.zeros(0, dtype=np.int64)
+    if not len(queries) or not len(candidates):
+        return empty, empty
+    ordered = candidates[np.lexsort((w.time[candidates], w.ki[candidates]))]
+    q_time = w.time[queries]
+    values, rank = np.unique(np.concatenate([w.time[ordered], _shifted(q_time, low), _shifted(q_time, high)]),
+                             return_inverse=True)
+    n_c, n_q, span = len(ordered), len(queries), len(values) + 1
+    packed = w.ki[ordered] * span + rank[:n_c]
+    start = np.searchsorted(packed, w.ki[queries] * span + rank[n_c:n_c + n_q], "left")
+    counts = np.maximum(np.searchsorted(packed, w.ki[queries] * span + rank[n_c + n_q:], "right") - start, 0)
+    total = int(counts.sum())
+    within_run = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+    return np.repeat(queries, counts), ordered[np.repeat(start, counts) + within_run]
 
 
 def _row_keys(encoded_keys: pa.Array, w: _Waiting) -> pa.Array:
