@@ -20,7 +20,7 @@ from volley_dagster.errors import ConfigError
 from volley_dagster.operators.accumulators import Accumulator
 from volley_dagster.operators.aggregate import Aggregate
 from volley_dagster.operators.dedup import Deduplication, UniqueRecords
-from volley_dagster.operators.event_time import Duration, EventTime, duration_us
+from volley_dagster.operators.event_time import DEFAULT_MAX_EVENT_TIME_SKEW, Duration, EventTime, duration_us, skew_us
 from volley_dagster.operators.join import IntervalJoin, JoinHow, signed_duration_us
 from volley_dagster.operators.ttl import DEFAULT_MAX_RESIDENT_ENTRIES, EXPIRED, StateTtl
 from volley_dagster.operators.window import WindowedAggregate, Windowing, Windows
@@ -127,7 +127,7 @@ class Pipeline:
         return [t for t in self.transforms if isinstance(t, Enrichment)]
 
     def deduplicate(self, *, on: str | list[str], within: Duration, event_time: str,
-                    write_duplicates: bool = False, max_event_time_skew: Duration | None = None) -> Pipeline:
+                    write_duplicates: bool = False, max_event_time_skew: Duration | None = DEFAULT_MAX_EVENT_TIME_SKEW) -> Pipeline:
         """Drop a record whose ``on`` columns repeat a record kept earlier, while that
         one's key is remembered: until the watermark passes its ``event_time`` plus
         ``within``; and drop as late a record whose own ``event_time`` plus ``within``
@@ -141,12 +141,13 @@ class Pipeline:
         records are counted per epoch (``duplicates``, ``dedup_late``);
         ``write_duplicates`` also writes them, with where they are and why, to the
         epoch's side output.
-        ``max_event_time_skew``: a record dated further than this past the wall clock
-        of its epoch's cut is a bad record, as for ``window``: one record stamped 2099
+        ``max_event_time_skew`` (default one day; None believes any event time): a
+        record dated further than this past the wall clock of its epoch's cut is a bad
+        record, as for ``window``: one record stamped 2099
         would otherwise move the watermark past every key's deadline. The rules:
         ``volley_dagster.operators.dedup``."""
         columns_on = (on,) if isinstance(on, str) else tuple(on)
-        skew = None if max_event_time_skew is None else duration_us(max_event_time_skew, "max_event_time_skew")
+        skew = skew_us(max_event_time_skew)
         dedup = Deduplication(columns_on, duration_us(within, "deduplicate(within=...)"), EventTime(event_time, 0, skew),
                               write_duplicates)
         return replace(self, dedup=dedup)
@@ -161,7 +162,7 @@ class Pipeline:
         ttl_epochs: int | None = None,
         event_time: str | None = None,
         max_out_of_orderness: Duration = "0 seconds",
-        max_event_time_skew: Duration | None = None,
+        max_event_time_skew: Duration | None = DEFAULT_MAX_EVENT_TIME_SKEW,
         max_expiry_entries: int | None = DEFAULT_MAX_RESIDENT_ENTRIES,
         **accumulators: Accumulator,
     ) -> Pipeline:
@@ -182,7 +183,7 @@ class Pipeline:
         if ttl is not None or ttl_epochs is not None:
             clock = None if event_time is None else EventTime(
                 event_time, duration_us(max_out_of_orderness, "max_out_of_orderness"),
-                None if max_event_time_skew is None else duration_us(max_event_time_skew, "max_event_time_skew"))
+                skew_us(max_event_time_skew))
             state_ttl = StateTtl(ttl_epochs, None if ttl is None else duration_us(ttl, "ttl"), clock, max_expiry_entries)
         return replace(self, operator_given=Aggregate(tuple(accumulators.items()), ttl=state_ttl))
 
@@ -194,15 +195,15 @@ class Pipeline:
         max_out_of_orderness: Duration = "0 seconds",
         allowed_lateness: Duration = "0 seconds",
         max_pending_windows: int | None = None,
-        max_event_time_skew: Duration | None = None,
+        max_event_time_skew: Duration | None = DEFAULT_MAX_EVENT_TIME_SKEW,
     ) -> Pipeline:
         """Aggregate per event-time window (``tumbling``, ``sliding`` or ``session``) over
         the timestamp column ``on``; fired windows are emitted once, in append mode.
         The watermark trails the latest event time by ``max_out_of_orderness``; a window
         fires once the watermark passes its end plus ``allowed_lateness``.
         ``max_pending_windows`` bounds the in-memory pending-window index per shard
-        (the rest is evicted to RocksDB). ``max_event_time_skew``: a record whose event
-        time lies further than this past the wall clock when its epoch was cut is a bad
+        (the rest is evicted to RocksDB). ``max_event_time_skew`` (default one day; None
+        believes any event time): a record whose event time lies further than this past the wall clock when its epoch was cut is a bad
         record (dead letter, or the epoch fails, per
         ``on_bad_records``) instead of moving the watermark. The rules:
         ``volley_dagster.operators.window``."""
@@ -212,7 +213,7 @@ class Pipeline:
             duration_us(max_out_of_orderness, "max_out_of_orderness"),
             duration_us(allowed_lateness, "allowed_lateness"),
             max_pending_windows,
-            None if max_event_time_skew is None else duration_us(max_event_time_skew, "max_event_time_skew"),
+            skew_us(max_event_time_skew),
         )
         return replace(self, windowing=windowing)
 
@@ -227,7 +228,7 @@ class Pipeline:
         between: tuple[Duration, Duration],
         how: JoinHow = "inner",
         max_out_of_orderness: Duration = "0 seconds",
-        max_event_time_skew: Duration | None = None,
+        max_event_time_skew: Duration | None = DEFAULT_MAX_EVENT_TIME_SKEW,
         left_columns: list[str] | None = None,
         right_columns: list[str] | None = None,
         max_state_rows: int | None = None,
@@ -259,7 +260,7 @@ class Pipeline:
         joining = IntervalJoin(
             left, right, on, left_time, right_time, lower, upper, how, sources.source_column or columns.SOURCE,
             duration_us(max_out_of_orderness, "max_out_of_orderness"),
-            None if max_event_time_skew is None else duration_us(max_event_time_skew, "max_event_time_skew"),
+            skew_us(max_event_time_skew),
             None if left_columns is None else tuple(left_columns), None if right_columns is None else tuple(right_columns),
             max_state_rows, sources)
         return replace(self, source_given=sources, key_given=on, joining=joining)
@@ -293,7 +294,7 @@ class Pipeline:
                 f"{'window' if self.windowing is not None else 'state TTL'} (on {clock.time_column!r}) must share "
                 "one event time: the pipeline has one watermark")
         skew = self.dedup.event_time.max_skew_us
-        if clock is not None and skew is not None and skew != clock.max_skew_us:
+        if clock is not None and skew not in (None, skew_us(DEFAULT_MAX_EVENT_TIME_SKEW), clock.max_skew_us):
             raise ConfigError(
                 f"pipeline {self.name!r}: deduplicate(max_event_time_skew=...) differs from the "
                 f"{'window' if self.windowing is not None else 'state TTL'}'s: the pipeline has one event-time clock; "

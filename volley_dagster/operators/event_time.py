@@ -6,9 +6,11 @@ The rules, for every operator that uses event time:
 - **Watermark.** After epoch N it is ``max(W[N-1], latest believable event time of
   epoch N - max_out_of_orderness)``: it never moves back, it is stored in the
   epoch's manifest, and a re-run of the epoch computes the same one.
-- **Skew guard.** With ``max_event_time_skew``, an event time later than the wall
+- **Skew guard.** With ``max_event_time_skew`` (by default ``"1 day"``, for every
+  operator on event time; None turns it off), an event time later than the wall
   clock when the epoch was cut plus the skew is not believed: the record is a bad
-  record (dead letter, or the epoch fails), and never moves the watermark. The cut
+  record (dead letter, or the epoch fails), and never moves the watermark. So one
+  record stamped 2099 never makes every later record late: Spark and Flink follow it. The cut
   time is recorded with the range, so every attempt decides the same; a pause in
   the stream longer than the skew is not a reason (the guard is the wall clock, not
   the watermark), and old data replayed lies before the wall clock.
@@ -49,6 +51,15 @@ def describe_event_time(micros: int) -> str:
         return datetime.fromtimestamp(micros / 1e6, tz=timezone.utc).isoformat()
     except (OverflowError, ValueError, OSError):
         return f"{micros} microseconds since 1970-01-01T00:00:00+00:00"
+
+
+# a clock a day fast is wrong, not early: time zones put honest clocks at most 14 h ahead
+DEFAULT_MAX_EVENT_TIME_SKEW: Duration = "1 day"
+
+
+def skew_us(value: Duration | None) -> int | None:
+    """``max_event_time_skew`` in microseconds; None: every event time is believed."""
+    return None if value is None else duration_us(value, "max_event_time_skew")
 
 
 def duration_us(value: Duration, what: str) -> int:
