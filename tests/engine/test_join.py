@@ -214,6 +214,23 @@ def test_a_join_refuses_to_hold_more_than_max_state_rows_and_commits_nothing_and
         plan_migration(recorded, proposed, {}, {})
 
 
+def test_a_carried_columns_type_change_is_refused_before_the_epoch_runs(spark, tmp_path):
+    """Review J3: the waiting payments were written with ``merchant_id`` a bigint; a
+    pipeline that now casts it to string is refused by name before its epoch runs, never
+    retried."""
+    events = tmp_path / "events"
+    write_refund_logs(events, 1, PER_FILE)
+    tables = local_tables(tmp_path / "tables")
+    runner = EpochRunner(refunds_pipeline(events, tables, shards=2), tmp_path / "state", spark=spark)
+    assert runner.run_next() is not None and runner.read_state().num_rows > 0
+    write_refund_logs(events, 1, PER_FILE, first_file=1)
+    cast = refunds_pipeline(events, tables, shards=2).with_column("merchant_id", F.col("merchant_id").cast("string"))
+    with pytest.raises(StateLayoutError, match=r"column 'merchant_id' of 'payments' was carried as bigint and is now "
+                                               r"string") as refused:
+        EpochRunner(cast, tmp_path / "state", spark=spark).run_next()
+    assert not is_retryable(refused.value) and runner.committed_epoch() == 1
+
+
 @pytest.mark.parametrize(("point", "shard"), [pytest.param("shard_after_snapshot", 1, marks=pytest.mark.deep),
                                               ("after_sink_refunds", None)])
 def test_killed_mid_epoch_heals_to_what_the_reference_emits(spark, tmp_path, point, shard):

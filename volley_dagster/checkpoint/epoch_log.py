@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Callable
 
 from volley_dagster import faults
+from volley_dagster.checkpoint.carried import carried_type_changes, without_carried
 from volley_dagster.checkpoint.epoch_archive import DEFAULT_SPAN, EpochArchives, epoch_key
 from volley_dagster.checkpoint.manifest import ShardSnapshot
 from volley_dagster.dimensions.base import TablePin
@@ -240,6 +241,13 @@ class EpochLog:
         if not self.has_identity():  # written once: later epochs only read it (a full disk stays readable)
             create_json_exclusive(self.root / "pipeline.json", {**identity, "lineage": uuid.uuid4().hex})
         recorded = {k: v for k, v in self.identity().items() if k != "lineage"}  # the lineage is no layout
+        changed = carried_type_changes(recorded.get("aggregate") or {}, identity.get("aggregate") or {})
+        if changed:
+            raise StateLayoutError(
+                f"checkpoint root {self.root}: {'; '.join(changed)}. Rows waiting in state were written with the "
+                "recorded type and cannot be read as the new one; nothing was run. Cast the column back to the "
+                "recorded type in a transform, or start a new checkpoint root")
+        recorded, identity = without_carried(recorded), without_carried(identity)
         if recorded == identity:
             return
         shards = identity.get("layout", {}).get("num_shards")

@@ -132,8 +132,9 @@ def plan_migration(recorded: JsonObject, proposed: JsonObject, renames: Mapping[
                 "start a new checkpoint root for another pipeline")
     if "join" in old_layout or "join" in new_layout:
         _refuse("a join's waiting rows are keyed, dated and bounded by its recorded sides and interval "
-                f"({old_layout.get('join')} -> {new_layout.get('join')}); the columns each side carries may change "
-                "without a migration; start a new checkpoint root for another join")
+                f"({old_layout.get('join')} -> {new_layout.get('join')}); the columns each side carries may come or go "
+                "without a migration (a carried column's type may only widen an integer); start a new checkpoint "
+                "root for another join")
     if ("windowing" in old_layout) != ("windowing" in new_layout):
         _refuse("the operator changed between a running aggregate and windows")
     for field in ("namespace", "format"):

@@ -48,6 +48,7 @@ from pyspark.sql import types as T
 
 from volley_dagster import columns
 from volley_dagster.errors import ConfigError
+from volley_dagster.checkpoint.carried import CARRIED_COLUMNS
 from volley_dagster.json_records import JsonObject
 from volley_dagster.operators.base import OperatorStats, ShardStep, StageClock, StateNamespaces, summed
 from volley_dagster.operators.event_time import Duration, EventTime, duration_us
@@ -226,7 +227,11 @@ class ResolvedJoin:
     resident_records: ClassVar[None] = None
 
     def layout(self) -> JsonObject:
-        return self.join.layout()
+        """The join's, and the types of the columns each side's waiting rows carry
+        (``CARRIED_COLUMNS``): a type may not change under rows written with the old one."""
+        return {**self.join.layout(), CARRIED_COLUMNS: {
+            side: {name: kind.simpleString() for name, kind in zip(codec.names, codec.types, strict=True)}
+            for side, codec in ((self.join.left, self.left), (self.join.right, self.right))}}
 
     @property
     def namespaces(self) -> StateNamespaces:
