@@ -72,3 +72,24 @@ def test_one_record_stamped_2099_is_refused_and_the_stream_goes_on(spark, tmp_pa
         assert after.records_out == 20  # new ids, all kept
     if kind == "join":
         assert after.figures["join_pairs"] > 0
+
+
+def test_a_carried_time_past_year_9999_is_a_bad_record_not_a_stall(spark, tmp_path):
+    """Review J4: Spark writes a timestamp of year 10000 as ``+10000-...``, which the
+    join's state could not read back, so every attempt failed. Such a record is a bad
+    record, named (the epoch fails) or a dead letter; the others join."""
+    events = tmp_path / "events"
+    before = NOW_US - HOUR_US
+    write(events / "b", 0, list(range(5)), [before + i for i in range(5)])
+    (events / "a").mkdir(parents=True)
+    year_10000 = pa.array([253_402_300_800_000_000 + 86_400_000_000], pa.int64())  # 10000-01-02T00:00:00Z
+    pq.write_table(pa.table({
+        "id": pa.array(range(5), pa.int64()), "k": pa.array([i % 5 for i in range(5)], pa.int64()),
+        "t": pa.array([before + i for i in range(5)], pa.int64()).cast(pa.timestamp("us", tz="UTC")),
+        "until": pa.concat_arrays([year_10000, pa.array([before] * 4, pa.int64())]).cast(pa.timestamp("us", tz="UTC")),
+    }), events / "a" / "events-000000.parquet")
+    with pytest.raises(MalformedRecordError, match=r"a time outside years 1-9999: 'until' of 'a'"):
+        EpochRunner(pipeline("join", events), tmp_path / "state", spark=spark).run_next()
+    runner = EpochRunner(pipeline("join", events).on_bad_records("dead_letter"), tmp_path / "state", spark=spark)
+    result = runner.run_next()
+    assert result is not None and result.dead_letters == 1 and result.figures["join_pairs"] == 4

@@ -155,6 +155,9 @@ class ResolvedAggregate:
     def null_key_reason(self, key_column: str) -> str:
         return f"null key: {key_column!r} is null"
 
+    def unfit_records(self) -> list[tuple[Column, str]]:
+        return []
+
     def output_schema(self, key_ddl: str) -> list[str]:
         return [key_ddl] + self.output_ddl()
 

@@ -17,7 +17,7 @@ from volley_dagster.state.resident import ResidentRecords
 from volley_dagster.state.transaction import ShardTransaction
 
 if TYPE_CHECKING:
-    from pyspark.sql import DataFrame
+    from pyspark.sql import Column, DataFrame
 
     from volley_dagster.operators.aggregate import ResolvedAggregate
     from volley_dagster.operators.event_time import EventTime
@@ -167,6 +167,10 @@ class SparkOperator(StatefulOperator, Protocol):
 
     def null_key_reason(self, key_column: str) -> str:
         """Why a record whose key is null is a dead letter."""
+
+    def unfit_records(self) -> list[tuple[Column, str]]:
+        """Further conditions that make a record a bad record for this operator (a value
+        its state cannot carry), each with its reason: checked with the others."""
 
     def output_schema(self, key_ddl: str) -> list[str]:
         """Spark DDL of every column the shard tasks return, the key's (``key_ddl``) first."""

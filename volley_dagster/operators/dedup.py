@@ -432,6 +432,9 @@ class ResolvedUniqueRecords:
     def null_key_reason(self, key_column: str) -> str:
         return self.dedup.describe_null()
 
+    def unfit_records(self) -> list[tuple[Column, str]]:
+        return []
+
     def output_schema(self, key_ddl: str) -> list[str]:
         """The records' own columns, the deduplication key's first."""
         return [self.ddl[0]] + self.output_ddl()

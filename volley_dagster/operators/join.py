@@ -47,8 +47,8 @@ from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
 from volley_dagster import columns
-from volley_dagster.errors import ConfigError
 from volley_dagster.checkpoint.carried import CARRIED_COLUMNS
+from volley_dagster.errors import ConfigError
 from volley_dagster.json_records import JsonObject
 from volley_dagster.operators.base import OperatorStats, ShardStep, StageClock, StateNamespaces, summed
 from volley_dagster.operators.event_time import Duration, EventTime, duration_us
@@ -288,6 +288,14 @@ class ResolvedJoin:
 
     def null_key_reason(self, key_column: str) -> str:
         return f"null join key: {key_column!r} is null"
+
+    def unfit_records(self) -> list[tuple[Column, str]]:
+        """A record with a timestamp or date its side carries outside years 1-9999: its
+        JSON text in state could not be read back."""
+        side = F.col(self.join.source_column)
+        return [((side == F.lit(name)) & condition, reason)
+                for name, codec in ((self.join.left, self.left), (self.join.right, self.right))
+                for condition, reason in codec.out_of_range(name)]
 
     def output_schema(self, key_ddl: str) -> list[str]:
         return [key_ddl] + self.output_ddl()

@@ -42,6 +42,14 @@ def _travels(kind: T.DataType, nested: bool) -> bool:
     return False
 
 
+def _holds_time(kind: T.DataType) -> bool:
+    if isinstance(kind, (T.TimestampType, T.TimestampNTZType, T.DateType)):
+        return True
+    if isinstance(kind, T.ArrayType):
+        return _holds_time(kind.elementType)
+    return isinstance(kind, T.StructType) and any(_holds_time(f.dataType) for f in kind.fields)
+
+
 @dataclass(frozen=True)
 class RowCodec:
     """``names``: one side's columns, in the order the output carries them."""
@@ -64,6 +72,24 @@ class RowCodec:
     def arrow_schema(self) -> pa.Schema:
         return pa.schema([pa.field(n, to_arrow_type(t, timezone="UTC"))
                           for n, t in zip(self.names, self.types, strict=True)])
+
+    def out_of_range(self, side: str) -> list[tuple[Column, str]]:
+        """A timestamp or date outside years 1-9999 (Spark writes ``+10000-01-01``, which
+        Arrow's JSON reader cannot read back): per column, when it holds one, and why the
+        record is bad. Inside arrays or structs, the JSON text is searched for such a year."""
+        checks = []
+        for name, kind in zip(self.names, self.types, strict=True):
+            if isinstance(kind, (T.TimestampType, T.TimestampNTZType, T.DateType)):
+                year = F.year(F.col(name))
+                condition = (year < 1) | (year > 9999)
+            elif _holds_time(kind):
+                condition = F.to_json(F.struct(F.col(name)), options=EXACT_JSON).rlike(r'"[+-][0-9]{4,}-')
+            else:
+                continue
+            checks.append((F.coalesce(condition, F.lit(False)),
+                           f"a time outside years 1-9999: {name!r} of {side!r} holds one, which the join's state "
+                           "cannot carry; fix the value or cast the column"))
+        return checks
 
     def encode(self) -> Column:
         """Each row's columns as one JSON text (a Spark expression)."""

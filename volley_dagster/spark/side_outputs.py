@@ -216,7 +216,8 @@ class EpochSideOutputs:
 def _bad_records(plan: PlannedEpoch, pipeline: Pipeline, bound: int | None) -> list[tuple[Column, str]]:
     """What makes a parsed record unfit for state, and the reason it is given, in the
     order checked: the one definition behind both the dead letters and ``EpochSideOutputs.valid_rows``."""
-    bad = [(F.col(columns.KEY).isNull(), plan.operator.null_key_reason(pipeline.key_column))]
+    bad = [(F.col(columns.KEY).isNull(), plan.operator.null_key_reason(pipeline.key_column)),
+           *plan.operator.unfit_records()]
     if plan.dedup is not None:
         bad.append((F.col(columns.DEDUP_KEY).isNull(), plan.dedup.describe_null()))
     clock = plan.event_time
