@@ -14,7 +14,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from deltalake import DeltaTable
-
 from pyspark.sql import functions as F
 
 from tests.engine.test_crash_recovery import run_until_killed

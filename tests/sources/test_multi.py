@@ -9,7 +9,13 @@ import pyarrow.parquet as pq
 import pytest
 
 from volley_dagster.demo.events import generate
-from volley_dagster.errors import ConfigError, SourceChangedError, SourceError, SourceNotReadyError, SourceUnavailableError
+from volley_dagster.errors import (
+    ConfigError,
+    SourceChangedError,
+    SourceError,
+    SourceNotReadyError,
+    SourceUnavailableError,
+)
 from volley_dagster.sources.file_log import FileLog
 from volley_dagster.sources.multi import MultiSource
 from volley_dagster.sources.offsets import EpochRange, Position
