@@ -7,19 +7,23 @@ Tests can make its brokers answer requests with errors or late, one request at a
 (``KafkaCluster.push_request_errors``: librdkafka's ``rd_kafka_mock_*`` error stacks,
 called through ctypes in the cluster's process, on the same librdkafka that
 confluent-kafka loads): a commit whose reply comes after the client gave up, a
-coordinator still busy with the previous transaction.
+coordinator still busy with the previous transaction. They can also list the types of
+the requests it received (``track_requests``, ``requests``) and remove a partition's
+oldest records as retention does (``delete_records``).
 
 What the mock does not do (no Kafka broker installs from the registries here): it
 auto-creates topics on first produce, with 4 partitions, and cannot create topics or
-partitions through the admin API nor delete records (retention). A ``read_committed``
-consumer is handed every record, those of aborted and of still open transactions
-included, and the last stable offset is always the end offset. ``init_transactions``
-gives a new producer id instead of bumping the epoch of the old one, so it neither
-aborts a transaction that a killed producer left open (a broker does) nor fences the
-old producer. Tests of those cases test the engine's own handling of the offsets a
-broker reports (``sources.kafka.plan_cut``), or replay the broker's answers with
-injected errors; the broker-side filtering needs a real broker, which changes only
-``bootstrap_servers``.
+partitions through the admin API, nor compact a topic or check its records' keys. A
+``read_committed`` consumer is handed every record, those of aborted and of still open
+transactions included, and the last stable offset is always the end offset.
+``init_transactions`` gives a new producer id instead of bumping the epoch of the old
+one, so it neither aborts a transaction that a killed producer left open (a broker
+does) nor fences the old producer. It answers ``TxnOffsetCommit`` (a transaction's
+``send_offsets_to_transaction``) but stores nothing, while it stores a plain
+``OffsetCommit``. Tests of those cases test the engine's own handling of the answers a
+broker gives (``sources.kafka.plan_cut``, the offsets a group holds), or replay the
+broker's answers with injected errors; the broker-side behaviour needs a real broker,
+which changes only ``bootstrap_servers``.
 
     python -m harness.kafka [--brokers N]   # prints the bootstrap servers, then serves
                                             # commands on stdin until it closes
@@ -37,8 +41,10 @@ from dataclasses import dataclass
 from typing import Any
 
 # Kafka protocol request types (ApiKey) that tests inject errors into.
-API_KEYS = {"Produce": 0, "Fetch": 1, "ListOffsets": 2, "Metadata": 3, "FindCoordinator": 10,
-            "InitProducerId": 22, "AddPartitionsToTxn": 24, "EndTxn": 26}
+API_KEYS = {"Produce": 0, "Fetch": 1, "ListOffsets": 2, "Metadata": 3, "OffsetCommit": 8, "OffsetFetch": 9,
+            "FindCoordinator": 10, "InitProducerId": 22, "AddPartitionsToTxn": 24, "AddOffsetsToTxn": 25,
+            "EndTxn": 26, "TxnOffsetCommit": 28}
+API_NAMES = {key: name for name, key in API_KEYS.items()}
 
 
 @dataclass
@@ -59,13 +65,32 @@ class KafkaCluster:
         """Forget the errors pushed for ``api`` to any broker that are still unused."""
         self._command(f"clear {API_KEYS[api]}")
 
-    def _command(self, line: str) -> None:
+    def track_requests(self) -> None:
+        """From now on, record the type of every request the brokers receive (``requests``);
+        what was recorded before is forgotten."""
+        self._command("track")
+
+    def requests(self) -> list[str]:
+        """The types of the requests received since ``track_requests``, in order (a name of
+        ``API_KEYS``, else ``ApiKey<n>``)."""
+        keys = self._command("requests")
+        return [API_NAMES.get(int(key), f"ApiKey{key}") for key in keys.split(",") if key]
+
+    def delete_records(self, topic: str, partition: int, before_offset: int) -> None:
+        """Remove the records of ``topic`` [``partition``] before ``before_offset``, which
+        becomes its first offset, as a broker's retention (``retention.ms``,
+        ``retention.bytes``) removes old segments."""
+        self._command(f"delete {topic} {partition} {before_offset}")
+
+    def _command(self, line: str) -> str:
+        """Send one command; what the cluster's process answered after its "ok"."""
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self.proc.stdin.write(line + "\n")
         self.proc.stdin.flush()
         answer = self.proc.stdout.readline().strip()
-        if answer != "ok":
+        if answer != "ok" and not answer.startswith("ok "):
             raise RuntimeError(f"the Kafka mock cluster refused {line!r}: {answer!r}")
+        return answer[3:]
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -106,6 +131,14 @@ def _librdkafka() -> ctypes.CDLL:
     lib.rd_kafka_mock_cluster_bootstraps.restype = ctypes.c_char_p
     lib.rd_kafka_mock_cluster_bootstraps.argtypes = [ctypes.c_void_p]
     lib.rd_kafka_mock_clear_request_errors.argtypes = [ctypes.c_void_p, ctypes.c_int16]
+    lib.rd_kafka_mock_start_request_tracking.argtypes = [ctypes.c_void_p]
+    lib.rd_kafka_mock_get_requests.restype = ctypes.POINTER(ctypes.c_void_p)
+    lib.rd_kafka_mock_get_requests.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t)]
+    lib.rd_kafka_mock_request_api_key.restype = ctypes.c_int16
+    lib.rd_kafka_mock_request_api_key.argtypes = [ctypes.c_void_p]
+    lib.rd_kafka_mock_request_destroy_array.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t]
+    lib.rd_kafka_mock_partition_delete_records.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int32,
+                                                           ctypes.c_int64]
     return lib
 
 
@@ -145,6 +178,18 @@ def _serve(lib: ctypes.CDLL, cluster: Any, line: str) -> str:
     if words[0] == "clear":
         lib.rd_kafka_mock_clear_request_errors(cluster, int(words[1]))
         return "ok"
+    if words[0] == "track":
+        lib.rd_kafka_mock_start_request_tracking(cluster)  # also forgets what it recorded before
+        return "ok"
+    if words[0] == "requests":
+        count = ctypes.c_size_t(0)
+        requests = lib.rd_kafka_mock_get_requests(cluster, ctypes.byref(count))
+        keys = [str(lib.rd_kafka_mock_request_api_key(requests[i])) for i in range(count.value)]
+        lib.rd_kafka_mock_request_destroy_array(requests, count)
+        return "ok " + ",".join(keys)
+    if words[0] == "delete":
+        err = lib.rd_kafka_mock_partition_delete_records(cluster, words[1].encode(), int(words[2]), int(words[3]))
+        return "ok" if err == 0 else f"error {err}"
     return f"unknown command {words[0]!r}"
 
 

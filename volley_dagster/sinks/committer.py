@@ -10,14 +10,20 @@ storage (S3, a catalog) the epoch waits for the slowest rather than for their su
 soon as that sink has committed, whatever the others have done by then. When a sink
 fails, the others still finish (each holds the epoch or not, as its own mark says),
 then the first failure in the pipeline's order is raised; a retry skips whichever
-sinks already hold the epoch."""
+sinks already hold the epoch.
+
+A sink whose mark can be read soundly only once it has settled its own earlier
+transaction (a Kafka sink: after ``init_transactions``, until which a transaction of
+its last attempt may still be completing) takes the decision itself, inside its
+commit (``DecidesAfterSettling``); the committer reads its mark beforehand only to
+record a choice about another lineage's epochs."""
 
 from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Protocol, runtime_checkable
 
 import pyarrow as pa
 
@@ -26,10 +32,20 @@ from volley_dagster.checkpoint.epoch_log import EpochLog
 from volley_dagster.errors import EpochOrderError
 from volley_dagster.pipeline import Pipeline
 from volley_dagster.sinks.base import CommitContext, Sink, SinkCommitResult
-from volley_dagster.sinks.lineage import SinkBinding
+from volley_dagster.sinks.lineage import SinkBinding, SinkMark
 from volley_dagster.sinks.shard_files import RewrittenFiles
 from volley_dagster.sinks.staged_files import StagedFile
 from volley_dagster.sources.offsets import EpochRange
+
+
+@runtime_checkable
+class DecidesAfterSettling(Protocol):
+    """A sink that decides in its commit whether to write, skip or refuse (``ctx.should_commit``
+    on the mark it reads once its earlier transactions are settled). ``recorded``: the
+    sink epoch the previous epoch's manifest records it holding, so that it can refuse
+    when its own marks of those epochs are gone rather than write the epoch again."""
+
+    def commit_deciding(self, output: pa.Table, ctx: CommitContext, recorded: int | None) -> SinkCommitResult: ...
 
 
 class SinkCommitter:
@@ -66,22 +82,42 @@ class SinkCommitter:
         """One sink's decision and commit; ``base``: the epoch's context, before this sink's binding."""
         epoch, lineage = base.epoch, base.lineage
         t = time.perf_counter()
-        held = sink.committed_mark(self.pipeline.name)
         binding = self.log.sink_binding(sink.name)
-        if binding is None and held is not None and not lineage.owns(held) and sink.on_foreign_lineage != "fail":
+        chooses = binding is None and sink.on_foreign_lineage != "fail"
+        decides = isinstance(sink, DecidesAfterSettling)
+        held = sink.committed_mark(self.pipeline.name) if chooses or not decides else None  # see the module's docstring
+        if chooses and held is not None and not lineage.owns(held):
             self.check_fence(f"epoch {epoch}: recording sink {sink.name!r}'s choice {sink.on_foreign_lineage!r}")
             binding = self.log.record_sink_binding(SinkBinding(sink.name, sink.on_foreign_lineage, held, epoch))
         ctx = replace(base, binding=binding)
-        if held is not None and lineage.owns(held) and held.epoch > ctx.sink_epoch:
-            held = sink.commit_of(self.pipeline.name, ctx.sink_epoch) or ctx.mark  # the range it holds for this epoch
-        if not ctx.should_commit(sink.name, held):
-            commit = SinkCommitResult(skipped=True, held_epoch=held.epoch if held else None)
-        else:
-            faults.fault_pause(f"before_sink_{sink.name}", epoch)  # tests: hold this sink while another commits
+        if isinstance(sink, DecidesAfterSettling):  # decides once it settled its own last transaction
+            faults.fault_pause(f"before_sink_{sink.name}", epoch)
             self.check_fence(f"epoch {epoch}: committing sink {sink.name!r}")
-            commit = sink.commit(output, ctx)  # a lost race reports a skip
+            commit = sink.commit_deciding(output, ctx, self._recorded(sink.name, epoch))
+        else:
+            commit = self._decide_and_commit(sink, output, ctx, held)
         faults.fault_point(f"after_sink_{sink.name}", epoch)
         return replace(commit, seconds=time.perf_counter() - t, lineage=lineage.id, sink_epoch=ctx.sink_epoch)
+
+    def _decide_and_commit(self, sink: Sink, output: pa.Table, ctx: CommitContext,
+                           held: SinkMark | None) -> SinkCommitResult:
+        if held is not None and ctx.lineage.owns(held) and held.epoch > ctx.sink_epoch:
+            held = sink.commit_of(self.pipeline.name, ctx.sink_epoch) or ctx.mark  # the range it holds for this epoch
+        if not ctx.should_commit(sink.name, held):
+            return SinkCommitResult(skipped=True, held_epoch=held.epoch if held else None)
+        faults.fault_pause(f"before_sink_{sink.name}", ctx.epoch)  # tests: hold this sink while another commits
+        self.check_fence(f"epoch {ctx.epoch}: committing sink {sink.name!r}")
+        return sink.commit(output, ctx)  # a lost race reports a skip
+
+    def _recorded(self, sink: str, epoch: int) -> int | None:
+        """The sink epoch that epoch ``epoch - 1``'s manifest records ``sink`` holding (a
+        manifest is written only once every sink holds its epoch); None: no such epoch,
+        or the sink was not in the pipeline then."""
+        previous = self.log.manifest(epoch - 1) if epoch > 1 else None
+        result = previous.sinks.get(sink) if previous is not None else None
+        if result is None:
+            return None
+        return result.sink_epoch if result.sink_epoch is not None else epoch - 1
 
     def refuse_held_uncommitted(self, committed: int) -> None:
         """An epoch after ``committed`` that a sink already holds was half committed in

@@ -18,7 +18,9 @@ The latest mark must outlive the table's own retention, or a pipeline paused lon
 than it would find its table foreign: Delta keeps it as txn actions, which its
 checkpoints keep (the latest per app id) when log cleanup removes the commit infos;
 Iceberg keeps it in table properties set in the epoch's own commit, which snapshot
-expiry leaves alone.
+expiry leaves alone; Kafka keeps it as the committed offset of a consumer group of the
+sink's own, set in the epoch's transaction, which the topic's retention and compaction
+leave alone (``sinks/kafka.py``).
 """
 
 from __future__ import annotations
