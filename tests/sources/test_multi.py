@@ -129,3 +129,18 @@ def test_a_column_one_source_lacks_is_nullable_in_the_merged_schema(tmp_path):
     rng = sources.cut(1, {}, None)
     b = sources.read_segment(next(s for s in rng.segments if s.partition == "b/"), schema, 1)
     assert b.column("amount").to_pylist() == [None]
+
+
+def test_a_source_added_to_a_running_pipeline_is_read_from_its_start(tmp_path):
+    """Review M3, as the docs now say: a source added after epochs were cut is read from
+    its start, within the cut's fair share; a source removed is refused by name."""
+    generate(tmp_path / "web", 2, 100, 10)
+    generate(tmp_path / "store", 2, 100, 10, seed=8)
+    first = FileLog(tmp_path / "web").cut(1, {}, None)
+    positions = {f"web/{p}": pos for p, pos in first.end.items()}
+    both = MultiSource({"web": FileLog(tmp_path / "web"), "store": FileLog(tmp_path / "store")})
+    second = both.cut(2, positions, 150)
+    assert both.range_of("store", second).records == 150 and both.range_of("web", second).records == 0
+    assert both.range_of("store", second).segments[0].start == 0
+    with pytest.raises(SourceError, match="names no source of"):
+        MultiSource({"store": FileLog(tmp_path / "store"), "mall": FileLog(tmp_path / "web")}).cut(3, second.end, 10)
