@@ -110,7 +110,12 @@ def _span(epochs: range) -> str:
 
 
 def check_latest_snapshot(runner: EpochRunner, since: int | None = None, full: bool = False) -> CheckOutcome:
-    """The last committed epoch's snapshots hold every file of the manifest, of its size,
+    """``check_snapshot`` of the last committed epoch."""
+    return check_snapshot(runner, runner.committed_epoch(), since, full)
+
+
+def check_snapshot(runner: EpochRunner, epoch: int, since: int | None = None, full: bool = False) -> CheckOutcome:
+    """A committed epoch's snapshots hold every file of the manifest, of its size,
     and every file new since epoch ``since`` (default: the one before) matches its
     SHA-256. A file shared with that epoch's snapshot (the same name, size and digest,
     and the same inode when both are on this disk: RocksDB checkpoints hardlink the SSTs
@@ -118,8 +123,8 @@ def check_latest_snapshot(runner: EpochRunner, since: int | None = None, full: b
     epochs changed, not the size of the state (minutes for tens of GB). A caller whose
     run committed several epochs passes the epoch before its first. ``full`` hashes
     every file: a deep check for bit rot in files that stopped changing long ago (RocksDB's
-    block checksums catch it too, when the block is read)."""
-    epoch = runner.committed_epoch()
+    block checksums catch it too, when the block is read). A snapshot a blocking check
+    flagged is checked ``full`` until it passes (``volley_dagster/dagster/blocking.py``)."""
     if epoch == 0:
         return CheckOutcome("snapshot_checksums", True, "no committed epoch yet")
     base = epoch - 1 if since is None else since

@@ -118,6 +118,7 @@ def scenario(tmp_path_factory, spark) -> Iterator[Scenario]:
         data[-1] ^= 1
         sst.write_bytes(bytes(data))
         runs["corrupt"] = run_range(defs, instance, 3)  # a no-op over the committed epoch; its checks still run
+        ticks["after corrupt"] = tick(defs, instance, ticks["fourth"].cursor)  # epochs 4..5 still wait
         yield Scenario(defs, instance, base, ticks, runs, delta_after_3, check_results(runs["backfill 1..3"]),
                        check_results(runs["corrupt"]))
 
@@ -214,7 +215,7 @@ def test_asset_checks_run_after_the_epochs_pass_and_catch_a_corrupted_snapshot(s
     assert len(scenario.checks_clean) == 11 and all(scenario.checks_clean.values()), scenario.checks_clean
     assert {(STATE, "freshness"), (DELTA, "freshness"), (ICEBERG, "freshness")} <= set(scenario.checks_clean)
     failed = [k for k, passed in scenario.checks_corrupt.items() if not passed]
-    assert failed == [(STATE, "snapshot_checksums")]
+    assert failed == [(STATE, "snapshot_checksums"), (STATE, "epochs_progress")]  # stopped until it passes
     # a blocking check: the run fails once, permanently, naming it; the sensor asks a person
     run = scenario.runs["corrupt"]
     assert not run.success
@@ -222,6 +223,12 @@ def test_asset_checks_run_after_the_epochs_pass_and_catch_a_corrupted_snapshot(s
     assert "blocking checks failed: payments/state snapshot_checksums" in failure.description
     assert failure.metadata[FAILURE_KIND].value == "permanent"
     assert permanent_failure(scenario.instance, run.run_id) == failure.description
+    # recorded in the root, so that no tick requests the waiting epochs 4..5 until the checks pass
+    after = scenario.ticks["after corrupt"]
+    assert not after.run_requests
+    message = after.skip_reason.skip_message
+    assert f"failed over epochs 3..3 in run {run.run_id}: payments/state snapshot_checksums" in message
+    assert "materialize partition 0000000003" in message
 
 
 def test_the_watchdog_finds_the_process_of_each_run(scenario):

@@ -14,7 +14,14 @@ from contextlib import ExitStack
 from dataclasses import replace
 
 import pytest
-from dagster import AssetKey, DagsterInstance, DynamicPartitionsDefinition, build_schedule_context
+from dagster import (
+    AssetKey,
+    DagsterInstance,
+    DagsterRun,
+    DagsterRunStatus,
+    DynamicPartitionsDefinition,
+    build_schedule_context,
+)
 
 from tests.dagster.conftest import ROOT
 from tests.dagster.test_location import range_of, run_range, tick
@@ -84,14 +91,14 @@ def test_transient_failures_are_requested_again_with_backoff_until_the_epoch_com
             assert not waiting.run_requests  # backing off: not at once
             message = waiting.skip_reason.skip_message
             assert f"epoch 1 failed in {failures} run(s) since the last commit" in message and "backing off" in message
-            reported = progress_checks(waiting)
-            if failures == BACKOFF.alert_after:  # red from alert_after failures on, reported once; retries go on
-                assert len(reported) == 1 and not reported[0].passed and "transient" in reported[0].description
-            elif failures != 1:
-                assert not reported
+            # each failure reported once, with the count: red from alert_after failures on; retries go on
+            (reported,) = progress_checks(waiting)
+            assert reported.passed == (failures < BACKOFF.alert_after) and "transient" in reported.description
+            assert reported.metadata["failed_runs"].value == failures
             due = time.time()
             while not (again := tick(defs, instance, cursor)).run_requests:
                 cursor = again.cursor
+                assert not progress_checks(again)  # nothing new to say while it backs off
                 assert time.time() - due < BACKOFF.max_s + 2, "the backoff never ended"
                 time.sleep(0.1)
             cursor, request = again.cursor, again.run_requests[0]
@@ -123,6 +130,31 @@ def test_transient_failures_are_requested_again_with_backoff_until_the_epoch_com
     assert not decision.request and decision.failures == 1
     assert "epoch 2 failed in 1 run(s) since the last commit" in decision.reason and "backing off" in decision.reason
     assert decision.next_at == pytest.approx(ended + BACKOFF.delay_s(1, "payments"))
+
+
+def test_a_canceled_run_is_requested_again_and_its_epoch_commits(fast_backoff):
+    defs, instance, base = fast_backoff
+    generate(base / "events", 1, 1_500, 300)
+    first = tick(defs, instance)
+    (request,) = first.run_requests
+    canceled = instance.add_run(DagsterRun(  # what a cancel from the UI leaves of the sensor's run
+        job_name="payments_epochs_job", status=DagsterRunStatus.CANCELED,
+        tags={**request.tags, "dagster/partition": request.partition_key, "dagster/run_key": request.run_key}))
+    cursor, deadline = first.cursor, time.time() + BACKOFF.first_s + 2
+    while not (again := tick(defs, instance, cursor)).run_requests:  # after the first backoff step
+        cursor = again.cursor
+        assert "canceled" in again.skip_reason.skip_message and time.time() < deadline
+        time.sleep(0.1)
+    (retry,) = again.run_requests
+    assert range_of(retry) == range_of(request) and retry.run_key != request.run_key
+    committed = run(defs, instance, retry)
+    assert committed.success  # nobody acted
+    (progress,) = [e.asset_check_evaluation_data for e in committed.all_events
+                   if e.event_type_value == "ASSET_CHECK_EVALUATION"
+                   and e.asset_check_evaluation_data.check_name == "epochs_progress"]
+    assert progress.passed and progress.metadata["canceled_runs"].value == 1
+    assert f"before epoch 1 committed, 1 run(s) ended without committing it, 1 canceled (the newest " \
+           f"{canceled.run_id})" in progress.description
 
 
 def test_a_permanent_failure_stops_the_requests_at_once_and_names_the_error(fast_backoff):

@@ -195,7 +195,8 @@ def test_kill_9_mid_epoch_heals_without_anyone(healing):
                       if e.is_dagster_event and e.dagster_event.event_type_value == "ASSET_CHECK_EVALUATION"]
             assert len(checks) == 11 and all(c.passed for c in checks), [(c.check_name, c.description) for c in checks]
         observed = instance.fetch_observations(AssetKey(["payments", "source"]), limit=1000).records
-        assert len(observed) >= LANDED  # the sensor observes the source on every tick
+        landed = len(list((base / "events").glob("*.parquet")))
+        assert 1 <= len(observed) <= landed  # the sensor observes the source when data lands, not every tick (H4)
         assert {"records_waiting", "files_waiting", "oldest_waiting_file_age_s"} <= set(
             observed[0].asset_observation.metadata)
 

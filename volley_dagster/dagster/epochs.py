@@ -2,7 +2,8 @@
 partitioned by epoch. A thin layer: every decision is the engine's."""
 
 import time
-from collections.abc import Iterator
+from dataclasses import replace
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Optional, TypedDict
 
@@ -10,6 +11,7 @@ from dagster import (
     AssetCheckResult,
     AssetCheckSpec,
     AssetExecutionContext,
+    AssetKey,
     AssetMaterialization,
     AssetSpec,
     BackfillPolicy,
@@ -24,6 +26,14 @@ from dagster import (
 
 from volley_dagster import ConfigError, EpochRunner, Pipeline
 from volley_dagster.checkpoint.epoch_log import epoch_key
+from volley_dagster.dagster.blocking import RECORD as BLOCKING_RECORD
+from volley_dagster.dagster.blocking import (
+    BlockingFailure,
+    blocking_failure,
+    clear_blocking_failure,
+    kept_epochs,
+    record_blocking_failure,
+)
 from volley_dagster.dagster.cadence import freshness_bound_s
 from volley_dagster.dagster.keys import PipelineKeys, sink_kind
 from volley_dagster.dagster.metadata import (
@@ -34,12 +44,26 @@ from volley_dagster.dagster.metadata import (
     state_preview,
 )
 from volley_dagster.dagster.resources import CheckpointResource, SparkResource, TablesResource
-from volley_dagster.dagster.runs import FAILURE_KIND, PIPELINE_TAG, pipeline_pool, recovery_decision
+from volley_dagster.dagster.runs import (
+    FAILURE_KIND,
+    PIPELINE_TAG,
+    UnfinishedRuns,
+    pipeline_pool,
+    recovery_decision,
+    unfinished_runs,
+)
 from volley_dagster.deploy import Deployment, TableSettings
 from volley_dagster.errors import is_retryable
 from volley_dagster.recovery import RecoveryDecision
 from volley_dagster.settings import RunSettings
-from volley_dagster.verify import CheckOutcome, check_freshness, check_latest_snapshot, check_sink
+from volley_dagster.verify import (
+    ROW_COUNT_WINDOW,
+    CheckOutcome,
+    check_freshness,
+    check_latest_snapshot,
+    check_sink,
+    check_snapshot,
+)
 
 # A failed epoch is retried inside its run (a lost executor, S3 unreachable, a lost
 # commit race or lease) ``backoff.retries_in_run`` times, after the deployment's backoff;
@@ -77,10 +101,12 @@ def make_runner(
     """The engine's runner for this deployment; Spark only starts if ``spark`` is given
     and an epoch is actually processed. ``log`` hears which Spark the run uses."""
     pipeline = built_pipeline(deployment, tables.settings())
-    settings = RunSettings(keep_epochs=checkpoints.keep_epochs, max_records_per_epoch=checkpoints.max_records_per_epoch,
+    root = Path(checkpoints.root) / pipeline.name
+    keep = kept_epochs(root, checkpoints.keep_epochs)  # more while a blocking check is red
+    settings = RunSettings(keep_epochs=keep, max_records_per_epoch=checkpoints.max_records_per_epoch,
                            lease_wait_s=checkpoints.lease_wait_s, snapshot_store=checkpoints.snapshot_store(pipeline.name),
                            resident_state=checkpoints.resident_state(), rocksdb=checkpoints.rocksdb())
-    return EpochRunner(pipeline, Path(checkpoints.root) / pipeline.name, settings,
+    return EpochRunner(pipeline, root, settings,
                        spark=spark.session(log) if spark is not None else None)
 
 
@@ -112,7 +138,7 @@ def epoch_assets(deployment: Deployment, spec_settings: TableSettings) -> list:
     owners, tags = list(team.owners), dict(team.tags)
 
     sources = [
-        AssetSpec(  # observed by the sensor on every tick that sees it change
+        AssetSpec(  # observed by the sensor on each tick that sees data landed in it
             keys.source_part(name),
             description=f"The log {log.uri} that {pipeline.name!r} reads" + (f" as source {name!r}." if name else "."),
             metadata={"dagster/uri": log.uri, **log.describe(), **code},
@@ -206,7 +232,7 @@ def epoch_assets(deployment: Deployment, spec_settings: TableSettings) -> list:
                 ran = sorted(parse_epoch(k) for k in context.partition_keys)
                 committed = runner.committed_epoch()
                 window = range(ran[0], min(ran[-1], committed) + 1) if ran and ran[0] <= committed else None
-                checks = list(check_results(context.instance, runner, deployment, window))
+                checks = check_results(context.instance, runner, deployment, window, run_id=context.run.run_id)
         except Exception as exc:
             if not is_retryable(exc):  # the sensor and schedule read FAILURE_KIND and stop requesting
                 raise Failure(description=f"{type(exc).__name__}: {exc}", allow_retries=False,
@@ -216,10 +242,12 @@ def epoch_assets(deployment: Deployment, spec_settings: TableSettings) -> list:
         yield from checks
         if failed := [f"{c.asset_key and c.asset_key.to_user_string()} {c.check_name}" for c in checks
                       if not c.passed and c.check_name in BLOCKING_CHECKS]:
-            # after the checks are recorded; permanent, so the sensor asks a person rather than retry
+            # after the checks are recorded; permanent, and recorded in the root (blocking.py): the sensor
+            # asks a person rather than retry, until the checks pass
             raise Failure(description=f"blocking checks failed: {', '.join(failed)}. The epochs this run committed "
-                                      "stay committed; what follows them in this run does not run. Each check's "
-                                      "description says what is wrong and what to do.",
+                                      "stay committed; what follows them in this run does not run, and no epoch is "
+                                      f"requested until they pass ({runner.log.root / BLOCKING_RECORD}). Each "
+                                      "check's description says what is wrong and what to do.",
                           allow_retries=False, metadata={FAILURE_KIND: "permanent", "failed_checks": failed})
 
     return [epochs, *sources, *dimensions]
@@ -234,19 +262,60 @@ SINK_CHECKS = ("recorded_epoch", "no_duplicate_epochs", "row_counts", "freshness
 
 
 def check_results(instance: DagsterInstance, runner: EpochRunner, deployment: Deployment,
-                  epochs: Optional[range] = None) -> Iterator[AssetCheckResult]:
+                  epochs: Optional[range] = None, run_id: str = "") -> list[AssetCheckResult]:
     """Every check of the pipeline, as of now: the state's, then each table's. ``epochs``:
     what the run committed, so that the checks cost what it changed (the files new since
-    the epoch before them, those epochs' rows in each table); None: the latest epoch's."""
+    the epoch before them, those epochs' rows in each table); None: the latest epoch's.
+    A blocking check that fails is recorded in the checkpoint root (``blocking.py``),
+    and while it is, the checks also cover the epochs it flagged, its snapshot hashed in
+    full; the record goes once they all pass. ``run_id``: the run, named in the record."""
     keys = PipelineKeys.of(deployment)
-    since = epochs.start - 1 if epochs else None
-    outcomes = [check_latest_snapshot(runner, since=since), check_progress(instance, runner, deployment),
-                check_freshness(runner, freshness_bound_s(deployment), time.time())]
-    for outcome in outcomes:
-        yield AssetCheckResult(asset_key=keys.state, **check_fields(outcome))
-    for sink in runner.pipeline.sinks:
-        for outcome in [*check_sink(runner, sink, epochs=epochs), outcomes[-1]]:  # a table is as fresh as the state
-            yield AssetCheckResult(asset_key=keys.sink(sink), **check_fields(outcome))
+    root, committed = runner.log.root, runner.committed_epoch()
+    held = blocking_failure(root)
+    ran = epochs if epochs is not None else range(max(1, committed - ROW_COUNT_WINDOW + 1), committed + 1)
+    window = ran if held is None else range(min(ran.start, held.first), max(ran.stop, held.last + 1))
+    snapshot = _snapshot_check(runner, epochs.start - 1 if epochs else None, held)
+    tables = {sink.name: check_sink(runner, sink, epochs=window) for sink in runner.pipeline.sinks}
+    verdicts = [(keys.state, snapshot), *((keys.sink(sink), o) for sink in runner.pipeline.sinks
+                                          for o in tables[sink.name])]
+    _settle_blocking(runner, deployment, held, window, verdicts, run_id)
+    progress = check_progress(instance, runner, deployment, ran=epochs)
+    fresh = check_freshness(runner, freshness_bound_s(deployment), time.time())
+    results = [AssetCheckResult(asset_key=keys.state, **check_fields(o)) for o in (snapshot, progress, fresh)]
+    for sink in runner.pipeline.sinks:  # a table is as fresh as the state
+        results += [AssetCheckResult(asset_key=keys.sink(sink), **check_fields(o)) for o in [*tables[sink.name], fresh]]
+    return results
+
+
+def _snapshot_check(runner: EpochRunner, since: Optional[int], held: Optional[BlockingFailure]) -> CheckOutcome:
+    """The latest snapshot's files new since ``since``; while a snapshot is flagged, that
+    one first, every file hashed (a damaged file hardlinked into later snapshots counts
+    as shared with it there), then the latest's files new since it."""
+    if held is None or held.snapshot_epoch is None:
+        return check_latest_snapshot(runner, since=since)
+    flagged = check_snapshot(runner, held.snapshot_epoch, full=True)
+    if not flagged.passed or runner.committed_epoch() == held.snapshot_epoch:
+        return replace(flagged, description=f"{flagged.description} (flagged by run {held.run_id}, checked in full "
+                                            "until it passes)")
+    base = held.snapshot_epoch if since is None else min(since, held.snapshot_epoch)
+    return check_latest_snapshot(runner, since=base)
+
+
+def _settle_blocking(runner: EpochRunner, deployment: Deployment, held: Optional[BlockingFailure], window: range,
+                     verdicts: list[tuple[AssetKey, CheckOutcome]], run_id: str) -> None:
+    """Record the blocking checks that failed over ``window`` (the sensor stops, retention
+    holds), or clear the record once they all pass."""
+    failed = [(key, o) for key, o in verdicts if not o.passed and o.name in BLOCKING_CHECKS]
+    root = runner.log.root
+    if not failed:
+        if held is not None:
+            clear_blocking_failure(root)
+        return
+    snapshot_epoch = next((int(o.metadata["epoch"]) for _, o in failed if o.name == "snapshot_checksums"), None)
+    last = max(window.start, min(window.stop - 1, runner.committed_epoch()))
+    record_blocking_failure(root, BlockingFailure(
+        deployment.name, window.start, last, snapshot_epoch, tuple(f"{key.to_user_string()} {o.name}" for key, o in failed),
+        tuple(o.description for _, o in failed), run_id, datetime.now(timezone.utc).isoformat(timespec="seconds")))
 
 
 class CheckFields(TypedDict):
@@ -264,19 +333,31 @@ def check_fields(outcome: CheckOutcome) -> CheckFields:
 
 
 def check_progress(instance: DagsterInstance, runner: EpochRunner, deployment: Deployment,
-                   decision: Optional[RecoveryDecision] = None) -> CheckOutcome:
-    """Fails when the earliest uncommitted epoch failed permanently (a person must act),
-    or transiently in ``backoff.alert_after`` runs since the last commit (retries go on).
-    ``decision``: the recovery decision the caller made this moment, if it made one."""
+                   decision: Optional[RecoveryDecision] = None, ran: Optional[range] = None) -> CheckOutcome:
+    """Fails while a blocking check's failure is recorded (a person must act), when the
+    earliest uncommitted epoch failed permanently (likewise), or transiently in
+    ``backoff.alert_after`` runs since the last commit (retries go on). Says how many
+    runs ended without committing it (failed or canceled). ``decision``: the recovery
+    decision the caller made this moment, if it made one; ``ran``: the epochs the
+    caller's run committed, whose earlier failed or canceled runs it also names."""
     committed, cut = runner.committed_epoch(), runner.log.last_cut()
+    held = blocking_failure(runner.log.root)
+    if held is not None:
+        return CheckOutcome("epochs_progress", False, held.describe(runner.log.root),
+                            {"committed_epoch": committed, "last_cut_epoch": cut, "stopped": True, "failed_runs": 0,
+                             "canceled_runs": 0, "blocking_checks_failed": MetadataValue.json(list(held.checks))})
     if committed == cut:
-        return CheckOutcome("epochs_progress", True, f"every cut epoch is committed (the last is {committed})",
-                            {"committed_epoch": committed, "failed_runs": 0})
-    decision = decision or recovery_decision(instance, runner, deployment)
+        meanwhile = unfinished_runs(instance, runner, deployment.name, ran.start) if ran else UnfinishedRuns([], [])
+        before = f"; before epoch {ran.start} committed, {meanwhile.describe()}" if ran and meanwhile.failed else ""
+        return CheckOutcome("epochs_progress", True, f"every cut epoch is committed (the last is {committed}){before}",
+                            {"committed_epoch": committed, "failed_runs": len(meanwhile.failed),
+                             "canceled_runs": len(meanwhile.canceled)})
+    ended = unfinished_runs(instance, runner, deployment.name, committed + 1)
+    decision = decision or recovery_decision(instance, runner, deployment, ended=ended)
     return CheckOutcome(
         "epochs_progress", not decision.alert,
         f"epoch {committed + 1} (of {cut} cut) is not committed; {decision.reason}",
         {"committed_epoch": committed, "last_cut_epoch": cut, "failed_runs": decision.failures,
-         "stopped": decision.stopped,
+         "canceled_runs": len(ended.canceled), "stopped": decision.stopped,
          **({"next_request_at": MetadataValue.timestamp(decision.next_at)} if decision.next_at else {})},
     )

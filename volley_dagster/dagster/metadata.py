@@ -80,7 +80,7 @@ def source_backlogs(backlog: Backlog) -> dict[Optional[str], Backlog]:
 
 def source_observation(runner: EpochRunner, backlog: Backlog, now: float, part: Optional[str] = None) -> DagsterMetadata:
     """What waits to be committed in the source (``part``: one of several, with its own
-    ``backlog``), as numbers that plot: one observation per sensor tick."""
+    ``backlog``), as numbers that plot: observed on each sensor tick that sees data landed."""
     committed, cut = runner.committed_epoch(), runner.log.last_cut()
     log = runner.pipeline.source_log
     in_cut_epochs = sum(log.range_of(part, runner.log.offsets(e)).records for e in range(committed + 1, cut + 1))

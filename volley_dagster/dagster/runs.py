@@ -2,6 +2,7 @@
 about progress. Shared by the sensor and schedule (when to request) and the asset checks."""
 
 import time
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from typing import Optional
 
@@ -18,6 +19,10 @@ FAILURE_KIND = "volley/failure"  # metadata of a step that failed permanently: "
 FAILED_RUNS_READ = 100  # consecutive failures counted for the backoff: past this the wait is at its cap anyway
 IN_PROGRESS = [DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED, DagsterRunStatus.STARTING,
                DagsterRunStatus.STARTED, DagsterRunStatus.CANCELING]
+# A canceled run (from the UI, or by a ``dagster/max_runtime`` limit) did not commit its
+# epochs either: it counts as a failed one, and its epochs are requested again.
+UNFINISHED = [DagsterRunStatus.FAILURE, DagsterRunStatus.CANCELED]
+ENDED = [DagsterRunStatus.SUCCESS, *UNFINISHED]
 RETRY_GRACE_S = 60  # a failed run whose automatic retry has not been created yet counts as in flight
 
 
@@ -29,15 +34,17 @@ def pipeline_pool(name: str) -> str:
 
 def pool_runs(instance: DagsterInstance, pipeline: str, statuses: list[DagsterRunStatus],
               limit: Optional[int] = None, created_after: Optional[float] = None,
-              created_before: Optional[float] = None, oldest_first: bool = False) -> list[RunRecord]:
+              created_before: Optional[float] = None, oldest_first: bool = False,
+              updated_after: Optional[float] = None) -> list[RunRecord]:
     """Runs of the pipeline, newest first (or ``oldest_first``), whoever launched them:
     Dagster tags each run it creates in a pool with it; runs of the pipeline's jobs
     (sensor, schedule, rescale, in-process ones too) carry the pipeline's run tag."""
-    after, before = (datetime.fromtimestamp(t, timezone.utc) if t is not None else None
-                     for t in (created_after, created_before))
+    after, before, updated = (datetime.fromtimestamp(t, timezone.utc) if t is not None else None
+                              for t in (created_after, created_before, updated_after))
     found: dict[str, RunRecord] = {}
     for tags in ({f".dagster/pool/{pipeline_pool(pipeline)}": "true"}, {PIPELINE_TAG: pipeline}):
-        runs = RunsFilter(tags=tags, statuses=statuses, created_after=after, created_before=before)
+        runs = RunsFilter(tags=tags, statuses=statuses, created_after=after, created_before=before,
+                          updated_after=updated)
         for record in instance.get_run_records(runs, limit=limit, ascending=oldest_first):
             found[record.dagster_run.run_id] = record
     ordered = sorted(found.values(), key=lambda r: r.create_timestamp, reverse=not oldest_first)
@@ -59,26 +66,62 @@ def run_in_flight(instance: DagsterInstance, pipeline: str) -> Optional[str]:
     return None
 
 
-def failed_runs_since(instance: DagsterInstance, pipeline: str, since: Optional[float], first_epoch: int) -> list[FailedRun]:
-    """The pipeline's failed epoch runs created after ``since`` (its last commit) that
-    covered ``first_epoch`` (the earliest uncommitted one), newest first: a run of a
-    later epoch launched by hand, refused for its order, or a failed rescale says
-    nothing about it. The newest says whether it failed permanently (its step's
+@dataclass(frozen=True)
+class UnfinishedRuns:
+    """The runs that covered an epoch and ended without committing it, newest first."""
+
+    failed: list[FailedRun]  # every one, canceled ones included, as ``recovery.decide`` takes them
+    canceled: list[str]  # the ids of the canceled ones
+
+    def describe(self) -> str:
+        """What a person reads in the progress check: how many, and which was canceled."""
+        canceled = f", {len(self.canceled)} canceled (the newest {self.canceled[0]})" if self.canceled else ""
+        return f"{len(self.failed)} run(s) ended without committing it{canceled}"
+
+
+def unfinished_runs_since(instance: DagsterInstance, pipeline: str, since: Optional[float],
+                          first_epoch: int) -> UnfinishedRuns:
+    """The pipeline's epoch runs that covered ``first_epoch`` (the earliest uncommitted
+    one) and ended, failed or canceled, after ``since`` (the commit of the epoch before
+    it), newest first: a range run that committed the epochs before it and then failed
+    or was canceled counts, though it was created before that commit; a run of a later
+    epoch launched by hand, refused for its order, or a failed rescale says nothing
+    about it. The newest failure says whether it failed permanently (its step's
     ``Failure`` metadata, set by the epochs op from ``errors.is_retryable``); a run
-    killed, or failed before its step ran, is transient. Reads a bounded number of runs
-    and one run's failure events: O(1) in the pipeline's age."""
-    records = pool_runs(instance, pipeline, [DagsterRunStatus.FAILURE], limit=FAILED_RUNS_READ, created_after=since)
-    runs = [FailedRun(r.dagster_run.run_id, (r.end_time or r.update_timestamp.timestamp())) for r in records
-            if (start := _first_epoch_of(r)) is not None and start <= first_epoch]
-    if runs:
-        runs[0] = FailedRun(runs[0].run_id, runs[0].ended_at, permanent_failure(instance, runs[0].run_id))
-    return runs
+    killed, canceled, or failed before its step ran, is transient. Reads a bounded
+    number of runs and one run's failure events: O(1) in the pipeline's age."""
+    records = pool_runs(instance, pipeline, UNFINISHED, limit=FAILED_RUNS_READ, updated_after=since)
+    covering = [r for r in records if _covers(r, first_epoch) and (since is None or _ended_at(r) > since)]
+    runs = [FailedRun(r.dagster_run.run_id, _ended_at(r)) for r in covering]
+    if covering and covering[0].dagster_run.status == DagsterRunStatus.FAILURE:
+        runs[0] = replace(runs[0], permanent=permanent_failure(instance, runs[0].run_id))
+    canceled = [r.dagster_run.run_id for r in covering if r.dagster_run.status == DagsterRunStatus.CANCELED]
+    return UnfinishedRuns(runs, canceled)
+
+
+def _ended_at(record: RunRecord) -> float:
+    return record.end_time or record.update_timestamp.timestamp()
+
+
+def _covers(record: RunRecord, epoch: int) -> bool:
+    """Whether an epochs run's partitions include ``epoch``."""
+    first, last = _first_epoch_of(record), _last_epoch_of(record)
+    return first is not None and last is not None and first <= epoch <= last
 
 
 def _first_epoch_of(record: RunRecord) -> Optional[int]:
     """The first epoch an epochs run covers (its partition, or its range's start)."""
     tags = record.dagster_run.tags
-    key = tags.get("dagster/partition") or tags.get("dagster/asset_partition_range_start")
+    return _epoch(tags.get("dagster/partition") or tags.get("dagster/asset_partition_range_start"))
+
+
+def _last_epoch_of(record: RunRecord) -> Optional[int]:
+    """The last epoch an epochs run covers (its partition, or its range's end)."""
+    tags = record.dagster_run.tags
+    return _epoch(tags.get("dagster/partition") or tags.get("dagster/asset_partition_range_end"))
+
+
+def _epoch(key: Optional[str]) -> Optional[int]:
     return int(key) if key is not None and key.isdigit() else None
 
 
@@ -93,15 +136,38 @@ def permanent_failure(instance: DagsterInstance, run_id: str) -> Optional[str]:
     return None
 
 
+def committed_at(runner: EpochRunner, epoch: int) -> Optional[float]:
+    """When ``epoch`` committed (Unix time), None for epoch 0 or a manifest without the time."""
+    stamp = runner.result(epoch).committed_at if epoch >= 1 else None
+    return datetime.fromisoformat(stamp).timestamp() if stamp else None
+
+
+def unfinished_runs(instance: DagsterInstance, runner: EpochRunner, pipeline: str, epoch: int) -> UnfinishedRuns:
+    """The runs that covered ``epoch`` and ended without committing it, since the epoch
+    before it committed: what happened while it waited."""
+    return unfinished_runs_since(instance, pipeline, committed_at(runner, epoch - 1), epoch)
+
+
 def recovery_decision(instance: DagsterInstance, runner: EpochRunner, deployment: Deployment,
-                      now: Optional[float] = None) -> RecoveryDecision:
+                      now: Optional[float] = None, ended: Optional[UnfinishedRuns] = None) -> RecoveryDecision:
     """Whether to request the uncommitted epochs now (``volley_dagster/recovery.py``),
-    from the runs that failed since the last commit."""
-    committed = runner.committed_epoch()
-    since = runner.result(committed).committed_at if committed else None
-    after = datetime.fromisoformat(since).timestamp() if since else None
-    return decide(failed_runs_since(instance, deployment.name, after, committed + 1), time.time() if now is None else now,
-                  deployment.backoff, committed + 1, runner.log.last_cut(), salt=deployment.name)
+    from the runs that failed or were canceled since the last commit (``ended``, when
+    the caller read them already)."""
+    first = runner.committed_epoch() + 1
+    ended = ended or unfinished_runs(instance, runner, deployment.name, first)
+    decision = decide(ended.failed, time.time() if now is None else now, deployment.backoff, first,
+                      runner.log.last_cut(), salt=deployment.name)
+    if not ended.canceled:
+        return decision
+    return replace(decision, reason=f"{decision.reason} ({len(ended.canceled)} of those runs canceled, the newest "
+                                    f"{ended.canceled[0]}: a canceled run's epochs are requested again as a failed "
+                                    "run's are; stop the sensor to stop the pipeline)")
+
+
+def newest_ended_run(instance: DagsterInstance, pipeline: str) -> Optional[str]:
+    """The id of the pipeline's newest run that ended (succeeded, failed or was canceled)."""
+    ended = pool_runs(instance, pipeline, ENDED, limit=1)
+    return ended[0].dagster_run.run_id if ended else None
 
 
 PRUNED_PER_TICK = 200  # partitions, and runs, removed by one tick at most: a first tick on an old instance stays short
@@ -110,9 +176,11 @@ PRUNED_PER_TICK = 200  # partitions, and runs, removed by one tick at most: a fi
 def prune_history(instance: DagsterInstance, runner: EpochRunner, deployment: Deployment,
                   partitions_name: str) -> tuple[int, int]:
     """Remove the dynamic partitions of committed epochs older than the last
-    ``deployment.partitions_kept``, and the pipeline's ended runs created before the
-    newest removed epoch committed (their materializations belong to removed partitions);
-    at most ``PRUNED_PER_TICK`` of each per call. (partitions removed, runs removed)."""
+    ``deployment.partitions_kept``, and the pipeline's ended runs that touched only
+    those: created before the newest removed epoch committed, and whose last partition
+    is older than the oldest kept (a range run that went on to commit kept epochs keeps
+    their materializations). At most ``PRUNED_PER_TICK`` of each per call.
+    (partitions removed, runs removed)."""
     committed = runner.committed_epoch()
     oldest_kept = committed - deployment.partitions_kept + 1
     if oldest_kept <= 1 or not instance.has_dynamic_partition(partitions_name, epoch_key(oldest_kept - 1)):
@@ -121,13 +189,19 @@ def prune_history(instance: DagsterInstance, runner: EpochRunner, deployment: De
     doomed = [k for k in keys if k.isdigit() and int(k) < oldest_kept][:PRUNED_PER_TICK]
     for key in doomed:
         instance.delete_dynamic_partition(partitions_name, key)
-    kept_since = datetime.fromisoformat(runner.result(oldest_kept - 1).committed_at)  # later runs touched kept epochs
-    ended = [DagsterRunStatus.SUCCESS, DagsterRunStatus.FAILURE, DagsterRunStatus.CANCELED]
-    doomed_runs = [r.dagster_run.run_id for r in pool_runs(instance, deployment.name, ended, limit=PRUNED_PER_TICK,
-                                                           created_before=kept_since.timestamp(), oldest_first=True)]
+    kept_since = committed_at(runner, oldest_kept - 1)  # runs created later may have touched kept epochs
+    old = pool_runs(instance, deployment.name, ENDED, limit=PRUNED_PER_TICK, created_before=kept_since, oldest_first=True)
+    doomed_runs = [r.dagster_run.run_id for r in old if _touched_only_before(r, oldest_kept)]
     for run_id in doomed_runs:
         instance.delete_run(run_id)
     return len(doomed), len(doomed_runs)
+
+
+def _touched_only_before(record: RunRecord, epoch: int) -> bool:
+    """Whether a run materialized no partition from ``epoch`` on: its last partition is
+    older (a run of no partition, as a rescale, materialized none)."""
+    last = _last_epoch_of(record)
+    return last is None or last < epoch
 
 
 def pool_limit_problem(instance: DagsterInstance, pipeline: str) -> Optional[str]:

@@ -6,24 +6,29 @@ Dagster retries them; it cuts new epochs (the sensor when records wait, the sche
 on each tick), then requests one run of every epoch cut but not committed, from the
 earliest, but only while no run of the pipeline is queued, running or about to be
 retried: so a run never starts on an epoch whose predecessor is not committed. An
-epoch whose run failed is requested again by a later tick, with a new run key, after
-an exponential backoff with jitter (``volley_dagster/recovery.py``: the deployment's
-``backoff``); that goes on until it commits, which resets the budget. A run that
+epoch whose run failed or was canceled is requested again by a later tick, after an
+exponential backoff with jitter (``volley_dagster/recovery.py``: the deployment's
+``backoff``), under a run key Dagster never saw (``run_key``: it names the newest
+ended run); that goes on until it commits, which resets the budget. A run that
 failed permanently (configuration, lineage, a corrupt snapshot) stops the requests:
-the tick names the error and the ``epochs_progress`` check fails, saying what to do.
+the tick names the error and the ``epochs_progress`` check fails, saying what to do;
+so does a blocking check's failure, recorded in the checkpoint root until the checks
+pass again (``volley_dagster/dagster/blocking.py``).
 The sensor and the schedule share this (``request_uncommitted``), so a schedule-only
-deployment heals as a sensor one does. A tick also observes the source (records and
-files waiting, the oldest file's age) when that changed, and reports the ``freshness`` and
-``epochs_progress`` checks when their verdicts change. The cursor holds since when
-records have waited and the last verdicts, so a restarted daemon neither skips nor
-repeats an epoch; the backoff is read from the instance's runs, not the cursor.
+deployment heals as a sensor one does. A tick also observes each source where data
+landed since the last tick (records and files waiting, the oldest file's age, its data
+version), and reports the ``freshness`` check when its verdict changes and
+``epochs_progress`` when what it says changes (its verdict, the runs that failed or
+were canceled, a stop). The cursor holds since when records have waited, what waited,
+and the last verdicts, so a restarted daemon neither skips nor repeats an epoch; the
+backoff is read from the instance's runs, not the cursor.
 Each tick also keeps the instance's history bounded (``volley_dagster/dagster/runs.prune_history``):
-partitions of old committed epochs and old ended runs are removed.
+partitions of old committed epochs and the runs that touched only those are removed,
+and only the kept window of epochs is ever registered as partitions.
 A source or checkpoint root that cannot be read (a missing folder, a hand-broken
 ``pipeline.json``) skips the tick naming it, instead of crashing the sensor.
 """
 
-import hashlib
 import json
 import time
 from typing import Optional
@@ -46,6 +51,7 @@ from dagster import (
 
 from volley_dagster import EpochRunner
 from volley_dagster.checkpoint.epoch_log import epoch_key
+from volley_dagster.dagster.blocking import blocking_failure
 from volley_dagster.dagster.cadence import freshness_bound_s
 from volley_dagster.dagster.epochs import (
     PIPELINE_TAG,
@@ -67,6 +73,7 @@ from volley_dagster.dagster.metadata import (
 from volley_dagster.dagster.resources import CheckpointResource, TablesResource
 from volley_dagster.dagster.runs import (
     fail_orphaned_runs,
+    newest_ended_run,
     pool_limit_problem,
     prune_history,
     recovery_decision,
@@ -75,6 +82,7 @@ from volley_dagster.dagster.runs import (
 from volley_dagster.deploy import Deployment
 from volley_dagster.errors import VolleyError
 from volley_dagster.recovery import RecoveryDecision
+from volley_dagster.sources.offsets import Backlog
 from volley_dagster.verify import CheckOutcome, check_freshness
 
 DATA_VERSION_TAG = "dagster/data_version"  # the tag an observation's data version travels in
@@ -146,22 +154,34 @@ def _prune(context, runner: EpochRunner, deployment: Deployment) -> None:
                          "tables keep their history)")
 
 
-def _observation_digest(metadata: dict) -> str:
-    """What an observation says, but the waiting file's age (which changes every tick):
-    the sensor writes an observation only when the source or the backlog changed."""
-    said = {k: getattr(v, "value", v) for k, v in metadata.items() if not k.endswith("oldest_waiting_file_age_s")}
-    return hashlib.sha256(json.dumps(said, sort_keys=True, default=str).encode()).hexdigest()[:16]
+def waiting_by_source(last_cut: int, backlog: Backlog) -> dict:
+    """What waits in each source after the last cut epoch (records, files), for the cursor."""
+    return {"cut": last_cut, "waiting": {part or "": [b.records, b.files] for part, b in source_backlogs(backlog).items()}}
 
 
-def unregistered_partitions(instance, deployment: Deployment, last_cut: int) -> list[str]:
-    """Keys of the cut epochs not yet dynamic partitions: walked back from the last cut
-    to the newest registered one, so a tick costs what was cut since, not the history."""
-    name, keys = partitions_name(deployment), []
-    for epoch in range(last_cut, 0, -1):
-        if instance.has_dynamic_partition(name, epoch_key(epoch)):
-            break
-        keys.append(epoch_key(epoch))
-    return keys[::-1]
+def sources_landed(before: Optional[dict], now: dict) -> set[str]:
+    """The sources where data landed (their data version changed) between the last tick,
+    as it left them (``before``, after its cuts), and this one, before its cuts: what
+    waits after the same cut epoch grew. Another cutter (the CLI, the schedule) moved
+    the last cut: every source counts as landed, once. Read from the backlog the tick
+    lists anyway, not from a listing of the whole log."""
+    if before is None or before.get("cut") != now["cut"]:
+        return set(now["waiting"])
+    return {part for part, waiting in now["waiting"].items() if before["waiting"].get(part) != waiting}
+
+
+def unregistered_partitions(instance, deployment: Deployment, committed: int, last_cut: int) -> list[str]:
+    """Keys of the cut epochs to make dynamic partitions: the last ``partitions_kept``
+    committed ones and every uncommitted one, less those registered already (older ones
+    would only be pruned). An idle tick costs one lookup (the last cut is registered);
+    otherwise the registered keys are read once, so a new instance over an old root
+    costs what the kept window holds, not one query per epoch ever cut."""
+    name = partitions_name(deployment)
+    if last_cut == 0 or instance.has_dynamic_partition(name, epoch_key(last_cut)):
+        return []
+    registered = set(instance.get_dynamic_partitions(name))
+    first = max(1, committed - deployment.partitions_kept + 1)
+    return [key for key in map(epoch_key, range(first, last_cut + 1)) if key not in registered]
 
 
 def committed_elsewhere(runner: EpochRunner, deployment: Deployment, new_keys: list[str]) -> list[AssetMaterialization]:
@@ -180,10 +200,24 @@ def committed_elsewhere(runner: EpochRunner, deployment: Deployment, new_keys: l
     return events
 
 
+def run_key(deployment: Deployment, first: int, last: int, after: Optional[str]) -> str:
+    """The run key of a request of epochs ``first..last`` made after the pool's run
+    ``after`` ended (None: no run ended yet). Dagster's sensor daemon launches a key
+    once, in whatever state its run ended, so a key must never come back: a request is
+    made only while no run of the pool is in flight, so the newest ended run is the
+    last request's own run (or a later one), and the key differs after a failure, a
+    cancel, any number of them, or a run that committed part of the range. A tick
+    repeated before its run was created (a daemon restart) repeats the key: deduped."""
+    return f"{deployment.name}-{first}-{last}" + (f"-after-{after}" if after else "")
+
+
 def request_uncommitted(instance, runner: EpochRunner, deployment: Deployment, now: float):
     """(run requests, skip reason, the recovery decision or None): one run over every
-    epoch cut but not committed, unless one is in flight, the last failure was
-    permanent, or the backoff after a transient one has not passed."""
+    epoch cut but not committed, unless a blocking check's failure is recorded, one is
+    in flight, the last failure was permanent, or the backoff after a transient one (or
+    a cancel) has not passed."""
+    if (held := blocking_failure(runner.log.root)) is not None:
+        return [], held.describe(runner.log.root), None
     first, last = runner.committed_epoch() + 1, runner.log.last_cut()
     if first > last:
         return [], "no epoch to run: every cut epoch is committed", None
@@ -192,16 +226,20 @@ def request_uncommitted(instance, runner: EpochRunner, deployment: Deployment, n
     decision = recovery_decision(instance, runner, deployment, now)
     if not decision.request:
         return [], decision.reason, decision
-    key = f"{deployment.name}-{first}-{last}-r{decision.failures}"  # new after each failure: never deduped away
+    key = run_key(deployment, first, last, newest_ended_run(instance, deployment.name))
     return [range_request(deployment, first, last, run_key=key)], None, decision
 
 
-def _progress_event(instance, runner: EpochRunner, deployment: Deployment, reported: Optional[bool],
+def _progress_event(instance, runner: EpochRunner, deployment: Deployment, reported: Optional[str],
                     decision: Optional[RecoveryDecision]):
-    """The epochs_progress check, when its verdict changed since ``reported``
-    (``decision``: the tick's recovery decision, when it made one)."""
+    """(what the epochs_progress check says now, its evaluation when that changed since
+    ``reported``): its verdict, the runs that failed or were canceled, a stop, so the
+    check's history tells what happened while an epoch waited (``decision``: the tick's
+    recovery decision, when it made one)."""
     progress = check_progress(instance, runner, deployment, decision)
-    return progress.passed, ([check_evaluation(PipelineKeys.of(deployment), progress)] if progress.passed != reported else [])
+    md = progress.metadata
+    said = f"{progress.passed}:{md.get('failed_runs', 0)}:{md.get('canceled_runs', 0)}:{md.get('stopped', False)}"
+    return said, ([check_evaluation(PipelineKeys.of(deployment), progress)] if said != reported else [])
 
 
 def epoch_sensor(deployment: Deployment, job):
@@ -222,6 +260,7 @@ def epoch_sensor(deployment: Deployment, job):
         try:
             runner = make_runner(deployment, volley_checkpoints, volley_tables)
             waiting_since, backlog = cursor["waiting_since"], runner.backlog()  # an idle tick lists the source once
+            landed = sources_landed(cursor.get("landed"), waiting_by_source(runner.log.last_cut(), backlog))
             for _ in range(MAX_CUTS_PER_TICK):
                 cut, waiting_since = _should_cut(backlog.records, deployment, waiting_since, time.time())
                 if not cut:
@@ -232,12 +271,9 @@ def epoch_sensor(deployment: Deployment, job):
         except VolleyError as exc:
             return SensorResult(skip_reason=_cannot_cut(context, deployment, exc), cursor=context.cursor)
         keys = PipelineKeys.of(deployment)
-        observed = {part: source_observation(runner, waiting, now, part)
-                    for part, waiting in source_backlogs(backlog).items()}
-        seen = _observation_digest({f"{part}:{k}": v for part, md in observed.items() for k, v in md.items()})
-        events: list = ([source_changed(runner, keys, part, md) for part, md in observed.items()]
-                        if seen != cursor.get("observed") else [])
-        new_keys = unregistered_partitions(context.instance, deployment, runner.log.last_cut())
+        events: list = [source_changed(runner, keys, part, source_observation(runner, waiting, now, part))
+                        for part, waiting in source_backlogs(backlog).items() if (part or "") in landed]
+        new_keys = unregistered_partitions(context.instance, deployment, runner.committed_epoch(), runner.log.last_cut())
         add = [partitions.build_add_request(new_keys)] if new_keys else []
         events += committed_elsewhere(runner, deployment, new_keys)
 
@@ -251,9 +287,10 @@ def epoch_sensor(deployment: Deployment, job):
         if freshness.passed != cursor["fresh"]:
             events += freshness_evaluations(keys, runner, freshness)
         new_cursor = json.dumps({"waiting_since": waiting_since, "fresh": freshness.passed, "progress": progress,
-                                 "observed": seen})
-        if not requests and not add:
-            return SensorResult(skip_reason=SkipReason(skip), cursor=new_cursor, asset_events=events)
+                                 "landed": waiting_by_source(runner.log.last_cut(), backlog)})
+        if not requests:  # the reason shows on the tick even when it registered partitions
+            return SensorResult(skip_reason=SkipReason(skip), dynamic_partitions_requests=add, cursor=new_cursor,
+                                asset_events=events)
         return SensorResult(run_requests=requests, dynamic_partitions_requests=add, cursor=new_cursor,
                             asset_events=events)
 
@@ -281,7 +318,7 @@ def epoch_schedule(deployment: Deployment, job):
         except VolleyError as exc:
             return _cannot_cut(context, deployment, exc)
         # A schedule cannot return partition requests: add the partitions directly.
-        new_keys = unregistered_partitions(instance, deployment, runner.log.last_cut())
+        new_keys = unregistered_partitions(instance, deployment, runner.committed_epoch(), runner.log.last_cut())
         if new_keys:
             instance.add_dynamic_partitions(partitions_name(deployment), new_keys)
         requests, skip, _ = request_uncommitted(instance, runner, deployment, time.time())
