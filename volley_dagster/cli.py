@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import atexit
+import logging
 import os
 import sys
 import time
@@ -452,5 +454,37 @@ def main(argv: list[str] | None = None) -> int:
     return args.func(args)
 
 
+_EXIT_STATUS = [1]  # what ``run`` leaves with: main's, once it returned
+
+
+def _leave() -> None:
+    """The process's last exit step: after Python's own shutdown (its threads joined,
+    every atexit handler registered since ``run`` began run), skip the C++ libraries'
+    static destructors: RocksDB's and Arrow's thread pools, torn down at exit while a
+    thread of theirs still ran, aborted the process now and then (``terminate called
+    without an active exception``, status 134) after all its work was done."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(_EXIT_STATUS[0])
+
+
+def run() -> None:
+    """The ``volley`` command: ``main``, then a clean exit with its status (``_leave``)."""
+    atexit.register(_leave)  # the first registered of the command's handlers: it runs last
+    try:
+        _EXIT_STATUS[0] = main()
+    except SystemExit as exc:  # argparse's usage errors, --help
+        _EXIT_STATUS[0] = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        raise
+    except KeyboardInterrupt:
+        _EXIT_STATUS[0] = 130
+        raise
+    sys.exit(_EXIT_STATUS[0])
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

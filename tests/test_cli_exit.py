@@ -1,0 +1,35 @@
+"""Issue 76, point 3: ``volley demo`` printed all its output, then now and then exited
+with status 134 (``terminate called without an active exception``): a C++ library's
+thread pool torn down at exit. The command leaves through ``cli.run``, after Python's
+own shutdown and before those destructors; here it runs several times, as a user runs
+it, and must exit 0 every time with nothing aborted."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+VOLLEY = Path(sys.executable).with_name("volley")
+RUNS = 5 if os.environ.get("VOLLEY_DEEP") else 2
+
+
+@pytest.mark.spark
+def test_volley_demo_exits_zero_every_time(tmp_path):
+    for attempt in range(RUNS):
+        done = subprocess.run([str(VOLLEY), "demo", "--workdir", str(tmp_path / f"demo{attempt}"), "--files", "2",
+                               "--records-per-file", "1000", "--keys", "100", "--max-records", "1000"],
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, f"run {attempt + 1}: exit {done.returncode}\n{done.stderr[-3000:]}"
+        assert "terminate called" not in done.stderr and "Fatal Python error" not in done.stderr, done.stderr[-3000:]
+        assert "next: './dev dagster' serves the Dagster UI" in done.stdout
+
+
+def test_the_command_leaves_with_mains_status():
+    """Spark-free: a usage error still exits 2, --help 0, through ``run``'s exit."""
+    usage = subprocess.run([str(VOLLEY), "no-such-command"], capture_output=True, text=True, timeout=120)
+    assert usage.returncode == 2 and "invalid choice" in usage.stderr
+    assert subprocess.run([str(VOLLEY), "--help"], capture_output=True, text=True, timeout=120).returncode == 0
