@@ -476,3 +476,45 @@ def test_the_probe_in_the_state_stage_passes_on_only_what_the_aggregate_reads(sp
     assert timed.resolve(rows.schema).input_columns() == (columns.KEY, "event_time")  # what its TTL's partial reads
     assert sorted(probe_in_stage(rows, dedup, layout, probe, None).columns) == sorted(
         [c for c in rows.columns if c != columns.DEDUP_KEY] + kept)
+
+
+def test_rows_of_one_record_are_decided_by_their_own_keys(spark, tmp_path):
+    """Review J1 for deduplication: a transform explodes each order into its two items,
+    deduplicated by item id. An item repeated by a later order is dropped alone: the
+    order's other item is kept (the anti-join took both, by position); a record's two
+    rows with one key are one event's parts, kept together; an aggregate's ``first`` and
+    ``last`` over rows of one record break the tie the same way on every run."""
+    from datetime import datetime, timezone
+
+    events = tmp_path / "orders"
+    events.mkdir()
+    at = int(datetime(2026, 1, 1, tzinfo=timezone.utc).timestamp() * 1_000_000)
+
+    def orders(index: int, rows: list[tuple[int, int, int]]) -> None:  # (order, first item, second item)
+        pq.write_table(pa.table({
+            "order_id": pa.array([o for o, _, _ in rows], pa.int64()),
+            "items": pa.array([[a, b] for _, a, b in rows], pa.list_(pa.int64())),
+            "at": pa.array([at + i * 1_000_000 for i in range(len(rows))], pa.int64()).cast(pa.timestamp("us", tz="UTC")),
+        }), events / f"orders-{index:06d}.parquet")
+
+    orders(0, [(1, 10, 11), (2, 20, 21), (3, 30, 30)])
+    orders(1, [(4, 11, 40), (5, 50, 51)])  # item 11 repeats order 1's
+    pipeline = (Pipeline("items").source(FileLog(events))
+                .transform(lambda df: df.withColumn("item", F.explode("items")).drop("items"))
+                .deduplicate(on="item", within="1 day", event_time="at")
+                .sink(ParquetSink(tmp_path / "out")))
+    runner = EpochRunner(pipeline, tmp_path / "state", RunSettings(max_records_per_epoch=3), spark=spark)
+    first_epoch, second = runner.run_available()
+    assert sorted(first_epoch.output.column("item").to_pylist()) == [10, 11, 20, 21, 30, 30]
+    assert sorted(second.output.column("item").to_pylist()) == [40, 50, 51]
+    assert second.figures["duplicates"] == 1
+
+    def totals(i: int) -> Pipeline:
+        return (Pipeline("firsts").source(FileLog(events))
+                .transform(lambda df: df.withColumn("item", F.explode("items")).drop("items"))
+                .with_column("one", "1").key_by("one").aggregate(opening=first("item"), closing=last("item"))
+                .sink(ParquetSink(tmp_path / f"firsts-{i}")))
+
+    runs = [EpochRunner(totals(i), tmp_path / f"firsts-state-{i}", spark=spark).run_next() for i in range(2)]
+    assert [(r.output.column("opening")[0].as_py(), r.output.column("closing")[0].as_py()) for r in runs] == \
+        [(10, 51)] * 2
