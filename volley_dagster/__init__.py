@@ -5,12 +5,13 @@ The engine is importable and testable without Dagster; the Dagster integration
 and this repository's code location (``assets/``, ``resources/``, ``sensors/``) the demo
 built on that.
 
-The public names below load when first used (``lazy_exports``).
+The public names below load when first used (``lazy_exports``); ``__version__`` is the
+installed distribution's.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from volley_dagster.errors import (
     AggregateOverflowError,
@@ -41,6 +42,22 @@ from volley_dagster.errors import (
 )
 from volley_dagster.lazy_exports import lazy_exports
 
+
+def _version() -> str:
+    """The installed distribution's version; in a checkout that is not installed, pyproject.toml's."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("volley-dagster")
+    except PackageNotFoundError:
+        import re
+        from pathlib import Path
+
+        pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
+        found = re.search(r'^version\s*=\s*"([^"]+)"', pyproject.read_text(), re.M) if pyproject.exists() else None
+        return found.group(1) if found else "0+unknown"
+
+
 _LAZY: dict[str, tuple[str, ...]] = {
     "volley_dagster.checkpoint.s3_snapshots": ("S3SnapshotStore",),
     "volley_dagster.dimensions": ("DeltaDimension", "IcebergDimension", "ParquetDimension"),
@@ -56,9 +73,20 @@ _LAZY: dict[str, tuple[str, ...]] = {
     "volley_dagster.sources.multi": ("MultiSource",),
     "volley_dagster.spark.session": ("get_or_create_spark",),
 }
-__getattr__ = lazy_exports(__name__, _LAZY)
+_lazy = lazy_exports(__name__, _LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    """``__version__`` (read once, when first asked for: a Spark worker never pays for
+    ``importlib.metadata``), then the lazy public names."""
+    if name == "__version__":
+        globals()["__version__"] = value = _version()
+        return value
+    return _lazy(name)
+
 
 if TYPE_CHECKING:
+    __version__: str
     from volley_dagster.checkpoint.s3_snapshots import S3SnapshotStore
     from volley_dagster.dimensions import DeltaDimension, IcebergDimension, ParquetDimension
     from volley_dagster.operators.accumulators import count, first, last, max_, mean, min_, sum_

@@ -239,6 +239,27 @@ def warm_spark(args: argparse.Namespace) -> int:
     return 0
 
 
+def dagster_instance(args: argparse.Namespace) -> int:
+    """Prints the dagster.yaml sections a deployment needs, or merges them into one."""
+    from volley_dagster.dagster.instance import instance_settings_yaml, merge_instance_settings
+
+    if args.merge is None:
+        print(instance_settings_yaml(warm_launcher=args.warm_launcher), end="")
+        return 0
+    try:
+        changes = merge_instance_settings(args.merge, warm_launcher=args.warm_launcher)
+    except (ConfigError, OSError) as exc:
+        print(f"volley dagster-instance: {exc}", file=sys.stderr)
+        return 1
+    if not changes:
+        print(f"{args.merge}: has every setting already; nothing changed")
+    for change in changes:
+        print(f"{args.merge}: {change}")
+    if changes:
+        print("restart the Dagster daemon and webserver (or dagster dev) to apply them")
+    return 0
+
+
 def inspect_root(args: argparse.Namespace) -> int:
     print(describe_checkpoints(Path(args.checkpoint_root).absolute()))
     return 0
@@ -406,6 +427,14 @@ def build_parser() -> argparse.ArgumentParser:
     w = sub.add_parser("warm-spark", help="start (or find) the warm Spark Dagster runs use, and print its URL")
     w.add_argument("--owner", type=int, default=None, help="stop it when this process exits (default: dagster dev)")
     w.set_defaults(func=warm_spark)
+    di = sub.add_parser("dagster-instance", help="print the dagster.yaml sections a deployment needs (queued runs, "
+                                                 "one run per pipeline pool, run retries, run monitoring), or merge "
+                                                 "them into a dagster.yaml")
+    di.add_argument("--merge", metavar="PATH", help="write them into this dagster.yaml (created when missing), "
+                                                    "keeping every other key, and print what changed")
+    di.add_argument("--warm-launcher", action="store_true", help="also the warm run launcher (runs forked on the "
+                                                                 "daemon's machine, as ./dev dagster runs them)")
+    di.set_defaults(func=dagster_instance)
     i = sub.add_parser("inspect", help="show a checkpoint root's epochs and snapshots")
     i.add_argument("checkpoint_root")
     i.set_defaults(func=inspect_root)

@@ -102,7 +102,7 @@ def test_a_deployment_named_wrongly_is_refused_naming_it() -> None:
     from volley_dagster.dagster.component import load_deployment
     from volley_dagster.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="'payments_deployment': name it as 'package.module:function'"):
+    with pytest.raises(ConfigError, match="'payments_deployment': name it as 'package.module:name'"):
         load_deployment("payments_deployment")
     with pytest.raises(ConfigError, match="'volley_dagster.demo.payments:nothing'.*AttributeError"):
         load_deployment("volley_dagster.demo.payments:nothing")

@@ -8,7 +8,9 @@ from pathlib import Path
 from typing import Callable, Optional, TypedDict
 
 from dagster import (
+    AssetCheckExecutionContext,
     AssetCheckResult,
+    AssetChecksDefinition,
     AssetCheckSpec,
     AssetExecutionContext,
     AssetKey,
@@ -20,6 +22,7 @@ from dagster import (
     Failure,
     MetadataValue,
     RetryRequested,
+    asset_check,
     in_process_executor,
     multi_asset,
 )
@@ -35,7 +38,7 @@ from volley_dagster.dagster.blocking import (
     record_blocking_failure,
 )
 from volley_dagster.dagster.cadence import freshness_bound_s
-from volley_dagster.dagster.keys import PipelineKeys, sink_kind
+from volley_dagster.dagster.keys import PipelineKeys, sink_kind, source_kinds
 from volley_dagster.dagster.metadata import (
     DagsterMetadata,
     code_references,
@@ -48,6 +51,7 @@ from volley_dagster.dagster.runs import (
     FAILURE_KIND,
     PIPELINE_TAG,
     UnfinishedRuns,
+    instance_problems,
     pipeline_pool,
     recovery_decision,
     unfinished_runs,
@@ -140,6 +144,7 @@ def epoch_assets(deployment: Deployment, spec_settings: TableSettings) -> list:
     sources = [
         AssetSpec(  # observed by the sensor on each tick that sees data landed in it
             keys.source_part(name),
+            kinds=source_kinds(log),
             description=f"The log {log.uri} that {pipeline.name!r} reads" + (f" as source {name!r}." if name else "."),
             metadata={"dagster/uri": log.uri, **log.describe(), **code},
             group_name=pipeline.name, owners=owners, tags=tags,
@@ -183,8 +188,9 @@ def epoch_assets(deployment: Deployment, spec_settings: TableSettings) -> list:
         for sink in pipeline.sinks
     ]
 
-    check_specs = [AssetCheckSpec(name, asset=keys.state, blocking=name in BLOCKING_CHECKS) for name in STATE_CHECKS] + [
-        AssetCheckSpec(name, asset=keys.sink(sink), blocking=name in BLOCKING_CHECKS)
+    check_specs = [AssetCheckSpec(name, asset=keys.state, blocking=name in BLOCKING_CHECKS,
+                                  description=check_description(name)) for name in STATE_CHECKS] + [
+        AssetCheckSpec(name, asset=keys.sink(sink), blocking=name in BLOCKING_CHECKS, description=check_description(name))
         for sink in pipeline.sinks for name in SINK_CHECKS
     ]
 
@@ -207,6 +213,8 @@ def epoch_assets(deployment: Deployment, spec_settings: TableSettings) -> list:
         predecessor is not committed fails naming it. Each epoch is materialized as it
         commits, so a run that fails at epoch K keeps the epochs before K. Then the
         checks run, still under the lease, on what the run left."""
+        for problem in instance_problems(context.instance, pipeline.name):  # the sensor's instance_settings check
+            context.log.warning(f"{pipeline.name}: {problem}")
         runner = make_runner(deployment, volley_checkpoints, volley_tables, volley_spark, log=context.log.info)
         attempt = {"run_retry": int(context.run.tags.get("dagster/retry_number", 0)), "step_retry": context.retry_number}
         if any(attempt.values()):
@@ -259,6 +267,56 @@ STATE_CHECKS = ("snapshot_checksums", "epochs_progress", "freshness")
 # it is late, which retries and the sensor already handle: they warn.
 BLOCKING_CHECKS = frozenset({"snapshot_checksums", "recorded_epoch", "no_duplicate_epochs", "row_counts"})
 SINK_CHECKS = ("recorded_epoch", "no_duplicate_epochs", "row_counts", "freshness")  # the state's freshness, per table
+# What each check says, as the UI and `dg list defs` show it; a result's own description
+# says what it found and what to do.
+CHECK_DESCRIPTIONS = {
+    "snapshot_checksums": "Blocking. The last committed epoch's state snapshot holds every file its manifest "
+                          "lists, of its size, and each file new since the epoch before matches its SHA-256 (a "
+                          "file shared with it was hashed when it was new). Fails on a missing or damaged file; "
+                          "the sensor then requests no epoch until it passes.",
+    "epochs_progress": "Every cut epoch is committed, or the earliest one is being retried. Fails when that epoch "
+                       "failed permanently (bad input, configuration), after the backoff's alert_after failed runs "
+                       "(the retries go on), or while a blocking check's failure stops the pipeline; says how many "
+                       "runs ended without committing it.",
+    "freshness": "No record has waited longer than the freshness bound to be committed (the deployment's "
+                 "freshness_bound_s, or three cadences and two minutes); a table is as fresh as the state. "
+                 "Reported by each run and, when it changes, by the sensor.",
+    "recorded_epoch": "Blocking. The table records, as its latest, the pipeline's last committed epoch, of this "
+                      "checkpoint lineage.",
+    "no_duplicate_epochs": "Blocking. Each epoch the run committed is in the table's history once.",
+    "row_counts": "Blocking. The rows each epoch wrote to the table equal the rows its manifest counted.",
+}
+INSTANCE_CHECK = "instance_settings"
+
+
+def check_description(name: str) -> str:
+    return CHECK_DESCRIPTIONS[name]
+
+
+def instance_check(deployment: Deployment) -> AssetChecksDefinition:
+    """The ``instance_settings`` check on the state: whether the Dagster instance has what
+    the pipeline's guarantees rest on (``runs.instance_problems``; the sections come from
+    ``volley dagster-instance``). Not blocking, outside the epochs job (a run costs no
+    more): the sensor reports it on its first tick that finds something missing, and
+    again when that changes; the UI's Execute button evaluates it now."""
+    keys = PipelineKeys.of(deployment)
+
+    @asset_check(asset=keys.state, name=INSTANCE_CHECK, blocking=False, description=(
+        "The Dagster instance has what the pipeline's guarantees rest on: a pool limit of one run, the queued run "
+        "coordinator, run retries and run monitoring (`volley dagster-instance` prints the dagster.yaml sections). "
+        "Fails naming what is missing; the sensor reports it when that changes."))
+    def instance_settings(context: AssetCheckExecutionContext) -> AssetCheckResult:
+        return AssetCheckResult(**check_fields(instance_outcome(context.instance, deployment.name)))
+
+    return instance_settings
+
+
+def instance_outcome(instance: DagsterInstance, pipeline: str) -> CheckOutcome:
+    problems = instance_problems(instance, pipeline)
+    if not problems:
+        return CheckOutcome(INSTANCE_CHECK, True, "the instance has a pool limit of one run, the queued run "
+                                                  "coordinator, run retries and run monitoring", {"missing": 0})
+    return CheckOutcome(INSTANCE_CHECK, False, "; ".join(problems), {"missing": len(problems)})
 
 
 def check_results(instance: DagsterInstance, runner: EpochRunner, deployment: Deployment,

@@ -2,16 +2,32 @@
 the sensor report, and the checks all name them from here, so the deployment's key
 prefix reaches every one."""
 
+import re
 from dataclasses import dataclass
 
 from dagster import AssetKey
 
 from volley_dagster.deploy import Deployment
 from volley_dagster.sinks import Sink
+from volley_dagster.sources.base import Source
 
 
 def sink_kind(sink: Sink) -> str:
     return sink.location().kind
+
+
+def source_kinds(source: Source) -> set[str]:
+    """The Dagster kinds of a source asset: ``kafka``, or a file log's format (``parquet``,
+    ``json``), with ``s3`` when it is on S3."""
+    described = source.describe()
+    if described.get("type") != "file_log":
+        return {_kind(described.get("type", "source"))}
+    return {_kind(described["format"])} | ({"s3"} if source.uri.startswith("s3://") else set())
+
+
+def _kind(name: object) -> str:
+    """A kind as Dagster's tag keys take it (a custom source may name its type freely)."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", str(name)) or "source"
 
 
 @dataclass(frozen=True)

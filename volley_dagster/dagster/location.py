@@ -7,6 +7,7 @@ executor."""
 from typing import TYPE_CHECKING, Optional
 
 from dagster import (
+    AssetChecksDefinition,
     AssetsDefinition,
     AssetSelection,
     AssetSpec,
@@ -24,6 +25,7 @@ from volley_dagster.dagster.epochs import (
     RUN_RETRY_TAGS,
     epoch_assets,
     epochs_job_name,
+    instance_check,
 )
 from volley_dagster.dagster.migrate import migrate_job
 from volley_dagster.dagster.rescale import rescale_job
@@ -31,6 +33,7 @@ from volley_dagster.dagster.resources import CheckpointResource, SparkResource, 
 from volley_dagster.dagster.sensors import epoch_schedule, epoch_sensor
 from volley_dagster.dagster.state_export import state_export_asset
 from volley_dagster.deploy import Deployment
+from volley_dagster.errors import ConfigError
 
 if TYPE_CHECKING:  # what define_asset_job returns; Dagster does not export the name
     from dagster._core.definitions.unresolved_asset_job_definition import UnresolvedAssetJobDefinition
@@ -43,17 +46,26 @@ def build_definitions(
     """``executor``: the definitions' default, for what runs outside the pipelines' own
     jobs (None: leave it to the project these definitions merge into)."""
     assets: list[AssetsDefinition | AssetSpec] = []
+    checks: list[AssetChecksDefinition] = []
     jobs: list[JobDefinition | UnresolvedAssetJobDefinition] = []
     sensors: list[SensorDefinition] = []
     schedules: list[ScheduleDefinition] = []
-    for deployment in deployments:
+    for n, deployment in enumerate(deployments):
+        if not isinstance(deployment, Deployment):
+            raise ConfigError(f"build_definitions: deployments[{n}] is a {type(deployment).__name__}, not a "
+                              "volley_dagster.dagster.Deployment" + (" (call the function that returns it)"
+                                                                      if callable(deployment) else ""))
         epochs, *specs = epoch_assets(deployment, tables.settings())
         assets.extend([epochs, *specs])
+        checks.append(instance_check(deployment))
         job = define_asset_job(
             epochs_job_name(deployment.name),
-            selection=AssetSelection.assets(epochs),  # with its checks: they run after the epochs
+            # the epochs with their own checks, which run after them in the same step; the
+            # instance_settings check stays out of the runs (the sensor reports it)
+            selection=AssetSelection.assets(epochs).without_checks() | AssetSelection.checks(*epochs.check_keys),
             tags={PIPELINE_TAG: deployment.name, **RUN_RETRY_TAGS},
             executor_def=EPOCH_EXECUTOR,
+            description=epochs_job_description(deployment),
         )
         export, export_job = state_export_asset(deployment, tables.settings())
         assets.append(export)
@@ -64,9 +76,17 @@ def build_definitions(
             schedules.append(epoch_schedule(deployment, job))
     return Definitions(
         assets=assets,
+        asset_checks=checks,
         jobs=jobs,
         sensors=sensors,
         schedules=schedules,
         resources={"volley_spark": spark, "volley_checkpoints": checkpoints, "volley_tables": tables},
         executor=executor,
     )
+
+
+def epochs_job_description(deployment: Deployment) -> str:
+    return (f"Runs epochs of {deployment.name!r} in order, one partition per epoch (a range in one run), then the "
+            "pipeline's checks. The sensor and schedule launch it, and it is what to launch by hand "
+            f"(`dg launch --job {epochs_job_name(deployment.name)} --partition <epoch>`): the epochs asset is not "
+            "subsettable. Committed epochs are no-ops; an epoch whose predecessor is not committed fails naming it.")

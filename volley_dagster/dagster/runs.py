@@ -6,7 +6,15 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from typing import Optional
 
-from dagster import DagsterEventType, DagsterInstance, DagsterRunStatus, DefaultRunLauncher, RunRecord, RunsFilter
+from dagster import (
+    DagsterEventType,
+    DagsterInstance,
+    DagsterRunStatus,
+    DefaultRunLauncher,
+    QueuedRunCoordinator,
+    RunRecord,
+    RunsFilter,
+)
 
 from volley_dagster import EpochRunner
 from volley_dagster.checkpoint.epoch_log import epoch_key
@@ -221,6 +229,32 @@ def pool_limit_problem(instance: DagsterInstance, pipeline: str) -> Optional[str
     return (f"pool {pool} admits {'any number of' if limit is None else limit} runs at a time: set it to one with "
             f"`dagster instance concurrency set {pool} 1` (the pipeline's lease keeps a second run from writing "
             "meanwhile, as it waits)")
+
+
+MERGE_COMMAND = "volley dagster-instance --merge $DAGSTER_HOME/dagster.yaml"  # volley_dagster/dagster/instance.py
+
+
+def instance_problems(instance: DagsterInstance, pipeline: str) -> list[str]:
+    """What the instance lacks of the settings the pipeline's guarantees rest on
+    (``volley_dagster/dagster/instance.instance_settings``), each naming its fix, read
+    only: the pool's limit (``pool_limit_problem``), a queued run coordinator (which
+    holds a run until its pool admits it), run retries (a run whose process died is run
+    again) and run monitoring (such a run is marked failed, and its slot freed). Empty:
+    nothing is missing. The run launcher is the instance's choice."""
+    problems = [problem] if (problem := pool_limit_problem(instance, pipeline)) is not None else []
+    if not isinstance(instance.run_coordinator, QueuedRunCoordinator):
+        problems.append(f"the run coordinator is {type(instance.run_coordinator).__name__}, which launches every run "
+                        "at once: pools hold runs only in the QueuedRunCoordinator's queue (run_coordinator in "
+                        f"dagster.yaml, or `{MERGE_COMMAND}`)")
+    if not instance.run_retries_enabled:
+        problems.append("run retries are off: a run whose process died (kill -9, OOM, a lost node) is not run again, "
+                        "and its epochs wait for the sensor's next request (run_retries.enabled: true in dagster.yaml, "
+                        f"or `{MERGE_COMMAND}`)")
+    if not instance.run_monitoring_enabled:
+        problems.append("run monitoring is off: a run whose process died stays STARTED, holding the pipeline's pool, "
+                        "until something marks it failed (the sensor does only for runs on its own machine; "
+                        f"run_monitoring.enabled: true in dagster.yaml, or `{MERGE_COMMAND}`)")
+    return problems
 
 
 def fail_orphaned_runs(instance: DagsterInstance, pipeline: str) -> list[str]:

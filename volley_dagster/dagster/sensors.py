@@ -27,6 +27,10 @@ partitions of old committed epochs and the runs that touched only those are remo
 and only the kept window of epochs is ever registered as partitions.
 A source or checkpoint root that cannot be read (a missing folder, a hand-broken
 ``pipeline.json``) skips the tick naming it, instead of crashing the sensor.
+What the Dagster instance lacks of the settings the guarantees rest on (a pool limit of
+one, the queued run coordinator, run retries, run monitoring: ``runs.instance_problems``)
+fails the ``instance_settings`` check, reported by the first tick that finds it and
+whenever it changes, and is logged on every tick.
 """
 
 import json
@@ -59,6 +63,7 @@ from volley_dagster.dagster.epochs import (
     check_progress,
     epochs_job_name,
     epochs_partitions,
+    instance_outcome,
     make_runner,
     parse_epoch,
     partitions_name,
@@ -74,7 +79,6 @@ from volley_dagster.dagster.resources import CheckpointResource, TablesResource
 from volley_dagster.dagster.runs import (
     fail_orphaned_runs,
     newest_ended_run,
-    pool_limit_problem,
     prune_history,
     recovery_decision,
     run_in_flight,
@@ -131,13 +135,26 @@ def source_changed(runner: EpochRunner, keys: PipelineKeys, part: Optional[str],
                             tags={DATA_VERSION_TAG: now.version})
 
 
-def _heal_orphans(context, deployment: Deployment) -> None:
-    """Says when the pool admits more than one run; marks failed the runs shown as
-    started whose process is gone."""
-    if (problem := pool_limit_problem(context.instance, deployment.name)) is not None:
-        context.log.warning(f"{deployment.name}: {problem}")
+def _heal_orphans(context, deployment: Deployment) -> CheckOutcome:
+    """Says what the instance lacks (the pool admits more than one run, run retries or
+    monitoring are off: ``runs.instance_problems``), and returns it as the
+    ``instance_settings`` check's outcome; marks failed the runs shown as started whose
+    process is gone."""
+    outcome = instance_outcome(context.instance, deployment.name)
+    if not outcome.passed:
+        context.log.warning(f"{deployment.name}: {outcome.description}")
     for run_id in fail_orphaned_runs(context.instance, deployment.name):
         context.log.warning(f"run {run_id} showed as started but its process is gone: marked failed, to be retried")
+    return outcome
+
+
+def instance_event(keys: PipelineKeys, outcome: CheckOutcome, reported: Optional[str]):
+    """(what the instance_settings check says now, its evaluation when that changed since
+    ``reported``): reported when something is missing, then whenever what is missing
+    changes, and once more when nothing is (an instance that always had everything
+    reports nothing)."""
+    said = None if outcome.passed else outcome.description
+    return said, ([check_evaluation(keys, outcome)] if said != reported else [])
 
 
 def _cannot_cut(context, deployment: Deployment, exc: VolleyError) -> SkipReason:
@@ -256,7 +273,8 @@ def epoch_sensor(deployment: Deployment, job):
     )
     def new_data(context: SensorEvaluationContext, volley_checkpoints: CheckpointResource, volley_tables: TablesResource):
         cursor = {"waiting_since": None, "fresh": None, "progress": None, **(json.loads(context.cursor or "{}"))}
-        _heal_orphans(context, deployment)
+        keys = PipelineKeys.of(deployment)
+        instance, instance_reported = instance_event(keys, _heal_orphans(context, deployment), cursor.get("instance"))
         try:
             runner = make_runner(deployment, volley_checkpoints, volley_tables)
             waiting_since, backlog = cursor["waiting_since"], runner.backlog()  # an idle tick lists the source once
@@ -269,10 +287,12 @@ def epoch_sensor(deployment: Deployment, job):
                 backlog = runner.backlog()  # for the next cut, the observation and the freshness check
             now = time.time()
         except VolleyError as exc:
-            return SensorResult(skip_reason=_cannot_cut(context, deployment, exc), cursor=context.cursor)
-        keys = PipelineKeys.of(deployment)
+            kept = json.dumps({**cursor, "instance": instance}) if instance_reported else context.cursor
+            return SensorResult(skip_reason=_cannot_cut(context, deployment, exc), cursor=kept,
+                                asset_events=instance_reported)
         events: list = [source_changed(runner, keys, part, source_observation(runner, waiting, now, part))
                         for part, waiting in source_backlogs(backlog).items() if (part or "") in landed]
+        events += instance_reported
         new_keys = unregistered_partitions(context.instance, deployment, runner.committed_epoch(), runner.log.last_cut())
         add = [partitions.build_add_request(new_keys)] if new_keys else []
         events += committed_elsewhere(runner, deployment, new_keys)
@@ -287,7 +307,7 @@ def epoch_sensor(deployment: Deployment, job):
         if freshness.passed != cursor["fresh"]:
             events += freshness_evaluations(keys, runner, freshness)
         new_cursor = json.dumps({"waiting_since": waiting_since, "fresh": freshness.passed, "progress": progress,
-                                 "landed": waiting_by_source(runner.log.last_cut(), backlog)})
+                                 "landed": waiting_by_source(runner.log.last_cut(), backlog), "instance": instance})
         if not requests:  # the reason shows on the tick even when it registered partitions
             return SensorResult(skip_reason=SkipReason(skip), dynamic_partitions_requests=add, cursor=new_cursor,
                                 asset_events=events)
