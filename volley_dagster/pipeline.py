@@ -238,14 +238,19 @@ class Pipeline:
         match when ``tl + between[0] <= tr <= tl + between[1]``, e.g.
         ``between=("-10 minutes", "+30 minutes")``. Each pair is emitted once;
         ``how="left"`` (``"right"``, ``"full"``) also emits each row of that side that
-        never matched, with nulls, once the watermark passes the last time it could have
-        (each side's trails its own latest event time by ``max_out_of_orderness``; the
-        join's is the lesser). Rows
-        wait in state until then; records at or before the watermark are late (counted,
-        written to the epoch's late records). Each side carries its own source's
-        columns (``left_columns=``/``right_columns=`` choose); a name both have is
-        prefixed with its source's name. ``max_state_rows``: per shard, the epoch
-        fails instead of holding more rows. The rules: ``volley_dagster.operators.join``."""
+        never matched, with nulls, in the epoch N whose watermark W[N] reaches the row's bound
+        (``bound <= W[N]``; the bound is ``tl + between[1]`` for a left row and ``tr -
+        between[0]`` for a right row, the last time a row could match it). Each side's
+        watermark trails its own latest event time by ``max_out_of_orderness``; the
+        join's is the lesser of the two. Rows wait in state until then; a record whose
+        bound is already at or before the watermark its epoch ends with matches that
+        epoch's rows, then leaves in the same epoch (emitted then if it matched nothing
+        and its side is outer). Records at or before the watermark the epoch starts from
+        are late (counted, written to the epoch's late records). Each side carries its own
+        source's columns but ``on`` (``left_columns=``/``right_columns=`` choose); a
+        name both carry is prefixed with its source's name and ``_``
+        (``payments_amount``). ``max_state_rows``: per shard, the epoch fails instead of
+        holding more rows. The rules: ``volley_dagster.operators.join``."""
         sources = self.source_given
         if not isinstance(sources, MultiSource):
             raise ConfigError(f"pipeline {self.name!r}: join(...) joins two of the pipeline's sources; read them with "

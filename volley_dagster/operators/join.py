@@ -4,8 +4,10 @@ a re-run of an epoch emits exactly the same rows.
 
 The rules, for epoch N, with ``W[N-1]`` the watermark it starts from and ``W[N]`` the
 one after it (the pipeline's one clock, ``operators.event_time``; each record's event
-time is its side's column, and the watermark trails the latest of both sides by
-``max_out_of_orderness``):
+time is its side's column). Each side's watermark trails its own latest event time by
+``max_out_of_orderness``; the join's is the lesser of the two (Spark's
+``multipleWatermarkPolicy=min``), once both sides have one, and never moves back
+(``SideTimes.advance_all``):
 
 - **Match.** A left row at ``tl`` and a right row at ``tr`` of the same key match when
   ``lower <= tr - tl <= upper`` (``between=(lower, upper)``). The pair is emitted once,
@@ -17,6 +19,10 @@ time is its side's column, and the watermark trails the latest of both sides by
   upper`` for a left row, ``tr - lower`` for a right row (no record still to come can
   match it after that). After N's matches, every row whose bound is at or before
   ``W[N]`` leaves, in the same ``WriteBatch``.
+- **Already past its bound.** A record on time (after ``W[N-1]``) whose bound is at or
+  before ``W[N]`` (the epoch's own later records moved the watermark past it) still
+  matches the epoch's rows and the waiting ones, then leaves in the same epoch, never
+  stored; if it matched nothing and its side is outer, it is emitted in that epoch.
 - **Outer rows.** With ``how="left"`` (``"right"``, ``"full"``), a left (right, either)
   row that leaves state never matched is emitted once then, with nulls for the other
   side.
@@ -28,10 +34,18 @@ So what an epoch emits depends only on the recorded ranges and the watermark in 
 manifest, never on timing: Spark's outer-join null rows depend on when micro-batches
 ran; here a re-run, a retry after ``kill -9`` or a backfill emits the same rows.
 
-Each output row is the key, each side's row id (``"<epoch>:<position>"``: the epoch
-that read the record and its position in that epoch's range, null for the missing side) and each side's columns (a column both sides
-have is prefixed with its source's name). An upsert sink keys rows by the key and both
-row ids. The shard side is ``operators/join_state.py``.
+Each output row is the key, each side's row id and each side's columns. A row id
+(``<left>_row``, ``<right>_row``; null for the missing side of an outer row) is
+``"<epoch>:<position>"``: the epoch that read the record and its event position there,
+``columns.POS``: ``segment id << 40 | the record's offset in that segment's part of the
+range`` (the segment numbered among the epoch's segments, of both sources), not a count
+of records; ``".<rank>"`` follows for the second and later rows one record gives one
+key (``join_state.row_numbers``). A side carries its own source's columns (or
+``left_columns``/``right_columns``) but the key and the source column; a name both
+sides carry is prefixed with its side's source name and ``_`` (``amount`` on both:
+``payments_amount``, ``refunds_amount``), and a name that would still appear twice is
+refused (``IntervalJoin.resolve``). An upsert sink keys rows by the key and both row
+ids. The shard side is ``operators/join_state.py``.
 """
 
 from __future__ import annotations

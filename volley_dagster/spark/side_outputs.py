@@ -33,6 +33,7 @@ from pyspark.sql import Column, DataFrame, Observation
 from pyspark.sql import functions as F
 
 from volley_dagster import columns
+from volley_dagster.operators.dedup import EXACT_JSON
 from volley_dagster.operators.event_time import describe_event_time
 from volley_dagster.pipeline import Pipeline
 from volley_dagster.sources.base import ColumnStatistics
@@ -281,14 +282,17 @@ def _bad_reason(plan: PlannedEpoch, pipeline: Pipeline, bound: int | None) -> Co
 def _dead_letter_frame(plan: PlannedEpoch, pipeline: Pipeline, bound: int | None = None,
                        latest: Observation | None = None) -> DataFrame:
     """The epoch's bad records, in one pass over its parsed rows (plus its parse errors);
-    ``latest``: observes, in the same pass, the latest event time of the valid ones."""
+    ``latest``: observes, in the same pass, the latest event time of the valid ones. A
+    parsed record's ``raw`` is its columns' JSON, exact (``EXACT_JSON``: timestamps to the
+    microsecond, in UTC, and null fields written as nulls); a parse error's is its text."""
     user_cols = [c for c in plan.keyed.columns if not c.startswith("_volley_")]
     pos = F.col(columns.POS) if columns.POS in plan.keyed.columns else F.lit(None).cast("long")
     tagged = plan.keyed.withColumn(_REASON, _bad_reason(plan, pipeline, bound))
     if latest is not None:
         tagged = _observing(tagged, plan, latest)
     bad = tagged.where(F.col(_REASON).isNotNull()).select(
-        pos.alias(columns.POS), F.col(_REASON).alias("reason"), F.to_json(F.struct(*user_cols)).alias("raw"))
+        pos.alias(columns.POS), F.col(_REASON).alias("reason"),
+        F.to_json(F.struct(*user_cols), options=EXACT_JSON).alias("raw"))  # to the microsecond, nulls shown
     if not plan.may_have_bad_records:  # a native Parquet read: every record parsed
         return bad
     parse_errors = plan.raw.where(F.col(columns.ERROR).isNotNull()).select(
