@@ -8,8 +8,10 @@ a deployment is named by the object or by a function returning it. No Spark."""
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import os
 import re
+import sys
 import textwrap
 from pathlib import Path
 from typing import Iterator
@@ -31,8 +33,19 @@ FIELDS = [f.name for f in dataclasses.fields(VolleyPipelines)]
 @pytest.fixture
 def sandbox() -> Iterator[DefsFolderSandbox]:
     os.environ.pop(UNSET, None)
-    with create_defs_folder_sandbox(project_name="team_project") as sandbox:
-        yield sandbox
+    forget_team_project()  # another test's project of this name, imported in this process
+    try:
+        with create_defs_folder_sandbox(project_name="team_project") as sandbox:
+            yield sandbox
+    finally:
+        forget_team_project()
+
+
+def forget_team_project() -> None:
+    """Drop ``team_project``'s modules, so the next sandbox's are imported from its own folder."""
+    for name in [m for m in sys.modules if m == "team_project" or m.startswith("team_project.")]:
+        del sys.modules[name]
+    importlib.invalidate_caches()
 
 
 def scaffolded(sandbox: DefsFolderSandbox, name: str = "payments", scaffold_format: str = "yaml") -> Path:
