@@ -36,7 +36,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from tests.test_readme import README, bench_flags, dev_commands
+from tests.test_readme import README, check_dev
 from volley_dagster import EpochRunner, RunSettings
 from volley_dagster.cli import build_parser, main
 from volley_dagster.columns import POS_OFFSET_BITS
@@ -189,18 +189,6 @@ def shape(text: str) -> list[list[str]]:
     """Each line's words, with every number (``2,000``, ``0.08``, ``2026-01-01``,
     ``00:00:26.217000``, ``0000000001``) as N: what stays the same at another size."""
     return [re.sub(r"\d[\d,]*(\.\d+)?", "N", line).split() for line in text.strip().splitlines()]
-
-
-def check_dev(argv: list[str]) -> None:
-    """A ``./dev`` command names one of its commands, and flags that it takes, as the
-    README's are checked."""
-    assert argv[0] == "./dev" and argv[1] in dev_commands(), f"./dev has no command {argv[1]!r}: {argv}"
-    if argv[1] == "bench":
-        flags = bench_flags(argv[2])
-        for flag in (a for a in argv[3:] if a.startswith("--")):
-            assert flag in flags, f"./dev bench {argv[2]} takes no {flag}: {argv}"
-    elif argv[1] in ("demo", "spark-connect"):  # ./dev passes the rest to `volley <command>`
-        build_parser().parse_args([argv[1], *argv[2:]])
 
 
 # -- the demo's state, for the `volley` commands and the `runner` of a section -------

@@ -47,17 +47,22 @@ def bench_flags(name: str) -> set[str]:
     return set(re.findall(r'add_argument\(\s*"(--[\w-]+)"', text))
 
 
+def check_dev(argv: list[str]) -> None:
+    """A ``./dev`` command names one of its commands, and flags that it takes."""
+    assert argv[0] == "./dev" and argv[1] in dev_commands(), f"./dev has no command {argv[1]!r}: {argv}"
+    if argv[1] == "bench":
+        flags = bench_flags(argv[2])
+        for flag in (a for a in argv[3:] if a.startswith("--")):
+            assert flag in flags, f"./dev bench {argv[2]} takes no {flag}: {argv}"
+    elif argv[1] in ("demo", "spark-connect"):  # ./dev passes the rest to `volley <command>`
+        build_parser().parse_args([argv[1], *argv[2:]])
+
+
 def test_every_dev_and_volley_command_exists_with_its_flags():
     checked = 0
     for argv in commands():
         if argv[0] == "./dev":
-            assert argv[1] in dev_commands(), f"./dev has no command {argv[1]!r}: {argv}"
-            if argv[1] == "bench":
-                flags = bench_flags(argv[2])
-                for flag in (a for a in argv[3:] if a.startswith("--")):
-                    assert flag in flags, f"./dev bench {argv[2]} takes no {flag}: {argv}"
-            elif argv[1] in ("demo", "spark-connect"):  # ./dev passes the rest to `volley <command>`
-                build_parser().parse_args([argv[1], *argv[2:]])
+            check_dev(argv)
         else:
             assert argv[0] == ".venv/bin/volley", f"a README command this test does not know: {argv}"
             build_parser().parse_args(argv[1:])  # exits 2 naming an unknown command or flag

@@ -18,6 +18,7 @@ from typing import Any
 import yaml  # type: ignore[import-untyped]  # no stubs among the dependencies
 
 from volley_dagster.errors import ConfigError
+from volley_dagster.json_records import JsonObject
 
 WARM_LAUNCHER = {"module": "volley_dagster.dagster.launcher", "class": "WarmRunLauncher"}
 QUEUED_COORDINATOR = {"module": "dagster.core.run_coordinator", "class": "QueuedRunCoordinator"}
@@ -41,15 +42,15 @@ epoch is retried inside its run; bad input fails once and is not retried.""",
 }
 
 
-def instance_settings(warm_launcher: bool = False) -> dict[str, Any]:
+def instance_settings(warm_launcher: bool = False) -> dict[str, Any]:  # public: its signature is recorded
     """The ``dagster.yaml`` sections a deployment needs, as a mapping. ``warm_launcher``:
     also this package's run launcher (``volley_dagster.dagster.launcher.WarmRunLauncher``,
     for runs on the machine of the daemon); without it, the instance keeps its own."""
-    monitoring: dict[str, Any] = {"enabled": True, "poll_interval_seconds": 10}
+    monitoring: JsonObject = {"enabled": True, "poll_interval_seconds": 10}
     if warm_launcher:  # a forked worker says its pid within a second: a run that never did was killed
         monitoring["start_timeout_seconds"] = 90
     monitoring["free_slots_after_run_end_seconds"] = 10
-    settings: dict[str, Any] = {"run_launcher": dict(WARM_LAUNCHER)} if warm_launcher else {}
+    settings: JsonObject = {"run_launcher": dict(WARM_LAUNCHER)} if warm_launcher else {}
     settings.update({
         "run_coordinator": {**QUEUED_COORDINATOR, "config": {"dequeue_interval_seconds": 1}},
         "concurrency": {"pools": {"granularity": "run", "default_limit": 1}},
@@ -72,7 +73,7 @@ def _section(key: str, value: Any) -> str:
     return "\n" + comment + yaml.safe_dump({key: value}, sort_keys=False, default_flow_style=False)
 
 
-def merged_settings(current: dict[str, Any], warm_launcher: bool = False) -> tuple[dict[str, Any], list[str]]:
+def merged_settings(current: JsonObject, warm_launcher: bool = False) -> tuple[JsonObject, list[str]]:
     """(``current`` with the settings merged in, what changed): each setting's value wins;
     every other key stays. A run coordinator or launcher of another class is replaced
     whole (its config belonged to it); a run queue limit that Dagster refuses beside
@@ -111,7 +112,7 @@ def merged_settings(current: dict[str, Any], warm_launcher: bool = False) -> tup
     return merged, changes
 
 
-def _merge_into(have: dict[str, Any], wanted: dict[str, Any], path: str, changes: list[str]) -> None:
+def _merge_into(have: JsonObject, wanted: JsonObject, path: str, changes: list[str]) -> None:
     for key, value in wanted.items():
         where = f"{path}.{key}"
         if isinstance(value, dict) and isinstance(have.get(key), dict):
