@@ -38,7 +38,7 @@ import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Protocol, Sequence
 
 import psutil
 import requests
@@ -109,34 +109,15 @@ class DagsterDev:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
+    def exited(self) -> str | None:
+        """Why the server cannot come up any more (it exited), or None while it runs."""
+        return None if self.alive() else f"exited with {self.proc.returncode}"
+
     def stop(self, timeout: float = 20.0) -> None:
         """SIGTERM the process group, wait, then SIGKILL it (and any straggler that still
         carries this server's token in its environment, e.g. a run worker or a JVM that
         started its own session)."""
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                pass
-        # the group leader may be gone while children linger
-        deadline = time.monotonic() + 5.0
-        while time.monotonic() < deadline and _group_alive(self.proc.pid):
-            time.sleep(0.1)
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        for pid in _pids_with_env(_TOKEN_VAR, self.token):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-        if self.proc.poll() is None:
-            self.proc.wait(10)
+        stop_process_groups([self.proc], self.token, timeout)
         if self._log_file is not None and not self._log_file.closed:
             self._log_file.close()
         if self._owns_home:
@@ -147,6 +128,40 @@ class DagsterDev:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def stop_process_groups(procs: Sequence[subprocess.Popen[bytes]], token: str, timeout: float) -> None:
+    """SIGTERM each process's group, wait up to ``timeout``, then SIGKILL the groups and
+    any straggler carrying ``token`` in its environment (a run worker, its Spark driver)."""
+    for proc in procs:
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + timeout
+    for proc in procs:
+        try:
+            proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    # a group leader may be gone while its children linger
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline and any(_group_alive(p.pid) for p in procs):
+        time.sleep(0.1)
+    for proc in procs:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    for pid in _pids_with_env(_TOKEN_VAR, token):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    for proc in procs:
+        if proc.poll() is None:
+            proc.wait(10)
 
 
 def _group_alive(pgid: int) -> bool:
@@ -232,7 +247,7 @@ def start_dagster_dev(workspace: str | os.PathLike[str], *,
     server = DagsterDev(proc=proc, host=host, port=port, home=home_path, log=log, workspace=workspace,
                         token=token, _owns_home=owns_home and not keep_home, _log_file=log_file)
     try:
-        _wait_ready(server, timeout, wait_daemons)
+        wait_ready(server, timeout, wait_daemons)
     except BaseException:
         server._owns_home = False  # keep the log for the post-mortem
         server.stop()
@@ -251,17 +266,33 @@ def _deep_merge(base: Mapping[str, Any], extra: Mapping[str, Any]) -> dict[str, 
     return merged
 
 
-def _wait_ready(server: DagsterDev, timeout: float, wait_daemons: Sequence[str]) -> None:
+class Served(Protocol):
+    """What ``wait_ready`` watches: a ``dagster dev``, or the separate processes of
+    Dagster's production shape (``harness/dagster_production.py``)."""
+
+    @property
+    def url(self) -> str: ...
+    @property
+    def client(self) -> DagsterGraphQL: ...
+    @property
+    def log(self) -> Path: ...
+    def exited(self) -> str | None: ...
+    def logtail(self, lines: int = 60) -> str: ...
+
+
+def wait_ready(server: Served, timeout: float, wait_daemons: Sequence[str]) -> None:
+    """Until the webserver answers GraphQL, every code location is LOADED and the
+    ``wait_daemons`` report healthy; fails loudly, with the log's tail, otherwise."""
     deadline = time.monotonic() + timeout
     stage, last = "webserver", "no answer yet"
 
     def fail(why: str) -> None:
-        raise RuntimeError(f"dagster dev on {server.url}: {why} (stage: {stage}; last: {last}); "
+        raise RuntimeError(f"dagster on {server.url}: {why} (stage: {stage}; last: {last}); "
                            f"log {server.log}:\n{server.logtail()}")
 
     while True:
-        if server.proc.poll() is not None:
-            fail(f"exited with {server.proc.returncode}")
+        if (exited := server.exited()) is not None:
+            fail(exited)
         if time.monotonic() > deadline:
             fail(f"not ready after {timeout:.0f}s")
         try:

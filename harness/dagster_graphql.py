@@ -182,6 +182,30 @@ mutation VolleyAddDynamicPartition(
 """
 
 
+SENSOR_QUERY = """
+query VolleySensor($sensorSelector: SensorSelector!) {
+  sensorOrError(sensorSelector: $sensorSelector) {
+    __typename
+    ... on Sensor { name sensorState { id status ticks(limit: 1) { status } } }
+    ... on SensorNotFoundError { message }
+    ... on PythonError { message }
+  }
+}
+"""
+
+
+STOP_SENSOR_MUTATION = """
+mutation VolleyStopSensor($id: String!) {
+  stopSensor(id: $id) {
+    __typename
+    ... on StopSensorMutationResult { instigationState { status } }
+    ... on UnauthorizedError { message }
+    ... on PythonError { message }
+  }
+}
+"""
+
+
 RUN_QUERY = """
 query VolleyRun($runId: ID!) {
   runOrError(runId: $runId) {
@@ -359,6 +383,22 @@ class DagsterGraphQL:
             return
         raise GraphQLError(f"addDynamicPartition({partitions_def_name!r}, {key!r}): "
                            f"{result['__typename']}: {result.get('message')}")
+
+    def sensor_state(self, name: str, repository_selector: Mapping[str, str] | None = None) -> dict[str, Any]:
+        """``{"id": its instigation state id, "status": "RUNNING" | "STOPPED", "ticks":
+        [{"status": ...}]}``, the ticks newest first (at most one: the latest)."""
+        selector = {**(repository_selector or self.repository_selector()), "sensorName": name}
+        result = self.execute(SENSOR_QUERY, {"sensorSelector": selector})["sensorOrError"]
+        if result["__typename"] != "Sensor":
+            raise GraphQLError(f"sensorOrError({name!r}): {result['__typename']}: {result.get('message')}")
+        return result["sensorState"]
+
+    def stop_sensor(self, name: str, repository_selector: Mapping[str, str] | None = None) -> None:
+        """What the UI's sensor toggle does when switched off (``stopSensor``)."""
+        state_id = self.sensor_state(name, repository_selector)["id"]
+        result = self.execute(STOP_SENSOR_MUTATION, {"id": state_id})["stopSensor"]
+        if result["__typename"] != "StopSensorMutationResult" or result["instigationState"]["status"] != "STOPPED":
+            raise GraphQLError(f"stopSensor({name!r}): {result}")
 
     # backfills ----------------------------------------------------------------------------
 

@@ -312,13 +312,7 @@ class Soak:
         return max(waits, default=0.0)
 
     def recorded(self, pipeline: str) -> list[tuple[int, list[oracle.RecordedSegment]]]:
-        log = EpochLog(self.base / "state" / pipeline)
-        epochs = []
-        for epoch in range(1, log.last_committed() + 1):
-            segments = [oracle.RecordedSegment(s.id, s.partition.split("/")[0] if "/" in s.partition else "", s.file,
-                                               s.start, s.end) for s in log.offsets(epoch).segments]
-            epochs.append((epoch, segments))
-        return epochs
+        return recorded_epochs(self.base / "state" / pipeline)
 
     def check_tables(self) -> list[oracle.Verdict]:
         assert self.s3 is not None
@@ -337,6 +331,18 @@ class Soak:
                                  oracle.delta_table(f"{tables}/payment_refunds", storage),
                                  oracle.iceberg_table(catalog, "payments.refund_changes")),
         ]
+
+
+def recorded_epochs(state: Path) -> list[tuple[int, list[oracle.RecordedSegment]]]:
+    """Each committed epoch of the checkpoint root ``state`` with its recorded range:
+    the oracle's input (the engine reads it; the oracle does not)."""
+    log = EpochLog(state)
+    epochs = []
+    for epoch in range(1, log.last_committed() + 1):
+        segments = [oracle.RecordedSegment(s.id, s.partition.split("/")[0] if "/" in s.partition else "", s.file,
+                                           s.start, s.end) for s in log.offsets(epoch).segments]
+        epochs.append((epoch, segments))
+    return epochs
 
 
 def _descendants(pid: int) -> list[psutil.Process]:

@@ -66,8 +66,10 @@ class Block:
 
 def parse_page(path: Path) -> list[Block]:
     text = path.read_text()
-    headings = [(m.start(), m.group(1)) for m in HEADING.finditer(text)]
     fences = list(FENCE.finditer(text))
+    inside = [(m.start(), m.end()) for m in fences]  # a `# comment` in a block is no heading
+    headings = [(m.start(), m.group(1)) for m in HEADING.finditer(text)
+                if not any(start < m.start() < end for start, end in inside)]
 
     def heading_at(offset: int) -> str:
         return max(((at, h) for at, h in headings if at < offset), default=(0, ""))[1]
@@ -108,6 +110,14 @@ def block(name: str) -> Block:
     found = [b for b in BLOCKS if b.name == name]
     assert found, f"docs: no block {name!r} (a heading renamed?); the blocks are {[b.name for b in BLOCKS]}"
     return found[0]
+
+
+# docs/your-project.md reads as one shell session from a fresh virtualenv, installed from
+# the wheel: tests/adoption/test_your_project.py (the deep lane) runs every block of it in order
+for _block in BLOCKS:
+    if _block.page == "your-project.md" and _block.language in RUN_LANGUAGES:
+        RUNS[_block.name] = ["tests/adoption/test_your_project.py::"
+                             "test_a_new_user_follows_the_page_from_a_fresh_virtualenv_to_a_downstream_asset"]
 
 
 def test_every_block_of_the_docs_is_run():
@@ -460,7 +470,7 @@ def test_the_per_epoch_asset_in_is_an_asset_over_the_epochs():
 
 
 def test_the_component_yaml_names_the_component_and_its_attributes():
-    (b,) = [b for b in BLOCKS if b.language == "yaml"]
+    (b,) = [b for b in BLOCKS if b.language == "yaml" and b.page == "dagster.md"]  # kubernetes.md's: test_dockerfile
     spec = yaml.safe_load(b.text)
     module, name = spec["type"].rsplit(".", 1)
     component = getattr(importlib.import_module(module), name)

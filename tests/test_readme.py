@@ -1,17 +1,12 @@
 """The README's commands, taken from the README itself: every `./dev` and `volley`
-command names a command and flags that exist, the YAML names a component and its
-real attributes, the Python blocks import what exists, and the first command and the
+command names a command and flags that exist, the Python blocks import what exists, and the first command and the
 first pipeline run as a newcomer would run them (on a smaller log)."""
 
 from __future__ import annotations
 
-import dataclasses
-import importlib
 import re
 import shlex
 from pathlib import Path
-
-import yaml
 
 from volley_dagster.cli import build_parser, main
 
@@ -68,15 +63,6 @@ def test_every_dev_and_volley_command_exists_with_its_flags():
             build_parser().parse_args(argv[1:])  # exits 2 naming an unknown command or flag
         checked += 1
     assert checked >= 10
-
-
-def test_the_component_yaml_names_the_component_and_its_attributes():
-    (block,) = blocks("yaml")
-    spec = yaml.safe_load(block)
-    module, name = spec["type"].rsplit(".", 1)
-    component = getattr(importlib.import_module(module), name)
-    fields = {f.name for f in dataclasses.fields(component)}
-    assert set(spec["attributes"]) <= fields, set(spec["attributes"]) - fields
 
 
 def test_the_python_blocks_import_what_exists():

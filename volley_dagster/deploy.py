@@ -42,7 +42,10 @@ class AssetSettings:
 class Deployment:
     """``build`` makes the pipeline for a table location. The sensor cuts an epoch
     once ``min_records`` are waiting, or any are and the oldest waited ``max_wait_s``;
-    ``cron`` adds a schedule (off unless ``schedule_running``). The freshness check
+    ``cron`` adds a schedule (off unless ``schedule_running``). The sensor runs as soon
+    as the code location loads (``sensor_running``), so a pipeline runs when files land,
+    as a deployed streaming job does; False leaves it to a person to start in the UI,
+    Dagster's default for sensors. The freshness check
     fails once a record has waited more than ``freshness_bound_s`` to be committed;
     unset, the bound follows the cadence (``freshness_bound``).
     The sensor's daemon loops every 5 s: an interval under 5 s means every loop.
@@ -61,7 +64,7 @@ class Deployment:
     min_records: int = 1
     max_wait_s: float | None = None
     cron: str | None = None
-    sensor_running: bool = False
+    sensor_running: bool = True
     schedule_running: bool = False
     sensor_interval_s: int = 30
     freshness_bound_s: float | None = None

@@ -26,6 +26,7 @@ from dagster.components.testing import DefsFolderSandbox, create_defs_folder_san
 from volley_dagster.dagster.component import COMPONENT_TYPE, VolleyPipelines, load_deployment
 from volley_dagster.errors import ConfigError
 
+ROOT = Path(__file__).resolve().parents[2]
 UNSET = "VOLLEY_TEST_NEVER_SET"
 FIELDS = [f.name for f in dataclasses.fields(VolleyPipelines)]
 
@@ -108,6 +109,23 @@ def test_scaffold_writes_a_commented_template_that_loads_as_written(sandbox: Def
         sensor = defs.resolve_sensor_def("payments_new_data")
         assert sensor.default_status == DefaultSensorStatus.RUNNING  # runs when files land
         assert defs.resources["volley_checkpoints"].root == str(sandbox.project_root / "data" / "volley" / "state")
+
+
+def test_the_team_page_shows_what_the_scaffold_writes(sandbox: DefsFolderSandbox) -> None:
+    """docs/your-project.md's YAML and pipeline.py, in the default lane (the deep lane
+    follows the whole page from the wheel: tests/adoption/test_your_project.py)."""
+    from tests.test_docs import parse_page
+
+    path = scaffolded(sandbox)
+    page = {b.name: b.text for b in parse_page(ROOT / "docs" / "your-project.md")}
+    assert page["your-project.md#A project and a pipeline/yaml"] == (path / "defs.yaml").read_text()
+    shown = page["your-project.md#A project and a pipeline/python"]
+    assert shown == "# src/team_project/defs/payments/pipeline.py\n" + (path / "pipeline.py").read_text()
+    with sandbox.load_component_and_build_defs(defs_path=path) as (_, defs):
+        jobs = {job.name for job in defs.jobs or []}
+    named = set(re.findall(r"`(payments_\w+_job)`", "\n".join(page.values()) + (ROOT / "docs" / "your-project.md")
+                           .read_text()))
+    assert named and named <= jobs, named - jobs  # every job the page names exists
 
 
 def test_scaffold_in_python_writes_a_component_that_loads(sandbox: DefsFolderSandbox) -> None:

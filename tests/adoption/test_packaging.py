@@ -7,8 +7,6 @@ gets no ``build/``) and its contents read."""
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
 import sys
 import zipfile
 from email.parser import Parser
@@ -18,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import volley_dagster
+from tests.adoption.wheel import build_wheel
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -73,18 +72,7 @@ def test_the_readme_says_java_17_where_it_speaks_to_a_teams_project() -> None:
 
 
 def test_the_wheel_carries_the_license_py_typed_and_metadata(tmp_path: Path) -> None:
-    uv = Path(sys.executable).with_name("uv")
-    assert uv.exists(), f"uv is not in the venv ({uv}): ./dev installs it; the wheel is built with it"
-    source = tmp_path / "src"
-    source.mkdir()
-    for name in ("pyproject.toml", "README.md", "LICENSE"):
-        shutil.copy(ROOT / name, source / name)
-    shutil.copytree(ROOT / "volley_dagster", source / "volley_dagster",
-                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    built = subprocess.run([str(uv), "build", "--wheel", "--quiet", "--out-dir", str(tmp_path / "dist"), str(source)],
-                           capture_output=True, text=True, timeout=300)
-    assert built.returncode == 0, built.stderr
-    (wheel,) = (tmp_path / "dist").glob("volley_dagster-*.whl")
+    wheel = build_wheel(tmp_path)
     with zipfile.ZipFile(wheel) as zf:
         names = set(zf.namelist())
         info = next(n for n in names if n.endswith(".dist-info/METADATA"))

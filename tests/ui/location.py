@@ -6,8 +6,11 @@ is set: then the warm Spark, as ``./dev dagster`` does by default.
 ``VOLLEY_TEST_SNAPSHOT_STORE`` (``s3://...``, with ``VOLLEY_TEST_S3_ENDPOINT``,
 ``AWS_ACCESS_KEY_ID`` and ``AWS_SECRET_ACCESS_KEY``) keeps the snapshots on S3 too;
 ``VOLLEY_TEST_BACKOFF`` (``first_s,max_s,retries_in_run``) scales the recovery
-backoff, unset: the shipped defaults."""
+backoff, unset: the shipped defaults. ``VOLLEY_TEST_SPARK_MASTER`` (a standalone
+master's URL, with ``VOLLEY_TEST_SPARK_CONFIG``, JSON ``spark.*`` keys such as the
+driver's address) runs every run on that cluster instead."""
 
+import json
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -22,6 +25,7 @@ from volley_dagster.recovery import Backoff
 BASE = Path(os.environ["VOLLEY_TEST_BASE"])
 SENSOR = bool(os.environ.get("VOLLEY_TEST_SENSOR"))
 WARM = bool(os.environ.get("VOLLEY_TEST_WARM"))
+MASTER = os.environ.get("VOLLEY_TEST_SPARK_MASTER")
 
 deployment = replace(payments_deployment(BASE / "events"), sensor_running=SENSOR)
 if SENSOR:
@@ -33,11 +37,16 @@ STORE = os.environ.get("VOLLEY_TEST_SNAPSHOT_STORE")
 S3 = S3Resource(endpoint_url=os.environ["VOLLEY_TEST_S3_ENDPOINT"], access_key_id=os.environ["AWS_ACCESS_KEY_ID"],
                 secret_access_key=os.environ["AWS_SECRET_ACCESS_KEY"]) if STORE else None
 
+if MASTER:
+    SPARK = SparkResource(master=MASTER, spark_config=json.loads(os.environ.get("VOLLEY_TEST_SPARK_CONFIG", "{}")))
+else:
+    SPARK = SparkResource() if WARM else SparkResource(master="local[2]")
+
 defs = build_definitions(
     [deployment],
     checkpoints=CheckpointResource(root=str(BASE / "state"), max_records_per_epoch=1_500, snapshot_store_uri=STORE,
                                    s3=S3),
     tables=TablesResource(warehouse=str(BASE / "tables")),
-    spark=SparkResource() if WARM else SparkResource(master="local[2]"),
+    spark=SPARK,
     executor=in_process_executor,  # as definitions.py
 )

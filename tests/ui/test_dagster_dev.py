@@ -49,7 +49,7 @@ def test_graphql_backfill_then_ui_backfill(server):
 
     backfill = client.launch_partition_backfill(EPOCH_ASSETS, [epoch_key(1), epoch_key(2)])
     done = client.wait_backfill(backfill, timeout=300, until="runs")
-    assert done.succeeded, (done, srv.log_tail())
+    assert done.succeeded, (done, srv.logtail())
     state = client.latest_materializations("payments/state")
     assert sorted(state) == [epoch_key(1), epoch_key(2)]
     assert state[epoch_key(2)]["metadata"]["records_in"] == 1_500
@@ -72,7 +72,7 @@ def test_graphql_backfill_then_ui_backfill(server):
         # epochs 1..4 from the UI's dialog: 1 and 2 are no-ops, 3 and 4 commit, in order
         from_ui = ui.launch_backfill(["payments", "state"], [epoch_key(e) for e in (1, 2, 3, 4)])
         finished = client.wait_backfill(from_ui, timeout=300, until="runs")
-        assert finished.succeeded, (finished, srv.log_tail())
+        assert finished.succeeded, (finished, srv.logtail())
         ui.open_partitions_tab(["payments", "state"])
         assert ui.wait_partition_counts(Materialized=4, Missing=0)["Materialized"] == 4
         ui.screenshot("partitions-after")

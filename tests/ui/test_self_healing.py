@@ -221,7 +221,7 @@ def test_two_backfills_and_the_sensor_never_overlap(healing):
         backfills = [srv.client.launch_partition_backfill(EPOCH_ASSETS, keys) for _ in range(2)]
         for backfill in backfills:
             done = srv.client.wait_backfill(backfill, timeout=300, until="runs")
-            assert done.succeeded, (done, srv.log_tail())
+            assert done.succeeded, (done, srv.logtail())
         wait_for(lambda: runner.committed_epoch() == last, 120, "the epochs to commit", srv)
         # the run that committed the last epoch still runs its checks; later runs are no-ops
         wait_for(lambda: run_in_flight(instance, "payments") is None, 120, "the runs to finish", srv)

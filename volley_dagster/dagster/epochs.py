@@ -9,6 +9,7 @@ from typing import Callable, Optional, TypedDict
 
 from dagster import (
     AssetCheckExecutionContext,
+    AssetCheckKey,
     AssetCheckResult,
     AssetChecksDefinition,
     AssetCheckSpec,
@@ -200,7 +201,9 @@ def epoch_assets(deployment: Deployment, spec_settings: TableSettings) -> list:
         check_specs=check_specs,
         partitions_def=partitions,
         backfill_policy=BackfillPolicy.single_run(),
-        can_subset=False,
+        # A selection of some of the assets (`dg launch --assets payments/state`) runs the
+        # whole epoch: the state and every table commit together, or none does.
+        can_subset=True,
         op_tags={PIPELINE_TAG: pipeline.name},
         pool=pipeline_pool(pipeline.name),
     )
@@ -212,7 +215,10 @@ def epoch_assets(deployment: Deployment, spec_settings: TableSettings) -> list:
         the pipeline's lease; committed epochs come back as no-ops, and an epoch whose
         predecessor is not committed fails naming it. Each epoch is materialized as it
         commits, so a run that fails at epoch K keeps the epochs before K. Then the
-        checks run, still under the lease, on what the run left."""
+        checks run, still under the lease, on what the run left. A run that selected
+        some of the assets commits every table all the same (one epoch is one commit of
+        all of them), and reports the selected checks; a failed blocking check fails it
+        whether selected or not."""
         for problem in instance_problems(context.instance, pipeline.name):  # the sensor's instance_settings check
             context.log.warning(f"{pipeline.name}: {problem}")
         runner = make_runner(deployment, volley_checkpoints, volley_tables, volley_spark, log=context.log.info)
@@ -247,7 +253,9 @@ def epoch_assets(deployment: Deployment, spec_settings: TableSettings) -> list:
                               metadata={FAILURE_KIND: "permanent", "error": type(exc).__name__}) from exc
             wait = deployment.backoff.delay_s(context.retry_number + 1, salt=context.run.run_id)
             raise RetryRequested(max_retries=deployment.backoff.retries_in_run, seconds_to_wait=wait) from exc
-        yield from checks
+        selected = context.selected_asset_check_keys
+        yield from (c for c in checks if c.asset_key is not None and c.check_name is not None
+                    and AssetCheckKey(c.asset_key, c.check_name) in selected)
         if failed := [f"{c.asset_key and c.asset_key.to_user_string()} {c.check_name}" for c in checks
                       if not c.passed and c.check_name in BLOCKING_CHECKS]:
             # after the checks are recorded; permanent, and recorded in the root (blocking.py): the sensor

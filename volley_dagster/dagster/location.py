@@ -19,6 +19,7 @@ from dagster import (
     define_asset_job,
 )
 
+from volley_dagster.dagster.cut import cut_job, cut_job_name
 from volley_dagster.dagster.epochs import (
     EPOCH_EXECUTOR,
     PIPELINE_TAG,
@@ -69,7 +70,7 @@ def build_definitions(
         )
         export, export_job = state_export_asset(deployment, tables.settings())
         assets.append(export)
-        jobs.extend([job, rescale_job(deployment, tables.settings()), migrate_job(deployment, tables.settings()),
+        jobs.extend([job, cut_job(deployment), rescale_job(deployment, tables.settings()), migrate_job(deployment, tables.settings()),
                      export_job])
         sensors.append(epoch_sensor(deployment, job))
         if deployment.cron:
@@ -87,6 +88,8 @@ def build_definitions(
 
 def epochs_job_description(deployment: Deployment) -> str:
     return (f"Runs epochs of {deployment.name!r} in order, one partition per epoch (a range in one run), then the "
-            "pipeline's checks. The sensor and schedule launch it, and it is what to launch by hand "
-            f"(`dg launch --job {epochs_job_name(deployment.name)} --partition <epoch>`): the epochs asset is not "
-            "subsettable. Committed epochs are no-ops; an epoch whose predecessor is not committed fails naming it.")
+            "pipeline's checks. The sensor and schedule launch it; by hand, launch it or any of the pipeline's assets "
+            f"over cut epochs (`dg launch --job {epochs_job_name(deployment.name)} --partition <epoch>`; "
+            f"`{cut_job_name(deployment.name)}` cuts and registers them): selecting some assets runs the whole "
+            "epoch, as the state and every table commit together. Committed epochs are no-ops; an epoch whose "
+            "predecessor is not committed fails naming it.")

@@ -41,6 +41,7 @@ from dagster import (
     AssetCheckEvaluation,
     AssetMaterialization,
     AssetObservation,
+    DagsterInstance,
     DefaultScheduleStatus,
     DefaultSensorStatus,
     MetadataValue,
@@ -217,6 +218,16 @@ def committed_elsewhere(runner: EpochRunner, deployment: Deployment, new_keys: l
     return events
 
 
+def register_epochs(instance: DagsterInstance, runner: EpochRunner, deployment: Deployment) -> list[str]:
+    """Add the cut epochs that are not partitions yet (``unregistered_partitions``) to
+    the instance now, for a cutter that cannot return partition requests (the schedule,
+    the cut job); returns their keys."""
+    new_keys = unregistered_partitions(instance, deployment, runner.committed_epoch(), runner.log.last_cut())
+    if new_keys:
+        instance.add_dynamic_partitions(partitions_name(deployment), new_keys)
+    return new_keys
+
+
 def run_key(deployment: Deployment, first: int, last: int, after: Optional[str]) -> str:
     """The run key of a request of epochs ``first..last`` made after the pool's run
     ``after`` ended (None: no run ended yet). Dagster's sensor daemon launches a key
@@ -337,10 +348,7 @@ def epoch_schedule(deployment: Deployment, job):
             runner.cut_next()
         except VolleyError as exc:
             return _cannot_cut(context, deployment, exc)
-        # A schedule cannot return partition requests: add the partitions directly.
-        new_keys = unregistered_partitions(instance, deployment, runner.committed_epoch(), runner.log.last_cut())
-        if new_keys:
-            instance.add_dynamic_partitions(partitions_name(deployment), new_keys)
+        register_epochs(instance, runner, deployment)  # a schedule cannot return partition requests
         requests, skip, _ = request_uncommitted(instance, runner, deployment, time.time())
         _prune(context, runner, deployment)
         return requests or SkipReason(skip)

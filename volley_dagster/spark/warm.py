@@ -118,18 +118,23 @@ def find_or_start(home: Path | None = None, owner_pid: int | None = None,
                 (home / RECORD).unlink()  # a dead supervisor's
             _spawn_supervisor(home, owner_pid or dagster_dev_ancestor())
         started = time.monotonic()
+        why = f"none served within {timeout:.0f}s"
         while time.monotonic() - started < timeout:  # a new server, or one the supervisor is restarting
             record = read_record(home)
             if record is not None and record.url is not None and record.accepting():
                 return record
+            waited = time.monotonic() - started
             if record is not None and (not record.supervisor_alive() or record.start_failures):
-                break  # it died, or its server will not start: its logs say why
-            if record is None and time.monotonic() - started > SUPERVISOR_START_S:
-                break  # it never started
+                # it died, or its server will not start (no Java 17, a port taken): its logs say why
+                why = (f"its supervisor died after {waited:.0f}s" if not record.supervisor_alive() else
+                       f"its Spark Connect server failed to start ({record.start_failures} time(s) in {waited:.0f}s)")
+                break
+            if record is None and waited > SUPERVISOR_START_S:
+                why = f"its supervisor did not start within {SUPERVISOR_START_S:.0f}s"
+                break
             time.sleep(0.5)
     raise WarmSparkUnavailable(
-        f"no warm Spark under {home} within {timeout:.0f}s; see {home / 'supervisor.log'} and "
-        f"{home / 'spark-connect.log'}"
+        f"no warm Spark under {home}: {why}; see {home / 'supervisor.log'} and {home / 'spark-connect.log'}"
     )
 
 
