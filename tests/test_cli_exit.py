@@ -33,3 +33,14 @@ def test_the_command_leaves_with_mains_status():
     usage = subprocess.run([str(VOLLEY), "no-such-command"], capture_output=True, text=True, timeout=120)
     assert usage.returncode == 2 and "invalid choice" in usage.stderr
     assert subprocess.run([str(VOLLEY), "--help"], capture_output=True, text=True, timeout=120).returncode == 0
+
+
+def test_the_kafka_demo_outside_the_checkout_says_what_to_run(tmp_path):
+    """Spark-free: the mock cluster is the checkout's (harness/kafka.py); the installed
+    command, run elsewhere, names ./dev demo --kafka and --bootstrap-servers and starts
+    nothing."""
+    done = subprocess.run([str(VOLLEY), "demo", "--kafka", "--workdir", str(tmp_path)], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "run `./dev demo --kafka` in the checkout, or name a Kafka cluster with --bootstrap-servers" in done.stderr
+    assert not list(tmp_path.iterdir()), "nothing was produced or written"

@@ -109,8 +109,13 @@ def demo_kafka(args: argparse.Namespace) -> int:
     cluster = None
     bootstrap = args.bootstrap_servers
     if bootstrap is None:
-        from harness.kafka import start_kafka
-
+        try:
+            from harness.kafka import start_kafka  # the checkout's, not the package's
+        except ModuleNotFoundError:
+            print("volley demo --kafka: librdkafka's mock cluster starts from this project's checkout "
+                  "(harness/kafka.py), which an installed package does not carry: run `./dev demo --kafka` in "
+                  "the checkout, or name a Kafka cluster with --bootstrap-servers HOST:PORT", file=sys.stderr)
+            return 2
         cluster = start_kafka()
         bootstrap = cluster.bootstrap_servers
         shutil.rmtree(work, ignore_errors=True)  # a new mock cluster holds none of the topics a last run read
@@ -125,6 +130,14 @@ def demo_kafka(args: argparse.Namespace) -> int:
         if not run_and_print(runner):
             return 1
         print_tables(runner)
+        first = {s.partition: s.start for s in runner.log.offsets(1).segments}
+        if any(first.values()):  # a partition's earliest record was past offset 0 when epoch 1 was cut
+            starts = ", ".join(f"{p}: {o:,}" for p, o in sorted(first.items()))
+            print(f"\nThe topic's partitions began at offsets {starts} when epoch 1 was cut: the broker had deleted "
+                  f"{sum(first.values()):,} of the {produced:,} events before the pipeline first read it"
+                  + (" (librdkafka's mock cluster keeps only the newest few megabytes of each partition)" if cluster is not None else "")
+                  + ". A new pipeline starts at each partition's earliest record, as Spark's "
+                  "startingOffsets=earliest does; produce fewer (--files, --records-per-file) to read them all.")
         totals = pipeline.sinks[-1]
         assert isinstance(totals, KafkaSink)
         counts: dict[int, int] = {}
