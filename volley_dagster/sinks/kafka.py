@@ -239,10 +239,16 @@ class KafkaSink(Sink):
         tags = commit_tags(ctx, output.num_rows)
         headers: list[tuple[str, str | bytes | None]] = [(k, v.encode()) for k, v in tags.items()]
         keys = self.key_columns or ctx.key_columns
+        refused: list[Any] = []  # the delivery errors: a refusal surfaces here before a later produce() fails _STATE
+
+        def delivered(error: Any, _message: Any) -> None:
+            if error is not None:
+                refused.append(error)
+
         try:
             producer.begin_transaction()
             for key, value in _records(output, keys):
-                producer.produce(self.topic, key=key, value=value, headers=headers)
+                producer.produce(self.topic, key=key, value=value, headers=headers, on_delivery=delivered)
                 producer.poll(0)
             producer.produce(self.topic, partition=MARKER_PARTITION, key=marker_key(ctx.pipeline),
                              value=json.dumps(tags).encode(), headers=[*headers, (MARKER, b"1")])
@@ -257,7 +263,8 @@ class KafkaSink(Sink):
                 aborted = True
             except KafkaException:
                 pass  # the next init_transactions aborts it
-            self._refuse_invalid(exc, ctx)
+            producer.poll(0)  # serve the delivery reports still queued
+            self._refuse_invalid([exc.args[0] if exc.args else None, *refused], exc, ctx)
             raise SinkCommitError(f"sink {self.name!r}: epoch {ctx.epoch} to kafka topic {self.topic!r}: {exc}; the "
                                   f"transaction was {'aborted' if aborted else 'not committed'}, the epoch will be "
                                   "tried again") from exc
@@ -271,13 +278,15 @@ class KafkaSink(Sink):
         finally:
             client.close()
 
-    def _refuse_invalid(self, exc: Exception, ctx: CommitContext) -> None:
+    def _refuse_invalid(self, errors: list[Any], exc: Exception, ctx: CommitContext) -> None:
         """A record the broker refused as invalid is refused again on every retry: a
-        permanent error that says what to change, instead of retries forever."""
+        permanent error that says what to change, instead of retries forever. ``errors``:
+        the one raised, and the deliveries' (the refusal may be only there)."""
         from confluent_kafka import KafkaError
 
-        error = exc.args[0] if exc.args else None
-        if isinstance(error, KafkaError) and error.code() == KafkaError.INVALID_RECORD:
+        for error in errors:
+            if not (isinstance(error, KafkaError) and error.code() == KafkaError.INVALID_RECORD):
+                continue
             raise ConfigError(
                 f"sink {self.name!r}: epoch {ctx.epoch} to kafka topic {self.topic!r}: the broker refused a record as "
                 f"invalid (INVALID_RECORD: {error.str()}). A topic with cleanup.policy=compact refuses records without "
@@ -304,7 +313,7 @@ class KafkaSink(Sink):
                         producer.abort_transaction(self.timeout_s)
                     except KafkaException:
                         return None
-                    self._refuse_invalid(exc, ctx)
+                    self._refuse_invalid([error], exc, ctx)
                     return False
                 if error.retriable() and not error.fatal() and time.monotonic() < deadline:
                     time.sleep(min(RETRY_S, max(deadline - time.monotonic(), 0.0)))
