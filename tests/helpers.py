@@ -83,6 +83,56 @@ def with_tables(pipeline: Pipeline, tables: Path | None, delta_mode: str, iceber
     )
 
 
+def velocity_pipeline(events: Path, output: Path | None = None, tables: Path | None = None,
+                      processor: object | None = None, name: str = "velocity") -> Pipeline:
+    """A team's own processor (``tests/processors.VelocityAlert``: three payments of a
+    card within 10 s) over the demo's payments, cards = merchant_id % 17; with
+    ``tables``, a Delta and an Iceberg append of its alerts (the kill -9 tests)."""
+    from volley_dagster.demo.velocity import VelocityAlert
+    from volley_dagster.sinks.delta import DeltaSink
+
+    pipeline = (Pipeline(name).source(FileLog(events, format="parquet"))
+                .with_column("card", "merchant_id % 17")
+                .key_by("card")
+                .process(processor or VelocityAlert(10_000, 3), output_schema=VelocityAlert.OUTPUT,
+                         time_mode="EventTime", event_time="event_time", max_out_of_orderness="5 seconds",
+                         input_columns=list(VELOCITY_INPUTS))
+                .with_shards(3))
+    if tables is None:
+        assert output is not None
+        return pipeline.sink(DeltaSink(str(output), name="alerts", mode="append"))
+    return with_tables(pipeline, tables, delta_mode="append", iceberg_table="volley.alerts")
+
+
+VELOCITY_INPUTS = ("card", "event_time", "amount")
+
+
+def velocity_reference(files: list[Path], end_of_stream: bool = False) -> tuple[Any, list[tuple[Any, ...]], int]:
+    """``velocity_pipeline``'s processor run record by record over ``files``, one epoch
+    each (``tests/process_reference.py``): the reference, its rows (key first) and the late records."""
+    from tests.process_reference import ProcessReference
+    from volley_dagster.demo.velocity import VelocityAlert
+
+    reference = ProcessReference(VelocityAlert(10_000, 3), "card", "event_time", ["alert_at_ms", "payments", "total"],
+                                 5_000_000)
+    rows: list[tuple[Any, ...]] = []
+    late = 0
+    for number, path in enumerate(files, start=1):
+        out, late_records = reference.run(
+            [{"card": r["merchant_id"] % 17, "amount": r["amount"],
+              "event_time": int(r["event_time"].timestamp() * 1_000_000)} for r in pq.read_table(path).to_pylist()],
+            end_of_stream=end_of_stream and number == len(files))
+        rows += [(key, *(v.item() if hasattr(v, "item") else v for v in row)) for key, row in out]
+        late += len(late_records)
+    return reference, rows, late
+
+
+def alert_rows(table: pa.Table) -> list[tuple[Any, ...]]:
+    """A velocity sink's rows, sorted, as ``velocity_reference`` gives them."""
+    return sorted(zip(*(table.column(c).to_pylist() for c in ("card", "alert_at_ms", "payments", "total")),
+                      strict=True))
+
+
 def merchants_table(keys: int, version: int) -> pa.Table:
     """A merchants dimension: every 7th merchant missing; version 1 doubles the fee
     rates and moves merchants to other regions."""

@@ -269,6 +269,36 @@ def test_the_join_runs_and_writes_the_columns_the_page_names(spark, tmp_path, mo
     assert len(segments) == 4  # each source's two files, numbered across both
 
 
+PROCESS = "pipelines.md#Your own stateful logic/python"
+
+
+@runs(PROCESS)
+def test_the_processor_on_the_page_runs_and_equals_its_reference(spark, tmp_path, monkeypatch):
+    """The page's processor over the demo's payments, two epochs and the stream's end:
+    its alerts are those the same class gives record by record (``tests/process_reference.py``)."""
+    from tests.process_reference import ProcessReference
+
+    monkeypatch.chdir(tmp_path)
+    files = generate("data/events", 2, 300, 20, events_per_second=20, disorder_s=5)
+    namespace = session(block(PROCESS))
+    run_python(block(PROCESS), namespace)
+    runner = EpochRunner(namespace["pipeline"], "state", RunSettings(max_records_per_epoch=300), spark=spark)
+    results = runner.run_available() + runner.flush()
+    reference = ProcessReference(namespace["VelocityAlert"](), "card", "event_time",
+                                 ["alert_at_ms", "payments", "total"], 10_000_000)
+    expected = []
+    for number, name in enumerate(files, start=1):
+        rows, _ = reference.run([{"card": r["merchant_id"] % 17, "amount": r["amount"],
+                                  "event_time": int(r["event_time"].timestamp() * 1_000_000)}
+                                 for r in pq.read_table(Path("data/events") / name).to_pylist()],
+                                end_of_stream=number == len(files))
+        expected += [(key, *(v.item() if hasattr(v, "item") else v for v in row)) for key, row in rows]
+    alerts = namespace["pipeline"].sinks[0].read()
+    assert alerts.column_names == ["card", "alert_at_ms", "payments", "total"]
+    assert sorted(zip(*(alerts.column(c).to_pylist() for c in alerts.column_names), strict=True)) == sorted(expected)
+    assert len(expected) > 10 and results[-1].end_of_stream and runner.read_state().num_rows == 0
+
+
 def test_a_name_both_sides_carry_is_prefixed_with_its_source_and_an_underscore():
     """What the join section says of shared names (``IntervalJoin.resolve``)."""
     from pyspark.sql import types as T

@@ -27,6 +27,7 @@ from volley_dagster.errors import (
     LeaseLapsedError,
     MalformedRecordError,
     PipelineBusyError,
+    ProcessorError,
     SinkCommitError,
     SinkLineageError,
     SinkOutcomeUnknownError,
@@ -62,6 +63,8 @@ _LAZY: dict[str, tuple[str, ...]] = {
     "volley_dagster.checkpoint.s3_snapshots": ("S3SnapshotStore",),
     "volley_dagster.dimensions": ("DeltaDimension", "IcebergDimension", "ParquetDimension"),
     "volley_dagster.operators.accumulators": ("count", "first", "last", "max_", "mean", "min_", "sum_"),
+    "volley_dagster.operators.process_api": ("ExpiredTimerInfo", "StatefulProcessor", "StatefulProcessorHandle",
+                                             "TimerValues"),
     "volley_dagster.operators.window": ("session", "sliding", "tumbling"),
     "volley_dagster.pipeline": ("Pipeline",),
     "volley_dagster.result": ("EpochResult",),
@@ -90,6 +93,12 @@ if TYPE_CHECKING:
     from volley_dagster.checkpoint.s3_snapshots import S3SnapshotStore
     from volley_dagster.dimensions import DeltaDimension, IcebergDimension, ParquetDimension
     from volley_dagster.operators.accumulators import count, first, last, max_, mean, min_, sum_
+    from volley_dagster.operators.process_api import (
+        ExpiredTimerInfo,
+        StatefulProcessor,
+        StatefulProcessorHandle,
+        TimerValues,
+    )
     from volley_dagster.operators.window import session, sliding, tumbling
     from volley_dagster.pipeline import Pipeline
     from volley_dagster.result import EpochResult
@@ -132,6 +141,11 @@ __all__ = [
     "ParquetSink",
     "Pipeline",
     "PipelineBusyError",
+    "ProcessorError",
+    "StatefulProcessor",
+    "StatefulProcessorHandle",
+    "TimerValues",
+    "ExpiredTimerInfo",
     "Sink",
     "SinkCommitError",
     "SinkOutcomeUnknownError",

@@ -40,7 +40,7 @@ from volley_dagster.errors import (
     VolleyError,
 )
 from volley_dagster.json_records import JsonObject
-from volley_dagster.operators.base import ShardStep, StatefulOperator
+from volley_dagster.operators.base import PROCESSING_CLOCK, ShardStep, StatefulOperator
 from volley_dagster.operators.ttl import next_due
 from volley_dagster.pipeline import Pipeline
 from volley_dagster.result import EpochResult
@@ -143,7 +143,7 @@ class EpochAttempt:
         self.log.check_identity(identity_of(self.declared, plan.state_operator, plan.key_kind))
         local = executors_share_this_disk(self.spark)  # a file a task writes is on this disk too
         merge = ShardMerge(
-            step=ShardStep(epoch, plan.key_kind, layout=pipeline.layout),
+            step=self._step(plan),
             key_column=pipeline.key_column,
             output_keys=pipeline.output_keys(),
             operator=plan.state_operator,
@@ -164,6 +164,15 @@ class EpochAttempt:
             checkpoint_root=str(self.log.root),
         )
         return plan, merge
+
+    def _step(self, plan: PlannedEpoch) -> ShardStep:
+        """What every shard task knows of the epoch: with its processing time, the cut's
+        recorded wall clock, never before the previous epoch's (a clock stepped back)."""
+        before = self.start.previous.figures.get(PROCESSING_CLOCK) if self.start.previous is not None else None
+        now = self.rng.cut_at_us
+        processing = now if before is None else before if now is None else max(now, before)
+        return ShardStep(self.epoch, plan.key_kind, layout=self.pipeline.layout, processing_time=processing,
+                         processing_time_before=before)
 
     def _stage(self, plan: PlannedEpoch, merge: ShardMerge) -> StageResult:
         before = self.start.previous

@@ -75,6 +75,7 @@ def demo(args: argparse.Namespace) -> int:
     from volley_dagster import EpochRunner
     from volley_dagster.demo.payments import local_tables, merchant_minutes_pipeline, payments_pipeline
     from volley_dagster.demo.refunds import refunds_pipeline
+    from volley_dagster.demo.velocity import velocity_pipeline
 
     work = Path(args.workdir).absolute()
     generate_events(args)
@@ -88,6 +89,8 @@ def demo(args: argparse.Namespace) -> int:
     print(describe_checkpoints(runner.log.root))
     demo_windows(merchant_minutes_pipeline(work / "events", tables, shards=args.shards), work, args, runner.spark)
     demo_join(refunds_pipeline(work / "streams", tables, shards=args.shards), work, args, runner.spark)
+    demo_velocity(velocity_pipeline(work / "events", tables, cards=args.keys, shards=args.shards), work, args,
+                  runner.spark)
     print(f"\nnext: './dev dagster' serves the Dagster UI at http://127.0.0.1:3000 over {work}; "
           f"'.venv/bin/volley generate --workdir {args.workdir}' appends events for its sensor to cut")
     return 0
@@ -212,6 +215,21 @@ def demo_join(pipeline, work: Path, args: argparse.Namespace, spark) -> None:
               f"{r.figures.get('join_unmatched', 0):>10,} {r.late_records:>5} {waiting:>8,} {r.durations['total']:>8.2f}")
     joined = pipeline.sinks[0]
     print(f"Delta table {joined.uri} (upsert by payment and both row ids): {joined.read().num_rows:,} rows")
+
+
+def demo_velocity(pipeline, work: Path, args: argparse.Namespace, spark) -> None:
+    """A team's own processor (``Pipeline.process``): an alert when a merchant's card pays five times in a minute."""
+    from volley_dagster import EpochRunner
+
+    runner = EpochRunner(pipeline, work / "state" / pipeline.name, RunSettings(max_records_per_epoch=args.max_records, keep_epochs=args.keep), spark=spark)
+    print(f"\n{pipeline.name}: a processor of our own (demo/velocity.py): an alert when a card pays five times "
+          "within a minute, each card's recent payments in list state, aged out by event-time timers")
+    print(f"{'epoch':>5} {'records':>9} {'alerts':>7} {'timers':>7} {'late':>5} {'state rows':>10} {'seconds':>8}")
+    for r in runner.run_available():
+        print(f"{r.epoch:>5} {r.records_in:>9,} {r.records_out:>7,} {r.figures.get('process_timers_fired', 0):>7,} "
+              f"{r.late_records:>5} {r.figures.get('process_state_rows', 0):>10,} {r.durations['total']:>8.2f}")
+    (alerts,) = pipeline.sinks
+    print(f"Delta table {alerts.uri} (append): {alerts.read().num_rows:,} alerts")
 
 
 def _generate(args: argparse.Namespace) -> int:

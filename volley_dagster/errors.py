@@ -90,6 +90,13 @@ class StateLimitError(VolleyError):
     to size the bound."""
 
 
+class ProcessorError(VolleyError):
+    """A team's own processor (``Pipeline.process``) raised: the error names the
+    processor, the key and the record or timer it was handling, with the user's
+    traceback. Nothing is committed; a person fixes the code, and the same recorded
+    range runs again."""
+
+
 class SnapshotError(VolleyError):
     """A state snapshot is missing, pruned or does not match its manifest."""
 
@@ -157,7 +164,7 @@ class DimensionVersionLostError(DimensionTableError):
 # full disk; an error of no known class is transient too, since a retry of an epoch is
 # always safe (it commits at most once).
 _PERMANENT = (ConfigError, EpochOrderError, SourceError, MalformedRecordError, StateLayoutError, SinkLineageError,
-              AggregateOverflowError, DimensionVersionLostError, StateLimitError)
+              AggregateOverflowError, DimensionVersionLostError, StateLimitError, ProcessorError)
 
 
 def is_retryable(exc: BaseException) -> bool:

@@ -22,6 +22,7 @@ from volley_dagster.operators.aggregate import Aggregate
 from volley_dagster.operators.dedup import Deduplication, UniqueRecords
 from volley_dagster.operators.event_time import DEFAULT_MAX_EVENT_TIME_SKEW, Duration, EventTime, duration_us, skew_us
 from volley_dagster.operators.join import IntervalJoin, JoinHow, signed_duration_us
+from volley_dagster.operators.process import Processing, TimeMode
 from volley_dagster.operators.ttl import DEFAULT_MAX_RESIDENT_ENTRIES, EXPIRED, StateTtl
 from volley_dagster.operators.window import WindowedAggregate, Windowing, Windows
 from volley_dagster.sinks.base import Sink
@@ -49,6 +50,7 @@ class Pipeline:
     bad_records: BadRecordPolicy = "fail"
     quote_bad_records: bool = True
     layout: ShardLayout = field(default_factory=ShardLayout)
+    processing: Processing | None = None  # ``process(...)``: last, so the fields before keep their places
 
     def __post_init__(self) -> None:
         if not _NAME.match(self.name):
@@ -71,7 +73,7 @@ class Pipeline:
     def only_deduplicates(self) -> bool:
         """``deduplicate(...)`` with no key_by, aggregate or window after it: its sinks get the kept records."""
         return (self.dedup is not None and self.key_given is None and self.operator_given is None
-                and self.windowing is None and self.joining is None)
+                and self.windowing is None and self.joining is None and self.processing is None)
 
     @property
     def operator(self) -> Aggregate:
@@ -270,7 +272,48 @@ class Pipeline:
             max_state_rows, sources)
         return replace(self, source_given=sources, key_given=on, joining=joining)
 
-    def stateful_operator(self) -> Aggregate | WindowedAggregate | UniqueRecords | IntervalJoin:
+    def process(
+        self,
+        processor: object,
+        *,
+        output_schema: str,
+        output_mode: Literal["append"] = "append",
+        time_mode: TimeMode = "None",
+        event_time: str | None = None,
+        max_out_of_orderness: Duration = "0 seconds",
+        max_event_time_skew: Duration | None = DEFAULT_MAX_EVENT_TIME_SKEW,
+        input_columns: list[str] | None = None,
+        name: str | None = None,
+    ) -> Pipeline:
+        """Run a team's own keyed logic: a ``StatefulProcessor`` (Spark 4's shape, as
+        for ``transformWithStateInPandas``) with state variables declared in ``init``
+        and event-time timers, over each key of ``key_by(...)``. Each key's records of
+        the epoch reach ``handleInputRows`` as one pandas frame, in log order; the
+        timers at or before the watermark fire after them (every timer at the end of
+        the stream); the rows the handlers yield (``output_schema``, Spark DDL; the key
+        is added first when it lacks it) go to the sinks. With
+        ``time_mode="EventTime"``, ``event_time`` is the pipeline's clock: the
+        watermark trails the latest event time by ``max_out_of_orderness``, and a
+        record at or before the watermark its epoch starts from is late (counted,
+        never processed). ``input_columns`` narrows what the frames carry. The rules:
+        ``volley_dagster.operators.process``."""
+        if output_mode != "append":
+            raise ConfigError(f"process(output_mode={output_mode!r}): only 'append' is supported yet")
+        clock = None if event_time is None else EventTime(
+            event_time, duration_us(max_out_of_orderness, "max_out_of_orderness"), skew_us(max_event_time_skew))
+        key = self._required(self.key_given, "key_by(...) before process(...)")
+        processing = Processing(processor, output_schema, key, time_mode, clock,
+                                None if input_columns is None else tuple(input_columns), name or "")
+        return replace(self, processing=processing)
+
+    def stateful_operator(self) -> Aggregate | WindowedAggregate | UniqueRecords | IntervalJoin | Processing:
+        if self.processing is not None:
+            if self.operator_given is not None or self.windowing is not None or self.joining is not None \
+                    or self.dedup is not None:
+                raise ConfigError(f"pipeline {self.name!r}: process(...) is the pipeline's stateful operator: its "
+                                  "rows go to the sinks; it does not combine with aggregate(), window(), join() or "
+                                  "deduplicate() yet")
+            return replace(self.processing, quote_keys=self.quote_bad_records)
         if self.joining is not None:
             if self.operator_given is not None or self.windowing is not None or self.dedup is not None:
                 raise ConfigError(f"pipeline {self.name!r}: join(...) is the pipeline's stateful operator: its pairs "
@@ -316,6 +359,8 @@ class Pipeline:
             return self.dedup.on
         if self.joining is not None:
             return (self.key_column, *self.joining.row_ids)
+        if self.processing is not None:  # appended rows: an upsert sink has no key to match them on
+            return (self.key_column,)
         return (self.key_column, "window_start") if self.windowing is not None else (self.key_column,)
 
     def state_keys(self) -> tuple[str, ...] | None:
@@ -323,6 +368,8 @@ class Pipeline:
         deduplication's remembered key)."""
         if self.only_deduplicates:
             return None
+        if self.processing is not None:
+            return (self.key_column, "variable", "entry")
         return (self.key_column, "source", "row") if self.joining is not None else self.output_keys()
 
     def sink(self, sink: Sink) -> Pipeline:
@@ -344,7 +391,9 @@ class Pipeline:
 
     def validate(self) -> None:
         required: list[tuple[str, object]] = [("source(...)", self.source_given)]
-        if self.joining is None and not self.only_deduplicates:
+        if self.processing is not None:
+            required += [("key_by(...)", self.key_given)]
+        elif self.joining is None and not self.only_deduplicates:
             required += [("key_by(...)", self.key_given), ("aggregate(...)", self.operator_given)]
         missing = [what for what, value in required if value is None]
         if missing:

@@ -142,6 +142,7 @@ def test_a_replay_of_old_batches_after_their_keys_were_forgotten_adds_nothing(sp
     assert sum(f.get("dedup_keys_remembered", 0) for f in figures) == 0  # a late copy is never remembered
 
 
+@pytest.mark.deep  # the default lane kills a deduplication mid state stage (below)
 def test_a_kill_9_after_the_delta_commit_re_runs_the_epoch_dropping_the_same_records(spark, tmp_path):
     """Epoch 3's output (decided by its deduplication) is in Delta when the process dies;
     the retry probes the same snapshot with the same records: Iceberg gets the same

@@ -228,6 +228,7 @@ def test_changes_state_cannot_follow_are_refused_with_the_options(spark, tmp_pat
     assert runner.log.layout_changes() == []  # nothing was changed by any of them
 
 
+@pytest.mark.deep  # the same rewrite and layout record as a rescale: the default lane kills a rescale (test_rescale.py)
 def test_kill_9_during_volley_migrate_leaves_the_old_layout_or_the_new(spark, tmp_path, monkeypatch):
     generate(tmp_path / "events", 2, PER_FILE, KEYS)
     state = tmp_path / "state"

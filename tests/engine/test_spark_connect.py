@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
+import pytest
 
 from tests.helpers import assert_state_equal, log_records, payments, reference_state
 from tests.window_reference import reference, window_rows
@@ -25,6 +26,7 @@ from volley_dagster.spark.warm import find_or_start, read_record, stop
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.deep  # the UI tests run on the warm Spark; its restart is an extra fault point
 def test_epochs_over_the_warm_spark_which_restarts_and_ends_with_its_owner(tmp_path):
     """The warm Spark (``spark/warm.py``) as Dagster runs meet it: the first caller
     starts it, epochs run over it, a kill -9 of its server is healed by the

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import pytest
 from dagster import DagsterRunStatus
 
 from harness.dagster_dev import dagster_dev
@@ -45,6 +46,9 @@ def running_in_shard_stage(instance, state: Path) -> str | None:
     return started[0].dagster_run.run_id if started else None
 
 
+# deep: a minute; the default lane covers a canceled run requested again under a new key and its epoch
+# committed (tests/dagster/test_recovery.py, test_run_keys.py) on a real instance, without the browser
+@pytest.mark.deep
 def test_a_run_canceled_from_the_ui_mid_epoch_is_run_again_and_commits(tmp_path: Path) -> None:
     env = {"VOLLEY_TEST_BASE": str(tmp_path), "VOLLEY_TEST_SENSOR": "1", "VOLLEY_TEST_WARM": "1",
            "VOLLEY_TEST_BACKOFF": "2,4,1"}  # first_s, max_s, retries_in_run: the shipped shape, scaled down

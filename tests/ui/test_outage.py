@@ -7,6 +7,8 @@ scenario with the shipped defaults and a 10-minute outage."""
 
 from __future__ import annotations
 
+import pytest
+
 from harness.outage import KEYS, PER_FILE, run_outage, runner_for
 from tests.helpers import assert_state_equal, log_records, reference_state
 from volley_dagster.verify import check_sink
@@ -16,6 +18,10 @@ OLD_BUDGET_RUNS = 4  # what recovery allowed before the backoff: a first run and
 RUN_S = 30.0  # a run's launch and its epochs on the warm Spark, with margin for a loaded machine
 
 
+# deep: 2-3 min; the default lane covers its parts: an S3 outage failing the epoch and a re-run resuming
+# (tests/engine/test_s3_checkpoints.py), transient failures requested again until the epoch commits
+# (tests/dagster/test_recovery.py), and kill -9 healing under dagster dev (tests/ui/test_self_healing.py)
+@pytest.mark.deep
 def test_an_s3_outage_longer_than_the_old_budget_heals_without_anyone(tmp_path):
     report = run_outage(tmp_path, land_every_s=12.0, backoff=f"0.5,{MAX_S},0", until_failed_runs=OLD_BUDGET_RUNS + 1,
                         max_outage_s=240, heal_within_s=240)

@@ -13,16 +13,19 @@ Supported, each key's state carried over:
 - an accumulator removed;
 - an accumulator (an output column) renamed;
 - a window's allowed lateness changed (the pending-window bound may change anyway);
-- the shard count, in the same rewrite.
+- the shard count, in the same rewrite;
+- a processor's (``Pipeline.process``) state variable added (it starts empty) or
+  dropped (its rows are not copied).
 
 Refused, naming the way out (a new lineage, or re-running the log): a changed key,
 pipeline name, operator kind, window definition, event-time column or
-out-of-orderness, or an accumulator whose type, column or input type changed.
+out-of-orderness, an accumulator whose type, column or input type changed, or a
+processor's state variable whose kind or schema changed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Literal, NoReturn
 
@@ -36,6 +39,7 @@ from volley_dagster.errors import ConfigError, EpochOrderError, StateLayoutError
 from volley_dagster.json_records import JsonObject
 from volley_dagster.operators.aggregate import ResolvedAggregate
 from volley_dagster.operators.base import MigratableOperator, StatefulOperator
+from volley_dagster.operators.process_state import COUNTS_NS
 from volley_dagster.operators.recorded import recorded_operator, without_dedup
 from volley_dagster.operators.ttl import TOUCHED
 from volley_dagster.state.options import RocksDBOptions
@@ -86,6 +90,9 @@ class StateMigration:
         assert isinstance(new, MigratableOperator), "plan_migration refuses operators without a record migration"
         return new.migrate_records(without_dedup(self.old), values, self._fill)
 
+    def kept(self, namespace: int, entries: Iterator[tuple[bytes, bytes]]) -> Iterator[tuple[bytes, bytes]]:
+        return entries
+
     def _fill(self, out: np.ndarray, rows: np.ndarray, new: ResolvedAggregate) -> None:
         out["_format"] = rows["_format"]
         if TOUCHED in (out.dtype.names or ()):  # a state TTL's stamp (the same TTL: ``plan_migration``)
@@ -118,8 +125,56 @@ class MigrationResult:
                 f"(layouts/{r.sequence:010d}.json)")
 
 
+@dataclass(frozen=True)
+class ProcessMigration:
+    """A processor's state variables added or dropped: stored rows are copied as they
+    are (a variable's namespace comes from its name), a dropped variable's not at all."""
+
+    aggregate: JsonObject  # the new layout
+    changes: list[str]
+    dropped: frozenset[int]  # the dropped variables' namespaces
+
+    def convert(self, namespace: int, values: list[bytes]) -> list[bytes]:
+        return values
+
+    def kept(self, namespace: int, entries: Iterator[tuple[bytes, bytes]]) -> Iterator[tuple[bytes, bytes]]:
+        if namespace in self.dropped:
+            return iter(())
+        if namespace == COUNTS_NS:  # kg | counter: a dropped variable's counter goes with it
+            return (e for e in entries if int.from_bytes(e[0][4:6], "big") not in self.dropped)
+        return entries
+
+
+def _shown_variable(v: JsonObject) -> str:
+    key = f"{v['key_schema']} -> " if "key_schema" in v else ""
+    return f"{v['kind']}<{key}{v['schema']}>"
+
+
+def plan_process_migration(old: JsonObject, new: JsonObject) -> ProcessMigration:
+    if "process" not in old or "process" not in new:
+        _refuse("the operator changed between a processor (process(...)) and another kind")
+    was, now = old["process"], new["process"]
+    for field in ("time_mode", "event_time", "out_of_orderness_us"):
+        if was[field] != now[field]:
+            _refuse(f"the processor's {field.replace('_', ' ')} changed ({was[field]!r} -> {now[field]!r}): its timers "
+                    "and the watermark were kept on the recorded clock")
+    before = {v["name"]: v for v in was["variables"]}
+    after = {v["name"]: v for v in now["variables"]}
+    changes = []
+    for name, v in after.items():
+        if name not in before:
+            changes.append(f"state variable {name!r} added (every key starts without it)")
+        elif _shown_variable(before[name]) != _shown_variable(v):
+            _refuse(f"state variable {name!r} changed from {_shown_variable(before[name])} to {_shown_variable(v)}: "
+                    "its stored rows cannot be read as the new type (add it under another name, which starts empty, "
+                    "and stop declaring the old one to drop it)")
+    dropped = [before[n] for n in before if n not in after]
+    changes += [f"state variable {v['name']!r} dropped" for v in dropped]
+    return ProcessMigration(new, changes, frozenset(v["ns"] for v in dropped))
+
+
 def plan_migration(recorded: JsonObject, proposed: JsonObject, renames: Mapping[str, str],
-                   initial: Mapping[str, float | None]) -> StateMigration:
+                   initial: Mapping[str, float | None]) -> StateMigration | ProcessMigration:
     """How the recorded state becomes the proposed pipeline's (identities as the epoch
     log records them); ``StateLayoutError`` for a change state cannot follow."""
     for field, what in (("pipeline", "pipeline name"), ("key_column", "key column"), ("key_kind", "key type")):
@@ -127,6 +182,11 @@ def plan_migration(recorded: JsonObject, proposed: JsonObject, renames: Mapping[
             _refuse(f"the {what} changed ({recorded.get(field)!r} -> {proposed.get(field)!r}): every key's state "
                     "would belong to another key")
     old_layout, new_layout = recorded["aggregate"], proposed["aggregate"]
+    if "process" in old_layout or "process" in new_layout:
+        if renames or initial:
+            raise ConfigError("renames and initial values are for an aggregate's accumulators; a processor's state "
+                              "variable is added or dropped by its name in init()")
+        return plan_process_migration(old_layout, new_layout)
     if "unique_records" in old_layout or "unique_records" in new_layout:
         _refuse("a pipeline that only deduplicates remembers keys under its recorded deduplication; "
                 "start a new checkpoint root for another pipeline")

@@ -105,6 +105,10 @@ class ValueConversion(Protocol):
 
     def convert(self, namespace: int, values: list[bytes]) -> list[bytes]: ...
 
+    def kept(self, namespace: int, entries: Iterator[tuple[bytes, bytes]]) -> Iterator[tuple[bytes, bytes]]:
+        """The entries of ``namespace`` the new layout keeps (a processor's dropped state
+        variable keeps none), in order."""
+
 
 def rescale(
     log: EpochLog, num_shards: int, lease: PipelineLease, rocksdb: RocksDBOptions | None = None,
@@ -240,6 +244,8 @@ class _Rewriter:
 
     def _converted(self, ns: int, entries: Iterable[tuple[bytes, bytes]]) -> Iterator[tuple[bytes, bytes]]:
         """The entries with their values converted by the migration, a batch at a time."""
+        if self.conversion is not None:
+            entries = self.conversion.kept(ns, iter(entries))
         if self.conversion is None or ns != self.ns.state:  # a migration converts the operator's own records
             yield from entries
             return

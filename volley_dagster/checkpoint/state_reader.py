@@ -100,9 +100,10 @@ class StateReader:
             db = open_snapshot_read_only(path, self.settings.rocksdb)
             try:
                 if view == "state":
-                    entries = scan_prefix(db, namespace_prefix(self.operator.namespaces.state))
-                    while batch := list(islice(entries, self.batch_keys)):
-                        yield self._state_rows([k for k, _ in batch], [v for _, v in batch], shard.shard)
+                    for ns in self.operator.namespaces.state_shown:
+                        entries = scan_prefix(db, namespace_prefix(ns))
+                        while batch := list(islice(entries, self.batch_keys)):
+                            yield self._state_rows([k for k, _ in batch], [v for _, v in batch], shard.shard)
                 else:
                     namespaces = self.operator.namespaces
                     evicted_ns = namespace_prefix(namespaces.pending_ns)

@@ -34,6 +34,7 @@ class StateNamespaces:
     keyed: tuple[int, ...]  # ns | key group | key: the first holds the state ``decode_state`` reads
     pending: int | None = None  # ns | end | state key (key group inside the state key)
     meta: int | None = None  # per-shard pending-window index
+    shown: tuple[int, ...] | None = None  # the keyed namespaces ``decode_state`` reads (None: the first)
 
     @property
     def state(self) -> int:
@@ -48,6 +49,10 @@ class StateNamespaces:
     def pending_ns(self) -> int:
         assert self.pending is not None, "the operator keeps no pending-window index"
         return self.pending
+
+    @property
+    def state_shown(self) -> tuple[int, ...]:
+        return self.shown or (self.state,)
 
     def all(self) -> set[int]:
         return set(self.keyed) | {ns for ns in (self.pending, self.meta) if ns is not None}
@@ -64,6 +69,7 @@ class OperatorStats:
     records: int = 0  # the epoch's records folded into state (a deduplication's dropped copies are none)
 
 
+PROCESSING_CLOCK = "processing_clock_us"  # an epoch's figure: its processing time (``ShardStep.processing_time``)
 LATEST_EVENT = "latest_event_us"  # a shard's figure: the latest event time of its records (microseconds)
 
 
@@ -89,6 +95,10 @@ class ShardStep:
     watermark: int | None = None  # and the one after it
     layout: ShardLayout | None = None  # the epoch's shards, and the one this task is (set per task)
     shard: int | None = None
+    # processing time (microseconds): the wall clock of the epoch's cut, recorded with its range so a
+    # retry sees the same, never before the previous epoch's (``PROCESSING_CLOCK``); and that previous one
+    processing_time: int | None = None
+    processing_time_before: int | None = None
 
 
 class StatefulOperator(Protocol):

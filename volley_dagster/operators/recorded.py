@@ -18,6 +18,7 @@ from volley_dagster.operators.dedup import (
 from volley_dagster.operators.dedup_state import DEDUP_NAMESPACES
 from volley_dagster.operators.join import JOIN_NAMESPACES, IntervalJoin, ResolvedJoin
 from volley_dagster.operators.join_rows import RowCodec
+from volley_dagster.operators.process import ResolvedProcessor
 from volley_dagster.operators.ttl import StateTtl, with_ttl_namespaces
 from volley_dagster.operators.window import WindowedAggregate, Windowing, Windows
 from volley_dagster.operators.window_state import WINDOW_NAMESPACES
@@ -30,6 +31,8 @@ def recorded_namespaces(layout: JsonObject) -> StateNamespaces:
         return StateNamespaces(DEDUP_NAMESPACES)
     if "join" in layout:
         return JOIN_NAMESPACES
+    if "process" in layout:
+        return ResolvedProcessor.recorded(layout).namespaces
     if "windowing" in layout:
         namespaces = WINDOW_NAMESPACES
     else:
@@ -46,6 +49,8 @@ def recorded_operator(layout: JsonObject) -> StatefulOperator:
     if "join" in layout:
         join = IntervalJoin.recorded(layout)
         return ResolvedJoin(join, RowCodec((), ()), RowCodec((), ()), ((), ()))
+    if "process" in layout:
+        return ResolvedProcessor.recorded(layout)
     kinds: dict[str, type[acc.Accumulator]] = {
         c.__name__: c for c in (acc.Count, acc.Sum, acc.Min, acc.Max, acc.Mean, acc.First, acc.Last)
     }

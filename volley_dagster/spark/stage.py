@@ -43,7 +43,7 @@ from volley_dagster.spark.dedup import DuplicateProbe, probe_in_stage
 from volley_dagster.spark.partitioning import per_shard, route_to_shards
 from volley_dagster.spark.plan import PlannedEpoch, plan_epoch
 from volley_dagster.spark.side_outputs import EpochSideOutputs, SideOutputs
-from volley_dagster.spark.task_errors import engine_errors
+from volley_dagster.spark.task_errors import engine_errors, records_located
 from volley_dagster.spark.tasks import (
     ShardMerge,
     TaskFiles,
@@ -164,7 +164,7 @@ def run_stage(
         merge = replace(merge, step=step)
         t1 = time.perf_counter()
         out_schema = ", ".join(_output_ddl(pipeline, plan) + [f"`{columns.STATS}` string"])
-        with engine_errors(), _inputs_unchanged(pipeline, rng, plan):
+        with records_located(rng), engine_errors(), _inputs_unchanged(pipeline, rng, plan):
             out = per_shard(partials, merge, out_schema).toArrow()
         t2 = time.perf_counter()
         stats, rows = split_task_output(out)

@@ -1,0 +1,262 @@
+"""``Pipeline.process``'s shard side without Spark, on a real RocksDB: random streams
+of keyed records cut into random epochs, each epoch run by ``apply_process`` as a
+shard task runs it (late records left out, as the stage does) and compared with the
+record-by-record ``tests/process_reference.py``: the rows emitted, the state and the
+timers left. Each epoch runs twice: its first attempt's transaction is dropped
+unflushed (the attempt died), and the retry must emit exactly the same rows."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import rocksdict
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
+
+from tests.process_reference import ProcessReference
+from tests.processors import OrderMachine
+from volley_dagster import columns
+from volley_dagster.demo.velocity import VelocityAlert
+from volley_dagster.errors import ConfigError, ProcessorError, is_retryable
+from volley_dagster.operators.base import ShardStep
+from volley_dagster.operators.join import END_OF_STREAM_US
+from volley_dagster.operators.process import Processing, ResolvedProcessor
+from volley_dagster.operators.process_rows import PackedRows, parse_schema
+from volley_dagster.operators.process_state import BY_KEY_NS, COUNTS_NS, TIMERS_NS, apply_process
+from volley_dagster.state.keys import ShardLayout, decode_keys
+from volley_dagster.state.options import RocksDBOptions
+from volley_dagster.state.transaction import ShardTransaction, scan_prefix
+
+LAYOUT = ShardLayout(1, 8)
+MINUTE_US = 60_000_000
+
+
+def _resolved(processor: Any, key: str, output: str, schema: list[tuple[str, str]], lateness_us: int = 0,
+              time_mode: str = "EventTime") -> ResolvedProcessor:
+    from pyspark.sql import types as T
+
+    kinds = {"bigint": T.LongType(), "double": T.DoubleType(), "string": T.StringType(),
+             "timestamp": T.TimestampType()}
+    struct = T.StructType([T.StructField(n, kinds[k]) for n, k in schema])
+    from volley_dagster.operators.event_time import EventTime
+    clock = EventTime("event_time", lateness_us) if time_mode == "EventTime" else None
+    return Processing(processor, output, key, time_mode, clock).resolve(struct)  # type: ignore[arg-type]
+
+
+def _table(records: list[dict[str, Any]], key: str, inputs: list[str]) -> pa.Table:
+    """One shard's input, as the stage routes it: key, key group, position, rows, input columns."""
+    keys = [r[key] for r in records]
+    data = {columns.KEY: pa.array(keys, pa.int64()), columns.KEY_GROUP: pa.array([k % 8 for k in keys], pa.int32()),
+            columns.POS: pa.array([r["pos"] for r in records], pa.int64()),
+            columns.ROWS: pa.array([1] * len(records), pa.int32())}
+    for name in inputs:
+        values = [r[name] for r in records]
+        data[name] = pa.array(values, pa.timestamp("us", tz="UTC")) if name == "event_time" else pa.array(values)
+    return pa.table(data)
+
+
+def _emitted(outputs: list[pa.Array], names: list[str]) -> dict[Any, list[tuple[Any, ...]]]:
+    by_key: dict[Any, list[tuple[Any, ...]]] = defaultdict(list)
+    table = pa.table(outputs, names=["key", *names])
+    for row in table.to_pylist():
+        by_key[row["key"]].append(tuple(row[n] for n in names))
+    return dict(by_key)
+
+
+def _expected(rows: list[tuple[Any, tuple[Any, ...]]]) -> dict[Any, list[tuple[Any, ...]]]:
+    by_key: dict[Any, list[tuple[Any, ...]]] = defaultdict(list)
+    for key, row in rows:
+        by_key[key].append(tuple(v.item() if hasattr(v, "item") else v for v in row))
+    return dict(by_key)
+
+
+@st.composite
+def streams(draw: st.DrawFn, statuses: bool) -> tuple[list[dict[str, Any]], list[int]]:
+    pool = draw(st.lists(st.integers(-4, 6), min_size=1, max_size=4, unique=True))
+    n = draw(st.integers(0, 60))
+    clock, records = 0, []
+    for pos in range(n):
+        clock += draw(st.integers(0, 40)) * 1_000_000
+        record = {"pos": pos, "key": draw(st.sampled_from(pool)),
+                  "event_time": clock - draw(st.integers(0, 90)) * 1_000_000}
+        if statuses:
+            record["status"] = draw(st.sampled_from(["placed", "paid", "shipped"]))
+        else:
+            record["amount"] = float(draw(st.integers(1, 500)))
+        records.append(record)
+    cuts = sorted(draw(st.lists(st.integers(0, n), max_size=6)))
+    return records, cuts
+
+
+CASES = {
+    "velocity": (lambda: VelocityAlert(window_ms=60_000, threshold=3), "card",
+                 ["card", "event_time", "amount"], [("card", "bigint"), ("event_time", "timestamp"), ("amount", "double")]),
+    "orders": (lambda: OrderMachine(timeout_ms=120_000), "order_id",
+               ["order_id", "event_time", "status"],
+               [("order_id", "bigint"), ("event_time", "timestamp"), ("status", "string")]),
+    "orders_processing": (lambda: OrderMachine(timeout_ms=120_000, clock="processing"), "order_id",
+                          ["order_id", "event_time", "status"],
+                          [("order_id", "bigint"), ("event_time", "timestamp"), ("status", "string")]),
+}
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_each_epoch_equals_the_reference_and_a_retry_emits_the_same(tmp_path_factory, case, data):
+    factory, key, inputs, schema = CASES[case]
+    records, cuts = data.draw(streams(case != "velocity"), label="stream")
+    processing = case == "orders_processing"
+    cut_times = iter(sorted(data.draw(st.lists(st.integers(0, 10**9), min_size=len(cuts) + 1,
+                                               max_size=len(cuts) + 1), label="cut times (s)")))
+    lateness = data.draw(st.integers(0, 60), label="out_of_orderness_s") * 1_000_000
+    end_of_stream = data.draw(st.booleans(), label="end_of_stream")
+    for r in records:
+        r[key] = r.pop("key")
+    resolved = _resolved(factory(), key, factory().OUTPUT, schema, lateness,
+                         "ProcessingTime" if processing else "EventTime")
+    names = resolved.output_names()
+    reference = ProcessReference(factory(), key, "event_time", names, lateness,
+                                 "processing" if processing else "event")
+    clock_before: int | None = None
+    db = rocksdict.Rdict(str(tmp_path_factory.mktemp("process") / "db"), RocksDBOptions().build())
+    bounds = [0, *cuts, len(records)]
+    try:
+        for number, (a, b) in enumerate(zip(bounds[:-1], bounds[1:], strict=True), start=1):
+            last = end_of_stream and b == len(records) and number == len(bounds) - 1
+            before = reference.watermark
+            now = next(cut_times) * 1_000_000
+            rows, late = reference.run([{c: r[c] for c in inputs} | {"pos": r["pos"]} for r in records[a:b]], last,
+                                       frame=lambda rs: reference.frame([{c: r[c] for c in inputs} for r in rs]),
+                                       processing_us=now)
+            late_pos = {r["pos"] for r in late}
+            on_time = [r for r in records[a:b] if r["pos"] not in late_pos]
+            limit = END_OF_STREAM_US if last else reference.watermark
+            step = ShardStep(number, "int", fire_limit=limit, watermark_before=before, watermark=reference.watermark,
+                             layout=LAYOUT, shard=0, processing_time=now, processing_time_before=clock_before)
+            clock_before = now
+            first, _ = apply_process(resolved.shard(), ShardTransaction(db), _table(on_time, key, inputs), step)
+            txn = ShardTransaction(db)  # the first attempt died unflushed: the retry starts from the same state
+            outputs, stats = apply_process(resolved.shard(), txn, _table(on_time, key, inputs), step)
+            txn.flush()
+            assert _emitted(outputs, names) == _emitted(first, names), f"epoch {number}: a retry emitted other rows"
+            assert _emitted(outputs, names) == _expected(rows), f"epoch {number}"
+            assert stats.figures["process_rows_in"] == len(on_time)
+            event(f"rows out: {'some' if stats.figures['process_rows_out'] else 'none'}")
+            event(f"timers fired: {'some' if stats.figures['process_timers_fired'] else 'none'}")
+        _state_is_the_reference(db, resolved, reference)
+    finally:
+        db.close()
+
+
+def _state_is_the_reference(db: rocksdict.Rdict, resolved: ResolvedProcessor, reference: ProcessReference) -> None:
+    """Every variable holds exactly the reference's rows, every timer is indexed once by
+    time and once by key, and the counts add up: nothing leaks."""
+    expected = {(name, key): [tuple(v.item() if hasattr(v, "item") else v for v in row) for row in rows]
+                for (name, key), rows in reference.state().items()}
+    found = {}
+    for var in resolved.variables:
+        entries = list(scan_prefix(db, var.ns.to_bytes(2, "big")))
+        _, keys = decode_keys("int", [k for k, _ in entries])
+        for k, (_, v) in zip(keys.to_pylist(), entries, strict=True):
+            found[(var.name, k)] = [_plain(row) for row in var.codec.decode(v)]
+    assert found == expected
+    timers = reference.timers()
+    by_key = list(scan_prefix(db, BY_KEY_NS.to_bytes(2, "big")))
+    _, keys = decode_keys("int", [k for k, _ in by_key])
+    assert {k: (np.frombuffer(v, [("clock", "u1"), ("time", "<i8")])["time"] // 1000).tolist()
+            for k, (_, v) in zip(keys.to_pylist(), by_key, strict=True)} == timers
+    assert len(list(scan_prefix(db, TIMERS_NS.to_bytes(2, "big")))) == sum(len(t) for t in timers.values())
+    counts = {ns: 0 for ns in (0, *(v.ns for v in resolved.variables))}
+    for k, v in scan_prefix(db, COUNTS_NS.to_bytes(2, "big")):
+        counts[int.from_bytes(k[4:6], "big")] += int(np.frombuffer(v, "<i8")[0])
+    assert counts == {0: sum(len(t) for t in timers.values()),
+                      **{v.ns: sum(len(r) for (name, _), r in expected.items() if name == v.name)
+                         for v in resolved.variables}}
+
+
+def _plain(row: tuple[Any, ...]) -> tuple[Any, ...]:
+    return row
+
+
+def test_state_rows_round_trip_every_type_and_refuse_what_does_not_fit():
+    import datetime as dt
+
+    import pandas as pd
+
+    codec = PackedRows(parse_schema("ts timestamp, amount double, note string, day date, ok boolean, n tinyint, "
+                                    "raw binary", "test"))
+    rows = [(pd.Timestamp("2026-01-01 10:00", tz="UTC"), 1.5, "a\x00é😀", dt.date(9999, 12, 31), True, -128, b"\x00"),
+            (dt.datetime(9999, 12, 31, 23, 59, 59, 999999, tzinfo=dt.timezone.utc), None, None, None, None, None, None),
+            (np.datetime64("1000-01-01T00:00:00"), float("inf"), "", dt.date(1, 1, 1), False, 127, b"")]
+    back = codec.decode(codec.encode(rows, "test"))
+    assert [r[1:] for r in back] == [r[1:] for r in rows]
+    assert [r[0] for r in back] == [pd.Timestamp("2026-01-01 10:00"), pd.Timestamp("9999-12-31 23:59:59.999999"),
+                                    pd.Timestamp("1000-01-01")]
+    with pytest.raises(TypeError, match=r"field 'n' \(tinyint\) cannot hold 300"):
+        codec.encode([(None, 1.0, "a", None, None, 300, None)], "test")
+    with pytest.raises(TypeError, match=r"field 'ts' \(timestamp\) cannot hold 1"):
+        codec.encode([(1, 1.0, "a", None, None, 1, None)], "test")
+    with pytest.raises(ConfigError, match="field 'xs' has type 'array<int>'"):
+        parse_schema("xs array<int>", "state variable 'xs'")
+
+
+class _Divides:
+    """Divides by each record's amount: a zero fails on the record that carries it."""
+
+    def init(self, handle: Any) -> None:
+        self.total = handle.getValueState("total", "double")
+
+    def handleInputRows(self, key: Any, rows: Any, timerValues: Any) -> Any:
+        import pandas as pd
+
+        for frame in rows:
+            for amount in frame["amount"].tolist():
+                self.total.update(((self.total.get() or (0.0,))[0] + 1 / amount,))
+        yield pd.DataFrame({"total": [self.total.get()[0]]})
+
+
+def test_an_exception_in_the_processor_names_processor_key_and_record_and_is_permanent(tmp_path):
+    resolved = _resolved(_Divides(), "card", "total double",
+                         [("card", "bigint"), ("event_time", "timestamp"), ("amount", "double")])
+    records = [{"pos": p, "card": 7, "event_time": p * MINUTE_US, "amount": a}
+               for p, a in enumerate([1.0, 2.0, 4.0, 0.0, 5.0])]
+    db = rocksdict.Rdict(str(tmp_path / "db"), RocksDBOptions().build())
+    try:
+        step = ShardStep(3, "int", fire_limit=0, watermark_before=None, watermark=0, layout=LAYOUT, shard=0)
+        with pytest.raises(ProcessorError) as failed:
+            apply_process(resolved.shard(), ShardTransaction(db), _table(records, "card", resolved.columns_in), step)
+    finally:
+        db.close()
+    message = str(failed.value)
+    assert "processor '_Divides' failed in handleInputRows on key 7, epoch 3, shard 0" in message
+    assert "handling position 3" in message and "1 / amount" in message and "ZeroDivisionError: float division by zero" in message
+    assert "run epoch 3 again" in message
+    assert isinstance(failed.value.__cause__, ZeroDivisionError)
+    assert not is_retryable(failed.value)
+    db = rocksdict.Rdict(str(tmp_path / "db"), RocksDBOptions().build())
+    assert list(db.keys()) == [], "the failed attempt wrote state"
+    db.close()
+
+
+def test_a_processor_is_refused_by_name_before_it_runs():
+    class NoRows:
+        def init(self, handle: Any) -> None:
+            pass
+
+    with pytest.raises(ConfigError, match="lacks handleInputRows"):
+        Processing(NoRows(), "x bigint", "card")
+
+    class TwoNames(_Divides):
+        def init(self, handle: Any) -> None:
+            handle.getValueState("total", "double")
+            handle.getValueState("total", "bigint")
+
+    with pytest.raises(ConfigError, match="declared twice, differently"):
+        _resolved(TwoNames(), "card", "total double", [("card", "bigint"), ("event_time", "timestamp")])
+    with pytest.raises(ConfigError, match=r"time_mode='EventTime'\) needs event_time"):
+        Processing(_Divides(), "total double", "card", "EventTime")
