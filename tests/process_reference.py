@@ -22,19 +22,41 @@ MAX_ROUNDS = 64
 
 @dataclass
 class _Access:
-    """The handle's state: ``(variable, key) -> rows`` and ``key -> timers`` (ms)."""
+    """The handle's state: ``(variable, key) -> [(expires, row)]`` (expires: ms of
+    processing time, None without a TTL) and ``key -> timers`` (ms)."""
 
-    state: dict[tuple[str, Any], list[tuple[Any, ...]]] = field(default_factory=dict)
+    state: dict[tuple[str, Any], list[tuple[int | None, tuple[Any, ...]]]] = field(default_factory=dict)
     timers: dict[Any, set[int]] = field(default_factory=lambda: defaultdict(set))
+    ttl_ms: dict[str, int | None] = field(default_factory=dict)
     key: Any = None
+    now_ms: int = -1  # the epoch's processing time
+
+
+def _row(value: Any) -> tuple[Any, ...]:
+    return value if isinstance(value, tuple) else (value,)
 
 
 class _Value:
     def __init__(self, access: _Access, name: str) -> None:
         self.access, self.name = access, name
 
+    def _entries(self) -> list[tuple[int | None, tuple[Any, ...]]]:
+        """The live rows: a TTL's expired ones are gone."""
+        return [(e, r) for e, r in self.access.state.get((self.name, self.access.key), [])
+                if e is None or e > self.access.now_ms]
+
     def _rows(self) -> list[tuple[Any, ...]]:
-        return self.access.state.get((self.name, self.access.key), [])
+        return [r for _, r in self._entries()]
+
+    def _fresh(self) -> int | None:
+        ttl = self.access.ttl_ms.get(self.name)
+        return None if ttl is None else self.access.now_ms + ttl
+
+    def _store(self, entries: list[tuple[int | None, tuple[Any, ...]]]) -> None:
+        if entries:
+            self.access.state[(self.name, self.access.key)] = entries
+        else:
+            self.clear()
 
     def exists(self) -> bool:
         return bool(self._rows())
@@ -44,7 +66,7 @@ class _Value:
         return rows[0] if rows else None
 
     def update(self, value: Any) -> None:
-        self.access.state[(self.name, self.access.key)] = [value if isinstance(value, tuple) else (value,)]
+        self._store([(self._fresh(), _row(value))])
 
     def clear(self) -> None:
         self.access.state.pop((self.name, self.access.key), None)
@@ -52,61 +74,56 @@ class _Value:
 
 class _List(_Value):
     def get(self) -> Any:  # type: ignore[override]
-        return iter(list(self._rows()))
+        return iter(self._rows())
 
     def put(self, rows: list[Any]) -> None:
-        if rows:
-            self.access.state[(self.name, self.access.key)] = [r if isinstance(r, tuple) else (r,) for r in rows]
-        else:
-            self.clear()
+        self._store([(self._fresh(), _row(r)) for r in rows])
 
     def appendValue(self, value: Any) -> None:
-        self.put([*self._rows(), value])
+        self.appendList([value])
 
     def appendList(self, values: list[Any]) -> None:
-        self.put([*self._rows(), *values])
+        self._store(self._entries() + [(self._fresh(), _row(v)) for v in values])
 
 
 class _Map(_Value):
-    """User key -> value, kept as rows (key fields, then value fields) in first-put order."""
+    """User key -> value, in first-put order; an update starts that entry's TTL."""
 
     def __init__(self, access: _Access, name: str, key_fields: int) -> None:
         super().__init__(access, name)
         self.n = key_fields
 
-    def _dict(self) -> dict[tuple[Any, ...], tuple[Any, ...]]:
-        return {r[:self.n]: r[self.n:] for r in self._rows()}
+    def _dict(self) -> dict[tuple[Any, ...], tuple[int | None, tuple[Any, ...]]]:
+        return {r[:self.n]: (e, r[self.n:]) for e, r in self._entries()}
 
-    def _store(self, entries: dict[tuple[Any, ...], tuple[Any, ...]]) -> None:
-        if entries:
-            self.access.state[(self.name, self.access.key)] = [k + v for k, v in entries.items()]
-        else:
-            self.clear()
+    def _put(self, entries: dict[tuple[Any, ...], tuple[int | None, tuple[Any, ...]]]) -> None:
+        self._store([(e, k + v) for k, (e, v) in entries.items()])
 
     def getValue(self, key: Any) -> Any:
-        return self._dict().get(key if isinstance(key, tuple) else (key,))
+        found = self._dict().get(_row(key))
+        return None if found is None else found[1]
 
     def containsKey(self, key: Any) -> bool:
-        return (key if isinstance(key, tuple) else (key,)) in self._dict()
+        return _row(key) in self._dict()
 
     def updateValue(self, key: Any, value: Any) -> None:
         entries = self._dict()
-        entries[key if isinstance(key, tuple) else (key,)] = value if isinstance(value, tuple) else (value,)
-        self._store(entries)
+        entries[_row(key)] = (self._fresh(), _row(value))
+        self._put(entries)
 
     def iterator(self) -> Any:
-        return iter(list(self._dict().items()))
+        return iter([(k, v) for k, (_, v) in self._dict().items()])
 
     def keys(self) -> Any:
         return iter(list(self._dict()))
 
     def values(self) -> Any:
-        return iter(list(self._dict().values()))
+        return iter([v for _, v in self._dict().values()])
 
     def removeKey(self, key: Any) -> None:
         entries = self._dict()
-        entries.pop(key if isinstance(key, tuple) else (key,), None)
-        self._store(entries)
+        entries.pop(_row(key), None)
+        self._put(entries)
 
 
 class _Handle:
@@ -114,12 +131,15 @@ class _Handle:
         self.access = access
 
     def getValueState(self, name: str, schema: object, ttlDurationMs: int | None = None) -> _Value:
+        self.access.ttl_ms[name] = ttlDurationMs
         return _Value(self.access, name)
 
     def getListState(self, name: str, schema: object, ttlDurationMs: int | None = None) -> _List:
+        self.access.ttl_ms[name] = ttlDurationMs
         return _List(self.access, name)
 
     def getMapState(self, name: str, key_schema: str, value_schema: str, ttlDurationMs: int | None = None) -> _Map:
+        self.access.ttl_ms[name] = ttlDurationMs
         return _Map(self.access, name, len(key_schema.split(",")))
 
     def registerTimer(self, ms: int) -> None:
@@ -178,6 +198,7 @@ class ProcessReference:
             self.watermark = latest if before is None else max(before, latest)
         values = _Values(-1 if self.watermark is None else self.watermark // 1000,
                          -1 if processing_us is None else processing_us // 1000)
+        self.access.now_ms = -1 if processing_us is None else processing_us // 1000
         by_key: dict[Any, list[dict[str, Any]]] = {}
         for record in on_time:  # one at a time, in log order
             by_key.setdefault(record[self.key_column], []).append(record)
@@ -212,7 +233,15 @@ class ProcessReference:
                 out.append((key, tuple(row)))
 
     def state(self) -> dict[tuple[str, Any], list[tuple[Any, ...]]]:
-        return {k: list(v) for k, v in self.access.state.items() if v}
+        """Every variable's live rows after the last epoch (a TTL's expired ones are gone)."""
+        now = self.access.now_ms
+        live = {k: [r for e, r in v if e is None or e > now] for k, v in self.access.state.items()}
+        return {k: v for k, v in live.items() if v}
+
+    def expiries(self) -> dict[tuple[str, Any], list[int | None]]:
+        now = self.access.now_ms
+        return {k: [e for e, _ in v if e is None or e > now] for k, v in self.access.state.items()
+                if any(e is None or e > now for e, _ in v)}
 
     def timers(self) -> dict[Any, list[int]]:
         return {k: sorted(v) for k, v in self.access.timers.items() if v}

@@ -27,13 +27,14 @@ class OrderMachine(StatefulProcessor):
 
     OUTPUT = "order_id bigint, event string, at_ms bigint"
 
-    def __init__(self, timeout_ms: int = 86_400_000, clock: str = "event") -> None:
+    def __init__(self, timeout_ms: int = 86_400_000, clock: str = "event", seen_ttl_ms: int | None = None) -> None:
         self.timeout_ms, self.clock = timeout_ms, clock  # "processing": the timeout runs on the epochs' cut times
+        self.seen_ttl_ms = seen_ttl_ms  # the map's entries expire this long after their last update
 
     def init(self, handle: StatefulProcessorHandle) -> None:
         self.handle = handle
         self.order = handle.getValueState("order", "status string, paid_at_ms bigint")
-        self.seen = handle.getMapState("seen", "status string", "events bigint, last_ms bigint")
+        self.seen = handle.getMapState("seen", "status string", "events bigint, last_ms bigint", self.seen_ttl_ms)
 
     def handleInputRows(self, key: Any, rows: Iterator[pd.DataFrame],
                         timerValues: TimerValues) -> Iterator[pd.DataFrame]:

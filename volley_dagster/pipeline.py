@@ -22,7 +22,7 @@ from volley_dagster.operators.aggregate import Aggregate
 from volley_dagster.operators.dedup import Deduplication, UniqueRecords
 from volley_dagster.operators.event_time import DEFAULT_MAX_EVENT_TIME_SKEW, Duration, EventTime, duration_us, skew_us
 from volley_dagster.operators.join import IntervalJoin, JoinHow, signed_duration_us
-from volley_dagster.operators.process import Processing, TimeMode
+from volley_dagster.operators.process import OutputMode, Processing, TimeMode
 from volley_dagster.operators.ttl import DEFAULT_MAX_RESIDENT_ENTRIES, EXPIRED, StateTtl
 from volley_dagster.operators.window import WindowedAggregate, Windowing, Windows
 from volley_dagster.sinks.base import Sink
@@ -277,7 +277,8 @@ class Pipeline:
         processor: object,
         *,
         output_schema: str,
-        output_mode: Literal["append"] = "append",
+        output_mode: OutputMode = "append",
+        output_keys: list[str] | None = None,
         time_mode: TimeMode = "None",
         event_time: str | None = None,
         max_out_of_orderness: Duration = "0 seconds",
@@ -291,19 +292,22 @@ class Pipeline:
         the epoch reach ``handleInputRows`` as one pandas frame, in log order; the
         timers at or before the watermark fire after them (every timer at the end of
         the stream); the rows the handlers yield (``output_schema``, Spark DDL; the key
-        is added first when it lacks it) go to the sinks. With
+        is added first when it lacks it) go to the sinks: every row (``output_mode=
+        "append"``), or the last row the epoch emits per key and ``output_keys`` (Spark's
+        ``"update"``; what an upsert sink matches on). ``time_mode="ProcessingTime"``:
+        timers on the wall clock recorded when the epoch was cut (a retry fires the same).
+        With
         ``time_mode="EventTime"``, ``event_time`` is the pipeline's clock: the
         watermark trails the latest event time by ``max_out_of_orderness``, and a
         record at or before the watermark its epoch starts from is late (counted,
         never processed). ``input_columns`` narrows what the frames carry. The rules:
         ``volley_dagster.operators.process``."""
-        if output_mode != "append":
-            raise ConfigError(f"process(output_mode={output_mode!r}): only 'append' is supported yet")
         clock = None if event_time is None else EventTime(
             event_time, duration_us(max_out_of_orderness, "max_out_of_orderness"), skew_us(max_event_time_skew))
         key = self._required(self.key_given, "key_by(...) before process(...)")
         processing = Processing(processor, output_schema, key, time_mode, clock,
-                                None if input_columns is None else tuple(input_columns), name or "")
+                                None if input_columns is None else tuple(input_columns), name or "",
+                                output_mode=output_mode, output_keys=tuple(output_keys or ()))
         return replace(self, processing=processing)
 
     def stateful_operator(self) -> Aggregate | WindowedAggregate | UniqueRecords | IntervalJoin | Processing:
@@ -313,6 +317,11 @@ class Pipeline:
                 raise ConfigError(f"pipeline {self.name!r}: process(...) is the pipeline's stateful operator: its "
                                   "rows go to the sinks; it does not combine with aggregate(), window(), join() or "
                                   "deduplicate() yet")
+            upserts = [s.name for s in self.sinks if getattr(s, "mode", None) == "upsert"]
+            if upserts and self.processing.output_mode == "append":
+                raise ConfigError(f"pipeline {self.name!r}: sink {upserts[0]!r} upserts, but process(...) appends "
+                                  "every row it emits; give process(output_mode='update', output_keys=[...]) (the "
+                                  "last row per key and output keys wins) or an append sink")
             return replace(self.processing, quote_keys=self.quote_bad_records)
         if self.joining is not None:
             if self.operator_given is not None or self.windowing is not None or self.dedup is not None:
@@ -359,8 +368,8 @@ class Pipeline:
             return self.dedup.on
         if self.joining is not None:
             return (self.key_column, *self.joining.row_ids)
-        if self.processing is not None:  # appended rows: an upsert sink has no key to match them on
-            return (self.key_column,)
+        if self.processing is not None:
+            return (self.key_column, *self.processing.output_keys)
         return (self.key_column, "window_start") if self.windowing is not None else (self.key_column,)
 
     def state_keys(self) -> tuple[str, ...] | None:

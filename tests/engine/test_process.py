@@ -7,8 +7,12 @@ from __future__ import annotations
 
 import json
 import signal
+import time
+from collections import Counter
+from dataclasses import replace
 
 import deltalake
+import pandas as pd
 import pyarrow as pa
 import pyarrow.compute  # noqa: F401 - pa.compute
 import pyarrow.parquet as pq
@@ -16,10 +20,10 @@ import pytest
 
 from tests.engine.test_crash_recovery import KEEP, run_until_killed
 from tests.helpers import alert_rows, velocity_pipeline, velocity_reference
-from volley_dagster import EpochRunner, ProcessorError
+from volley_dagster import EpochRunner, FileLog, MemorySink, Pipeline, ProcessorError, StatefulProcessor
 from volley_dagster.demo.events import generate
 from volley_dagster.demo.velocity import VelocityAlert
-from volley_dagster.errors import StateLayoutError, is_retryable
+from volley_dagster.errors import ConfigError, StateLayoutError, is_retryable
 from volley_dagster.settings import RunSettings
 
 FILES, PER_FILE, KEYS = 4, 400, 30
@@ -117,6 +121,24 @@ def test_kill_9_mid_epoch_and_resume_equals_the_reference(spark, tmp_path, point
         assert sinks[name].committed_epoch("velocity") == FILES
 
 
+def test_update_mode_upserts_each_cards_last_alert(spark, tmp_path):
+    """``output_mode="update"`` into a Delta upsert by card: the table holds each card's
+    latest alert, the last the reference emits for it over every epoch."""
+    from volley_dagster import DeltaSink
+
+    files = generate(tmp_path / "events", 2, PER_FILE, KEYS, events_per_second=20, disorder_s=8)
+    appended = velocity_pipeline(tmp_path / "events", tmp_path / "alerts")
+    assert appended.processing is not None
+    pipeline = replace(appended, sinks=(), processing=replace(appended.processing, output_mode="update")).sink(
+        DeltaSink(str(tmp_path / "latest"), name="latest", mode="upsert"))
+    with pytest.raises(ConfigError, match="sink 'latest' upserts, but process"):
+        replace(pipeline, processing=appended.processing).stateful_operator()
+    EpochRunner(pipeline, tmp_path / "state", RunSettings(max_records_per_epoch=PER_FILE), spark=spark).run_available()
+    _, expected, _ = velocity_reference([tmp_path / "events" / f for f in files])
+    latest = {row[0]: row for row in expected}
+    assert alert_rows(deltalake.DeltaTable(str(tmp_path / "latest")).to_pyarrow_table()) == sorted(latest.values())
+
+
 class VelocityCounted(VelocityAlert):
     """``VelocityAlert`` and a count of each card's payments: a variable a later deploy adds."""
 
@@ -168,3 +190,40 @@ def test_a_rescale_and_a_migration_that_adds_then_drops_a_variable_keep_the_proc
     assert alert_rows(deltalake.DeltaTable(str(tmp_path / "alerts")).to_pyarrow_table()) == sorted(expected)
     final = runner.flush()[-1]  # the counts the dropped variable left are gone with it
     assert final.figures["process_state_rows"] == 0 and runner.read_state().num_rows == 0
+
+
+class Counts(StatefulProcessor):
+    """Each key's records so far, in value state that expires ``ttl_ms`` after its last update."""
+
+    def __init__(self, ttl_ms: int) -> None:
+        self.ttl_ms = ttl_ms
+
+    def init(self, handle):
+        self.count = handle.getValueState("count", "bigint", ttlDurationMs=self.ttl_ms)
+
+    def handleInputRows(self, key, rows, timerValues):
+        n = (self.count.get() or (0,))[0] + sum(len(frame) for frame in rows)
+        self.count.update(n)
+        yield pd.DataFrame({"n": [n]})
+
+
+def test_a_state_ttl_counts_from_each_epochs_recorded_cut_time(spark, tmp_path):
+    """``ttlDurationMs`` on the processing time each epoch's cut recorded: a day keeps
+    every count, a millisecond lets epoch 2 start every key afresh; ``volley state``
+    shows when each row expires."""
+    files = generate(tmp_path / "events", 2, PER_FILE, KEYS, events_per_second=20, disorder_s=8)
+    per_epoch = [Counter(pq.read_table(tmp_path / "events" / f).column("merchant_id").to_pylist()) for f in files]
+    for ttl_ms, expected in ((86_400_000, per_epoch[0] + per_epoch[1]), (1, per_epoch[1])):
+        pipeline = (Pipeline(f"counts{ttl_ms}").source(FileLog(tmp_path / "events")).key_by("merchant_id")
+                    .process(Counts(ttl_ms), output_schema="n bigint")
+                    .sink(MemorySink(name="out")))
+        runner = EpochRunner(pipeline, tmp_path / f"state{ttl_ms}", RunSettings(max_records_per_epoch=PER_FILE),
+                             spark=spark)
+        for _ in files:
+            time.sleep(0.01)  # the next cut's wall clock is past a 1 ms TTL
+            result = runner.run(runner.cut_next().epoch)  # type: ignore[union-attr]
+        assert dict(zip(result.output.column("merchant_id").to_pylist(), result.output.column("n").to_pylist(),
+                        strict=True)) == dict(expected), f"ttl {ttl_ms} ms"
+        state = runner.read_state()
+        cut_at = runner.log.offsets(2).cut_at_us
+        assert set(state.column("expires_at").cast(pa.int64()).to_pylist()) == {cut_at // 1000 * 1000 + ttl_ms * 1000}

@@ -147,7 +147,8 @@ class ProcessMigration:
 
 def _shown_variable(v: JsonObject) -> str:
     key = f"{v['key_schema']} -> " if "key_schema" in v else ""
-    return f"{v['kind']}<{key}{v['schema']}>"
+    ttl = f", ttl {v['ttl_us'] // 1000} ms" if "ttl_us" in v else ""
+    return f"{v['kind']}<{key}{v['schema']}>{ttl}"
 
 
 def plan_process_migration(old: JsonObject, new: JsonObject) -> ProcessMigration:

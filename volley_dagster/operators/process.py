@@ -71,6 +71,7 @@ from volley_dagster.state.keys import decode_keys, key_columns
 from volley_dagster.state.transaction import ShardTransaction
 
 TimeMode = Literal["None", "EventTime", "ProcessingTime"]
+OutputMode = Literal["append", "update"]
 LATE_REASON = "late: event time at or before the watermark the epoch started from"
 
 
@@ -92,7 +93,7 @@ class DeclaringAccess:
         raise RuntimeError("state and timers belong to a key: use them in handleInputRows or handleExpiredTimer, "
                            "not in init()")
 
-    rows = put = register_timer = delete_timer = timers = drop = _outside
+    rows = expiries = put = register_timer = delete_timer = timers = drop = _outside
 
 
 @dataclass(frozen=True)
@@ -107,8 +108,14 @@ class Processing:
     input_columns: tuple[str, ...] | None = None
     name: str = ""
     quote_keys: bool = True  # errors name the key (``on_bad_records(quote_records=False)``: withheld)
+    output_mode: OutputMode = "append"
+    output_keys: tuple[str, ...] = ()  # with the key, what identifies an output row ("update": the last one wins)
 
     def __post_init__(self) -> None:
+        if self.output_mode not in ("append", "update"):
+            raise ConfigError(f"process(output_mode={self.output_mode!r}): use 'append' or 'update'")
+        if self.output_keys and self.output_mode != "update":
+            raise ConfigError("process(output_keys=...) names what an update replaces; give output_mode='update'")
         if self.time_mode not in ("None", "EventTime", "ProcessingTime"):
             raise ConfigError(f"process(time_mode={self.time_mode!r}): use 'None', 'EventTime' or 'ProcessingTime'")
         if (self.time_mode == "EventTime") != (self.event_time is not None):
@@ -135,14 +142,14 @@ class Processing:
         taken: dict[int, str] = {}
         for v in access.variables:
             what = f"process({self.shown}): state variable {v.name!r}"
-            if v.ttl_ms is not None:
-                raise ConfigError(f"{what}: ttlDurationMs is not supported yet; clear the variable in a timer "
-                                  "(registerTimer) instead")
+            if v.ttl_ms is not None and (not isinstance(v.ttl_ms, int) or v.ttl_ms <= 0):
+                raise ConfigError(f"{what}: ttlDurationMs={v.ttl_ms!r}; give a positive number of milliseconds")
             try:
                 fields, key_fields = variable_fields(v, what)
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
-            declared = DeclaredVariable(v.name, v.kind, fields, variable_namespace(v.name), key_fields)
+            declared = DeclaredVariable(v.name, v.kind, fields, variable_namespace(v.name), key_fields,
+                                        None if v.ttl_ms is None else v.ttl_ms * 1000)
             if v.name in out:
                 if out[v.name] != declared:
                     raise ConfigError(f"{what} is declared twice, differently")
@@ -167,6 +174,10 @@ class Processing:
         if not after_key:
             raise ConfigError(f"process({self.shown}, output_schema={self.output_schema!r}): declare the columns "
                               "the processor emits besides the key")
+        missing = [k for k in self.output_keys if k not in dict(after_key)]
+        if missing:
+            raise ConfigError(f"process({self.shown}, output_keys={list(self.output_keys)}): {missing[0]!r} is not "
+                              f"among output_schema's columns {[n for n, _ in after_key]}")
         return ResolvedProcessor(self, self.declared(), tuple(chosen), after_key)
 
     def layout(self, variables: Sequence[DeclaredVariable]) -> JsonObject:
@@ -212,10 +223,11 @@ class ResolvedProcessor:
 
     def decode_state(self, keys: list[bytes], values: list[bytes], key_kind: str, key_name: str,
                      key_group: str | None = None) -> pa.Table:
-        """One row per state row: key, variable, its index among the key's rows, and the
-        row as JSON; each pending timer a row of variable ``timer`` (its time in ms)."""
+        """One row per state row: key, variable, its index among the key's rows, the row
+        as JSON and when it expires (a TTL's; else null); each pending timer a row of
+        variable ``timer`` (its time in ms)."""
         by_ns = {v.ns: v for v in self.variables}
-        owners, names, entries, texts = [], [], [], []
+        owners, names, entries, texts, expires = [], [], [], [], []
         for i, (key, value) in enumerate(zip(keys, values, strict=True)):
             ns = int.from_bytes(key[:2], "big")
             if ns == BY_KEY_NS:
@@ -226,17 +238,21 @@ class ResolvedProcessor:
                 rows, name = var.codec.decode(value), var.name
             else:
                 continue
+            ttl = ns in by_ns and by_ns[ns].ttl_us is not None
             for n, row in enumerate(rows):
                 owners.append(i)
                 names.append(name)
                 entries.append(n)
-                texts.append(json.dumps([_jsonable(x) for x in row]))
+                texts.append(json.dumps([_jsonable(x) for x in (row[1:] if ttl else row)]))
+                expires.append(row[0] if ttl else None)
         kept = [keys[i] for i in owners]
         groups, key_values = decode_keys(key_kind, kept) if kept else \
             (pa.array([], pa.int64()).to_numpy(), pa.array([], pa.int64() if key_kind == "int" else pa.string()))
         front, front_names = key_columns(key_values, key_name, groups, key_group)
         return pa.table(front + [pa.array(names, pa.string()), pa.array(entries, pa.int64()),
-                                 pa.array(texts, pa.string())], names=front_names + ["variable", "entry", "value"])
+                                 pa.array(texts, pa.string()),
+                                 pa.array(expires, pa.int64()).cast(pa.timestamp("us", tz="UTC"))],
+                        names=front_names + ["variable", "entry", "value", "expires_at"])
 
     def output_ddl(self) -> list[str]:
         return [f"`{name}` {kind}" for name, kind in self.output_fields]
@@ -248,7 +264,8 @@ class ResolvedProcessor:
         p = self.processing
         clock = {"EventTime": EVENT_CLOCK, "ProcessingTime": PROCESSING_CLOCK_ID}.get(p.time_mode)
         return ProcessShard(p.shown, p.processor, self.variables, self.columns_in, self.output_fields,
-                            p.key_column, clock, p.quote_keys)
+                            p.key_column, clock, p.quote_keys,
+                            p.output_keys if p.output_mode == "update" else None)
 
     def apply(self, txn: ShardTransaction, data: pa.Table, step: ShardStep) -> tuple[list[pa.Array], OperatorStats]:
         return apply_process(self.shard(), txn, data, step)
@@ -270,7 +287,11 @@ class ResolvedProcessor:
         return self.processing.time_mode == "ProcessingTime"
 
     rows_are_sink_rows: ClassVar[bool] = True
-    one_row_per_key: ClassVar[bool] = False
+
+    @property
+    def one_row_per_key(self) -> bool:
+        """In update mode with no output keys besides the key: each key's last row."""
+        return self.processing.output_mode == "update" and not self.processing.output_keys
 
     def null_key_reason(self, key_column: str) -> str:
         return f"null key: {key_column!r} is null"
@@ -327,13 +348,15 @@ def _recorded_variable(v: DeclaredVariable) -> JsonObject:
     recorded: JsonObject = {"name": v.name, "kind": v.kind, "schema": fields_ddl(v.fields[v.key_fields:]), "ns": v.ns}
     if v.kind == "map":
         recorded["key_schema"] = fields_ddl(v.fields[:v.key_fields])
+    if v.ttl_us is not None:
+        recorded["ttl_us"] = v.ttl_us
     return recorded
 
 
 def _declared_variable(recorded: JsonObject) -> DeclaredVariable:
     keys = parse_schema(recorded["key_schema"], recorded["name"]) if "key_schema" in recorded else ()
     return DeclaredVariable(recorded["name"], recorded["kind"], keys + parse_schema(recorded["schema"], recorded["name"]),
-                            recorded["ns"], len(keys))
+                            recorded["ns"], len(keys), recorded.get("ttl_us"))
 
 
 class _Recorded:

@@ -38,8 +38,13 @@ class StateAccess(Protocol):
     """Where a handle's calls go: the current key's state in a shard task."""
 
     def declare(self, variable: StateVariable) -> None: ...
-    def rows(self, name: str) -> list[tuple[Any, ...]]: ...
-    def put(self, name: str, rows: list[Any]) -> None: ...
+    def rows(self, name: str) -> list[tuple[Any, ...]]:
+        """The current key's live rows of a variable (a TTL's expired ones left out)."""
+    def expiries(self, name: str) -> list[int | None]:
+        """When each of ``rows`` expires (µs; None without a TTL)."""
+    def put(self, name: str, rows: list[Any], expires: list[int | None] | None = None) -> None:
+        """The variable's rows for the current key; ``expires``: each one's expiry kept
+        from ``expiries`` (None: the row is written now, so it expires a TTL from now)."""
     def register_timer(self, ms: int) -> None: ...
     def delete_timer(self, ms: int) -> None: ...
     def timers(self) -> list[int]: ...
@@ -104,10 +109,12 @@ class ListState:
         self._access.put(self._name, list(newState))
 
     def appendValue(self, newState: Any) -> None:
-        self._access.put(self._name, [*self._access.rows(self._name), newState])
+        self.appendList([newState])
 
     def appendList(self, newState: list[Any]) -> None:
-        self._access.put(self._name, [*self._access.rows(self._name), *newState])
+        """The rows already held keep their expiry (a TTL), the new ones start theirs."""
+        rows, expires = self._access.rows(self._name), self._access.expiries(self._name)
+        self._access.put(self._name, [*rows, *newState], [*expires, *(None for _ in newState)])
 
     def clear(self) -> None:
         self._access.put(self._name, [])
@@ -119,11 +126,13 @@ class MapState:
     def __init__(self, access: StateAccess, name: str, key_fields: int) -> None:
         self._access, self._name, self._n = access, name, key_fields
 
-    def _entries(self) -> dict[tuple[Any, ...], tuple[Any, ...]]:
-        return {row[:self._n]: row[self._n:] for row in self._access.rows(self._name)}
+    def _entries(self) -> dict[tuple[Any, ...], tuple[tuple[Any, ...], int | None]]:
+        rows, expires = self._access.rows(self._name), self._access.expiries(self._name)
+        return {row[:self._n]: (row[self._n:], e) for row, e in zip(rows, expires, strict=True)}
 
-    def _put(self, entries: dict[tuple[Any, ...], tuple[Any, ...]]) -> None:
-        self._access.put(self._name, [k + v for k, v in entries.items()])
+    def _put(self, entries: dict[tuple[Any, ...], tuple[tuple[Any, ...], int | None]]) -> None:
+        """An entry updated starts its expiry (a TTL), the others keep theirs."""
+        self._access.put(self._name, [k + v for k, (v, _) in entries.items()], [e for _, e in entries.values()])
 
     @staticmethod
     def _tuple(value: Any) -> tuple[Any, ...]:
@@ -133,24 +142,25 @@ class MapState:
         return bool(self._access.rows(self._name))
 
     def getValue(self, key: Any) -> tuple[Any, ...] | None:
-        return self._entries().get(self._tuple(key))
+        found = self._entries().get(self._tuple(key))
+        return None if found is None else found[0]
 
     def containsKey(self, key: Any) -> bool:
         return self._tuple(key) in self._entries()
 
     def updateValue(self, key: Any, value: Any) -> None:
         entries = self._entries()
-        entries[self._tuple(key)] = self._tuple(value)
+        entries[self._tuple(key)] = (self._tuple(value), None)
         self._put(entries)
 
     def iterator(self) -> Iterator[tuple[tuple[Any, ...], tuple[Any, ...]]]:
-        return iter(list(self._entries().items()))
+        return iter([(k, v) for k, (v, _) in self._entries().items()])
 
     def keys(self) -> Iterator[tuple[Any, ...]]:
         return iter(list(self._entries()))
 
     def values(self) -> Iterator[tuple[Any, ...]]:
-        return iter(list(self._entries().values()))
+        return iter([v for v, _ in self._entries().values()])
 
     def removeKey(self, key: Any) -> None:
         entries = self._entries()

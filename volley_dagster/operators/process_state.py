@@ -6,6 +6,7 @@ namespaces of the shard that owns the key's key group, all keyed ``ns | key grou
 ```
 0x1000+h  one per state variable (h from its name): kg | key -> the key's rows (``process_rows.PackedRows``)
 14  timers   kg | clock (1 B) | time (8 B, ordered) | key -> ""     fires once the watermark reaches time
+             kg | 2 (TTL) | earliest expiry (8 B) | variable ns (2 B) | key -> ""   a TTL variable's rows of a key
 15  by key   kg | key -> the key's timers: (clock u1, time i8) records, sorted
 16  counts   kg | counter (2 B) -> int64: a variable's rows held (counter: its namespace), timers pending (0)
 ```
@@ -47,7 +48,8 @@ from volley_dagster.state.transaction import ShardTransaction
 
 TIMERS_NS, BY_KEY_NS, COUNTS_NS = 14, 15, 16
 VARIABLE_NS_BASE, VARIABLE_NS_SPAN = 0x1000, 0xEFFF
-EVENT_CLOCK, PROCESSING_CLOCK_ID = 0, 1  # a timer's clock (namespace 14's byte after the key group)
+EVENT_CLOCK, PROCESSING_CLOCK_ID, TTL_CLOCK = 0, 1, 2  # a timer's clock (namespace 14's byte after the key group)
+EXPIRES = "_expires"  # a TTL variable's rows lead with when each expires (µs of processing time)
 TIMER_COUNTER = 0  # namespace 16's counter of a key group's timers (a variable's is its namespace)
 TIMER = np.dtype([("clock", "u1"), ("time", "<i8")])
 _TIMER_PREFIX = np.dtype([("ns", ">u2"), ("kg", ">u2"), ("clock", "u1"), ("time", ">u8")])
@@ -67,13 +69,17 @@ class DeclaredVariable:
     fields: Fields  # a map's: its user key's fields, then its value's
     ns: int
     key_fields: int = 0  # a map's user key: its first fields
+    ttl_us: int | None = None  # each row expires this long after it was written (processing time)
 
     @property
     def codec(self) -> PackedRows:
-        return PackedRows(self.fields)
+        """Rows as stored: a TTL variable's lead with ``EXPIRES``."""
+        return PackedRows((((EXPIRES, "bigint"),) if self.ttl_us is not None else ()) + self.fields)
 
     def matches(self, declared: StateVariable, what: str) -> bool:
-        return declared.kind == self.kind and variable_fields(declared, what) == (self.fields, self.key_fields)
+        ttl = None if declared.ttl_ms is None else int(declared.ttl_ms) * 1000
+        return (declared.kind == self.kind and ttl == self.ttl_us
+                and variable_fields(declared, what) == (self.fields, self.key_fields))
 
 
 def variable_fields(declared: StateVariable, what: str) -> tuple[Fields, int]:
@@ -101,13 +107,14 @@ class ProcessShard:
     key_column: str
     timer_clock: int | None  # EVENT_CLOCK, PROCESSING_CLOCK_ID (time_mode), or None: no timers
     quote_keys: bool = True
+    update_keys: tuple[str, ...] | None = None  # update mode: the last row per key and these wins (None: append)
 
 
 @dataclass
 class _Variable:
     declared: DeclaredVariable
     stored: list[bytes | None]
-    decoded: dict[int, list[tuple[Any, ...]]] = field(default_factory=dict)
+    decoded: dict[int, tuple[list[tuple[Any, ...]], list[int | None]]] = field(default_factory=dict)  # live rows
     changed: dict[int, bytes | None] = field(default_factory=dict)  # key index -> new blob (None: cleared)
 
 
@@ -115,8 +122,10 @@ class ShardAccess:
     """The state and timers of one shard's keys for one epoch (``process_api.StateAccess``):
     reads decode lazily per key, writes stay here until ``write``."""
 
-    def __init__(self, shard: ProcessShard, variables: dict[str, _Variable], timer_blobs: list[bytes | None]) -> None:
+    def __init__(self, shard: ProcessShard, variables: dict[str, _Variable], timer_blobs: list[bytes | None],
+                 now: int | None = None) -> None:
         self.shard = shard
+        self.now = now  # the epoch's processing time (µs): what a TTL counts from
         self.variables = variables
         self.timer_blobs = timer_blobs
         self.timers_of: dict[int, set[int]] = {}  # key index -> its timers (microseconds), once read
@@ -142,23 +151,47 @@ class ShardAccess:
             raise KeyError(f"no state variable {name!r} was declared in init()")
         return found
 
-    def rows(self, name: str) -> list[tuple[Any, ...]]:
-        ki, var = self._key(), self._variable(name)
-        rows = var.decoded.get(ki)
-        if rows is None:
+    def _live(self, var: _Variable, ki: int) -> tuple[list[tuple[Any, ...]], list[int | None]]:
+        found = var.decoded.get(ki)
+        if found is None:
             blob = var.changed[ki] if ki in var.changed else var.stored[ki]
             rows = var.declared.codec.decode(blob) if blob is not None else []
-            var.decoded[ki] = rows
-        return list(rows)
+            if var.declared.ttl_us is None:
+                found = (rows, [None] * len(rows))
+            else:  # an expired row is never shown, as in Spark, whether or not it is cleaned up yet
+                now = self._clock()
+                live = [r for r in rows if r[0] > now]
+                found = ([r[1:] for r in live], [r[0] for r in live])
+            var.decoded[ki] = found
+        return found
 
-    def put(self, name: str, rows: list[Any]) -> None:
+    def _clock(self) -> int:
+        if self.now is None:
+            raise ValueError("a state TTL counts from the epoch's processing time, which this epoch's range does not "
+                             "record (cut by an engine before it was kept): cut the epoch again with this engine")
+        return self.now
+
+    def rows(self, name: str) -> list[tuple[Any, ...]]:
+        return list(self._live(self._variable(name), self._key())[0])
+
+    def expiries(self, name: str) -> list[int | None]:
+        return list(self._live(self._variable(name), self._key())[1])
+
+    def put(self, name: str, rows: list[Any], expires: list[int | None] | None = None) -> None:
         ki, var = self._key(), self._variable(name)
-        codec, what = var.declared.codec, f"state variable {name!r}"
-        if var.declared.kind == "value" and len(rows) > 1:
+        declared, what = var.declared, f"state variable {name!r}"
+        if declared.kind == "value" and len(rows) > 1:
             raise TypeError(f"{what} holds one value per key")
-        blob = codec.encode([codec.row(r, what) for r in rows], what) if rows else None
+        user = PackedRows(declared.fields)
+        normalized = [user.row(r, what) for r in rows]
+        if declared.ttl_us is not None:
+            fresh = self._clock() // 1000 * 1000 + declared.ttl_us  # in ms, as Spark counts a TTL
+            normalized = [(fresh if e is None else e, *r)
+                          for r, e in zip(normalized, expires or [None] * len(rows), strict=True)]
+        blob = declared.codec.encode(normalized, what) if rows else None
         var.changed[ki] = blob
-        var.decoded[ki] = codec.decode(blob) if blob is not None else []  # what the next epoch will read
+        var.decoded.pop(ki, None)
+        self._live(var, ki)  # what the next epoch will read, and a value that does not fit fails here
 
     def _timers(self, ki: int) -> set[int]:
         found = self.timers_of.get(ki)
@@ -198,7 +231,7 @@ class ShardAccess:
         for name, (blob, rows) in values.items():
             var = self.variables[name]
             var.changed.pop(ki, None) if blob is ... else var.changed.__setitem__(ki, blob)
-            var.decoded.pop(ki, None) if rows is None else var.decoded.__setitem__(ki, list(rows))
+            var.decoded.pop(ki, None) if rows is None else var.decoded.__setitem__(ki, (list(rows[0]), list(rows[1])))
         self.timers_of.pop(ki, None) if timers is None else self.timers_of.__setitem__(ki, set(timers))
         self.timers_changed.add(ki) if changed else self.timers_changed.discard(ki)
 
@@ -218,6 +251,9 @@ def apply_process(shard: ProcessShard, txn: ShardTransaction, data: pa.Table,
     key_groups = kg_rows[starts].tolist()
     lower, limit = timer_bounds(shard, step)
     due_kg, due_keys = _due(txn, step, shard.timer_clock, lower, limit)
+    if any(v.ttl_us is not None for v in shard.variables):  # the keys whose TTL rows expire by now
+        ttl_kg, ttl_keys = _due(txn, step, TTL_CLOCK, step.processing_time_before, step.processing_time, 2)
+        due_kg, due_keys = np.concatenate([due_kg, ttl_kg]), pa.concat_arrays([due_keys, ttl_keys.cast(due_keys.type)])
     seen = set(zip(key_groups, keys, strict=True))
     for kg, key in zip(due_kg.tolist(), due_keys.to_pylist(), strict=True):
         if (kg, key) not in seen:
@@ -230,7 +266,7 @@ def apply_process(shard: ProcessShard, txn: ShardTransaction, data: pa.Table,
     variables = {v.name: _Variable(v, txn.get_many(encode_keys(v.ns, groups, key_array), namespace_prefix(v.ns)))
                  for v in shard.variables}
     by_key = encode_keys(BY_KEY_NS, groups, key_array)
-    access = ShardAccess(shard, variables, txn.get_many(by_key, namespace_prefix(BY_KEY_NS)))
+    access = ShardAccess(shard, variables, txn.get_many(by_key, namespace_prefix(BY_KEY_NS)), step.processing_time)
     processor = copy.deepcopy(shard.processor)
     run = _Run(shard, step, access, processor, keys)
     run.call(None, "init", None, processor.init, StatefulProcessorHandle(access))
@@ -367,6 +403,8 @@ class _Run:
         out = [keys]
         for name, _ in fields:
             out.append(self._output_column(table, name, schema.field(name).type, frames))
+        if self.shard.update_keys is not None:
+            out = _last_rows(out, [self.shard.key_column, *(n for n, _ in fields)], self.shard.update_keys)
         if self.shard.key_column in table.column_names:
             given = table.column(self.shard.key_column).combine_chunks().cast(keys.type)
             wrong = np.flatnonzero(~pc.fill_null(pc.equal(given, keys), False).to_numpy(zero_copy_only=False))
@@ -403,6 +441,14 @@ def spark_frame(table: pa.Table) -> pd.DataFrame:
     return frame
 
 
+def _last_rows(out: list[pa.Array], names: list[str], keys: tuple[str, ...]) -> list[pa.Array]:
+    """Update mode: of the rows with one key and ``keys``, the last emitted."""
+    table = pa.table(out, names=names).append_column("_volley_at", pa.array(np.arange(len(out[0]), dtype=np.int64)))
+    last = table.group_by([names[0], *keys], use_threads=False).aggregate([("_volley_at", "max")])
+    at = np.sort(last.column("_volley_at_max").to_numpy())
+    return [column.take(pa.array(at)) for column in out]
+
+
 def user_traceback(exc: BaseException) -> str:
     """The processor's own frames of ``exc``'s traceback (the engine's left out): the
     first line a person reads (Spark shows a worker's last exception only)."""
@@ -435,10 +481,11 @@ def timer_bounds(shard: ProcessShard, step: ShardStep) -> tuple[int | None, int 
 
 
 def _due(txn: ShardTransaction, step: ShardStep, clock_id: int | None, before: int | None,
-         limit: int | None) -> tuple[np.ndarray, pa.Array]:
+         limit: int | None, tag: int = 0) -> tuple[np.ndarray, pa.Array]:
     """The keys with a timer in (the previous fire limit, this one]: one range scan per
     key group of namespace 14, from past the previous limit (every earlier timer has
-    fired), so it costs what fires."""
+    fired), so it costs what fires. ``tag``: the bytes between time and key (a TTL
+    entry's variable namespace)."""
     layout = step.layout
     empty = (np.zeros(0, dtype=np.int64), pa.array([], pa.int64() if step.key_kind == "int" else pa.string()))
     if clock_id is None or limit is None or layout is None or step.shard is None or \
@@ -456,7 +503,7 @@ def _due(txn: ShardTransaction, step: ShardStep, clock_id: int | None, before: i
         return empty
     entries = pa.array(found, pa.binary())  # ns | kg | clock | time | key -> ns 15 | kg | key
     by_key = pc.binary_join_element_wise(pa.scalar(namespace_prefix(BY_KEY_NS)), pc.binary_slice(entries, 2, 4),
-                                         pc.binary_slice(entries, _TIMER_PREFIX.itemsize, 1 << 30), pa.scalar(b""))
+                                         pc.binary_slice(entries, _TIMER_PREFIX.itemsize + tag, 1 << 30), pa.scalar(b""))
     kg_found, keys = decode_keys(step.key_kind, by_key.to_pylist())
     unique = pa.table({"kg": kg_found, "key": keys}).group_by(["kg", "key"], use_threads=False).aggregate([])
     return unique.column("kg").to_numpy(), unique.column("key").combine_chunks()
@@ -467,8 +514,13 @@ def _write(txn: ShardTransaction, step: ShardStep, access: ShardAccess, groups: 
     """Every change of the epoch into the transaction (one ``WriteBatch`` at flush), each
     list in state-key order; returns the rows and timers the shard holds after it."""
     deltas = {TIMER_COUNTER: np.zeros(len(groups), dtype=np.int64)}
+    index_added: list[bytes] = []
+    index_removed: list[bytes] = []
     for var in access.variables.values():
         deltas[var.declared.ns] = delta = np.zeros(len(groups), dtype=np.int64)
+        if var.declared.ttl_us is not None:
+            _expire(var, access, len(groups))
+            _index_expiries(var, groups, by_key, index_added, index_removed)
         if not var.changed:
             continue
         kis = np.array(sorted(var.changed), dtype=np.int64)
@@ -499,10 +551,44 @@ def _write(txn: ShardTransaction, step: ShardStep, access: ShardAccess, groups: 
             records["clock"], records["time"] = access.shard.timer_clock or 0, times
             blobs.append(records.tobytes() if len(times) else None)
         _set_and_delete(txn, [by_key[ki] for ki in changed], blobs)
+    added += [(k, b"") for k in index_added]
+    removed += index_removed
     added.sort()
     txn.set_many([k for k, _ in added], [v for _, v in added])
     txn.delete_many(sorted(removed))
     return _count(txn, step, groups, deltas)
+
+
+def _expire(var: _Variable, access: ShardAccess, n_keys: int) -> None:
+    """Every row of the epoch's keys whose TTL ran out by its processing time leaves
+    state (the keys an expiry entry named due are among them); none is ever shown."""
+    now, codec = access._clock(), var.declared.codec
+    for ki in range(n_keys):
+        blob = var.changed[ki] if ki in var.changed else var.stored[ki]
+        if blob is None:
+            continue
+        rows = codec.decode(blob)
+        live = [r for r in rows if r[0] > now]
+        if len(live) < len(rows):
+            var.changed[ki] = codec.encode(live, var.declared.name) if live else None
+
+
+def _index_expiries(var: _Variable, groups: np.ndarray, by_key: list[bytes], added: list[bytes],
+                    removed: list[bytes]) -> None:
+    """Each key's rows of a TTL variable have one namespace-14 entry, at their earliest
+    expiry: moved when the rows change."""
+    codec, tag = var.declared.codec, var.declared.ns.to_bytes(2, "big")
+    for ki, blob in var.changed.items():
+        old = var.stored[ki]
+        before = min(r[0] for r in codec.decode(old)) if old is not None else None
+        after = min(r[0] for r in codec.decode(blob)) if blob is not None else None
+        if before == after:
+            continue
+        tail = tag + by_key[ki][4:]
+        if before is not None:
+            removed.append(_timer_key(int(groups[ki]), TTL_CLOCK, before) + tail)
+        if after is not None:
+            added.append(_timer_key(int(groups[ki]), TTL_CLOCK, after) + tail)
 
 
 def _timer_key(kg: int, clock: int, time: int) -> bytes:
