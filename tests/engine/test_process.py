@@ -43,11 +43,25 @@ def test_a_processor_equals_the_reference_epoch_by_epoch_and_ends_with_every_tim
     assert results[-1].figures["process_state_rows"] == held
     assert results[-1].figures["process_timers_pending"] == timers
     assert sum(r.figures["process_timers_fired"] for r in results) > 0
+    _changes_are_a_diff_of_the_state(runner, FILES - 1, FILES)
     final = runner.flush()[-1]  # the stream's end fires every timer: each card's recent payments age out
     assert final.end_of_stream and runner.read_state().num_rows == 0
     assert final.figures["process_timers_pending"] == 0
     assert len(expected) > 20, "the data should raise alerts"
     assert alert_rows(deltalake.DeltaTable(str(tmp_path / "alerts")).to_pyarrow_table()) == sorted(expected)
+
+
+def _changes_are_a_diff_of_the_state(runner: EpochRunner, before: int, after: int) -> None:
+    """``volley state diff``'s feed between two epochs: one row per (card, variable, entry)
+    added, changed or removed, as a diff of ``read_state`` at each says."""
+    tables = runner.state_tables()
+    assert tables.keys() == ["card", "variable", "entry"]
+    old, new = ({(r["card"], r["variable"], r["entry"]): r["value"] for r in runner.read_state(e).to_pylist()}
+                for e in (before, after))
+    expected = Counter({"added": len(new.keys() - old.keys()), "removed": len(old.keys() - new.keys()),
+                        "changed": sum(old[k] != new[k] for k in old.keys() & new.keys())})
+    got = Counter(row["change"] for row in tables.changes(before, after).select("change").collect())
+    assert got == +expected and sum(got.values()) > 0
 
 
 def _shown(runner: EpochRunner) -> dict[str, int]:
@@ -98,9 +112,13 @@ def test_an_exception_in_the_processor_fails_the_epoch_by_file_and_record_and_th
     assert EpochRunner(fixed, tmp_path / "state", settings, spark=spark).run_next().epoch == 2
 
 
-@pytest.mark.parametrize(("point", "shard"), [("shard_after_snapshot", 1),
-                                              pytest.param("after_sink_delta", None, marks=pytest.mark.deep)])
-def test_kill_9_mid_epoch_and_resume_equals_the_reference(spark, tmp_path, point, shard):
+@pytest.mark.parametrize(("point", "shard", "committed"), [
+    ("shard_after_snapshot", 1, 2),
+    *(pytest.param(point, None, 2, marks=pytest.mark.deep) for point in ("after_snapshot", "after_sink_delta",
+                                                                        "after_sinks")),
+    pytest.param("during_retention", None, 3, marks=pytest.mark.deep),
+])
+def test_kill_9_mid_epoch_and_resume_equals_the_reference(spark, tmp_path, point, shard, committed):
     """A processor's state, timers and emitted rows after a kill -9 and a resume by a
     new runner are those of the record-by-record reference: the Delta and Iceberg
     tables hold every alert exactly once."""
@@ -110,8 +128,8 @@ def test_kill_9_mid_epoch_and_resume_equals_the_reference(spark, tmp_path, point
     pipeline = velocity_pipeline(tmp_path / "events", tables=tmp_path / "tables")
     runner = EpochRunner(pipeline, tmp_path / "state", RunSettings(max_records_per_epoch=PER_FILE, keep_epochs=KEEP),
                          spark=spark)
-    assert runner.committed_epoch() == 2
-    assert [r.epoch for r in runner.run_available()] == [3, 4]
+    assert runner.committed_epoch() == committed
+    assert [r.epoch for r in runner.run_available()] == list(range(committed + 1, FILES + 1))
     reference, expected, _ = velocity_reference([tmp_path / "events" / n for n in names])
     assert _shown(runner) == {"recent": sum(len(rows) for rows in reference.state().values()),
                               "timer": sum(len(t) for t in reference.timers().values())}

@@ -1,6 +1,7 @@
 """Property: a team's own processor (``Pipeline.process``: ``tests/processors.OrderMachine``,
-value and map state and event-time timers it registers and deletes; int or string
-keys; a random watermark delay), run through the engine over random streams cut at
+value and map state and event-time timers it registers and deletes, or the demo's
+``VelocityAlert``, list state and a timer per record; int or string keys; a random
+watermark delay), run through the engine over random streams cut at
 random into epochs, equals ``tests/process_reference.py`` running the same processor
 record by record: each epoch's rows (per key, in the order emitted), late records, dead
 letters (a null key or event time), the watermark and the state left. One epoch may
@@ -14,7 +15,7 @@ import contextlib
 import json
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -25,10 +26,16 @@ from tests.process_reference import ProcessReference
 from tests.processors import OrderMachine
 from tests.properties.streams import CRASH_POINTS, EXAMPLES, SECOND, Crash, crash_at, key_pools, profile, start_us
 from volley_dagster import EpochRunner, FileLog, Pipeline
+from volley_dagster.demo.velocity import VelocityAlert
 from volley_dagster.sinks.delta import DeltaSink
 
 Record = tuple[object, int | None, str, int]  # key (None: null), time offset (None: null), status, id
 TIMEOUT_MS = 30_000
+PROCESSORS: dict[str, tuple[Callable[[], Any], list[str]]] = {  # each one's output columns after the key
+    "orders": (lambda: OrderMachine(TIMEOUT_MS), ["event", "at_ms"]),
+    "velocity": (lambda: VelocityAlert(window_ms=20_000, threshold=2), ["alert_at_ms", "payments", "total"]),
+}
+DDL = {"event": "string", "at_ms": "bigint", "alert_at_ms": "bigint", "payments": "int", "total": "double"}
 
 
 @st.composite
@@ -51,6 +58,7 @@ def epochs_of(draw: st.DrawFn, kind: str) -> list[list[Record]]:
 def test_the_processor_equals_the_reference(spark, tmp_path_factory, data):
     EXAMPLES["process"] += 1
     kind = data.draw(st.sampled_from(["int", "str"]), label="keys")
+    make, outputs = PROCESSORS[data.draw(st.sampled_from(sorted(PROCESSORS)), label="processor")]
     delay = data.draw(st.integers(0, 10), label="max_out_of_orderness s") * SECOND
     epochs = data.draw(epochs_of(kind), label="epochs")
     crash = (data.draw(st.integers(1, len(epochs)), label="crash epoch"),
@@ -59,13 +67,13 @@ def test_the_processor_equals_the_reference(spark, tmp_path_factory, data):
 
     def make_runner() -> EpochRunner:
         pipeline = (Pipeline("orders").source(FileLog(base / "log")).key_by("k")
-                    .process(OrderMachine(TIMEOUT_MS), output_schema="event string, at_ms bigint", time_mode="EventTime",
+                    .process(make(), output_schema=", ".join(f"{c} {DDL[c]}" for c in outputs), time_mode="EventTime",
                              event_time="event_time", max_out_of_orderness=f"{delay // SECOND} seconds")
                     .sink(DeltaSink(base / "delta", name="delta", mode="append")).on_bad_records("dead_letter")
                     .with_shards(2))
         return EpochRunner(pipeline, base / "state", spark=spark)
 
-    reference = ProcessReference(OrderMachine(TIMEOUT_MS), "k", "event_time", ["event", "at_ms"], delay)
+    reference = ProcessReference(make(), "k", "event_time", outputs, delay)
     runner = make_runner()
     for number, records in enumerate(epochs, start=1):
         _write(base / "log", number, records, kind, start)
@@ -76,11 +84,12 @@ def test_the_processor_equals_the_reference(spark, tmp_path_factory, data):
                 raise AssertionError(f"epoch {number} did not reach {crash[1]}")
             runner = make_runner()  # a restarted process
         result = runner.run(number)
-        valid = [{"k": k, "event_time": start + t, "status": s} for k, t, s, _ in records if k is not None and t is not None]
+        valid = [{"k": k, "event_time": start + t, "status": s, "amount": float(i)} for k, t, s, i in records
+                 if k is not None and t is not None]
         rows, late = reference.run(valid)
-        assert _by_key(zip(result.output.column("k").to_pylist(),
-                           zip(result.output.column("event").to_pylist(), result.output.column("at_ms").to_pylist(),
-                               strict=True), strict=True)) == _by_key(rows), f"epoch {number}"
+        emitted = zip(*(result.output.column(c).to_pylist() for c in outputs), strict=True)
+        assert _by_key(zip(result.output.column("k").to_pylist(), emitted, strict=True)) == _by_key(rows), \
+            f"epoch {number}"
         assert result.dead_letters == len(records) - len(valid)
         assert result.late_records == len(late)
         assert result.watermark == reference.watermark
@@ -115,4 +124,5 @@ def _write(folder: Path, epoch: int, records: list[Record], kind: str, start: in
         "event_time": pa.array([None if r[1] is None else start + r[1] for r in records], pa.int64())
         .cast(pa.timestamp("us", tz="UTC")),
         "status": pa.array([r[2] for r in records]),
+        "amount": pa.array([float(r[3]) for r in records]),
     }), folder / f"part-{epoch:04d}.parquet")

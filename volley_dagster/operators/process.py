@@ -204,6 +204,7 @@ class ResolvedProcessor:
     columns_in: tuple[str, ...]
     output_fields: Fields
     resident_records: ClassVar[None] = None
+    state_row_keys: ClassVar[tuple[str, ...]] = ("variable", "entry")  # with the key, one row of ``decode_state``
 
     @classmethod
     def recorded(cls, layout: JsonObject) -> ResolvedProcessor:

@@ -68,12 +68,14 @@ class StateTables:
         return recorded_reader(self.log, self._committed(epoch), self.settings)
 
     def keys(self, epoch: int | None = None) -> list[str]:
-        """The columns that identify one state row: the key, and for windows the window."""
+        """The columns that identify one state row: the key, and for windows the window
+        (a processor's: its variable and the row's index there)."""
         reader = self.reader(epoch)
         names = reader.schema("state").names
         # the decoded key column: the recorded key, or a dedup key over several columns (``dedup_key``)
         key = reader.key_name if reader.key_name in names else names[0]
-        return [key] + ([WINDOW_START] if WINDOW_START in names else [])
+        rows = getattr(reader.operator, "state_row_keys", ())
+        return [key] + ([WINDOW_START] if WINDOW_START in names else []) + list(rows)
 
     def at(self, epoch: int | None = None, view: StateView = "state") -> DataFrame:
         """The state as of committed epoch ``epoch`` (default: the last committed): one
