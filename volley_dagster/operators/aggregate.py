@@ -19,6 +19,7 @@ from volley_dagster.operators.accumulators import Accumulator, StateOverflow, Va
 from volley_dagster.operators.base import (
     LATEST_EVENT,
     FillRecords,
+    KeyedRows,
     OperatorStats,
     ShardStep,
     StageClock,
@@ -78,7 +79,7 @@ class Aggregate:
 
 
 @dataclass(frozen=True)
-class ResolvedAggregate:
+class ResolvedAggregate(KeyedRows):
     """An aggregate bound to the input's column types: a fixed state record layout."""
 
     accumulators: tuple[tuple[str, Accumulator], ...]
@@ -151,15 +152,6 @@ class ResolvedAggregate:
 
     rows_are_sink_rows: ClassVar[bool] = True
     one_row_per_key: ClassVar[bool] = True
-
-    def null_key_reason(self, key_column: str) -> str:
-        return f"null key: {key_column!r} is null"
-
-    def unfit_records(self) -> list[tuple[Column, str]]:
-        return []
-
-    def output_schema(self, key_ddl: str) -> list[str]:
-        return [key_ddl] + self.output_ddl()
 
     def input_columns(self) -> tuple[str, ...]:
         reads = [columns.KEY] + [c for _, acc in self.accumulators for c in acc.input_columns()]

@@ -224,6 +224,24 @@ class SparkOperator(StatefulOperator, Protocol):
         for the duplicates side output (None: none kept)."""
 
 
+class KeyedRows:
+    """The steps of an operator over the pipeline's key whose state can hold any value
+    a record carries: a null key is the only bad record it adds, and its output is the
+    key, then its own columns."""
+
+    def output_ddl(self) -> list[str]:
+        raise NotImplementedError
+
+    def null_key_reason(self, key_column: str) -> str:
+        return f"null key: {key_column!r} is null"
+
+    def unfit_records(self) -> list[tuple[Column, str]]:
+        return []
+
+    def output_schema(self, key_ddl: str) -> list[str]:
+        return [key_ddl] + self.output_ddl()
+
+
 class PreStepRun(Protocol):
     """A pre-step's result in one epoch, held (cached) until the stage has read it."""
 

@@ -40,6 +40,7 @@ from volley_dagster.errors import ConfigError, ProcessorError
 from volley_dagster.json_records import JsonObject
 from volley_dagster.operators.base import (
     PROCESSING_CLOCK,
+    KeyedRows,
     OperatorStats,
     ShardStep,
     StageClock,
@@ -198,7 +199,7 @@ def process_namespaces(variables: Sequence[int]) -> StateNamespaces:
 
 
 @dataclass(frozen=True)
-class ResolvedProcessor:
+class ResolvedProcessor(KeyedRows):
     processing: Processing
     variables: tuple[DeclaredVariable, ...]
     columns_in: tuple[str, ...]
@@ -293,15 +294,6 @@ class ResolvedProcessor:
     def one_row_per_key(self) -> bool:
         """In update mode with no output keys besides the key: each key's last row."""
         return self.processing.output_mode == "update" and not self.processing.output_keys
-
-    def null_key_reason(self, key_column: str) -> str:
-        return f"null key: {key_column!r} is null"
-
-    def unfit_records(self) -> list[tuple[Column, str]]:
-        return []
-
-    def output_schema(self, key_ddl: str) -> list[str]:
-        return [key_ddl] + self.output_ddl()
 
     def input_columns(self) -> tuple[str, ...]:
         clock = self.event_time

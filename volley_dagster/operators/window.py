@@ -42,6 +42,7 @@ from volley_dagster.operators.accumulators import StateOverflow
 from volley_dagster.operators.aggregate import Aggregate, ResolvedAggregate
 from volley_dagster.operators.base import (
     FillRecords,
+    KeyedRows,
     OperatorStats,
     ShardStep,
     StageClock,
@@ -165,7 +166,7 @@ class WindowedAggregate:
 
 
 @dataclass(frozen=True)
-class ResolvedWindowAggregate:
+class ResolvedWindowAggregate(KeyedRows):
     windowing: Windowing
     aggregate: ResolvedAggregate
 
@@ -262,15 +263,6 @@ class ResolvedWindowAggregate:
     runs_without_records: ClassVar[bool] = True  # the end of the stream fires every window
     rows_are_sink_rows: ClassVar[bool] = True
     one_row_per_key: ClassVar[bool] = False
-
-    def null_key_reason(self, key_column: str) -> str:
-        return f"null key: {key_column!r} is null"
-
-    def unfit_records(self) -> list[tuple[Column, str]]:
-        return []
-
-    def output_schema(self, key_ddl: str) -> list[str]:
-        return [key_ddl] + self.output_ddl()
 
     def late(self, assigned: DataFrame, watermark: int | None) -> DataFrame:
         """The (record, window) pairs whose window had closed at ``watermark``. Every window
