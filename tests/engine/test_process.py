@@ -21,6 +21,7 @@ import pytest
 from tests.engine.test_crash_recovery import KEEP, run_until_killed
 from tests.helpers import alert_rows, velocity_pipeline, velocity_reference
 from volley_dagster import EpochRunner, FileLog, MemorySink, Pipeline, ProcessorError, StatefulProcessor
+from volley_dagster.cli import main
 from volley_dagster.demo.events import generate
 from volley_dagster.demo.velocity import VelocityAlert
 from volley_dagster.errors import ConfigError, StateLayoutError, is_retryable
@@ -29,7 +30,7 @@ from volley_dagster.settings import RunSettings
 FILES, PER_FILE, KEYS = 4, 400, 30
 
 
-def test_a_processor_equals_the_reference_epoch_by_epoch_and_ends_with_every_timer_fired(spark, tmp_path):
+def test_a_processor_equals_the_reference_epoch_by_epoch_and_ends_with_every_timer_fired(spark, tmp_path, capsys):
     files = generate(tmp_path / "events", FILES, PER_FILE, KEYS, events_per_second=20, disorder_s=8)
     runner = EpochRunner(velocity_pipeline(tmp_path / "events", tmp_path / "alerts"), tmp_path / "state",
                          RunSettings(max_records_per_epoch=PER_FILE, keep_epochs=FILES + 2), spark=spark)
@@ -44,6 +45,7 @@ def test_a_processor_equals_the_reference_epoch_by_epoch_and_ends_with_every_tim
     assert results[-1].figures["process_timers_pending"] == timers
     assert sum(r.figures["process_timers_fired"] for r in results) > 0
     _changes_are_a_diff_of_the_state(runner, FILES - 1, FILES)
+    _the_state_commands_show_and_export_it(runner, tmp_path, capsys)
     final = runner.flush()[-1]  # the stream's end fires every timer: each card's recent payments age out
     assert final.end_of_stream and runner.read_state().num_rows == 0
     assert final.figures["process_timers_pending"] == 0
@@ -62,6 +64,21 @@ def _changes_are_a_diff_of_the_state(runner: EpochRunner, before: int, after: in
                         "changed": sum(old[k] != new[k] for k in old.keys() & new.keys())})
     got = Counter(row["change"] for row in tables.changes(before, after).select("change").collect())
     assert got == +expected and sum(got.values()) > 0
+
+
+def _the_state_commands_show_and_export_it(runner: EpochRunner, tmp_path, capsys) -> None:
+    """``volley state show`` prints the processor's rows and timers, ``volley state
+    export`` writes every one of them to Delta."""
+    root = str(runner.log.root)
+    capsys.readouterr()
+    assert main(["state", "show", root, "--limit", "3"]) == 0
+    shown = capsys.readouterr().out
+    assert "variable" in shown and "recent" in shown and f"{runner.read_state().num_rows:,} rows" in shown
+    assert main(["state", "export", root, "--to", f"delta:{tmp_path / 'exported'}"]) == 0
+    exported = deltalake.DeltaTable(str(tmp_path / "exported")).to_pyarrow_table()
+    mine = runner.read_state()
+    assert sorted(zip(*(exported.column(c).to_pylist() for c in ("card", "variable", "entry", "value")), strict=True)) \
+        == sorted(zip(*(mine.column(c).to_pylist() for c in ("card", "variable", "entry", "value")), strict=True))
 
 
 def _shown(runner: EpochRunner) -> dict[str, int]:
