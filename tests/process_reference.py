@@ -17,7 +17,6 @@ from typing import Any
 import pandas as pd
 
 END_OF_STREAM_US = (1 << 63) - 2
-MAX_ROUNDS = 64
 
 
 @dataclass
@@ -207,17 +206,15 @@ class ProcessReference:
             self.access.key = key
             self._emit(key, self.processor.handleInputRows((key,), iter([(frame or self.frame)(rows)]), values), out)
         limit = (END_OF_STREAM_US if end_of_stream else self.watermark) if event else processing_us
-        for _ in range(MAX_ROUNDS if limit is not None else 0):
-            due = sorted((t, key) for key, ts in self.access.timers.items() for t in ts if t * 1000 <= limit)
-            if not due:
-                break
-            for t, key in due:
-                self.access.key = key
-                self._emit(key, self.processor.handleExpiredTimer((key,), values, _Expired(t)), out)
-                self.access.timers[key].discard(t)
-        else:
-            if limit is not None:
-                raise RuntimeError("timers still due after 64 rounds")
+        # the timers due when their turn comes, each once; one a timer's handler registers waits for the next epoch
+        due = [] if limit is None else [(key, t) for key, ts in self.access.timers.items() for t in ts
+                                        if t * 1000 <= limit]
+        for key, t in sorted(due, key=lambda d: d[1]):
+            if t not in self.access.timers[key]:
+                continue  # deleted by a handler of its key
+            self.access.key = key
+            self._emit(key, self.processor.handleExpiredTimer((key,), values, _Expired(t)), out)
+            self.access.timers[key].discard(t)
         self.access.key = None
         return out, late
 

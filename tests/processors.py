@@ -69,3 +69,37 @@ class OrderMachine(StatefulProcessor):
             self.order.update(("late", current[1]))
             yield pd.DataFrame([(key[0], "not shipped", expiredTimerInfo.getExpiryTimeInMs())],
                                columns=["order_id", "event", "at_ms"])
+
+
+class Heartbeat(StatefulProcessor):
+    """A beat every ``every_ms`` after a key's latest record, ``beats`` times: a timer
+    that re-arms itself in its own handler (it fires once an epoch, as in Spark)."""
+
+    OUTPUT = "beat bigint, at_ms bigint"
+
+    def __init__(self, every_ms: int = 10_000, beats: int = 5) -> None:
+        self.every_ms, self.beats = every_ms, beats
+
+    def init(self, handle: StatefulProcessorHandle) -> None:
+        self.handle = handle
+        self.left = handle.getValueState("left", "bigint")
+
+    def handleInputRows(self, key: Any, rows: Iterator[pd.DataFrame],
+                        timerValues: TimerValues) -> Iterator[pd.DataFrame]:
+        latest = max(max(millis(frame["event_time"])) for frame in rows)
+        for pending in list(self.handle.listTimers()):
+            self.handle.deleteTimer(pending)
+        self.left.update(self.beats)
+        self.handle.registerTimer(latest + self.every_ms)
+        return iter([])
+
+    def handleExpiredTimer(self, key: Any, timerValues: TimerValues,
+                           expiredTimerInfo: ExpiredTimerInfo) -> Iterator[pd.DataFrame]:
+        current = self.left.get()
+        left = (current[0] if current else 1) - 1
+        yield pd.DataFrame({"beat": [self.beats - left], "at_ms": [expiredTimerInfo.getExpiryTimeInMs()]})
+        if left > 0:
+            self.left.update(left)
+            self.handle.registerTimer(expiredTimerInfo.getExpiryTimeInMs() + self.every_ms)
+        else:
+            self.left.clear()

@@ -40,7 +40,7 @@ from volley_dagster.errors import (
     VolleyError,
 )
 from volley_dagster.json_records import JsonObject
-from volley_dagster.operators.base import PROCESSING_CLOCK, ShardStep, StatefulOperator
+from volley_dagster.operators.base import PROCESSING_CLOCK, TIMERS_DUE_FROM, ShardStep, StatefulOperator
 from volley_dagster.operators.ttl import next_due
 from volley_dagster.pipeline import Pipeline
 from volley_dagster.result import EpochResult
@@ -168,11 +168,11 @@ class EpochAttempt:
     def _step(self, plan: PlannedEpoch) -> ShardStep:
         """What every shard task knows of the epoch: with its processing time, the cut's
         recorded wall clock, never before the previous epoch's (a clock stepped back)."""
-        before = self.start.previous.figures.get(PROCESSING_CLOCK) if self.start.previous is not None else None
-        now = self.rng.cut_at_us
+        figures = self.start.previous.figures if self.start.previous is not None else {}
+        before, now = figures.get(PROCESSING_CLOCK), self.rng.cut_at_us
         processing = now if before is None else before if now is None else max(now, before)
         return ShardStep(self.epoch, plan.key_kind, layout=self.pipeline.layout, processing_time=processing,
-                         processing_time_before=before)
+                         processing_time_before=before, due_from=figures.get(TIMERS_DUE_FROM))
 
     def _stage(self, plan: PlannedEpoch, merge: ShardMerge) -> StageResult:
         before = self.start.previous

@@ -18,11 +18,11 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from tests.process_reference import ProcessReference
-from tests.processors import OrderMachine
+from tests.processors import Heartbeat, OrderMachine
 from volley_dagster import columns
 from volley_dagster.demo.velocity import VelocityAlert
 from volley_dagster.errors import ConfigError, ProcessorError, is_retryable
-from volley_dagster.operators.base import ShardStep
+from volley_dagster.operators.base import TIMERS_DUE_FROM, ShardStep
 from volley_dagster.operators.join import END_OF_STREAM_US
 from volley_dagster.operators.process import Processing, ResolvedProcessor
 from volley_dagster.operators.process_rows import PackedRows, parse_schema
@@ -99,6 +99,8 @@ CASES = {
     "orders": (lambda: OrderMachine(timeout_ms=120_000), "order_id",
                ["order_id", "event_time", "status"],
                [("order_id", "bigint"), ("event_time", "timestamp"), ("status", "string")]),
+    "heartbeat": (lambda: Heartbeat(every_ms=15_000, beats=4), "card", ["card", "event_time", "amount"],
+                  [("card", "bigint"), ("event_time", "timestamp"), ("amount", "double")]),
     "orders_processing": (lambda: OrderMachine(timeout_ms=120_000, clock="processing", seen_ttl_ms=20_000), "order_id",
                           ["order_id", "event_time", "status"],
                           [("order_id", "bigint"), ("event_time", "timestamp"), ("status", "string")]),
@@ -110,7 +112,7 @@ CASES = {
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_each_epoch_equals_the_reference_and_a_retry_emits_the_same(tmp_path_factory, case, data):
     factory, key, inputs, schema = CASES[case]
-    records, cuts = data.draw(streams(case != "velocity"), label="stream")
+    records, cuts = data.draw(streams(case.startswith("orders")), label="stream")
     processing = case == "orders_processing"
     cut_times = iter(sorted(data.draw(st.lists(st.integers(0, 400_000), min_size=len(cuts) + 1,
                                                max_size=len(cuts) + 1), label="cut times (ms)")))
@@ -125,6 +127,7 @@ def test_each_epoch_equals_the_reference_and_a_retry_emits_the_same(tmp_path_fac
     reference = ProcessReference(factory(), key, "event_time", names, lateness,
                                  "processing" if processing else "event")
     clock_before: int | None = None
+    due_from: int | None = None  # the timers a timer's handler registered, still due (the previous epoch's figure)
     db = rocksdict.Rdict(str(tmp_path_factory.mktemp("process") / "db"), RocksDBOptions().build())
     bounds = [0, *cuts, len(records)]
     try:
@@ -139,12 +142,15 @@ def test_each_epoch_equals_the_reference_and_a_retry_emits_the_same(tmp_path_fac
             on_time = [r for r in records[a:b] if r["pos"] not in late_pos]
             limit = END_OF_STREAM_US if last else reference.watermark
             step = ShardStep(number, "int", fire_limit=limit, watermark_before=before, watermark=reference.watermark,
-                             layout=LAYOUT, shard=0, processing_time=now, processing_time_before=clock_before)
+                             layout=LAYOUT, shard=0, processing_time=now, processing_time_before=clock_before,
+                             due_from=due_from)
             clock_before = now
             first, _ = apply_process(resolved.shard(), ShardTransaction(db), _table(on_time, key, inputs), step)
             txn = ShardTransaction(db)  # the first attempt died unflushed: the retry starts from the same state
             outputs, stats = apply_process(resolved.shard(), txn, _table(on_time, key, inputs), step)
             txn.flush()
+            due_from = stats.figures.get(TIMERS_DUE_FROM)
+            event(f"timers re-armed at or before the limit: {'some' if due_from is not None else 'none'}")
             assert _emitted(outputs, names) == _emitted(first, names), f"epoch {number}: a retry emitted other rows"
             expected = _expected(rows)
             if update:  # the last row the epoch emitted per key
@@ -269,3 +275,28 @@ def test_a_processor_is_refused_by_name_before_it_runs():
         _resolved(TwoNames(), "card", "total double", [("card", "bigint"), ("event_time", "timestamp")])
     with pytest.raises(ConfigError, match=r"time_mode='EventTime'\) needs event_time"):
         Processing(_Divides(), "total double", "card", "EventTime")
+
+
+def test_a_timer_that_re_arms_itself_fires_once_an_epoch_past_any_jump_of_the_watermark(tmp_path):
+    """A heartbeat whose watermark jumps 70 minutes past its record (a backlog caught up,
+    the stream's end) beats once an epoch, as in Spark's micro-batches, never looping
+    within one: each epoch's figure says where the next one's timers start."""
+    resolved = _resolved(Heartbeat(every_ms=60_000, beats=3), "card", Heartbeat.OUTPUT,
+                         [("card", "bigint"), ("event_time", "timestamp"), ("amount", "double")])
+    db = rocksdict.Rdict(str(tmp_path / "db"), RocksDBOptions().build())
+    beats, due_from = [], None
+    try:
+        for epoch, (records, watermark) in enumerate([([{"pos": 0, "card": 1, "event_time": 0, "amount": 1.0}], 0),
+                                                      ([], 70 * MINUTE_US), ([], 70 * MINUTE_US),
+                                                      ([], END_OF_STREAM_US)], start=1):
+            step = ShardStep(epoch, "int", fire_limit=watermark, watermark_before=None if epoch == 1 else 0,
+                             watermark=min(watermark, 70 * MINUTE_US), layout=LAYOUT, shard=0, due_from=due_from)
+            txn = ShardTransaction(db)
+            outputs, stats = apply_process(resolved.shard(), txn, _table(records, "card", resolved.columns_in), step)
+            txn.flush()
+            beats.append(list(zip(outputs[1].to_pylist(), outputs[2].to_pylist(), strict=True)))
+            due_from = stats.figures.get(TIMERS_DUE_FROM)
+    finally:
+        db.close()
+    assert beats == [[], [(1, 60_000)], [(2, 120_000)], [(3, 180_000)]]
+    assert due_from is None

@@ -39,7 +39,7 @@ from volley_dagster.errors import ConfigError, EpochOrderError, StateLayoutError
 from volley_dagster.json_records import JsonObject
 from volley_dagster.operators.aggregate import ResolvedAggregate
 from volley_dagster.operators.base import MigratableOperator, StatefulOperator
-from volley_dagster.operators.process_state import COUNTS_NS
+from volley_dagster.operators.process_state import COUNTS_NS, TIMERS_NS, TTL_CLOCK
 from volley_dagster.operators.recorded import recorded_operator, without_dedup
 from volley_dagster.operators.ttl import TOUCHED
 from volley_dagster.state.options import RocksDBOptions
@@ -142,6 +142,8 @@ class ProcessMigration:
             return iter(())
         if namespace == COUNTS_NS:  # kg | counter: a dropped variable's counter goes with it
             return (e for e in entries if int.from_bytes(e[0][4:6], "big") not in self.dropped)
+        if namespace == TIMERS_NS:  # kg | TTL clock | expiry | variable ns | key: a dropped variable's expiry entries
+            return (e for e in entries if e[0][4] != TTL_CLOCK or int.from_bytes(e[0][13:15], "big") not in self.dropped)
         return entries
 
 

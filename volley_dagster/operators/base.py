@@ -70,6 +70,7 @@ class OperatorStats:
 
 
 PROCESSING_CLOCK = "processing_clock_us"  # an epoch's figure: its processing time (``ShardStep.processing_time``)
+TIMERS_DUE_FROM = "timers_due_from_us"  # an epoch's figure: its earliest timer left due (``ShardStep.due_from``)
 LATEST_EVENT = "latest_event_us"  # a shard's figure: the latest event time of its records (microseconds)
 
 
@@ -99,6 +100,7 @@ class ShardStep:
     # retry sees the same, never before the previous epoch's (``PROCESSING_CLOCK``); and that previous one
     processing_time: int | None = None
     processing_time_before: int | None = None
+    due_from: int | None = None  # timers a handler registered at or before an epoch's limit wait from here (µs)
 
 
 class StatefulOperator(Protocol):

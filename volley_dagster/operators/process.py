@@ -10,10 +10,13 @@ one its own records move it to (the pipeline's one clock, ``operators.event_time
   ``handleInputRows`` once per epoch, as one pandas frame, in log order (the order the
   recorded range gives on every retry; Spark's order is arbitrary).
 - **Timers.** After every key's rows, each event-time timer at or before ``W[N]``
-  fires (``handleExpiredTimer``), by time, then key; one a handler registers at or
-  before ``W[N]`` fires in a next round of the same epoch. Spark fires at the previous
-  micro-batch's watermark; here the epoch's own, as windows fire. At the end of the
-  stream (``runner.flush()``) every timer fires, as every window does.
+  fires once (``handleExpiredTimer``), by time; one a timer's handler registers waits
+  for the next epoch (Spark's next micro-batch: a timer that re-arms itself never
+  loops within an epoch; ``TIMERS_DUE_FROM`` tells the next epoch where to scan from).
+  Spark fires at the previous micro-batch's watermark; here the epoch's own, as
+  windows fire. At the end of the stream (``runner.flush()``) every timer pending then
+  fires, as every window does. ``time_mode="ProcessingTime"``: the same on the wall
+  clock recorded with the epoch's range.
 - **Output.** The rows the handlers yield, the key first (added when
   ``output_schema`` lacks it), to the sinks in append mode.
 - **Errors.** An exception in the processor fails the epoch with a
@@ -40,6 +43,7 @@ from volley_dagster.errors import ConfigError, ProcessorError
 from volley_dagster.json_records import JsonObject
 from volley_dagster.operators.base import (
     PROCESSING_CLOCK,
+    TIMERS_DUE_FROM,
     KeyedRows,
     OperatorStats,
     ShardStep,
@@ -274,7 +278,9 @@ class ResolvedProcessor(KeyedRows):
 
     def epoch_figures(self, shards: Sequence[OperatorStats]) -> dict[str, int]:
         clock = max((s.figures[PROCESSING_CLOCK] for s in shards if PROCESSING_CLOCK in s.figures), default=None)
-        return {**summed(shards, FIGURES), **({} if clock is None else {PROCESSING_CLOCK: clock})}
+        waiting = min((s.figures[TIMERS_DUE_FROM] for s in shards if TIMERS_DUE_FROM in s.figures), default=None)
+        return {**summed(shards, FIGURES), **({} if clock is None else {PROCESSING_CLOCK: clock}),
+                **({} if waiting is None else {TIMERS_DUE_FROM: waiting})}
 
     # -- in the epoch's Spark stage (``operators.base.SparkOperator``) -----------------
 

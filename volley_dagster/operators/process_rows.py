@@ -200,6 +200,8 @@ def _fixed_value(kind: str, value: Any) -> Any:
         if not isinstance(value, (bool, np.bool_)):
             raise TypeError("not a boolean")
         return bool(value)
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError("a boolean, not a number")
     if kind in _INTS:
         number = operator.index(value)
         low, high = _INTS[kind]

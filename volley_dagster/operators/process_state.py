@@ -34,7 +34,13 @@ import pyarrow.compute as pc
 
 from volley_dagster import columns
 from volley_dagster.errors import ProcessorError
-from volley_dagster.operators.base import PROCESSING_CLOCK, OperatorStats, ShardStep, partial_records
+from volley_dagster.operators.base import (
+    PROCESSING_CLOCK,
+    TIMERS_DUE_FROM,
+    OperatorStats,
+    ShardStep,
+    partial_records,
+)
 from volley_dagster.operators.process_api import (
     ExpiredTimerInfo,
     StatefulProcessorHandle,
@@ -54,7 +60,6 @@ TIMER_COUNTER = 0  # namespace 16's counter of a key group's timers (a variable'
 TIMER = np.dtype([("clock", "u1"), ("time", "<i8")])
 _TIMER_PREFIX = np.dtype([("ns", ">u2"), ("kg", ">u2"), ("clock", "u1"), ("time", ">u8")])
 _MAX = np.iinfo(np.int64).max
-MAX_TIMER_ROUNDS = 64
 _ENGINE = str(Path(__file__).resolve().parents[1])  # volley_dagster/: frames a processor's traceback leaves out
 FIGURES = ("process_rows_in", "process_rows_out", "process_timers_fired", "process_state_rows",
            "process_timers_pending")
@@ -205,6 +210,9 @@ class ShardAccess:
         if self.shard.timer_clock is None:
             raise ValueError("registerTimer: a timer needs a clock; give process(time_mode='EventTime', "
                              "event_time=<column>) or process(time_mode='ProcessingTime')")
+        if not -_MAX // 1000 < ms < _MAX // 1000:
+            raise ValueError(f"registerTimer({ms}): give milliseconds since the epoch (this is outside the years "
+                             "a timer can hold; a pandas Timestamp's .value is nanoseconds)")
         ki = self._key()
         self._timers(ki).add(ms * 1000)
         self.timers_changed.add(ki)
@@ -241,9 +249,7 @@ def apply_process(shard: ProcessShard, txn: ShardTransaction, data: pa.Table,
     """Run the processor over one shard's rows of the epoch (``KEY``, ``KEY_GROUP``,
     ``POS``, ``ROWS`` and the input columns): each key's rows in log order, then the
     timers due on the processor's clock; returns the output columns (key first)."""
-    order = pc.sort_indices(data, sort_keys=[(columns.KEY_GROUP, "ascending"), (columns.KEY, "ascending"),
-                                             (columns.POS, "ascending")])
-    data = data.take(order)
+    data = _in_log_order(data, shard.input_columns)
     kg_rows = data.column(columns.KEY_GROUP).to_numpy(zero_copy_only=False).astype(np.int64)
     key_rows = data.column(columns.KEY).combine_chunks()
     starts = _runs(kg_rows, key_rows)
@@ -278,8 +284,9 @@ def apply_process(shard: ProcessShard, txn: ShardTransaction, data: pa.Table,
         assert frame is not None
         rows = frame.iloc[a:b].reset_index(drop=True)
         run.input_rows(ki, rows, positions[a:b])
-    fired = run.fire_timers(limit)
-    run.call(None, "close", None, processor.close)
+    fired, waiting = run.fire_timers(limit)
+    if callable(getattr(processor, "close", None)):  # optional, as in Spark
+        run.call(None, "close", None, processor.close)
 
     held = _write(txn, step, access, groups, key_array, by_key)
     output = run.output(key_array)
@@ -287,9 +294,31 @@ def apply_process(shard: ProcessShard, txn: ShardTransaction, data: pa.Table,
                "process_state_rows": int(held[0]), "process_timers_pending": int(held[1])}
     if step.processing_time is not None:
         figures[PROCESSING_CLOCK] = step.processing_time
+    if waiting is not None:
+        figures[TIMERS_DUE_FROM] = waiting
     new_keys = sum(1 for ki in range(len(keys)) if access.timer_blobs[ki] is None
                    and all(v.stored[ki] is None for v in variables.values()))
     return output, OperatorStats(len(keys), new_keys, figures, partial_records(data))
+
+
+def _in_log_order(data: pa.Table, inputs: Sequence[str]) -> pa.Table:
+    """The shard's rows by key, each key's in log order (``POS``). Rows of one record
+    (a transform's explode) share a position, and the exchange hands them over in any
+    order: they are ordered by their values (the sortable input columns), so every
+    attempt sees one order."""
+    keys = [(columns.KEY_GROUP, "ascending"), (columns.KEY, "ascending"), (columns.POS, "ascending")]
+    data = data.take(pc.sort_indices(data, sort_keys=keys))
+    pos = data.column(columns.POS).to_numpy(zero_copy_only=False)
+    if len(pos) < 2 or not (pos[1:] == pos[:-1]).any():
+        return data
+    sortable = [c for c in inputs if _sortable(data.schema.field(c).type)]
+    return data.take(pc.sort_indices(data, sort_keys=keys + [(c, "ascending") for c in sortable]))
+
+
+def _sortable(kind: pa.DataType) -> bool:
+    return (pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind)
+            or pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_binary(kind)
+            or pa.types.is_temporal(kind) or pa.types.is_decimal(kind))
 
 
 def _runs(kg_rows: np.ndarray, key_rows: pa.Array) -> np.ndarray:
@@ -361,32 +390,31 @@ class _Run:
                 high = mid
         return low - 1 if len(rows) else None
 
-    def fire_timers(self, limit: int | None) -> int:
-        """Every timer at or before ``limit`` (µs), by time then key; timers a handler
-        registers at or before it fire in a next round of the same epoch."""
+    def fire_timers(self, limit: int | None) -> tuple[int, int | None]:
+        """Every timer at or before ``limit`` (µs) when the timers' turn comes, by time;
+        one a timer's handler registers waits for the next epoch (Spark's next
+        micro-batch), so a timer that re-arms itself fires once an epoch. Returns how
+        many fired and the earliest such one at or before ``limit`` (the next epoch's
+        scan starts there)."""
         if limit is None:
-            return 0
-        fired = 0
-        for _ in range(MAX_TIMER_ROUNDS):
-            for ki in range(len(self.keys)):
-                self.access._timers(ki)
-            due = sorted((t, ki) for ki, times in self.access.timers_of.items() for t in times if t <= limit)
-            if not due:
-                return fired
-            for time, ki in due:
-                where = f"its event-time timer at {pd.Timestamp(time, unit='us', tz='UTC').isoformat()}"
+            return 0, None
+        for ki in range(len(self.keys)):
+            self.access._timers(ki)
+        due = sorted((t, ki) for ki, times in self.access.timers_of.items() for t in times if t <= limit)
+        for time, ki in due:
+            if time not in self.access._timers(ki):
+                continue  # deleted by a handler of its key that fired before it
+            where = f"its timer at {pd.Timestamp(time, unit='us', tz='UTC').isoformat()}"
 
-                def expired(ki: int = ki, time: int = time) -> list[Any]:
-                    out = self.processor.handleExpiredTimer((self.keys[ki],), self.timer_values,
-                                                            ExpiredTimerInfo(time // 1000))
-                    return _frames(out, "handleExpiredTimer")
-                self.emitted.extend((ki, frame) for frame in self.call(ki, "handleExpiredTimer", where, expired))
-                self.access._timers(ki).discard(time)  # after the handler, as Spark does
-                self.access.timers_changed.add(ki)
-                fired += 1
-        raise self.error(None, "handleExpiredTimer", None, RuntimeError(
-            f"timers still fell due after {MAX_TIMER_ROUNDS} rounds: a handler keeps registering a timer at or "
-            "before the watermark it fires at"))
+            def expired(ki: int = ki, time: int = time) -> list[Any]:
+                out = self.processor.handleExpiredTimer((self.keys[ki],), self.timer_values,
+                                                        ExpiredTimerInfo(time // 1000))
+                return _frames(out, "handleExpiredTimer")
+            self.emitted.extend((ki, frame) for frame in self.call(ki, "handleExpiredTimer", where, expired))
+            self.access._timers(ki).discard(time)  # after the handler, as Spark does
+            self.access.timers_changed.add(ki)
+        waiting = [t for times in self.access.timers_of.values() for t in times if t <= limit]
+        return len(due), min(waiting, default=None)
 
     def output(self, key_array: pa.Array) -> list[pa.Array]:
         fields = self.shard.output_fields
@@ -394,6 +422,12 @@ class _Run:
         frames = [(ki, f) for ki, f in self.emitted if len(f)]
         if not frames:
             return [key_array.slice(0, 0), *(pa.array([], t) for t in schema.types)]
+        for ki, frame in frames:  # each frame whole: a missing column is an error, never nulls
+            missing = [n for n, _ in fields if n not in frame.columns]
+            if missing:
+                raise self.error(ki, "output", None, ValueError(
+                    f"an emitted frame lacks output column {missing[0]!r}; output_schema declares "
+                    f"{[n for n, _ in fields]}, the frame has {list(frame.columns)}"))
         index = np.concatenate([np.full(len(f), ki, dtype=np.int64) for ki, f in frames])
         try:
             table = pa.Table.from_pandas(pd.concat([f for _, f in frames], ignore_index=True), preserve_index=False)
@@ -405,8 +439,13 @@ class _Run:
             out.append(self._output_column(table, name, schema.field(name).type, frames))
         if self.shard.update_keys is not None:
             out = _last_rows(out, [self.shard.key_column, *(n for n, _ in fields)], self.shard.update_keys)
-        if self.shard.key_column in table.column_names:
-            given = table.column(self.shard.key_column).combine_chunks().cast(keys.type)
+        if self.shard.key_column in table.column_names:  # a frame without it takes the key it was emitted for
+            try:
+                given = pc.coalesce(table.column(self.shard.key_column).combine_chunks().cast(keys.type), keys)
+            except (pa.ArrowException, ValueError) as exc:
+                raise self.error(None, "output", None, ValueError(
+                    f"an output row's {self.shard.key_column!r} does not read as the key's type ({keys.type}): "
+                    f"{exc}")) from exc
             wrong = np.flatnonzero(~pc.fill_null(pc.equal(given, keys), False).to_numpy(zero_copy_only=False))
             if len(wrong):
                 ki = int(index[wrong[0]])
@@ -417,11 +456,6 @@ class _Run:
 
     def _output_column(self, table: pa.Table, name: str, kind: pa.DataType,
                        frames: list[tuple[int, pd.DataFrame]]) -> pa.Array:
-        if name not in table.column_names:
-            ki = next(ki for ki, f in frames if name not in f.columns)
-            raise self.error(ki, "output", None, ValueError(
-                f"an emitted frame lacks output column {name!r}; output_schema declares "
-                f"{[n for n, _ in self.shard.output_fields]}, the frame has {list(frames[0][1].columns)}"))
         column = table.column(name).combine_chunks()
         try:
             return column.cast(kind) if column.type != kind else column
@@ -474,10 +508,14 @@ def timer_bounds(shard: ProcessShard, step: ShardStep) -> tuple[int | None, int 
     the watermark (every timer at the stream's end: ``fire_limit``), or the processing
     time of the epoch's cut."""
     if shard.timer_clock == EVENT_CLOCK:
-        return step.watermark_before, step.fire_limit
-    if shard.timer_clock == PROCESSING_CLOCK_ID:
-        return step.processing_time_before, step.processing_time
-    return None, None
+        before, limit = step.watermark_before, step.fire_limit
+    elif shard.timer_clock == PROCESSING_CLOCK_ID:
+        before, limit = step.processing_time_before, step.processing_time
+    else:
+        return None, None
+    if step.due_from is not None and before is not None:  # timers a timer's handler registered, still due
+        before = min(before, step.due_from - 1)
+    return before, limit
 
 
 def _due(txn: ShardTransaction, step: ShardStep, clock_id: int | None, before: int | None,

@@ -32,7 +32,16 @@ from volley_dagster import columns
 from volley_dagster.checkpoint.manifest import ShardEntry, ShardSnapshot
 from volley_dagster.dimensions.base import EnrichmentRead
 from volley_dagster.errors import VolleyError
-from volley_dagster.operators.base import OperatorStats, PreStepRun, StageClock, latest_event, summed
+from volley_dagster.operators.base import (
+    PROCESSING_CLOCK,
+    TIMERS_DUE_FROM,
+    OperatorStats,
+    PreStepRun,
+    ShardStep,
+    StageClock,
+    latest_event,
+    summed,
+)
 from volley_dagster.operators.dedup import DEDUP_FIGURES
 from volley_dagster.operators.ttl import NEXT_DUE
 from volley_dagster.pipeline import Pipeline
@@ -261,6 +270,13 @@ def _output_ddl(pipeline: Pipeline, plan: PlannedEpoch) -> list[str]:
     return plan.operator.output_schema(f"`{pipeline.key_column}` {key_type}")
 
 
+def _carried_figures(step: ShardStep, expiry_next: int | None) -> dict[str, int]:
+    """What an epoch carried forward still says for the next to decide by: the earliest
+    deadline, the processing time (its own, never before the last), the timers waiting."""
+    figures = {NEXT_DUE: expiry_next, PROCESSING_CLOCK: step.processing_time, TIMERS_DUE_FROM: step.due_from}
+    return {name: value for name, value in figures.items() if value is not None}
+
+
 def _carry_forward_stage(spark: SparkSession, pipeline: Pipeline, rng: EpochRange, plan: PlannedEpoch,
                          merge: ShardMerge, expiry_next: int | None) -> StageResult:
     """An epoch with no records (running aggregate; with ``ttl_epochs``, none due):
@@ -293,7 +309,7 @@ def _carry_forward_stage(spark: SparkSession, pipeline: Pipeline, rng: EpochRang
             )
         shards[shard] = ShardEntry(shard, ShardSnapshot.of(snap, attempt, stored_remotely=upload is not None),
                                    read_mode="carried_forward", bytes_new=snap.bytes_new, operator=OperatorStats(
-                                       figures={} if expiry_next is None else {NEXT_DUE: expiry_next}),
+                                       figures=_carried_figures(merge.step, expiry_next)),
                                    snapshot_s=time.perf_counter() - t, upload=upload)
     empty = spark.createDataFrame([], ", ".join(_output_ddl(pipeline, plan))).toArrow()
     output, _ = plan.operator.sink_output(empty, rng)  # typed as a processed epoch's output would be
