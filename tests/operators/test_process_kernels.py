@@ -11,6 +11,7 @@ from collections import defaultdict
 from typing import Any
 
 import numpy as np
+import pandas as pd
 import pyarrow as pa
 import pytest
 import rocksdict
@@ -300,3 +301,69 @@ def test_a_timer_that_re_arms_itself_fires_once_an_epoch_past_any_jump_of_the_wa
         db.close()
     assert beats == [[], [(1, 60_000)], [(2, 120_000)], [(3, 180_000)]]
     assert due_from is None
+
+
+class _Emits:
+    """Emits what ``rows`` (a frame factory) gives; ``timer_ms`` registers a timer."""
+
+    def __init__(self, frame: Any = None, timer_ms: int | None = None) -> None:
+        self.frame, self.timer_ms = frame, timer_ms
+
+    def init(self, handle: Any) -> None:  # no close(): it is optional, as in Spark
+        self.handle = handle
+
+    def handleInputRows(self, key: Any, rows: Any, timerValues: Any) -> Any:
+        list(rows)
+        if self.timer_ms is not None:
+            self.handle.registerTimer(self.timer_ms)
+        if self.frame is not None:
+            yield self.frame(key[0])
+
+
+@pytest.mark.parametrize(("processor", "error"), [
+    (_Emits(timer_ms=1_700_000_000_000_000_000), r"registerTimer\(1700000000000000000\): give milliseconds"),
+    (_Emits(lambda key: pd.DataFrame({"a": [1]})), r"an emitted frame lacks output column 'b'"),
+    (_Emits(lambda key: pd.DataFrame({"card": ["card-7"], "a": [1], "b": ["x"]})),
+     r"an output row's 'card' does not read as the key's type"),
+])
+def test_what_a_processor_gets_wrong_fails_by_name_and_for_good(tmp_path, processor, error):
+    resolved = _resolved(processor, "card", "a bigint, b string", [("card", "bigint"), ("event_time", "timestamp")])
+    db = rocksdict.Rdict(str(tmp_path / "db"), RocksDBOptions().build())
+    try:
+        step = ShardStep(1, "int", fire_limit=0, watermark=0, layout=LAYOUT, shard=0)
+        with pytest.raises(ProcessorError, match=error) as failed:
+            apply_process(resolved.shard(), ShardTransaction(db),
+                          _table([{"pos": 0, "card": 7, "event_time": 0}], "card", ["card", "event_time"]), step)
+        assert not is_retryable(failed.value) and "key 7" in str(failed.value)
+    finally:
+        db.close()
+
+
+def test_a_processor_without_close_runs():
+    resolved = _resolved(_Emits(lambda key: pd.DataFrame({"a": [key], "b": ["x"]})), "card", "a bigint, b string",
+                         [("card", "bigint"), ("event_time", "timestamp")])
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        db = rocksdict.Rdict(folder + "/db", RocksDBOptions().build())
+        try:
+            step = ShardStep(1, "int", fire_limit=0, watermark=0, layout=LAYOUT, shard=0)
+            outputs, _ = apply_process(resolved.shard(), ShardTransaction(db),
+                                       _table([{"pos": 0, "card": 7, "event_time": 0}], "card",
+                                              ["card", "event_time"]), step)
+        finally:
+            db.close()
+    assert [a.to_pylist() for a in outputs] == [[7], [7], ["x"]]
+
+
+def test_a_migration_that_drops_a_ttl_variable_drops_its_expiry_entries():
+    from volley_dagster.checkpoint.migrate import ProcessMigration
+    from volley_dagster.operators.process_state import TIMERS_NS, TTL_CLOCK
+
+    def entry(clock: int, tag: int) -> tuple[bytes, bytes]:
+        return (TIMERS_NS.to_bytes(2, "big") + (3).to_bytes(2, "big") + bytes([clock]) + bytes(8)
+                + tag.to_bytes(2, "big") + b"key", b"")
+
+    kept = list(ProcessMigration({}, [], frozenset({0x1234})).kept(
+        TIMERS_NS, iter([entry(TTL_CLOCK, 0x1234), entry(TTL_CLOCK, 0x2222), entry(0, 0x1234)])))
+    assert kept == [entry(TTL_CLOCK, 0x2222), entry(0, 0x1234)]  # a user timer's bytes there are its key's

@@ -443,7 +443,9 @@ class _Run:
             try:
                 given = pc.coalesce(table.column(self.shard.key_column).combine_chunks().cast(keys.type), keys)
             except (pa.ArrowException, ValueError) as exc:
-                raise self.error(None, "output", None, ValueError(
+                culprit = next((k for k, f in frames if self.shard.key_column in f.columns
+                                and not _casts(f[self.shard.key_column], keys.type)), None)
+                raise self.error(culprit, "output", None, ValueError(
                     f"an output row's {self.shard.key_column!r} does not read as the key's type ({keys.type}): "
                     f"{exc}")) from exc
             wrong = np.flatnonzero(~pc.fill_null(pc.equal(given, keys), False).to_numpy(zero_copy_only=False))
@@ -489,6 +491,14 @@ def user_traceback(exc: BaseException) -> str:
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(_ENGINE)]
     return "".join(["Traceback (most recent call last):\n", *traceback.format_list(frames),
                     *traceback.format_exception_only(type(exc), exc)]).rstrip()
+
+
+def _casts(values: pd.Series, kind: pa.DataType) -> bool:
+    try:
+        pa.array(values).cast(kind)
+        return True
+    except (pa.ArrowException, ValueError):
+        return False
 
 
 def _frames(result: Any, phase: str) -> list[Any]:
