@@ -123,6 +123,17 @@ class _Variable:
     changed: dict[int, bytes | None] = field(default_factory=dict)  # key index -> new blob (None: cleared)
 
 
+@dataclass(frozen=True)
+class _SavedKey:
+    """One key's state in memory before a handler call: per variable its rows written
+    this epoch and read so far, and its timers."""
+
+    changed: dict[str, bytes | None]
+    decoded: dict[str, tuple[list[tuple[Any, ...]], list[int | None]]]
+    timers: set[int] | None
+    timers_changed: bool
+
+
 class ShardAccess:
     """The state and timers of one shard's keys for one epoch (``process_api.StateAccess``):
     reads decode lazily per key, writes stay here until ``write``."""
@@ -229,19 +240,27 @@ class ShardAccess:
         raise ValueError(f"deleteIfExists({name!r}): a recorded state variable is dropped with `volley migrate`, "
                          "never as a side effect of code: stop declaring it, then migrate the pipeline")
 
-    def saved(self, ki: int) -> tuple[dict[str, Any], set[int] | None, bool]:
+    def saved(self, ki: int) -> _SavedKey:
         """The key's state before a handler call, to run it again (``_culprit``)."""
-        return ({n: (v.changed.get(ki, ...), v.decoded.get(ki)) for n, v in self.variables.items()},
-                None if ki not in self.timers_of else set(self.timers_of[ki]), ki in self.timers_changed)
+        return _SavedKey({n: v.changed[ki] for n, v in self.variables.items() if ki in v.changed},
+                         {n: v.decoded[ki] for n, v in self.variables.items() if ki in v.decoded},
+                         None if ki not in self.timers_of else set(self.timers_of[ki]), ki in self.timers_changed)
 
-    def restore(self, ki: int, saved: tuple[dict[str, Any], set[int] | None, bool]) -> None:
-        values, timers, changed = saved
-        for name, (blob, rows) in values.items():
-            var = self.variables[name]
-            var.changed.pop(ki, None) if blob is ... else var.changed.__setitem__(ki, blob)
-            var.decoded.pop(ki, None) if rows is None else var.decoded.__setitem__(ki, (list(rows[0]), list(rows[1])))
-        self.timers_of.pop(ki, None) if timers is None else self.timers_of.__setitem__(ki, set(timers))
-        self.timers_changed.add(ki) if changed else self.timers_changed.discard(ki)
+    def restore(self, ki: int, saved: _SavedKey) -> None:
+        for name, var in self.variables.items():
+            var.changed.pop(ki, None)
+            var.decoded.pop(ki, None)
+            if name in saved.changed:
+                var.changed[ki] = saved.changed[name]
+            if name in saved.decoded:
+                rows, expires = saved.decoded[name]
+                var.decoded[ki] = (list(rows), list(expires))
+        self.timers_of.pop(ki, None)
+        if saved.timers is not None:
+            self.timers_of[ki] = set(saved.timers)
+        self.timers_changed.discard(ki)
+        if saved.timers_changed:
+            self.timers_changed.add(ki)
 
 
 def apply_process(shard: ProcessShard, txn: ShardTransaction, data: pa.Table,
@@ -375,7 +394,7 @@ class _Run:
             return _frames(self.processor.handleInputRows(key, iter([rows]), self.timer_values), "handleInputRows")
         return self.call(ki, "handleInputRows", None, drained)
 
-    def _culprit(self, ki: int, key: tuple[Any, ...], rows: pd.DataFrame, saved: Any) -> int | None:
+    def _culprit(self, ki: int, key: tuple[Any, ...], rows: pd.DataFrame, saved: _SavedKey) -> int | None:
         """The first row whose prefix of the key's rows makes the handler raise: the
         record it was handling (processors are deterministic), by bisection from the
         key's state before the call; None when no prefix does."""
