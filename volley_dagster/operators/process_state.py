@@ -455,7 +455,7 @@ class _Run:
         keys = key_array.take(pa.array(index))
         out = [keys]
         for name, _ in fields:
-            out.append(self._output_column(table, name, schema.field(name).type, frames))
+            out.append(self._output_column(table, name, schema.field(name).type))
         if self.shard.update_keys is not None:
             out = _last_rows(out, [self.shard.key_column, *(n for n, _ in fields)], self.shard.update_keys)
         if self.shard.key_column in table.column_names:  # a frame without it takes the key it was emitted for
@@ -475,8 +475,7 @@ class _Run:
                     "it was emitted for: a processor emits rows of its own key"))
         return out
 
-    def _output_column(self, table: pa.Table, name: str, kind: pa.DataType,
-                       frames: list[tuple[int, pd.DataFrame]]) -> pa.Array:
+    def _output_column(self, table: pa.Table, name: str, kind: pa.DataType) -> pa.Array:
         column = table.column(name).combine_chunks()
         try:
             return column.cast(kind) if column.type != kind else column
