@@ -287,20 +287,19 @@ class Pipeline:
         name: str | None = None,
     ) -> Pipeline:
         """Run a team's own keyed logic: a ``StatefulProcessor`` (Spark 4's shape, as
-        for ``transformWithStateInPandas``) with state variables declared in ``init``
-        and event-time timers, over each key of ``key_by(...)``. Each key's records of
-        the epoch reach ``handleInputRows`` as one pandas frame, in log order; the
-        timers at or before the watermark fire after them (every timer at the end of
-        the stream); the rows the handlers yield (``output_schema``, Spark DDL; the key
-        is added first when it lacks it) go to the sinks: every row (``output_mode=
-        "append"``), or the last row the epoch emits per key and ``output_keys`` (Spark's
-        ``"update"``; what an upsert sink matches on). ``time_mode="ProcessingTime"``:
-        timers on the wall clock recorded when the epoch was cut (a retry fires the same).
-        With
-        ``time_mode="EventTime"``, ``event_time`` is the pipeline's clock: the
-        watermark trails the latest event time by ``max_out_of_orderness``, and a
-        record at or before the watermark its epoch starts from is late (counted,
-        never processed). ``input_columns`` narrows what the frames carry. The rules:
+        for ``transformWithStateInPandas``) with value, list and map state declared in
+        ``init`` and timers, over each key of ``key_by(...)``. Each key's records of the
+        epoch reach ``handleInputRows`` as one pandas frame, in log order; the timers
+        due fire after them; the rows the handlers yield (``output_schema``, Spark DDL;
+        the key is added first when it lacks it) go to the sinks: every row
+        (``output_mode="append"``), or the last row the epoch emits per key and
+        ``output_keys`` (Spark's ``"update"``; what an upsert sink matches on).
+        ``time_mode="EventTime"``: ``event_time`` is the pipeline's clock, the watermark
+        trails the latest event time by ``max_out_of_orderness``, a record at or before
+        the watermark its epoch starts from is late (counted, never processed), and
+        every timer fires at the stream's end. ``time_mode="ProcessingTime"``: timers on
+        the wall clock recorded when the epoch was cut (a retry fires the same).
+        ``input_columns`` narrows what the frames carry. The rules:
         ``volley_dagster.operators.process``."""
         clock = None if event_time is None else EventTime(
             event_time, duration_us(max_out_of_orderness, "max_out_of_orderness"), skew_us(max_event_time_skew))
