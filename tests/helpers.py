@@ -13,7 +13,21 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from volley_dagster import FileLog, ParquetSink, Pipeline, Source, count, first, last, max_, mean, min_, sum_
+from volley_dagster import (
+    DeltaSink,
+    DeltaTableSource,
+    FileLog,
+    ParquetSink,
+    Pipeline,
+    Source,
+    count,
+    first,
+    last,
+    max_,
+    mean,
+    min_,
+    sum_,
+)
 from volley_dagster.demo.events import EVENT_SCHEMA, events_for_file
 
 
@@ -286,3 +300,21 @@ def same_value(got: Any, expected: Any) -> bool:
             return math.isnan(got_f) and math.isnan(expected_f)
         return math.isclose(got_f, expected_f, rel_tol=1e-9, abs_tol=1e-8)
     return got == expected
+
+
+def minute_totals(table: str | Path, output: Path) -> Pipeline:
+    """A pipeline fed by another: each merchant's running totals over the rows the
+    merchant-minutes windows appended to their Delta ``table``, upserted into Delta at ``output``."""
+    return (Pipeline("minute_totals").source(DeltaTableSource(table)).key_by("merchant_id")
+            .aggregate(minutes=count(), events=sum_("events"), largest=max_("largest"))
+            .sink(DeltaSink(output, name="totals", mode="upsert")).with_shards(3))
+
+
+def minute_totals_reference(table: str | Path) -> pd.DataFrame:
+    """Those totals straight from the table's rows."""
+    from deltalake import DeltaTable
+
+    rows = pd.DataFrame(DeltaTable(str(table)).to_pyarrow_table().to_pydict())
+    totals = rows.groupby("merchant_id").agg(minutes=("events", "size"), events=("events", "sum"),
+                                             largest=("largest", "max"))
+    return totals.reset_index().sort_values("merchant_id").reset_index(drop=True)

@@ -269,6 +269,34 @@ def test_the_join_runs_and_writes_the_columns_the_page_names(spark, tmp_path, mo
     assert len(segments) == 4  # each source's two files, numbered across both
 
 
+CHAIN = "pipelines.md#Pipelines that feed pipelines/python"
+
+
+@runs(CHAIN)
+def test_the_hourly_refunds_read_the_join_table_and_equal_its_rows_counted(spark, tmp_path, monkeypatch):
+    """The join above writes its rows to an append table as well; the second pipeline
+    reads that table's commits, and (one epoch, then the end of the stream) its hours
+    equal the table's refunds counted by merchant and hour."""
+    monkeypatch.chdir(tmp_path)
+    write_refund_logs("data", 8, 100, merchants=10)
+    namespace = session(block(CHAIN))
+    run_python(block(JOIN), namespace)
+    run_python(block(CHAIN), namespace)
+    EpochRunner(namespace["joined"], "state/refunds", spark=spark).flush()
+    hourly = EpochRunner(namespace["hourly"], "state/refund_hours", spark=spark)
+    ran = hourly.flush()  # the table's commits, the stream's end with them
+    assert ran[-1].end_of_stream and sum(r.records_in for r in ran) == namespace["joined"].sinks[-1].read().num_rows
+    log = namespace["joined"].sinks[-1].read().to_pandas()
+    refunds = log[log.refund_amount.notna()]
+    hour = refunds.refunded_at.dt.floor("h")
+    expected = refunds.groupby([refunds.merchant_id, hour]).agg(refunds=("refund_amount", "size"),
+                                                                refunded=("refund_amount", "sum"))
+    got = namespace["hourly"].sinks[0].read().to_pandas()
+    assert sorted((r.merchant_id, r.window_start, r.refunds, round(r.refunded, 6)) for r in got.itertuples()) == \
+        sorted((m, h, n, round(t, 6)) for (m, h), n, t in zip(expected.index, expected.refunds, expected.refunded,
+                                                              strict=True))
+
+
 PROCESS = "pipelines.md#Your own stateful logic/python"
 
 

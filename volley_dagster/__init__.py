@@ -72,7 +72,9 @@ _LAZY: dict[str, tuple[str, ...]] = {
     "volley_dagster.settings": ("RunSettings",),
     "volley_dagster.sinks": ("DeltaSink", "IcebergSink", "MemorySink", "ParquetSink", "S3Endpoint", "Sink"),
     "volley_dagster.sources.base": ("Source",),
+    "volley_dagster.sources.delta_table": ("DeltaTableSource",),
     "volley_dagster.sources.file_log": ("FileLog",),
+    "volley_dagster.sources.iceberg_table": ("IcebergTableSource",),
     "volley_dagster.sources.multi": ("MultiSource",),
     "volley_dagster.spark.session": ("get_or_create_spark",),
 }
@@ -106,7 +108,9 @@ if TYPE_CHECKING:
     from volley_dagster.settings import RunSettings
     from volley_dagster.sinks import DeltaSink, IcebergSink, MemorySink, ParquetSink, S3Endpoint, Sink
     from volley_dagster.sources.base import Source
+    from volley_dagster.sources.delta_table import DeltaTableSource
     from volley_dagster.sources.file_log import FileLog
+    from volley_dagster.sources.iceberg_table import IcebergTableSource
     from volley_dagster.sources.multi import MultiSource
     from volley_dagster.spark.session import get_or_create_spark
 
@@ -134,6 +138,8 @@ __all__ = [
     "FencedError",
     "LeaseLapsedError",
     "FileLog",
+    "DeltaTableSource",
+    "IcebergTableSource",
     "MultiSource",
     "Source",
     "MalformedRecordError",

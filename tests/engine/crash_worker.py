@@ -1,5 +1,6 @@
 """Runs a pipeline to the end in its own process, for kill -9 tests:
-``python -m tests.engine.crash_worker BASE MAX_RECORDS KEEP [payments|payments_json|payments_enriched|channels|refunds|windows|windows_delta|ttl|dedup|unique|velocity|payments_kafka]``
+``python -m tests.engine.crash_worker BASE MAX_RECORDS KEEP [payments|payments_json|payments_enriched|channels|refunds|windows|windows_delta|ttl|dedup|unique|velocity|minute_totals|payments_kafka]``
+(``minute_totals`` reads the Delta table ``BASE/tables/delta/merchant_minutes``)
 (``payments_kafka`` reads the topic ``VOLLEY_TEST_KAFKA_TOPIC`` at ``VOLLEY_TEST_KAFKA``;
 ``VOLLEY_TEST_LEASE_TTL`` sets the runner's lease ttl in seconds).
 
@@ -15,7 +16,14 @@ from functools import partial
 from pathlib import Path
 
 from tests.dedup_reference import dedup_pipeline, unique_pipeline
-from tests.helpers import channels, enriched_payments, payments, payments_on_kafka, velocity_pipeline
+from tests.helpers import (
+    channels,
+    enriched_payments,
+    minute_totals,
+    payments,
+    payments_on_kafka,
+    velocity_pipeline,
+)
 from tests.ttl_reference import ttl_pipeline
 from tests.window_reference import crash_window_pipeline, staged_window_pipeline
 from volley_dagster import EpochRunner
@@ -43,6 +51,7 @@ def main(argv: list[str]) -> int:
              "channels": lambda events, out, tables: channels(events.parent),
              "refunds": lambda events, out, tables: refunds_pipeline(events, local_tables(tables)), "ttl": ttl_pipeline, "dedup": dedup_pipeline, "unique": unique_pipeline,
              "velocity": lambda events, out, tables: velocity_pipeline(events, tables=tables),
+             "minute_totals": lambda events, out, tables: minute_totals(tables / "delta" / "merchant_minutes", out),
              "payments_kafka": partial(payments_on_kafka, bootstrap_servers=os.environ.get("VOLLEY_TEST_KAFKA", ""),
                                        topic=os.environ.get("VOLLEY_TEST_KAFKA_TOPIC", ""))}[kind]
     ttl = {"lease_ttl_s": float(os.environ["VOLLEY_TEST_LEASE_TTL"])} if os.environ.get("VOLLEY_TEST_LEASE_TTL") else {}

@@ -2,6 +2,7 @@
 partitioned by epoch. A thin layer: every decision is the engine's."""
 
 import time
+from collections.abc import Mapping
 from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -131,10 +132,13 @@ def built_pipeline(deployment: Deployment, settings: TableSettings) -> Pipeline:
     return pipeline
 
 
-def epoch_assets(deployment: Deployment, spec_settings: TableSettings) -> list:
+def epoch_assets(deployment: Deployment, spec_settings: TableSettings,
+                 upstream: Optional[Mapping[Optional[str], AssetKey]] = None) -> list:
     """The epochs multi-asset with its checks, then its sources and dimension tables.
     ``spec_settings`` only names table locations for the asset specs; runs use the
-    resources' settings."""
+    resources' settings. ``upstream``: sources that read another pipeline's table
+    (``keys.upstream_sources``), whose asset is that table's, not one of their own."""
+    upstream = upstream or {}
     pipeline = built_pipeline(deployment, spec_settings)
     partitions = epochs_partitions(deployment)
     keys = PipelineKeys.of(deployment)
@@ -150,7 +154,7 @@ def epoch_assets(deployment: Deployment, spec_settings: TableSettings) -> list:
             metadata={"dagster/uri": log.uri, **log.describe(), **code},
             group_name=pipeline.name, owners=owners, tags=tags,
         )
-        for name, log in pipeline.source_log.parts().items()
+        for name, log in pipeline.source_log.parts().items() if name not in upstream
     ]
     dimensions = [
         AssetSpec(
@@ -166,7 +170,7 @@ def epoch_assets(deployment: Deployment, spec_settings: TableSettings) -> list:
     specs = [
         AssetSpec(
             keys.state,
-            deps=[s.key for s in sources] + [d.key for d in dimensions],
+            deps=[s.key for s in sources] + list(upstream.values()) + [d.key for d in dimensions],
             kinds={"spark", "rocksdb"},
             description=f"Keyed state of {pipeline.name!r} after each epoch (RocksDB snapshots).",
             skippable=True,  # materialized per committed epoch, by events (see the op)

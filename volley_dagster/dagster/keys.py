@@ -3,13 +3,18 @@ the sensor report, and the checks all name them from here, so the deployment's k
 prefix reaches every one."""
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Optional
 
 from dagster import AssetKey
 
 from volley_dagster.deploy import Deployment
+from volley_dagster.pipeline import Pipeline
 from volley_dagster.sinks import Sink
 from volley_dagster.sources.base import Source
+
+TableId = tuple[str, str]  # (kind, URI or catalog table name): how a sink's table and a table source meet
 
 
 def sink_kind(sink: Sink) -> str:
@@ -67,3 +72,22 @@ class PipelineKeys:
     def dimension(self, table: str) -> AssetKey:
         """A dimension table an enrichment joins: upstream of the state, written by others."""
         return self._key(f"dimension_{table}")
+
+
+def table_id(sink: Sink) -> Optional[TableId]:
+    """The table a sink writes, as a table source names what it reads (``Source.upstream_table``)."""
+    location = sink.location()
+    where = location.uri if location.uri is not None else location.table_name
+    return None if where is None else (location.kind, where)
+
+
+def upstream_sources(pipeline: Pipeline, tables: Mapping[TableId, AssetKey]) -> dict[Optional[str], AssetKey]:
+    """The pipeline's sources that read another pipeline's table in the same definitions,
+    each with that table's asset: it is the source's asset, so lineage runs on from the
+    upstream pipeline's table to this pipeline's state."""
+    found: dict[Optional[str], AssetKey] = {}
+    for part, source in pipeline.source_log.parts().items():
+        read = source.upstream_table()
+        if read is not None and read in tables:
+            found[part] = tables[read]
+    return found

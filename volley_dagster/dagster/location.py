@@ -24,10 +24,12 @@ from volley_dagster.dagster.epochs import (
     EPOCH_EXECUTOR,
     PIPELINE_TAG,
     RUN_RETRY_TAGS,
+    built_pipeline,
     epoch_assets,
     epochs_job_name,
     instance_check,
 )
+from volley_dagster.dagster.keys import PipelineKeys, table_id, upstream_sources
 from volley_dagster.dagster.migrate import migrate_job
 from volley_dagster.dagster.rescale import rescale_job
 from volley_dagster.dagster.resources import CheckpointResource, SparkResource, TablesResource
@@ -56,7 +58,11 @@ def build_definitions(
             raise ConfigError(f"build_definitions: deployments[{n}] is a {type(deployment).__name__}, not a "
                               "volley_dagster.dagster.Deployment" + (" (call the function that returns it)"
                                                                       if callable(deployment) else ""))
-        epochs, *specs = epoch_assets(deployment, tables.settings())
+    pipelines = {d.name: built_pipeline(d, tables.settings()) for d in deployments}
+    written = {table_id(sink): PipelineKeys.of(d).sink(sink) for d in deployments for sink in pipelines[d.name].sinks}
+    for deployment in deployments:
+        upstream = upstream_sources(pipelines[deployment.name], {t: k for t, k in written.items() if t is not None})
+        epochs, *specs = epoch_assets(deployment, tables.settings(), upstream)
         assets.extend([epochs, *specs])
         checks.append(instance_check(deployment))
         job = define_asset_job(
@@ -72,7 +78,7 @@ def build_definitions(
         assets.append(export)
         jobs.extend([job, cut_job(deployment), rescale_job(deployment, tables.settings()), migrate_job(deployment, tables.settings()),
                      export_job])
-        sensors.append(epoch_sensor(deployment, job))
+        sensors.append(epoch_sensor(deployment, job, frozenset(upstream)))
         if deployment.cron:
             schedules.append(epoch_schedule(deployment, job))
     return Definitions(

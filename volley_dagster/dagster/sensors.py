@@ -270,7 +270,9 @@ def _progress_event(instance, runner: EpochRunner, deployment: Deployment, repor
     return said, ([check_evaluation(PipelineKeys.of(deployment), progress)] if said != reported else [])
 
 
-def epoch_sensor(deployment: Deployment, job):
+def epoch_sensor(deployment: Deployment, job, upstream: frozenset[Optional[str]] = frozenset()):
+    """``upstream``: sources read from another pipeline's table, whose asset that
+    pipeline's runs report: they are not observed here."""
     partitions = epochs_partitions(deployment)
 
     @sensor(
@@ -302,7 +304,8 @@ def epoch_sensor(deployment: Deployment, job):
             return SensorResult(skip_reason=_cannot_cut(context, deployment, exc), cursor=kept,
                                 asset_events=instance_reported)
         events: list = [source_changed(runner, keys, part, source_observation(runner, waiting, now, part))
-                        for part, waiting in source_backlogs(backlog).items() if (part or "") in landed]
+                        for part, waiting in source_backlogs(backlog).items()
+                        if (part or "") in landed and part not in upstream]
         events += instance_reported
         new_keys = unregistered_partitions(context.instance, deployment, runner.committed_epoch(), runner.log.last_cut())
         add = [partitions.build_add_request(new_keys)] if new_keys else []

@@ -5,9 +5,9 @@ observes what waits. Nothing outside a source looks inside its positions: a rang
 start and end are per partition, written to the epoch log as the source gives them
 and handed back to it to cut the next range from.
 
-``FileLog`` (files in a folder or an S3 prefix) is the one implementation today; a
-Kafka source is the next (issue 19): its positions are offsets, its segments offset
-ranges of a topic partition.
+Implementations: ``FileLog`` (files in a folder or an S3 prefix), ``KafkaSource``
+(offsets of topic partitions), ``DeltaTableSource`` and ``IcebergTableSource``
+(another pipeline's table: commits or snapshots), and ``MultiSource`` (several read as one).
 """
 
 from __future__ import annotations
@@ -158,6 +158,12 @@ class Source(ABC):
         """The sources this one reads, each shown as its own asset: by name for several
         read as one (``sources/multi.py``); a single source is its one, unnamed part."""
         return {None: self}
+
+    def upstream_table(self) -> tuple[str, str] | None:
+        """The table this source reads, as (kind, location) where a sink names it
+        (``SinkLocation``): the pipeline writing that table is upstream of this one in
+        Dagster's lineage. None: not a table."""
+        return None
 
     def range_of(self, name: str | None, rng: EpochRange) -> EpochRange:
         """Part ``name``'s share of a recorded range (a single source's: all of it)."""

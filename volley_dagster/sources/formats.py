@@ -136,6 +136,20 @@ def _decode_parquet(data: bytes, start: int, end: int, schema: pa.Schema, base: 
     return _good_rows(table, positions)
 
 
+def decode_table(table: pa.Table, schema: pa.Schema, positions: np.ndarray) -> pa.Table:
+    """Records already in Arrow (a table's data file), cast to ``schema`` by name: a
+    column the file lacks is null, a value that does not cast makes its row bad."""
+    missing = [f for f in schema if f.name not in table.column_names]
+    table = table.select([name for name in schema.names if name in table.column_names])
+    for f in missing:
+        table = table.append_column(f.name, pa.nulls(table.num_rows, f.type))
+    table = table.select(schema.names)
+    try:
+        return _good_rows(table.cast(schema), positions)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
+        return _bad_rows_by_column(table, schema, positions, exc)
+
+
 def _bad_rows_by_column(table: pa.Table, schema: pa.Schema, positions: np.ndarray, exc: Exception) -> pa.Table:
     """A Parquet column that does not cast: the rows it fails on are bad, the rest good."""
     ok = np.ones(table.num_rows, dtype=bool)
@@ -261,3 +275,23 @@ def decode_values_with(decode: Callable[[pa.BinaryArray], pa.Table], values: Seq
 
 def _text(value: bytes | None) -> str | None:
     return None if value is None else value[:4096].decode("utf-8", errors="replace")
+
+
+def plain_type(kind: pa.DataType) -> pa.DataType:
+    """Arrow's large and view types as the plain ones Spark reads."""
+    if pa.types.is_large_string(kind) or pa.types.is_string_view(kind):
+        return pa.string()
+    if pa.types.is_large_binary(kind) or pa.types.is_binary_view(kind):
+        return pa.binary()
+    if pa.types.is_large_list(kind) or pa.types.is_list(kind):
+        return pa.list_(pa.field(kind.value_field.name, plain_type(kind.value_type), kind.value_field.nullable))
+    if pa.types.is_struct(kind):
+        return pa.struct([pa.field(f.name, plain_type(f.type), f.nullable) for f in kind])
+    if pa.types.is_map(kind):
+        return pa.map_(plain_type(kind.key_type), plain_type(kind.item_type))
+    return kind
+
+
+def plain_schema(schema: pa.Schema) -> pa.Schema:
+    """A table format's schema (pyiceberg's, delta-rs's) in the types Spark reads."""
+    return pa.schema([pa.field(f.name, plain_type(f.type), f.nullable) for f in schema])

@@ -45,10 +45,25 @@ class Offset:
         return cls(int(d["offset"]))
 
 
-SourcePosition = Union[Position, Offset]
+@dataclass(frozen=True)
+class TableVersion:
+    """How far a table is read (``sources/table.py``): the last Delta version or
+    Iceberg snapshot whose records were cut into an epoch; None: none yet."""
+
+    table_version: int | None
+
+    @classmethod
+    def from_dict(cls, d: JsonObject) -> TableVersion:
+        value = d["table_version"]
+        return cls(None if value is None else int(value))
+
+
+SourcePosition = Union[Position, Offset, TableVersion]
 
 
 def position_from_dict(d: JsonObject) -> SourcePosition:
+    if "table_version" in d:
+        return TableVersion.from_dict(d)
     return Offset.from_dict(d) if "offset" in d else Position.from_dict(d)
 
 
@@ -180,6 +195,8 @@ class EpochRange:
         def fmt(pos: SourcePosition) -> str:
             if isinstance(pos, Offset):
                 return f"offset {pos.offset}"
+            if isinstance(pos, TableVersion):
+                return "start" if pos.table_version is None else f"version {pos.table_version}"
             return f"{pos.file}:{pos.record}" if pos.file else "start"
 
         return {p: f"{fmt(self.start[p])} -> {fmt(self.end[p])}" for p in sorted(self.end)}

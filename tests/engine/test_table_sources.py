@@ -1,0 +1,180 @@
+"""Pipelines that feed pipelines, on real Spark, RocksDB, Delta and Iceberg: pipeline B
+reads pipeline A's table (``DeltaTableSource``, ``IcebergTableSource``) while A keeps
+committing, and B's tables equal the reference fed exactly the rows B's epochs
+recorded, which are every row of A's table, each once. A re-run reads the same
+versions; a version VACUUM removed fails the epoch by name; a change the append
+reader cannot follow is refused by name."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import pytest
+from deltalake import DeltaTable
+
+from tests.engine.test_crash_recovery import run_until_killed
+from tests.helpers import minute_totals, minute_totals_reference
+from tests.window_reference import reference_epochs
+from volley_dagster import EpochRunner, RunSettings
+from volley_dagster.demo.events import generate
+from volley_dagster.demo.merchant_refunds import REFUND_CHANGES, merchant_refunds_pipeline
+from volley_dagster.demo.payments import local_tables, merchant_minutes_pipeline
+from volley_dagster.demo.refunds import refunds_pipeline, write_refund_logs
+from volley_dagster.errors import SourceDataLostError, SourceError
+from volley_dagster.operators.event_time import duration_us
+from volley_dagster.operators.window import tumbling
+from volley_dagster.sinks.iceberg import open_catalog
+
+PER_FILE = 400
+
+
+def assert_totals(output, table) -> None:
+    got = DeltaTable(output).to_pyarrow_table(columns=["merchant_id", "minutes", "events", "largest"])
+    got = got.to_pandas().sort_values("merchant_id").reset_index(drop=True)
+    pd.testing.assert_frame_equal(got, minute_totals_reference(table), check_dtype=False)
+
+
+def recorded_rows(runner: EpochRunner, epoch: int) -> pa.Table:
+    """The rows epoch ``epoch`` recorded, in log order, read straight from the data
+    files its segments name, with ``file`` and ``offset``."""
+    parts = []
+    for seg in runner.log.offsets(epoch).segments:
+        rows = pq.read_table(seg.file.removeprefix("file://")).slice(seg.start, seg.records)
+        parts.append(rows.append_column("file", pa.array([seg.file] * rows.num_rows))
+                     .append_column("offset", pa.array(range(seg.start, seg.end), pa.int64())))
+    return pa.concat_tables(parts, promote_options="default") if parts else None
+
+
+def test_hourly_refunds_read_from_the_refunds_pipelines_iceberg_table_equal_the_reference(spark, tmp_path):
+    events = tmp_path / "events"
+    write_refund_logs(events, 3, PER_FILE)
+    tables = local_tables(tmp_path / "tables")
+    upstream = EpochRunner(refunds_pipeline(events, tables, shards=2), tmp_path / "refunds",
+                           RunSettings(max_records_per_epoch=900), spark=spark)
+    downstream = EpochRunner(merchant_refunds_pipeline(tables), tmp_path / "merchant_refunds", spark=spark)
+    assert downstream.run_next() is None  # no table yet: nothing to cut, no error
+
+    ran: list[int] = []
+    for round_ in range(3):
+        if round_ == 1:
+            write_refund_logs(events, 2, PER_FILE, first_file=3)
+        while upstream.run_next() is not None:
+            pass
+        if round_ == 2:
+            upstream.flush()  # the join's last outer rows
+        result = downstream.run_next()
+        assert result is not None and result.records_in > 0
+        ran.append(result.epoch)
+    rerun = downstream.run(ran[0])
+    assert rerun.already_committed
+    final = downstream.flush()
+
+    # B read every row of A's table, each once
+    changelog = open_catalog("volley", tables.iceberg_catalog).load_table(REFUND_CHANGES).scan().to_arrow()
+    epochs = [recorded_rows(downstream, e) for e in [*ran, *(r.epoch for r in final)]]
+    read = pa.concat_tables([e for e in epochs if e is not None], promote_options="default")
+    key = ["payment_id", "payments_row", "refunds_row"]
+    assert sorted(zip(*(read.column(c).to_pylist() for c in key))) == \
+        sorted(zip(*(changelog.column(c).to_pylist() for c in key)))
+
+    # and its windows equal the window reference fed those rows, epoch by epoch
+    as_events = [None if e is None else pa.table({
+        "merchant_id": e.column("merchant_id"), "event_time": e.column("refunded_at"),
+        "amount": e.column("refund_amount"), "event_id": e.column("payment_id"),
+        "status": pc.if_else(e.column("refund_amount").is_null(), "failed", "ok"),
+        "file": e.column("file"), "offset": e.column("offset")}) for e in epochs]
+    empty = pa.table({c: pa.array([], t) for c, t in [("merchant_id", pa.int64()), ("event_time", pa.timestamp("us", "UTC")),
+                     ("amount", pa.float64()), ("event_id", pa.int64()), ("status", pa.string()), ("file", pa.string()),
+                     ("offset", pa.int64())]})
+    ref = reference_epochs([e if e is not None else empty for e in as_events], tumbling("1 hour"),
+                           duration_us("1 minute", "delay"), 0, end_of_stream=True)
+    expected = sorted(row[:6] for rows in ref.fired.values() for row in rows)
+    hours = DeltaTable(f"{tables.warehouse}/delta/merchant_refund_hours").to_pyarrow_table().to_pandas()
+    got = sorted((r.merchant_id, int(r.window_start.value // 1000), int(r.window_end.value // 1000), r.refunds,
+                  round(r.refunded, 6), r.largest) for r in hours.itertuples())
+    assert len(got) > 10 and got == expected
+
+
+def _minutes_then_totals(tmp_path, spark, events_files: int):
+    events = tmp_path / "events"
+    generate(events, events_files, 300, 20, seed=3, events_per_second=2)
+    tables = local_tables(tmp_path / "tables")
+    minutes = EpochRunner(merchant_minutes_pipeline(events, tables, shards=2), tmp_path / "minutes",
+                          RunSettings(max_records_per_epoch=300), spark=spark)
+    table = f"{tables.warehouse}/delta/merchant_minutes"
+    return events, minutes, EpochRunner(minute_totals(table, tmp_path / "totals"), tmp_path / "totals_state",
+                                        spark=spark), table
+
+
+def test_running_totals_over_the_minutes_pipelines_delta_table_equal_the_table_summed(spark, tmp_path):
+    events, minutes, totals, table = _minutes_then_totals(tmp_path, spark, 3)
+    committed = []
+    for round_ in range(2):
+        if round_ == 1:
+            generate(events, 2, 300, 20, seed=3, first_file=3, events_per_second=2)
+        minutes.run_next()  # A commits one epoch at a time, B reads what is there
+        while (result := totals.run_next()) is not None:
+            committed.append(result)
+        while minutes.run_next() is not None:
+            pass
+        while (result := totals.run_next()) is not None:
+            committed.append(result)
+    ranges = [totals.log.offsets(r.epoch) for r in committed]
+    versions = [int(s.version) for rng in ranges for s in rng.segments]
+    assert versions == sorted(versions) and len(set(versions)) > 2  # several of A's commits, in order
+
+    assert_totals(tmp_path / "totals", table)
+
+    # a committed epoch re-run reads the versions it recorded and changes nothing
+    before = DeltaTable(tmp_path / "totals").version()
+    assert totals.run(committed[0].epoch).already_committed
+    assert DeltaTable(tmp_path / "totals").version() == before
+
+
+def test_a_version_vacuumed_before_its_epoch_ran_fails_it_by_name_and_commits_nothing(spark, tmp_path):
+    events, minutes, totals, table = _minutes_then_totals(tmp_path, spark, 2)
+    while minutes.run_next() is not None:
+        pass
+    rng = totals.cut_next()
+    assert rng is not None and rng.segments
+    lost = tmp_path / "tables" / "delta" / "merchant_minutes" / rng.segments[0].file
+    lost.unlink()  # as VACUUM removes a file past its retention
+    with pytest.raises(SourceDataLostError, match=rf"epoch {rng.epoch}: Delta table .* version "
+                                                   rf"{rng.segments[0].version} .*VACUUM.*Nothing was committed"):
+        totals.run(rng.epoch)
+    assert totals.committed_epoch() == 0 and not (tmp_path / "totals").exists()
+
+
+def test_a_delete_in_the_table_is_refused_by_name_by_the_append_reader(spark, tmp_path):
+    events, minutes, totals, table = _minutes_then_totals(tmp_path, spark, 1)
+    while minutes.run_next() is not None:
+        pass
+    DeltaTable(table).delete("events > 1")
+    with pytest.raises(SourceError, match=r"version \d+ \(DELETE\) changes or deletes rows.*changes=True"):
+        totals.run_next()
+
+
+@pytest.mark.parametrize(("point", "epoch"), [("segment_read", 2), pytest.param("after_snapshot", 3, marks=pytest.mark.deep)])
+def test_a_pipeline_reading_a_table_killed_mid_epoch_resumes_to_the_same_totals(spark, tmp_path, point, epoch):
+    """``kill -9`` while reading the upstream table's files (or with its state
+    snapshotted): a new runner reads the versions each epoch recorded, and every row of
+    the table counts once."""
+    events = tmp_path / "events"
+    generate(events, 4, 300, 20, seed=5, events_per_second=2)
+    minutes = EpochRunner(merchant_minutes_pipeline(events, local_tables(tmp_path / "tables"), shards=2),
+                          tmp_path / "minutes", RunSettings(max_records_per_epoch=300), spark=spark)
+    while minutes.run_next() is not None:
+        pass
+    table = tmp_path / "tables" / "delta" / "merchant_minutes"
+    crashed = run_until_killed(tmp_path, point, epoch, kind="minute_totals", max_records=40)
+    assert crashed.returncode == -9, crashed.stderr[-2000:]
+    resumed = EpochRunner(minute_totals(table, tmp_path / "out"), tmp_path / "state",
+                          RunSettings(max_records_per_epoch=40), spark=spark)
+    assert resumed.committed_epoch() == epoch - 1
+    resumed.run_available()
+    assert_totals(tmp_path / "out", table)
+    history = resumed.pipeline.sinks[0].epoch_history("minute_totals")
+    assert sorted(history) == list(range(1, resumed.committed_epoch() + 1)) and resumed.committed_epoch() > epoch
+    assert all(len(commits) == 1 for commits in history.values())  # each epoch committed once
