@@ -27,6 +27,7 @@ def test_volley_demo_exits_zero_every_time(tmp_path):
         assert "terminate called" not in done.stderr and "Fatal Python error" not in done.stderr, done.stderr[-3000:]
         assert "next: './dev dagster' serves the Dagster UI" in done.stdout
         assert "velocity: a processor of our own" in done.stdout and "velocity_alerts (append):" in done.stdout
+        assert "merchant_refunds: refunds per merchant per hour" in done.stdout and "merchant hours" in done.stdout
 
 
 def test_the_command_leaves_with_mains_status():

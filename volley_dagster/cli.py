@@ -73,6 +73,7 @@ def describe_checkpoints(root: Path) -> str:
 
 def demo(args: argparse.Namespace) -> int:
     from volley_dagster import EpochRunner
+    from volley_dagster.demo.merchant_refunds import merchant_refunds_pipeline
     from volley_dagster.demo.payments import local_tables, merchant_minutes_pipeline, payments_pipeline
     from volley_dagster.demo.refunds import refunds_pipeline
     from volley_dagster.demo.velocity import velocity_pipeline
@@ -89,6 +90,7 @@ def demo(args: argparse.Namespace) -> int:
     print(describe_checkpoints(runner.log.root))
     demo_windows(merchant_minutes_pipeline(work / "events", tables, shards=args.shards), work, args, runner.spark)
     demo_join(refunds_pipeline(work / "streams", tables, shards=args.shards), work, args, runner.spark)
+    demo_chain(merchant_refunds_pipeline(tables), work, args, runner.spark)
     demo_velocity(velocity_pipeline(work / "events", tables, cards=args.keys, shards=args.shards), work, args,
                   runner.spark)
     print(f"\nnext: './dev dagster' serves the Dagster UI at http://127.0.0.1:3000 over {work}; "
@@ -215,6 +217,21 @@ def demo_join(pipeline, work: Path, args: argparse.Namespace, spark) -> None:
               f"{r.figures.get('join_unmatched', 0):>10,} {r.late_records:>5} {waiting:>8,} {r.durations['total']:>8.2f}")
     joined = pipeline.sinks[0]
     print(f"Delta table {joined.uri} (upsert by payment and both row ids): {joined.read().num_rows:,} rows")
+
+
+def demo_chain(pipeline, work: Path, args: argparse.Namespace, spark) -> None:
+    """A pipeline fed by another: refunds per merchant per hour, read from the join's Iceberg table."""
+    from volley_dagster import EpochRunner
+
+    runner = EpochRunner(pipeline, work / "state" / pipeline.name, RunSettings(max_records_per_epoch=args.max_records, keep_epochs=args.keep), spark=spark)
+    print(f"\n{pipeline.name}: refunds per merchant per hour, read from the join's Iceberg table (a pipeline fed by "
+          "another: each epoch reads the snapshots the join appended since the last)")
+    print(f"{'epoch':>5} {'records':>9} {'hours':>7} {'late':>5} {'opened':>6} {'seconds':>8}")
+    for r in runner.run_available():
+        print(f"{r.epoch:>5} {r.records_in:>9,} {r.records_out:>7,} {r.late_records:>5} "
+              f"{r.figures.get('windows_opened', 0):>6,} {r.durations['total']:>8.2f}")
+    (hours,) = pipeline.sinks
+    print(f"Delta table {hours.uri} (append): {hours.read().num_rows:,} merchant hours")
 
 
 def demo_velocity(pipeline, work: Path, args: argparse.Namespace, spark) -> None:

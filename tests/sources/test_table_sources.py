@@ -62,9 +62,13 @@ def test_a_delta_change_the_append_reader_cannot_follow_is_refused_and_its_log_l
     write_deltalake(uri, rows(range(0, 4)))
     DeltaTable(uri).update(updates={"amount": "0.0"}, predicate="id = 1")
     source = DeltaTableSource(uri)
+    first = source.cut(1, {}, None)  # the versions before the update are read first
+    assert first.records == 4 and first.end == {"table": TableVersion(0)}
+    with pytest.raises(SourceError, match="version 1 .UPDATE."):
+        source.backlog(first.end)  # what the sensor shows
     with pytest.raises(SourceError, match=r"version 1 \(UPDATE\) changes or deletes rows, and this source reads "
-                                          r"appends only.*changes=True"):
-        source.cut(1, {}, None)
+                                          r"appends only.*changes=True.*starting_version=2"):
+        source.cut(2, first.end, None)
     start = DeltaTableSource(uri, starting_version=2)
     assert start.cut(1, {}, None).records == 0  # past it: nothing refused
     DeltaTable(uri).create_checkpoint()
@@ -90,6 +94,9 @@ def test_the_change_data_feed_is_read_with_its_change_kind_and_the_same_order_ev
     assert kinds == [(0, "insert", i) for i in range(6)] + \
         sorted([(1, "update_preimage", i) for i in (0, 2, 4)] + [(1, "update_postimage", i) for i in (0, 2, 4)]) + \
         [(2, "delete", 5)]
+    DeltaTable(uri).vacuum(retention_hours=0, enforce_retention_duration=False, dry_run=False)
+    with pytest.raises(SourceDataLostError, match=r"epoch 1: Delta table .* version 0 .*VACUUM"):
+        source.verify(rng)  # version 0's file, rewritten by the update, is gone
 
 
 def test_a_table_that_does_not_exist_yet_waits(tmp_path):
@@ -127,3 +134,62 @@ def test_iceberg_appends_are_read_snapshot_by_snapshot_and_an_overwrite_or_an_ex
     table.refresh().delete("id = 1")
     with pytest.raises(SourceError, match=r"snapshot \d+ is an 'overwrite'|snapshot \d+ is an 'delete'"):
         source.cut(3, rest.end, None)
+
+
+def test_delta_timestamp_partitions_read_as_written_and_column_mapping_is_refused_with_what_to_do(tmp_path):
+    when = pa.array([0, 86_400_000_123, None], pa.int64()).cast(pa.timestamp("us", tz="UTC"))
+    table = pa.table({"id": [1, 2, 3], "at": when})
+    write_deltalake(str(tmp_path / "t"), table, partition_by=["at"])
+    source = DeltaTableSource(tmp_path / "t")
+    read = read_all(source, source.cut(1, {}, None))
+    assert sorted(read.select(["id", "at"]).to_pylist(), key=lambda r: r["id"]) == table.to_pylist()
+
+    write_deltalake(str(tmp_path / "mapped"), pa.table({"id": [1]}),
+                    configuration={"delta.columnMapping.mode": "name", "delta.minReaderVersion": "2",
+                                   "delta.minWriterVersion": "5"})
+    with pytest.raises(SourceError, match=r"uses column mapping .*changes=True"):
+        DeltaTableSource(tmp_path / "mapped", starting_version=1).schema()
+
+
+def test_iceberg_history_expired_is_named_or_read_whole_and_a_renamed_column_reads_the_same(tmp_path):
+    catalog = sqlite_catalog(tmp_path / "iceberg")
+    cat = open_catalog("volley", catalog)
+    cat.create_namespace("ns")
+    table = cat.create_table("ns.t", schema=SCHEMA)
+    for start in (0, 2, 4, 6):
+        table.append(rows(range(start, start + 2)))
+    snapshots = [s.snapshot_id for s in table.refresh().snapshots()]
+    reader = IcebergTableSource("ns.t", catalog=catalog)
+    first = reader.cut(1, {}, max_records=2)
+    assert first.end == {"table": TableVersion(snapshots[0])}
+
+    table.refresh().maintenance.expire_snapshots().by_id(snapshots[1]).commit()  # unread, in the middle
+    with pytest.raises(SourceDataLostError, match=r"snapshot \d+ can no longer be read: the snapshots between it and "
+                                                  rf"snapshot {snapshots[0]}, read last, expired"):
+        reader.cut(2, first.end, None)
+    fresh = IcebergTableSource("ns.t", catalog=catalog)  # a new pipeline starts from the oldest snapshot left, whole
+    table.refresh().maintenance.expire_snapshots().by_id(snapshots[0]).commit()
+    whole = fresh.cut(1, {}, None)
+    assert sorted(read_all(fresh, whole).column("id").to_pylist()) == list(range(8))
+
+    before = read_all(fresh, whole)
+    with table.refresh().update_schema() as update:
+        update.rename_column("amount", "value")
+    after = read_all(fresh, whole)  # a retry in the same process: the columns it started with
+    assert after.equals(before)
+
+
+def test_a_table_source_names_its_table_as_the_sink_writing_it_does(tmp_path, monkeypatch):
+    """Dagster's lineage joins a pipeline's table asset to the next one's source by these."""
+    from volley_dagster import DeltaSink, IcebergSink
+
+    monkeypatch.chdir(tmp_path)
+    sink = DeltaSink("tables/alerts/", name="alerts")
+    assert DeltaTableSource(tmp_path / "tables" / "x" / ".." / "alerts").upstream_table() == \
+        sink.location().identity() == DeltaTableSource(f"file://{tmp_path}/tables/alerts").upstream_table()
+    assert DeltaTableSource("s3a://bucket/alerts/").upstream_table() == \
+        DeltaSink("s3://bucket/alerts", name="s3").location().identity()
+    one, other = sqlite_catalog(tmp_path / "one"), sqlite_catalog(tmp_path / "other")
+    written = IcebergSink("ns.alerts", catalog=one, name="alerts").location().identity()
+    assert IcebergTableSource("ns.alerts", catalog=one).upstream_table() == written
+    assert IcebergTableSource("ns.alerts", catalog=other).upstream_table() != written  # same name, another catalog

@@ -8,7 +8,9 @@ is set: then the warm Spark, as ``./dev dagster`` does by default.
 ``VOLLEY_TEST_BACKOFF`` (``first_s,max_s,retries_in_run``) scales the recovery
 backoff, unset: the shipped defaults. ``VOLLEY_TEST_SPARK_MASTER`` (a standalone
 master's URL, with ``VOLLEY_TEST_SPARK_CONFIG``, JSON ``spark.*`` keys such as the
-driver's address) runs every run on that cluster instead."""
+driver's address) runs every run on that cluster instead. ``VOLLEY_TEST_CHAIN`` serves
+the refunds join over ``streams/`` and the refunds per merchant per hour fed by its
+Iceberg table instead of the payments pipeline."""
 
 import json
 import os
@@ -19,7 +21,9 @@ from dagster import in_process_executor
 
 from volley_dagster.dagster.location import build_definitions
 from volley_dagster.dagster.resources import CheckpointResource, S3Resource, SparkResource, TablesResource
+from volley_dagster.demo.merchant_refunds import merchant_refunds_deployment
 from volley_dagster.demo.payments import payments_deployment
+from volley_dagster.demo.refunds import refunds_deployment
 from volley_dagster.recovery import Backoff
 
 BASE = Path(os.environ["VOLLEY_TEST_BASE"])
@@ -27,12 +31,16 @@ SENSOR = bool(os.environ.get("VOLLEY_TEST_SENSOR"))
 WARM = bool(os.environ.get("VOLLEY_TEST_WARM"))
 MASTER = os.environ.get("VOLLEY_TEST_SPARK_MASTER")
 
-deployment = replace(payments_deployment(BASE / "events"), sensor_running=SENSOR)
+CHAIN = bool(os.environ.get("VOLLEY_TEST_CHAIN"))
+deployments = [refunds_deployment(BASE / "streams"), merchant_refunds_deployment()] if CHAIN \
+    else [payments_deployment(BASE / "events")]
+deployments = [replace(d, sensor_running=SENSOR) for d in deployments]
 if SENSOR:
-    deployment = replace(deployment, min_records=1, max_wait_s=None, sensor_interval_s=2)
+    deployments = [replace(d, min_records=1, max_wait_s=None, sensor_interval_s=2) for d in deployments]
 if os.environ.get("VOLLEY_TEST_BACKOFF"):
     first_s, max_s, retries_in_run = os.environ["VOLLEY_TEST_BACKOFF"].split(",")
-    deployment = replace(deployment, backoff=Backoff(float(first_s), float(max_s), retries_in_run=int(retries_in_run)))
+    backoff = Backoff(float(first_s), float(max_s), retries_in_run=int(retries_in_run))
+    deployments = [replace(d, backoff=backoff) for d in deployments]
 STORE = os.environ.get("VOLLEY_TEST_SNAPSHOT_STORE")
 S3 = S3Resource(endpoint_url=os.environ["VOLLEY_TEST_S3_ENDPOINT"], access_key_id=os.environ["AWS_ACCESS_KEY_ID"],
                 secret_access_key=os.environ["AWS_SECRET_ACCESS_KEY"]) if STORE else None
@@ -43,7 +51,7 @@ else:
     SPARK = SparkResource() if WARM else SparkResource(master="local[2]")
 
 defs = build_definitions(
-    [deployment],
+    deployments,
     checkpoints=CheckpointResource(root=str(BASE / "state"), max_records_per_epoch=1_500, snapshot_store_uri=STORE,
                                    s3=S3),
     tables=TablesResource(warehouse=str(BASE / "tables")),

@@ -9,11 +9,13 @@ from pathlib import Path
 from typing import Callable, Optional, TypedDict
 
 from dagster import (
+    AllPartitionMapping,
     AssetCheckExecutionContext,
     AssetCheckKey,
     AssetCheckResult,
     AssetChecksDefinition,
     AssetCheckSpec,
+    AssetDep,
     AssetExecutionContext,
     AssetKey,
     AssetMaterialization,
@@ -170,7 +172,9 @@ def epoch_assets(deployment: Deployment, spec_settings: TableSettings,
     specs = [
         AssetSpec(
             keys.state,
-            deps=[s.key for s in sources] + list(upstream.values()) + [d.key for d in dimensions],
+            # another pipeline's epoch N is not this one's: each epoch reads the versions it recorded
+            deps=[s.key for s in sources] + [AssetDep(k, partition_mapping=AllPartitionMapping())
+                                             for k in upstream.values()] + [d.key for d in dimensions],
             kinds={"spark", "rocksdb"},
             description=f"Keyed state of {pipeline.name!r} after each epoch (RocksDB snapshots).",
             skippable=True,  # materialized per committed epoch, by events (see the op)

@@ -14,7 +14,7 @@ from volley_dagster.pipeline import Pipeline
 from volley_dagster.sinks import Sink
 from volley_dagster.sources.base import Source
 
-TableId = tuple[str, str]  # (kind, URI or catalog table name): how a sink's table and a table source meet
+TableId = tuple[str, str]  # how a sink's table and a table source meet: ``SinkLocation.identity``
 
 
 def sink_kind(sink: Sink) -> str:
@@ -72,13 +72,6 @@ class PipelineKeys:
     def dimension(self, table: str) -> AssetKey:
         """A dimension table an enrichment joins: upstream of the state, written by others."""
         return self._key(f"dimension_{table}")
-
-
-def table_id(sink: Sink) -> Optional[TableId]:
-    """The table a sink writes, as a table source names what it reads (``Source.upstream_table``)."""
-    location = sink.location()
-    where = location.uri if location.uri is not None else location.table_name
-    return None if where is None else (location.kind, where)
 
 
 def upstream_sources(pipeline: Pipeline, tables: Mapping[TableId, AssetKey]) -> dict[Optional[str], AssetKey]:

@@ -29,7 +29,7 @@ from volley_dagster.dagster.epochs import (
     epochs_job_name,
     instance_check,
 )
-from volley_dagster.dagster.keys import PipelineKeys, table_id, upstream_sources
+from volley_dagster.dagster.keys import PipelineKeys, upstream_sources
 from volley_dagster.dagster.migrate import migrate_job
 from volley_dagster.dagster.rescale import rescale_job
 from volley_dagster.dagster.resources import CheckpointResource, SparkResource, TablesResource
@@ -59,7 +59,8 @@ def build_definitions(
                               "volley_dagster.dagster.Deployment" + (" (call the function that returns it)"
                                                                       if callable(deployment) else ""))
     pipelines = {d.name: built_pipeline(d, tables.settings()) for d in deployments}
-    written = {table_id(sink): PipelineKeys.of(d).sink(sink) for d in deployments for sink in pipelines[d.name].sinks}
+    written = {sink.location().identity(): PipelineKeys.of(d).sink(sink)
+               for d in deployments for sink in pipelines[d.name].sinks}
     for deployment in deployments:
         upstream = upstream_sources(pipelines[deployment.name], {t: k for t, k in written.items() if t is not None})
         epochs, *specs = epoch_assets(deployment, tables.settings(), upstream)

@@ -65,6 +65,12 @@ def catalog_properties(catalog: dict[str, str] | None, path: str | os.PathLike[s
             **(s3.iceberg_properties() if s3 else {})}
 
 
+def catalog_identity(properties: dict[str, str]) -> str:
+    """Which catalog the properties open (its uri, else its warehouse): two tables of one
+    name in two catalogs are two tables."""
+    return properties.get("uri") or properties.get("warehouse") or properties.get("type", "")
+
+
 def split_identifier(table: str) -> tuple[str, str]:
     if "." not in table:
         raise ConfigError(f"Iceberg table {table!r} must be 'namespace.table'")
@@ -282,7 +288,7 @@ class IcebergSink(TableSink[Table]):
 
     def location(self) -> SinkLocation:
         return SinkLocation("iceberg", table_name=self.identifier, mode=self.mode,
-                            epoch_column=self.epoch_column)
+                            epoch_column=self.epoch_column, catalog=catalog_identity(self.catalog_properties))
 
     def describe(self) -> JsonObject:
         return {**super().describe(), "table": self.identifier, "mode": self.mode,

@@ -38,7 +38,7 @@ from volley_dagster.errors import (
     SourceNotReadyError,
     SourceUnavailableError,
 )
-from volley_dagster.io.paths import table_uri
+from volley_dagster.io.paths import table_identity, table_uri
 from volley_dagster.io.s3 import S3Endpoint
 from volley_dagster.json_records import JsonObject
 from volley_dagster.sources import formats
@@ -75,10 +75,18 @@ class DeltaCommit:
     added: tuple[AddedFile, ...]
     changes_rows: bool  # it removes rows, or writes a change data file: not an append
     column_mapping: bool
+    change_files: tuple[str, ...] = ()  # its change data files (``cdc``), which the change data feed reads
+    removed: tuple[str, ...] = ()  # the data files it removes: without change data files, the feed reads them
+
+    def feed_files(self) -> tuple[str, ...]:
+        """The files its change data feed reads: its change data files, else the files it adds and removes."""
+        return self.change_files or tuple(a.path for a in self.added if a.data_change) + self.removed
 
     @classmethod
     def parse(cls, version: int, text: bytes) -> DeltaCommit:
         added: list[AddedFile] = []
+        cdc: list[str] = []
+        removed: list[str] = []
         operation, timestamp, changes, mapping = "", None, False, False
         for line in text.splitlines():
             if not line.strip():
@@ -94,13 +102,27 @@ class DeltaCommit:
                                        add.get("partitionValues") or {}, bool(add.get("dataChange", True))))
                 changes |= add.get("deletionVector") is not None and bool(add.get("dataChange", True))
             elif "remove" in action:
-                changes |= bool(action["remove"].get("dataChange", True))
+                if action["remove"].get("dataChange", True):
+                    changes = True
+                    removed.append(unquote(action["remove"]["path"]))
             elif "cdc" in action:
                 changes = True
+                cdc.append(unquote(action["cdc"]["path"]))
             elif "metaData" in action:
                 mode = (action["metaData"].get("configuration") or {}).get("delta.columnMapping.mode", "none")
                 mapping = mode != "none"
-        return cls(version, operation, timestamp, tuple(sorted(added, key=lambda a: a.path)), changes, mapping)
+        return cls(version, operation, timestamp, tuple(sorted(added, key=lambda a: a.path)), changes, mapping,
+                   tuple(sorted(cdc)), tuple(sorted(removed)))
+
+    def refusal(self, uri: str) -> str | None:
+        """Why an append-only reading cannot follow this commit (None: it can)."""
+        if self.changes_rows:
+            return (f"Delta table {uri} version {self.version} ({self.operation or 'a commit'}) changes or deletes "
+                    "rows, and this source reads appends only")
+        if self.column_mapping:
+            return (f"Delta table {uri} version {self.version} turns on column mapping (its files name columns by "
+                    "physical names), which this source's append reader does not read")
+        return None
 
 
 class DeltaTableSource(Source):
@@ -125,7 +147,7 @@ class DeltaTableSource(Source):
         return {"type": "delta_table", "uri": self.uri, "read": "changes" if self.changes else "appends"}
 
     def upstream_table(self) -> tuple[str, str]:
-        return ("delta", self.uri)
+        return table_identity("delta", self.uri)
 
     def _table(self) -> Any:
         from deltalake import DeltaTable
@@ -140,9 +162,17 @@ class DeltaTableSource(Source):
             raise SourceUnavailableError(f"Delta table {self.uri}: {exc}") from exc
 
     def schema(self) -> pa.Schema:
+        """The table's columns when first asked (then kept: every attempt reads with them)."""
         if self._schema is None:
-            table = formats.plain_schema(pa.schema(self._table().schema().to_arrow()))
-            self._schema = pa.schema([*table, *CHANGE_COLUMNS]) if self.changes else table
+            table = self._table()
+            mapping = table.metadata().configuration.get("delta.columnMapping.mode", "none")
+            if mapping != "none" and not self.changes:
+                raise SourceError(f"Delta table {self.uri} uses column mapping (delta.columnMapping.mode={mapping}), "
+                                  "which this source's append reader does not read: read its change data feed "
+                                  "with DeltaTableSource(..., changes=True) (the table needs "
+                                  "delta.enableChangeDataFeed=true)")
+            columns = formats.plain_schema(pa.schema(table.schema().to_arrow()))
+            self._schema = pa.schema([*columns, *CHANGE_COLUMNS]) if self.changes else columns
         return self._schema
 
     # -- the log -------------------------------------------------------------------
@@ -181,18 +211,10 @@ class DeltaTableSource(Source):
         return self.starting_version if pos.table_version is None else pos.table_version + 1
 
     def _segments_of(self, commit: DeltaCommit, first_id: int, epoch: int | None) -> list[Segment]:
+        """The segments of a commit an append-only reading (or the change feed) can follow."""
         if self.changes:
             return [Segment(first_id, PARTITION, f"{_LOG}/{commit.version:020d}.json", 0,
                             self._change_rows(commit.version, epoch).num_rows, 0, str(commit.version))]
-        if commit.changes_rows:
-            raise SourceError(
-                f"{'epoch %d: ' % epoch if epoch is not None else ''}Delta table {self.uri} version {commit.version} "
-                f"({commit.operation or 'a commit'}) changes or deletes rows, and this source reads appends only. "
-                "Nothing was cut. Read the table's changes with DeltaTableSource(..., changes=True) (the table needs "
-                "delta.enableChangeDataFeed=true), or start a new checkpoint root with starting_version past it")
-        if commit.column_mapping:
-            raise SourceError(f"Delta table {self.uri} version {commit.version} turns on column mapping, which the "
-                              "append reader does not read; read it with changes=True")
         segments: list[Segment] = []
         for add in commit.added:
             if add.data_change:
@@ -200,6 +222,13 @@ class DeltaTableSource(Source):
                 segments.append(Segment(first_id + len(segments), PARTITION, add.path, 0, records, add.size,
                                         str(commit.version)))
         return segments
+
+    def _refused(self, commit: DeltaCommit) -> SourceError:
+        return SourceError(
+            f"{commit.refusal(self.uri)}. Nothing was cut: every version before it is read. Read the table's "
+            "changes with DeltaTableSource(..., changes=True) (the table needs delta.enableChangeDataFeed=true), "
+            f"or start a new checkpoint root with starting_version={commit.version + 1} (the rows this version "
+            "changed are not read)")
 
     def _footer_rows(self, path: str, version: int, epoch: int | None) -> int:
         return pq.ParquetFile(pa.BufferReader(self._data(path, version, epoch))).metadata.num_rows
@@ -219,14 +248,22 @@ class DeltaTableSource(Source):
         try:
             read = self._table().load_cdf(starting_version=version, ending_version=version)
             rows = pa.table(read.read_all())
-        except DeltaError as exc:
+        except SourceError:
+            raise
+        except Exception as exc:  # delta-rs raises DeltaError, and plain Exception from its Arrow stream
             text = str(exc)
-            if "change data" in text.lower():
+            if "does not have change data" in text.lower():
                 raise SourceError(
                     f"Delta table {self.uri} version {version} has no change data feed ({text}); set "
                     "delta.enableChangeDataFeed=true on the table before the versions this source reads, or read "
                     "its appends (changes=False)") from exc
-            raise self._lost(epoch, version, text) from exc
+            if "not found" in text.lower():
+                raise self._lost(epoch, version, f"a file its change data feed reads is gone (VACUUM): {text}") from exc
+            if isinstance(exc, (DeltaError, OSError)) or "error" in text.lower():
+                raise SourceUnavailableError(f"{'epoch %d: ' % epoch if epoch is not None else ''}Delta table "
+                                             f"{self.uri} version {version}: its change data feed could not be read "
+                                             f"({type(exc).__name__}: {text}); retried") from exc
+            raise
         rows = rows.select([f.name for f in self.schema()]).cast(self.schema())
         keys = [(f.name, "ascending", "at_end") for f in rows.schema if not pa.types.is_nested(f.type)]
         return rows.take(pc.sort_indices(rows, sort_keys=keys)) if keys else rows
@@ -240,7 +277,12 @@ class DeltaTableSource(Source):
         begin = after.get(PARTITION, TableVersion(None))
         last = begin.table_version if isinstance(begin, TableVersion) else None
         for version in range(start, latest + 1):
-            taken = self._segments_of(self._commit(version), len(segments), None)
+            commit = self._commit(version)
+            if not self.changes and commit.refusal(self.uri) is not None:
+                if version == start:
+                    raise self._refused(commit)
+                break  # the versions before it are cut; the next cut names it
+            taken = self._segments_of(commit, len(segments), None)
             if segments and max_records is not None and sum(s.records for s in segments + taken) > max_records:
                 break  # whole commits only: a commit is the table's unit of change
             segments.extend(taken)
@@ -249,7 +291,14 @@ class DeltaTableSource(Source):
 
     def backlog(self, after: Mapping[str, SourcePosition]) -> Backlog:
         start, latest = self._start(after), self.latest_version()
-        commits = [self._commit(v) for v in range(start, latest + 1)]
+        commits: list[DeltaCommit] = []
+        for version in range(start, latest + 1):
+            commit = self._commit(version)
+            if not self.changes and commit.refusal(self.uri) is not None:
+                if not commits:
+                    raise self._refused(commit)
+                break
+            commits.append(commit)
         files = [a for c in commits for a in c.added if a.data_change]
         records = sum(a.records or 0 for a in files)
         if self.changes:  # the feed's rows, as far as the log's statistics tell
@@ -261,7 +310,10 @@ class DeltaTableSource(Source):
         for seg in rng.segments:
             version = int(seg.version)
             if self.changes:
-                self._commit(version, rng.epoch)
+                commit = self._commit(version, rng.epoch)
+                for path in commit.feed_files():
+                    if self.storage.stat(path) is None:
+                        raise self._lost(rng.epoch, version, f"its file {path} is gone (VACUUM)")
             elif self.storage.stat(seg.file) is None:
                 raise self._lost(rng.epoch, version, f"its data file {seg.file} is gone (VACUUM)")
 
@@ -275,7 +327,8 @@ class DeltaTableSource(Source):
                 raise SourceError(f"epoch {epoch}: Delta table {self.uri} version {version} does not add {seg.file}, "
                                   "which the epoch recorded; was the table deleted and re-created?")
             rows = pq.read_table(pa.BufferReader(self._data(seg.file, version, epoch)))
-            rows = _with_partition_values(rows, add.partition_values, self.schema())
+            rows = _with_partition_values(rows, add.partition_values, self.schema(),
+                                          f"epoch {epoch}: Delta table {self.uri} version {version} ({seg.file})")
         if rows.num_rows < seg.end:
             raise SourceError(f"epoch {epoch}: Delta table {self.uri} version {version} ({seg.file}) holds "
                               f"{rows.num_rows} rows, not the {seg.end} recorded; was the table re-created?")
@@ -288,11 +341,23 @@ class DeltaTableSource(Source):
                               if version >= 0 else {"table_version": "no table yet"})
 
 
-def _with_partition_values(rows: pa.Table, values: Mapping[str, str | None], schema: pa.Schema) -> pa.Table:
-    """A partitioned table's partition columns, which its data files leave out."""
+def _with_partition_values(rows: pa.Table, values: Mapping[str, str | None], schema: pa.Schema,
+                           where: str) -> pa.Table:
+    """A partitioned table's partition columns, which its data files leave out. Delta
+    writes them as text: a timestamp as ``2024-01-02 03:04:05.123456`` in UTC."""
     for name, value in values.items():
         if name in rows.column_names or name not in schema.names:
             continue
-        column = pa.array([value] * rows.num_rows, pa.string()).cast(schema.field(name).type)
+        kind = schema.field(name).type
+        text = pa.array([value] * rows.num_rows, pa.string())
+        try:
+            if pa.types.is_timestamp(kind):
+                naive = pc.replace_substring(pc.replace_substring(text, "T", " "), "Z", "")
+                column = naive.cast(pa.timestamp(kind.unit)).cast(kind)
+            else:
+                column = text.cast(kind)
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
+            raise SourceError(f"{where}: partition value {name}={value!r} does not read as {kind} ({exc}); the "
+                              "epoch cannot be read as recorded") from exc
         rows = rows.append_column(name, column)
     return rows

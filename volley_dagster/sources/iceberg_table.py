@@ -21,6 +21,7 @@ import numpy as np
 import pyarrow as pa
 
 from volley_dagster.errors import SourceDataLostError, SourceError, SourceNotReadyError
+from volley_dagster.io.paths import table_identity
 from volley_dagster.io.s3 import S3Endpoint
 from volley_dagster.json_records import JsonObject
 from volley_dagster.sources import formats
@@ -28,7 +29,7 @@ from volley_dagster.sources.base import Source, SourceSnapshot
 from volley_dagster.sources.offsets import Backlog, EpochRange, Segment, SourcePosition, TableVersion
 
 if TYPE_CHECKING:
-    from pyiceberg.table import FileScanTask, Table
+    from pyiceberg.table import DataScan, FileScanTask, IncrementalAppendScan, Table
     from pyiceberg.table.snapshots import Snapshot
 
 __all__ = ["IcebergTableSource"]
@@ -53,13 +54,16 @@ class IcebergTableSource(Source):
         self.catalog_name = catalog_name
         self.uri = f"iceberg:{table}"
         self._schema: pa.Schema | None = None
-        self._files: dict[int, tuple[FileScanTask, ...]] = {}  # a snapshot's added files never change
+        self._schema_id: int | None = None  # of the schema ``schema()`` read: files are projected on it
+        self._files: dict[tuple[int, bool], tuple[FileScanTask, ...]] = {}  # a snapshot's files never change
 
     def describe(self) -> JsonObject:
         return {"type": "iceberg_table", "table": self.identifier, "read": "appends"}
 
     def upstream_table(self) -> tuple[str, str]:
-        return ("iceberg", self.identifier)
+        from volley_dagster.sinks.iceberg import catalog_identity
+
+        return table_identity("iceberg", self.identifier, catalog_identity(self.catalog_properties))
 
     def _table(self) -> Table:
         from pyiceberg.exceptions import NoSuchTableError
@@ -73,9 +77,12 @@ class IcebergTableSource(Source):
                                       "pipeline writing it commits its first epoch)") from exc
 
     def schema(self) -> pa.Schema:
+        """The table's columns when first asked (then kept: every attempt reads its
+        files projected on them, by field id, so a column renamed since reads the same)."""
         if self._schema is None:
-            arrow = self._table().schema().as_arrow()
-            self._schema = formats.plain_schema(arrow)
+            current = self._table().schema()
+            self._schema_id = current.schema_id
+            self._schema = formats.plain_schema(current.as_arrow())
         return self._schema
 
     def _table_if_any(self) -> Table | None:
@@ -87,12 +94,21 @@ class IcebergTableSource(Source):
     # -- the snapshots ---------------------------------------------------------------
 
     def _appended(self, after: Mapping[str, SourcePosition]) -> list[tuple[Snapshot, tuple[FileScanTask, ...]]]:
-        """Each unread snapshot with the files it added, oldest first (none while there
-        is no table yet)."""
+        """Each unread snapshot with the files it added, oldest first, up to one this
+        source refuses (none while there is no table yet)."""
         table = self._table_if_any()
         if table is None:
             return []
-        return [(snapshot, self._added(table, snapshot, None)) for snapshot in self._unread(table, after, None)]
+        first_read = self._last(after) is None
+        found: list[tuple[Snapshot, tuple[FileScanTask, ...]]] = []
+        for i, snapshot in enumerate(self._unread(table, after, None)):
+            try:
+                found.append((snapshot, self._added(table, snapshot, None, whole=first_read and i == 0)))
+            except SourceError:
+                if not found:
+                    raise  # the next snapshot to read is refused: named
+                break  # the snapshots before it are read first; the next cut names it
+        return found
 
     def _unread(self, table: Table, after: Mapping[str, SourcePosition], epoch: int | None) -> list[Snapshot]:
         """The current snapshot's ancestors after the last one read, oldest first."""
@@ -103,12 +119,14 @@ class IcebergTableSource(Source):
             chain.append(snapshot)
             parent = snapshot.parent_snapshot_id
             snapshot = table.snapshot_by_id(parent) if parent is not None else None
-            if parent is not None and snapshot is None and last is None:
-                raise self._lost(epoch, parent, "it expired (expire_snapshots) before this source first read the "
-                                                "table, so the rows it appended cannot be read as appends")
+        # on a first read the oldest snapshot left is read whole (``_added``), as Spark starts
         if last is not None and snapshot is None:
-            if table.snapshot_by_id(last) is None:
+            read_last = table.snapshot_by_id(last)
+            if read_last is None:
                 raise self._lost(epoch, last, "it expired (expire_snapshots), so where the next epoch starts is unknown")
+            if chain and chain[-1].timestamp_ms > read_last.timestamp_ms:  # the snapshots between expired
+                raise self._lost(epoch, chain[-1].snapshot_id, f"the snapshots between it and snapshot {last}, read "
+                                 "last, expired (expire_snapshots) before they were read")
             raise SourceError(f"Iceberg table {self.identifier}: snapshot {last}, read last, is no longer an ancestor "
                               "of the current snapshot (a rollback?); nothing was cut. Start a new checkpoint root")
         return chain[::-1]
@@ -126,24 +144,36 @@ class IcebergTableSource(Source):
             f"can no longer be read: {what}. Nothing was {'committed' if epoch is not None else 'cut'}. Keep "
             "snapshots longer than epochs wait to run (expire_snapshots' age), or start a new checkpoint root")
 
-    def _added(self, table: Table, snapshot: Snapshot, epoch: int | None) -> tuple[FileScanTask, ...]:
-        """The data files an append snapshot added, by path."""
+    def _added(self, table: Table, snapshot: Snapshot, epoch: int | None, whole: bool = False) -> tuple[FileScanTask, ...]:
+        """The data files an append snapshot added, by path; ``whole``: every data file
+        it holds (where a first read starts, its history before it maybe expired)."""
         operation = snapshot.summary.operation.value if snapshot.summary is not None else _APPEND
-        if operation in _NO_RECORDS:
+        if not whole and operation in _NO_RECORDS:
             return ()
-        if operation != _APPEND:
+        if not whole and operation != _APPEND:
             raise SourceError(
                 f"{'epoch %d: ' % epoch if epoch is not None else ''}Iceberg table {self.identifier} snapshot "
                 f"{snapshot.snapshot_id} is an {operation!r}, which changes or deletes rows, and this source reads "
-                "appends only (the table is an upsert table?). Nothing was cut; read an append-only table, or start "
-                "a new checkpoint root past it")
-        if snapshot.snapshot_id not in self._files:
-            scan = table.incremental_append_scan(from_snapshot_id_exclusive=snapshot.parent_snapshot_id,
-                                                 to_snapshot_id_inclusive=snapshot.snapshot_id) \
-                if snapshot.parent_snapshot_id is not None else \
-                table.incremental_append_scan(to_snapshot_id_inclusive=snapshot.snapshot_id)
-            self._files[snapshot.snapshot_id] = tuple(sorted(scan.plan_files(), key=lambda t: t.file.file_path))
-        return self._files[snapshot.snapshot_id]
+                "appends only (the table is an upsert table?). Nothing was cut: every snapshot before it is read. "
+                "Read an append-only table, or start a new checkpoint root")
+        cached = (snapshot.snapshot_id, whole)
+        if cached not in self._files:
+            scan: DataScan | IncrementalAppendScan
+            if whole:
+                scan = table.scan(snapshot_id=snapshot.snapshot_id)
+            elif snapshot.parent_snapshot_id is not None:
+                scan = table.incremental_append_scan(from_snapshot_id_exclusive=snapshot.parent_snapshot_id,
+                                                     to_snapshot_id_inclusive=snapshot.snapshot_id)
+            else:
+                scan = table.incremental_append_scan(to_snapshot_id_inclusive=snapshot.snapshot_id)
+            tasks = tuple(sorted(scan.plan_files(), key=lambda t: t.file.file_path))
+            deleted = [t.file.file_path for t in tasks if t.delete_files]
+            if deleted:
+                raise SourceError(f"Iceberg table {self.identifier} snapshot {snapshot.snapshot_id}: data file "
+                                  f"{deleted[0]} has row-level deletes, which an append-only reading cannot follow; "
+                                  "read an append-only table")
+            self._files[cached] = tasks
+        return self._files[cached]
 
     # -- Source ----------------------------------------------------------------------
 
@@ -152,7 +182,7 @@ class IcebergTableSource(Source):
         begin = after.get(PARTITION, TableVersion(None))
         last = self._last(after)
         segments: list[Segment] = []
-        for snapshot, added in self._appended(after):
+        for snapshot, added in self._appended(after):  # stops before a snapshot it refuses, naming it when first
             records = sum(t.file.record_count for t in added)
             if segments and max_records is not None and sum(s.records for s in segments) + records > max_records:
                 break  # whole snapshots only: a snapshot is the table's unit of change
@@ -183,12 +213,16 @@ class IcebergTableSource(Source):
         snapshot = table.snapshot_by_id(int(seg.version))
         if snapshot is None:
             raise self._lost(epoch, int(seg.version), "it expired (expire_snapshots)")
-        task = next((t for t in self._added(table, snapshot, epoch) if t.file.file_path == seg.file), None)
+        task = next((t for whole in (False, True) for t in self._added(table, snapshot, epoch, whole)
+                     if t.file.file_path == seg.file), None)
         if task is None:
             raise SourceError(f"epoch {epoch}: Iceberg table {self.identifier} snapshot {seg.version} does not add "
                               f"{seg.file}, which the epoch recorded; was the table re-created?")
         try:
-            rows = ArrowScan(table.metadata, table.io, table.schema(), AlwaysTrue()).to_table([task])
+            self.schema()  # the columns every attempt projects on
+            projection = table.schemas().get(self._schema_id, table.schema()) if self._schema_id is not None \
+                else table.schema()
+            rows = ArrowScan(table.metadata, table.io, projection, AlwaysTrue()).to_table([task])
         except FileNotFoundError as exc:
             raise self._lost(epoch, int(seg.version), f"its data file {seg.file} is gone") from exc
         rows = rows.slice(seg.start, seg.end - seg.start)

@@ -1,0 +1,64 @@
+"""Two pipelines chained under a real ``dagster dev``, as a team deploys them: the
+refunds join over two logs landing every few seconds, and the refunds per merchant per
+hour reading its Iceberg table, both sensors running and the runs on the warm Spark.
+A run of each pipeline is killed with ``kill -9`` in its shard stage; nobody acts.
+The downstream table must equal the window reference fed exactly the rows its epochs
+recorded, which must be every row of the upstream table, each once."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from harness.dagster_dev import dagster_dev
+from tests.chain_reference import assert_hourly_refunds_equal_reference
+from tests.ui.test_self_healing import kill_9, run_worker_in_shard_stage, wait_for
+from volley_dagster import EpochRunner
+from volley_dagster.demo.merchant_refunds import merchant_refunds_pipeline
+from volley_dagster.demo.payments import local_tables
+from volley_dagster.demo.refunds import refunds_pipeline, write_refund_logs
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+FILES, PER_FILE = 9, 300  # 90 minutes of payments: the first hours of refunds close
+HEAL_WITHIN_S = 240
+
+pytestmark = pytest.mark.deep  # a second dagster dev with two pipelines: tests/ui/test_self_healing.py covers healing
+
+
+def test_a_chain_of_two_pipelines_heals_from_a_kill_9_in_each_to_the_reference(tmp_path):
+    base = tmp_path
+    env = {"VOLLEY_TEST_BASE": str(base), "VOLLEY_TEST_SENSOR": "1", "VOLLEY_TEST_WARM": "1", "VOLLEY_TEST_CHAIN": "1"}
+    with dagster_dev(HERE / "workspace.yaml", dagster_yaml=ROOT / "dagster.yaml",
+                     overrides={"run_coordinator": {"config": {"dequeue_interval_seconds": 1}}},
+                     home=base / "dagster_home", env=env) as srv:
+        def land() -> None:
+            for i in range(FILES):
+                write_refund_logs(base / "streams", 1, PER_FILE, first_file=i)
+                time.sleep(4)
+
+        lander = threading.Thread(target=land)
+        lander.start()
+        killed = []
+        try:
+            for pipeline in ("refunds", "merchant_refunds"):
+                state = base / "state" / pipeline
+                pid = wait_for(lambda s=state: run_worker_in_shard_stage(s), 200, f"a {pipeline} run in its shard stage",
+                               srv)
+                kill_9(pid)
+                killed.append(pipeline)
+        finally:
+            lander.join()
+        assert killed == ["refunds", "merchant_refunds"]
+
+        tables = local_tables(base / "tables")
+        upstream = EpochRunner(refunds_pipeline(base / "streams", tables), base / "state" / "refunds")
+        downstream = EpochRunner(merchant_refunds_pipeline(tables), base / "state" / "merchant_refunds")
+        settled = lambda r: r.records_waiting() == 0 and r.committed_epoch() == r.log.last_cut() > 0  # noqa: E731
+        wait_for(lambda: settled(upstream) and settled(downstream), HEAL_WITHIN_S, "both pipelines to commit", srv)
+        hours = assert_hourly_refunds_equal_reference(downstream, tables, end_of_stream=False)
+        print(f"{downstream.committed_epoch()} epochs of merchant_refunds, {hours} hours equal the reference")
+        assert hours > 0
