@@ -60,21 +60,22 @@ def test_hourly_refunds_read_from_the_refunds_pipelines_iceberg_table_equal_the_
 
 def _minutes_then_totals(tmp_path, spark, events_files: int):
     events = tmp_path / "events"
-    generate(events, events_files, 300, 20, seed=3, events_per_second=2)
+    generate(events, events_files, 200, 20, seed=3, events_per_second=1)
     tables = local_tables(tmp_path / "tables")
     minutes = EpochRunner(merchant_minutes_pipeline(events, tables, shards=2), tmp_path / "minutes",
-                          RunSettings(max_records_per_epoch=300), spark=spark)
+                          RunSettings(max_records_per_epoch=150), spark=spark)
     table = f"{tables.warehouse}/delta/merchant_minutes"
     return events, minutes, EpochRunner(minute_totals(table, tmp_path / "totals"), tmp_path / "totals_state",
                                         spark=spark), table
 
 
+@pytest.mark.deep  # the kill -9 test below checks the same totals over A's commits, read by several epochs
 def test_running_totals_over_the_minutes_pipelines_delta_table_equal_the_table_summed(spark, tmp_path):
-    events, minutes, totals, table = _minutes_then_totals(tmp_path, spark, 3)
+    events, minutes, totals, table = _minutes_then_totals(tmp_path, spark, 2)
     committed = []
     for round_ in range(2):
         if round_ == 1:
-            generate(events, 2, 300, 20, seed=3, first_file=3, events_per_second=2)
+            generate(events, 1, 200, 20, seed=3, first_file=2, events_per_second=1)
         minutes.run_next()  # A commits one epoch at a time, B reads what is there
         while (result := totals.run_next()) is not None:
             committed.append(result)
@@ -119,19 +120,20 @@ def test_a_delete_in_the_table_is_refused_by_name_by_the_append_reader(spark, tm
         totals.run_next()
 
 
-@pytest.mark.parametrize(("point", "epoch"), [("segment_read", 2), pytest.param("after_snapshot", 3, marks=pytest.mark.deep)])
-def test_a_pipeline_reading_a_table_killed_mid_epoch_resumes_to_the_same_totals(spark, tmp_path, point, epoch):
-    """``kill -9`` while reading the upstream table's files (or with its state
-    snapshotted): a new runner reads the versions each epoch recorded, and every row of
-    the table counts once."""
+@pytest.mark.parametrize(("point", "epoch", "shard"), [("shard_after_snapshot", 2, 1),
+                                                    pytest.param("after_snapshot", 3, None, marks=pytest.mark.deep)])
+def test_a_pipeline_reading_a_table_killed_mid_epoch_resumes_to_the_same_totals(spark, tmp_path, point, epoch, shard):
+    """``kill -9`` in a shard task, its files read by Spark's own scan (or with every
+    shard snapshotted): a new runner reads the versions each epoch recorded, and every
+    row of the table counts once."""
     events = tmp_path / "events"
-    generate(events, 4, 300, 20, seed=5, events_per_second=2)
+    generate(events, 3, 200, 20, seed=5, events_per_second=1)
     minutes = EpochRunner(merchant_minutes_pipeline(events, local_tables(tmp_path / "tables"), shards=2),
-                          tmp_path / "minutes", RunSettings(max_records_per_epoch=300), spark=spark)
+                          tmp_path / "minutes", RunSettings(max_records_per_epoch=150), spark=spark)
     while minutes.run_next() is not None:
         pass
     table = tmp_path / "tables" / "delta" / "merchant_minutes"
-    crashed = run_until_killed(tmp_path, point, epoch, kind="minute_totals", max_records=40)
+    crashed = run_until_killed(tmp_path, point, epoch, shard, kind="minute_totals", max_records=40)
     assert crashed.returncode == -9, crashed.stderr[-2000:]
     resumed = EpochRunner(minute_totals(table, tmp_path / "out"), tmp_path / "state",
                           RunSettings(max_records_per_epoch=40), spark=spark)

@@ -193,3 +193,18 @@ def test_a_table_source_names_its_table_as_the_sink_writing_it_does(tmp_path, mo
     written = IcebergSink("ns.alerts", catalog=one, name="alerts").location().identity()
     assert IcebergTableSource("ns.alerts", catalog=one).upstream_table() == written
     assert IcebergTableSource("ns.alerts", catalog=other).upstream_table() != written  # same name, another catalog
+
+
+def test_appended_files_go_to_sparks_own_scan_unless_partition_values_or_other_columns_are_missing(tmp_path):
+    write_deltalake(str(tmp_path / "plain"), rows(range(0, 3)))
+    write_deltalake(str(tmp_path / "plain"), rows(range(3, 5)), mode="append")
+    plain = DeltaTableSource(tmp_path / "plain")
+    rng = plain.cut(1, {}, None)
+    native = plain.native_parquet_files(rng, plain.schema())
+    assert native is not None and [f.records for f in native] == [s.records for s in rng.segments] == [3, 2]
+    assert all(f.is_all_of(s) for f, s in zip(native, rng.segments, strict=True))
+    write_deltalake(str(tmp_path / "parted"), rows(range(0, 3)), partition_by=["region"])
+    parted = DeltaTableSource(tmp_path / "parted")
+    assert parted.native_parquet_files(parted.cut(1, {}, None), parted.schema()) is None  # the region is not in the files
+    changes = DeltaTableSource(tmp_path / "plain", changes=True)
+    assert changes.native_parquet_files(rng, changes.schema()) is None

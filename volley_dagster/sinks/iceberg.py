@@ -67,8 +67,15 @@ def catalog_properties(catalog: dict[str, str] | None, path: str | os.PathLike[s
 
 def catalog_identity(properties: dict[str, str]) -> str:
     """Which catalog the properties open (its uri, else its warehouse): two tables of one
-    name in two catalogs are two tables."""
-    return properties.get("uri") or properties.get("warehouse") or properties.get("type", "")
+    name in two catalogs are two tables. A secret given as a Dagster ``EnvVar`` (the
+    asset specs' settings) is named by its variable, never read."""
+    for key in ("uri", "warehouse", "type"):
+        value: object = properties.get(key)
+        if hasattr(value, "env_var_name"):  # an EnvVar is a str whose text may not be read
+            return f"${value.env_var_name}"
+        if value:
+            return str(value)
+    return ""
 
 
 def split_identifier(table: str) -> tuple[str, str]:

@@ -42,9 +42,9 @@ from volley_dagster.io.paths import table_identity, table_uri
 from volley_dagster.io.s3 import S3Endpoint
 from volley_dagster.json_records import JsonObject
 from volley_dagster.sources import formats
-from volley_dagster.sources.base import Source, SourceSnapshot
+from volley_dagster.sources.base import NativeParquetFile, Source, SourceSnapshot
 from volley_dagster.sources.offsets import Backlog, EpochRange, Segment, SourcePosition, TableVersion
-from volley_dagster.sources.storage import Storage, storage_for
+from volley_dagster.sources.storage import LocalStorage, Storage, storage_for
 
 __all__ = ["DeltaTableSource"]
 
@@ -316,6 +316,23 @@ class DeltaTableSource(Source):
                         raise self._lost(rng.epoch, version, f"its file {path} is gone (VACUUM)")
             elif self.storage.stat(seg.file) is None:
                 raise self._lost(rng.epoch, version, f"its data file {seg.file} is gone (VACUUM)")
+
+    def native_parquet_files(self, rng: EpochRange, schema: pa.Schema) -> list[NativeParquetFile] | None:
+        """An append range's data files when Spark's own scan reads them exactly: local,
+        without partition values (which the files leave out), each with the columns of
+        ``schema``, name and type. None otherwise: ``read_segment`` reads them."""
+        if self.changes or not isinstance(self.storage, LocalStorage):
+            return None
+        files = []
+        for seg in rng.segments:
+            add = next((a for a in self._commit(int(seg.version), rng.epoch).added if a.path == seg.file), None)
+            if add is None or add.partition_values:
+                return None
+            native = formats.native_parquet_file(self.storage.root / seg.file, schema)
+            if native is None:
+                return None
+            files.append(native)
+        return files
 
     def read_segment(self, seg: Segment, schema: pa.Schema, epoch: int) -> pa.Table:
         version = int(seg.version)

@@ -11,14 +11,11 @@ format's extension.
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from volley_dagster.errors import ConfigError, SourceChangedError, SourceError, SourceNotReadyError
 from volley_dagster.json_records import JsonObject
@@ -28,7 +25,6 @@ from volley_dagster.sources.offsets import Backlog, EpochRange, Position, Segmen
 from volley_dagster.sources.storage import FileInfo, LocalStorage, Storage, storage_for
 
 DEFAULT_PARTITION = ""
-_GLOB = re.compile(r"[\[\]{}*?\\]")  # what Hadoop's path globbing reads as a pattern
 # Every this many epochs a cut lists the whole log: on S3 the cuts between list only
 # from the last file read, which cannot see a file landing before it.
 FULL_LISTING_EVERY = 1000
@@ -250,11 +246,9 @@ class FileLog(Source):
         files = []
         for seg in rng.segments:
             path = self.storage.root / seg.file
-            if _GLOB.search(str(path)):  # Spark would read the name as a pattern, maybe of other files
-                return None
             key = (seg.file, seg.size, seg.version)
             if key not in self._native_ok:
-                self._native_ok[key] = _native_file(path, schema)
+                self._native_ok[key] = formats.native_parquet_file(path, schema)
             native = self._native_ok[key]
             if native is None:
                 return None
@@ -279,18 +273,6 @@ class FileLog(Source):
 
     def __getstate__(self) -> dict[str, object]:
         return {**self.__dict__, "_counts": {}, "_native_ok": {}}
-
-
-def _native_file(path: Path, schema: pa.Schema) -> NativeParquetFile | None:
-    """The file as Spark's scan would read it, from one open of its footer (its schema,
-    record count and statistics); None when its columns are not the log's, name and type."""
-    try:
-        with pq.ParquetFile(path) as footer:
-            found = footer.schema_arrow
-            fits = all(found.get_field_index(f.name) >= 0 and found.field(f.name).type == f.type for f in schema)
-            return NativeParquetFile(str(path), footer.metadata.num_rows, formats.parquet_statistics(footer)) if fits else None
-    except (OSError, pa.ArrowInvalid):
-        return None
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,10 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import re
 from collections import Counter
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -20,7 +22,7 @@ import pyarrow.json as pj
 import pyarrow.parquet as pq
 
 from volley_dagster import columns
-from volley_dagster.sources.base import ColumnStatistics, RowGroupStatistics
+from volley_dagster.sources.base import ColumnStatistics, NativeParquetFile, RowGroupStatistics
 
 FORMATS = {"parquet": (".parquet",), "json": (".json", ".jsonl", ".ndjson")}
 
@@ -28,6 +30,24 @@ FORMATS = {"parquet": (".parquet",), "json": (".json", ".jsonl", ".ndjson")}
 _TIMESTAMP_UNIT_US = {"milliseconds": 1_000, "microseconds": 1}  # Spark reads neither nanoseconds nor INT96 exactly
 # written by Spark 2 (or in its legacy mode): Spark rebases old timestamps as it reads them
 _SPARK_REBASED = (b"org.apache.spark.legacyDateTime", b"org.apache.spark.legacyINT96")
+
+
+_GLOB = re.compile(r"[\[\]{}*?\\]")  # what Hadoop's path globbing reads as a pattern
+
+
+def native_parquet_file(path: Path, schema: pa.Schema) -> NativeParquetFile | None:
+    """A local file as Spark's own scan would read it, from one open of its footer (its
+    schema, record count and statistics); None when its columns are not ``schema``'s,
+    name and type, or its name holds a glob character (Spark would read a pattern)."""
+    if _GLOB.search(str(path)):
+        return None
+    try:
+        with pq.ParquetFile(path) as footer:
+            found = footer.schema_arrow
+            fits = all(found.get_field_index(f.name) >= 0 and found.field(f.name).type == f.type for f in schema)
+            return NativeParquetFile(str(path), footer.metadata.num_rows, parquet_statistics(footer)) if fits else None
+    except (OSError, pa.ArrowInvalid):
+        return None
 
 
 def parquet_statistics(footer: pq.ParquetFile) -> tuple[RowGroupStatistics, ...]:
