@@ -8,13 +8,15 @@ reader cannot follow is refused by name."""
 from __future__ import annotations
 
 import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from deltalake import DeltaTable
 
 from tests.chain_reference import assert_hourly_refunds_equal_reference
 from tests.engine.test_crash_recovery import run_until_killed
 from tests.helpers import minute_totals, minute_totals_reference
-from volley_dagster import EpochRunner, RunSettings
+from volley_dagster import DeltaTableSource, EpochRunner, FileLog, Pipeline, RunSettings, count
 from volley_dagster.demo.events import generate
 from volley_dagster.demo.merchant_refunds import merchant_refunds_pipeline
 from volley_dagster.demo.payments import local_tables, merchant_minutes_pipeline
@@ -143,3 +145,24 @@ def test_a_pipeline_reading_a_table_killed_mid_epoch_resumes_to_the_same_totals(
     history = resumed.pipeline.sinks[0].epoch_history("minute_totals")
     assert sorted(history) == list(range(1, resumed.committed_epoch() + 1)) and resumed.committed_epoch() > epoch
     assert all(len(commits) == 1 for commits in history.values())  # each epoch committed once
+
+
+@pytest.mark.deep  # tests/sources/test_table_sources.py cuts and reads a table with a file log without Spark
+def test_a_pipeline_reads_a_table_and_a_file_log_as_one_stream(spark, tmp_path):
+    """``Pipeline.sources`` with a Delta table beside the events it was computed from:
+    each merchant's count per source equals the files' and the table's own."""
+    events, minutes, _, table = _minutes_then_totals(tmp_path, spark, 2)
+    while minutes.run_next() is not None:
+        pass
+    mixed = (Pipeline("mixed").sources({"events": FileLog(events), "minutes": DeltaTableSource(table)},
+                                       source_column="source")
+             .with_column("key", "concat(source, ':', cast(merchant_id as string))").key_by("key")
+             .aggregate(rows=count()).with_shards(2))
+    runner = EpochRunner(mixed, tmp_path / "mixed", spark=spark)
+    runner.run_available()
+    got = dict(zip(*runner.read_state().select(["key", "rows"]).to_pydict().values(), strict=True))
+    files = pa.concat_tables([pq.read_table(f) for f in sorted(events.glob("*.parquet"))]).to_pandas()
+    rows = DeltaTable(table).to_pyarrow_table().to_pandas()
+    expected = {f"events:{m}": n for m, n in files.merchant_id.value_counts().items()} | \
+        {f"minutes:{m}": n for m, n in rows.merchant_id.value_counts().items()}
+    assert got == expected

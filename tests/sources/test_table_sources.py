@@ -208,3 +208,23 @@ def test_appended_files_go_to_sparks_own_scan_unless_partition_values_or_other_c
     assert parted.native_parquet_files(parted.cut(1, {}, None), parted.schema()) is None  # the region is not in the files
     changes = DeltaTableSource(tmp_path / "plain", changes=True)
     assert changes.native_parquet_files(rng, changes.schema()) is None
+
+
+def test_a_table_and_a_file_log_are_cut_together_and_wait_together(tmp_path):
+    from volley_dagster import FileLog, MultiSource
+    from volley_dagster.demo.events import generate
+
+    write_deltalake(str(tmp_path / "t"), rows(range(0, 3)))
+    write_deltalake(str(tmp_path / "t"), rows(range(3, 5)), mode="append")
+    (tmp_path / "events").mkdir()  # a log folder with no file yet
+    both = MultiSource({"events": FileLog(tmp_path / "events"), "table": DeltaTableSource(tmp_path / "t")})
+    waiting = both.cut(1, {}, 1_000)
+    assert both.waiting_for() == ["events"] and waiting.records == 0  # no events file yet: nothing of either
+    generate(tmp_path / "events", 1, 50, 5)
+    rng = both.cut(1, {}, 1_000)
+    assert {s.partition for s in rng.segments} == {"events/", "table/table"} and rng.records == 55
+    read = pa.concat_tables([both.read_segment(s, both.schema(), 1) for s in rng.segments], promote_options="default")
+    assert read.num_rows == 55 and len(set(read.column("_volley_pos").to_pylist())) == 55
+    assert sorted(i for i in read.column("id").to_pylist() if i is not None) == list(range(5))
+    after = both.cut(2, rng.end, 1_000)
+    assert after.records == 0 and after.end == rng.end  # each source goes on from where it stopped

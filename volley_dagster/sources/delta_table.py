@@ -276,6 +276,8 @@ class DeltaTableSource(Source):
         segments: list[Segment] = []
         begin = after.get(PARTITION, TableVersion(None))
         last = begin.table_version if isinstance(begin, TableVersion) else None
+        if max_records == 0:  # several sources: this one's share is nothing (one waits for its first file)
+            latest = start - 1
         for version in range(start, latest + 1):
             commit = self._commit(version)
             if not self.changes and commit.refusal(self.uri) is not None:

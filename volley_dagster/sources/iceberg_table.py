@@ -182,7 +182,7 @@ class IcebergTableSource(Source):
         begin = after.get(PARTITION, TableVersion(None))
         last = self._last(after)
         segments: list[Segment] = []
-        for snapshot, added in self._appended(after):  # stops before a snapshot it refuses, naming it when first
+        for snapshot, added in self._appended(after) if max_records != 0 else []:  # 0: several sources, one waits
             records = sum(t.file.record_count for t in added)
             if segments and max_records is not None and sum(s.records for s in segments) + records > max_records:
                 break  # whole snapshots only: a snapshot is the table's unit of change
