@@ -134,14 +134,14 @@ def built_pipeline(deployment: Deployment, settings: TableSettings) -> Pipeline:
     return pipeline
 
 
-def epoch_assets(deployment: Deployment, spec_settings: TableSettings,
+def epoch_assets(deployment: Deployment, pipeline: Pipeline,
                  upstream: Optional[Mapping[Optional[str], AssetKey]] = None) -> list:
     """The epochs multi-asset with its checks, then its sources and dimension tables.
-    ``spec_settings`` only names table locations for the asset specs; runs use the
-    resources' settings. ``upstream``: sources that read another pipeline's table
-    (``keys.upstream_sources``), whose asset is that table's, not one of their own."""
+    ``pipeline``: the deployment's, built with the settings that only name table
+    locations for the asset specs (runs use the resources' settings). ``upstream``:
+    sources that read another pipeline's table (``keys.upstream_sources``), whose asset
+    is that table's, not one of their own."""
     upstream = upstream or {}
-    pipeline = built_pipeline(deployment, spec_settings)
     partitions = epochs_partitions(deployment)
     keys = PipelineKeys.of(deployment)
     code = code_references(deployment)

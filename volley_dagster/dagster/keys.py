@@ -10,11 +10,10 @@ from typing import Optional
 from dagster import AssetKey
 
 from volley_dagster.deploy import Deployment
+from volley_dagster.io.paths import TableIdentity
 from volley_dagster.pipeline import Pipeline
 from volley_dagster.sinks import Sink
 from volley_dagster.sources.base import Source
-
-TableId = tuple[str, str]  # how a sink's table and a table source meet: ``SinkLocation.identity``
 
 
 def sink_kind(sink: Sink) -> str:
@@ -74,7 +73,7 @@ class PipelineKeys:
         return self._key(f"dimension_{table}")
 
 
-def upstream_sources(pipeline: Pipeline, tables: Mapping[TableId, AssetKey]) -> dict[Optional[str], AssetKey]:
+def upstream_sources(pipeline: Pipeline, tables: Mapping[TableIdentity, AssetKey]) -> dict[Optional[str], AssetKey]:
     """The pipeline's sources that read another pipeline's table in the same definitions,
     each with that table's asset: it is the source's asset, so lineage runs on from the
     upstream pipeline's table to this pipeline's state."""

@@ -59,11 +59,11 @@ def build_definitions(
                               "volley_dagster.dagster.Deployment" + (" (call the function that returns it)"
                                                                       if callable(deployment) else ""))
     pipelines = {d.name: built_pipeline(d, tables.settings()) for d in deployments}
-    written = {sink.location().identity(): PipelineKeys.of(d).sink(sink)
-               for d in deployments for sink in pipelines[d.name].sinks}
+    written = {table: PipelineKeys.of(d).sink(sink) for d in deployments for sink in pipelines[d.name].sinks
+               if (table := sink.location().identity()) is not None}
     for deployment in deployments:
-        upstream = upstream_sources(pipelines[deployment.name], {t: k for t, k in written.items() if t is not None})
-        epochs, *specs = epoch_assets(deployment, tables.settings(), upstream)
+        upstream = upstream_sources(pipelines[deployment.name], written)
+        epochs, *specs = epoch_assets(deployment, pipelines[deployment.name], upstream)
         assets.extend([epochs, *specs])
         checks.append(instance_check(deployment))
         job = define_asset_job(

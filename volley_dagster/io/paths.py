@@ -13,7 +13,10 @@ def table_uri(uri: str | os.PathLike[str]) -> str:
     return text if "://" in text else str(Path(text).absolute())
 
 
-def table_identity(kind: str, where: str, catalog: str | None = None) -> tuple[str, str]:
+TableIdentity = tuple[str, str]  # (kind, location or catalog#name): how a table's writer and reader meet
+
+
+def table_identity(kind: str, where: str, catalog: str | None = None) -> TableIdentity:
     """How a table's writer (a sink's ``SinkLocation``) and its reader (a table source)
     name one table alike: a Delta table by its location (``s3a://`` as ``s3://``,
     ``file://`` and ``..`` resolved, no trailing ``/``), an Iceberg table by its catalog

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field, fields
 import pyarrow as pa
 
 from volley_dagster.errors import ConfigError
-from volley_dagster.io.paths import table_identity
+from volley_dagster.io.paths import TableIdentity, table_identity
 from volley_dagster.json_records import JsonObject
 from volley_dagster.sinks.lineage import ForeignLineage, Lineage, SinkBinding, SinkCommit, SinkMark, decide
 from volley_dagster.sinks.shard_files import RewrittenFiles
@@ -151,7 +151,7 @@ class SinkLocation:
     epoch_column: str | None = None
     catalog: str | None = None  # an Iceberg table's catalog (its uri or warehouse): what tells two tables apart, never shown
 
-    def identity(self) -> tuple[str, str] | None:
+    def identity(self) -> TableIdentity | None:
         """The table as a table source names what it reads (``Source.upstream_table``)."""
         where = self.uri if self.uri is not None else self.table_name
         return None if where is None else table_identity(self.kind, where, self.catalog)

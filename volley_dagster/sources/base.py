@@ -23,6 +23,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from volley_dagster.io.paths import TableIdentity
 from volley_dagster.json_records import JsonObject
 from volley_dagster.sources.offsets import Backlog, EpochRange, Segment, SourcePosition
 
@@ -159,7 +160,7 @@ class Source(ABC):
         read as one (``sources/multi.py``); a single source is its one, unnamed part."""
         return {None: self}
 
-    def upstream_table(self) -> tuple[str, str] | None:
+    def upstream_table(self) -> TableIdentity | None:
         """The table this source reads, as (kind, location) where a sink names it
         (``SinkLocation``): the pipeline writing that table is upstream of this one in
         Dagster's lineage. None: not a table."""

@@ -38,7 +38,7 @@ from volley_dagster.errors import (
     SourceNotReadyError,
     SourceUnavailableError,
 )
-from volley_dagster.io.paths import table_identity, table_uri
+from volley_dagster.io.paths import TableIdentity, table_identity, table_uri
 from volley_dagster.io.s3 import S3Endpoint
 from volley_dagster.json_records import JsonObject
 from volley_dagster.sources import formats
@@ -146,7 +146,7 @@ class DeltaTableSource(Source):
     def describe(self) -> JsonObject:
         return {"type": "delta_table", "uri": self.uri, "read": "changes" if self.changes else "appends"}
 
-    def upstream_table(self) -> tuple[str, str]:
+    def upstream_table(self) -> TableIdentity:
         return table_identity("delta", self.uri)
 
     def _table(self) -> Any:
@@ -270,37 +270,35 @@ class DeltaTableSource(Source):
 
     # -- Source --------------------------------------------------------------------
 
-    def cut(self, epoch: int, after: Mapping[str, SourcePosition], max_records: int | None,
-            final: bool = False) -> EpochRange:
-        start, latest = self._start(after), self.latest_version()
-        segments: list[Segment] = []
-        begin = after.get(PARTITION, TableVersion(None))
-        last = begin.table_version if isinstance(begin, TableVersion) else None
-        if max_records == 0:  # several sources: this one's share is nothing (one waits for its first file)
-            latest = start - 1
-        for version in range(start, latest + 1):
-            commit = self._commit(version)
-            if not self.changes and commit.refusal(self.uri) is not None:
-                if version == start:
-                    raise self._refused(commit)
-                break  # the versions before it are cut; the next cut names it
-            taken = self._segments_of(commit, len(segments), None)
-            if segments and max_records is not None and sum(s.records for s in segments + taken) > max_records:
-                break  # whole commits only: a commit is the table's unit of change
-            segments.extend(taken)
-            last = version
-        return EpochRange(epoch, {PARTITION: begin}, {PARTITION: TableVersion(last)}, tuple(segments))
-
-    def backlog(self, after: Mapping[str, SourcePosition]) -> Backlog:
-        start, latest = self._start(after), self.latest_version()
+    def _unread(self, after: Mapping[str, SourcePosition]) -> list[DeltaCommit]:
+        """The commits after the last one read, up to one the append reader refuses
+        (named when it is the next: nothing before it waits any more)."""
         commits: list[DeltaCommit] = []
-        for version in range(start, latest + 1):
+        for version in range(self._start(after), self.latest_version() + 1):
             commit = self._commit(version)
             if not self.changes and commit.refusal(self.uri) is not None:
                 if not commits:
                     raise self._refused(commit)
                 break
             commits.append(commit)
+        return commits
+
+    def cut(self, epoch: int, after: Mapping[str, SourcePosition], max_records: int | None,
+            final: bool = False) -> EpochRange:
+        segments: list[Segment] = []
+        begin = after.get(PARTITION, TableVersion(None))
+        last = begin.table_version if isinstance(begin, TableVersion) else None
+        # a share of nothing: several sources, one waiting for its first file
+        for commit in self._unread(after) if max_records != 0 else []:
+            taken = self._segments_of(commit, len(segments), None)
+            if segments and max_records is not None and sum(s.records for s in segments + taken) > max_records:
+                break  # whole commits only: a commit is the table's unit of change
+            segments.extend(taken)
+            last = commit.version
+        return EpochRange(epoch, {PARTITION: begin}, {PARTITION: TableVersion(last)}, tuple(segments))
+
+    def backlog(self, after: Mapping[str, SourcePosition]) -> Backlog:
+        commits = self._unread(after)
         files = [a for c in commits for a in c.added if a.data_change]
         records = sum(a.records or 0 for a in files)
         if self.changes:  # the feed's rows, as far as the log's statistics tell

@@ -159,11 +159,8 @@ def _decode_parquet(data: bytes, start: int, end: int, schema: pa.Schema, base: 
 def decode_table(table: pa.Table, schema: pa.Schema, positions: np.ndarray) -> pa.Table:
     """Records already in Arrow (a table's data file), cast to ``schema`` by name: a
     column the file lacks is null, a value that does not cast makes its row bad."""
-    missing = [f for f in schema if f.name not in table.column_names]
-    table = table.select([name for name in schema.names if name in table.column_names])
-    for f in missing:
-        table = table.append_column(f.name, pa.nulls(table.num_rows, f.type))
-    table = table.select(schema.names)
+    table = pa.table([table.column(f.name) if f.name in table.column_names else pa.nulls(table.num_rows, f.type)
+                      for f in schema], names=schema.names)
     try:
         return _good_rows(table.cast(schema), positions)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:

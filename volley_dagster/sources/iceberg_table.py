@@ -21,7 +21,7 @@ import numpy as np
 import pyarrow as pa
 
 from volley_dagster.errors import SourceDataLostError, SourceError, SourceNotReadyError
-from volley_dagster.io.paths import table_identity
+from volley_dagster.io.paths import TableIdentity, table_identity
 from volley_dagster.io.s3 import S3Endpoint
 from volley_dagster.json_records import JsonObject
 from volley_dagster.sources import formats
@@ -60,7 +60,7 @@ class IcebergTableSource(Source):
     def describe(self) -> JsonObject:
         return {"type": "iceberg_table", "table": self.identifier, "read": "appends"}
 
-    def upstream_table(self) -> tuple[str, str]:
+    def upstream_table(self) -> TableIdentity:
         from volley_dagster.sinks.iceberg import catalog_identity
 
         return table_identity("iceberg", self.identifier, catalog_identity(self.catalog_properties))
