@@ -110,7 +110,7 @@ def reference(files: list[Path], windows: Windows, delay_us: int, lateness_us: i
 
 
 def reference_epochs(epochs: list[pa.Table], windows: Windows, delay_us: int, lateness_us: int, end_of_stream: bool,
-                     bounds: list[int | None] | None = None) -> Reference:
+                     bounds: list[int | None] | None = None, handed: list[int | None] | None = None) -> Reference:
     """Each table is one epoch's records in log order, with ``file`` and ``offset``
     columns saying where each is in the log; the last epoch ends the stream when
     ``end_of_stream``. ``bounds``: per epoch, the latest event time believed
@@ -143,6 +143,8 @@ def reference_epochs(epochs: list[pa.Table], windows: Windows, delay_us: int, la
                 acc.add((epoch, i), row["amount"], row["event_id"])
         if windows.kind == "session":
             _merge_sessions(open_, fresh)
+        if handed is not None:
+            latest = handed[epoch - 1]
         if latest is not None:
             watermark = latest - delay_us if watermark is None else max(watermark, latest - delay_us)
         final = end_of_stream and epoch == len(epochs)

@@ -28,6 +28,7 @@ import pyarrow as pa
 from pyspark.sql import SparkSession
 
 from volley_dagster import faults
+from volley_dagster.chain import StagesBefore
 from volley_dagster.checkpoint.epoch_log import EpochLog, EpochStart
 from volley_dagster.checkpoint.lease import PipelineLease
 from volley_dagster.checkpoint.side_output_files import write_side_output
@@ -75,8 +76,10 @@ class EpochAttempt:
     attempt of the epoch ``rng`` records, under ``lease``."""
 
     def __init__(self, spark: SparkSession, pipeline: Pipeline, rng: EpochRange, start: EpochStart, log: EpochLog,
-                 settings: RunSettings, lease: PipelineLease) -> None:
+                 settings: RunSettings, lease: PipelineLease, before: StagesBefore | None = None) -> None:
+        """``before``: a chain's last stage (``chain.py``): what the stages before it did."""
         self.spark = spark
+        self.before = before
         self.declared = pipeline  # its identity: ``with_shards`` names the first layout only
         layout = start.layout or pipeline.layout  # rescales record the layouts after the first
         self.pipeline = pipeline if layout == pipeline.layout else replace(pipeline, layout=layout)
@@ -195,13 +198,14 @@ class EpochAttempt:
 
     def _result(self, stage: StageResult, paths: tuple[str | None, str | None, str | None],
                 sinks: dict[str, SinkCommitResult]) -> EpochResult:
-        rng, (dead_path, late_path, duplicates_path) = self.rng, paths
+        (dead_path, late_path, duplicates_path) = paths
+        cut = self.before.source_range if self.before is not None else self.rng  # the epoch as cut from the source
         shards = {s: entry.relative_to(self.log.root) for s, entry in sorted(stage.shards.items())}
         return EpochResult(
             pipeline=self.pipeline.name,
             epoch=self.epoch,
-            range=rng.summary(),
-            records_in=rng.records,
+            range=cut.summary(),
+            records_in=cut.records,
             records_aggregated=sum(s.records for s in shards.values()),
             dead_letters=stage.side.dead_letters.num_rows,
             records_out=stage.output.num_rows,
@@ -215,8 +219,8 @@ class EpochAttempt:
             watermark=stage.watermark,
             input_watermarks=stage.input_watermarks,
             late_records=stage.side.late.num_rows if stage.side.late is not None else 0,
-            figures=stage.figures,
-            end_of_stream=rng.end_of_stream,
+            figures={**(self.before.figures if self.before is not None else {}), **stage.figures},
+            end_of_stream=self.rng.end_of_stream,
             committed_at=datetime.now(timezone.utc).isoformat(),
             fencing_token=self.lease.fence.token,
             enrichments=stage.enrichments,

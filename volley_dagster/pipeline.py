@@ -7,6 +7,7 @@ pipeline can be shared and specialised without surprises.
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Callable, Literal, TypeVar
@@ -51,6 +52,8 @@ class Pipeline:
     quote_bad_records: bool = True
     layout: ShardLayout = field(default_factory=ShardLayout)
     processing: Processing | None = None  # ``process(...)``: last, so the fields before keep their places
+    # a chain's stage before this one (``chain.py``): its output rows are this stage's records
+    upstream: Pipeline | None = None
 
     def __post_init__(self) -> None:
         if not _NAME.match(self.name):
@@ -59,7 +62,31 @@ class Pipeline:
     # The builder fills these in any order; a pipeline that runs has all of them (``validate``).
     @property
     def source_log(self) -> Source:
+        """The log the pipeline reads: in a chain, its first stage's (what an epoch is cut from)."""
+        if self.upstream is not None:
+            return self.upstream.source_log
         return self._required(self.source_given, "source(...)")
+
+    @property
+    def has_operator(self) -> bool:
+        """Whether this stage's stateful operator is complete, so that a step after it
+        starts the chain's next stage, which reads its output (``window`` waits for its
+        ``aggregate``; a ``deduplicate`` may still be followed by the operator it feeds)."""
+        return self.operator_given is not None or self.joining is not None or self.processing is not None
+
+    def stages(self) -> list[Pipeline]:
+        """The chain's stages, first to last, each without the link to the one before."""
+        before = self.upstream.stages() if self.upstream is not None else []
+        return [*before, replace(self, upstream=None)]
+
+    def _next(self) -> Pipeline:
+        """The pipeline a step applies to: this one, or after a stateful operator the
+        chain's next stage, which reads that operator's output rows (the sinks move on
+        with it: they take the last stage's rows)."""
+        if not self.has_operator:
+            return self
+        return Pipeline(self.name, upstream=replace(self, sinks=()), sinks=self.sinks, bad_records=self.bad_records,
+                        quote_bad_records=self.quote_bad_records, layout=self.layout)
 
     @property
     def key_column(self) -> str:
@@ -97,8 +124,11 @@ class Pipeline:
         return replace(self, source_given=MultiSource(named, source_column))
 
     def transform(self, fn: Transform) -> Pipeline:
-        """Any DataFrame -> DataFrame function; keep the ``_volley_*`` columns."""
-        return replace(self, transforms=self.transforms + (fn,))
+        """Any DataFrame -> DataFrame function; keep the ``_volley_*`` columns. After a
+        stateful operator it applies to that operator's output rows, in the chain's
+        next stage (``docs/pipelines.md``)."""
+        stage = self._next()
+        return replace(stage, transforms=stage.transforms + (fn,))
 
     def where(self, condition: Column | str | Callable[[], Column]) -> Pipeline:
         """A Spark SQL predicate: a string (``"status = 'active'"``), a Column, or a
@@ -119,10 +149,11 @@ class Pipeline:
         choose by the table's size (a shuffle join past ``autoBroadcastJoinThreshold``)."""
         keys = (on,) if isinstance(on, str) else tuple(on)
         step = Enrichment(table, keys, tuple(columns), how, broadcast)
-        if any(e.name == step.name for e in self.enrichments):
+        if any(e.name == step.name for stage in self.stages() for e in stage.enrichments):
             raise ConfigError(f"pipeline {self.name!r} already enriches with a table named {step.name!r}; "
                               "give the table another name=")
-        return replace(self, transforms=self.transforms + (step,))
+        stage = self._next()
+        return replace(stage, transforms=stage.transforms + (step,))
 
     @property
     def enrichments(self) -> list[Enrichment]:
@@ -152,10 +183,10 @@ class Pipeline:
         skew = skew_us(max_event_time_skew)
         dedup = Deduplication(columns_on, duration_us(within, "deduplicate(within=...)"), EventTime(event_time, 0, skew),
                               write_duplicates)
-        return replace(self, dedup=dedup)
+        return replace(self._next(), dedup=dedup)
 
     def key_by(self, column: str) -> Pipeline:
-        return replace(self, key_given=column)
+        return replace(self._next(), key_given=column)
 
     def aggregate(
         self,
@@ -187,7 +218,7 @@ class Pipeline:
                 event_time, duration_us(max_out_of_orderness, "max_out_of_orderness"),
                 skew_us(max_event_time_skew))
             state_ttl = StateTtl(ttl_epochs, None if ttl is None else duration_us(ttl, "ttl"), clock, max_expiry_entries)
-        return replace(self, operator_given=Aggregate(tuple(accumulators.items()), ttl=state_ttl))
+        return replace(self._next(), operator_given=Aggregate(tuple(accumulators.items()), ttl=state_ttl))
 
     def window(
         self,
@@ -217,7 +248,7 @@ class Pipeline:
             max_pending_windows,
             skew_us(max_event_time_skew),
         )
-        return replace(self, windowing=windowing)
+        return replace(self._next(), windowing=windowing)
 
     def join(
         self,
@@ -253,6 +284,10 @@ class Pipeline:
         name both carry is prefixed with its source's name and ``_``
         (``payments_amount``). ``max_state_rows``: per shard, the epoch fails instead of
         holding more rows. The rules: ``volley_dagster.operators.join``."""
+        if self.has_operator or self.upstream is not None:
+            raise ConfigError(f"pipeline {self.name!r}: join(...) joins two of the pipeline's sources, so it is a "
+                              "chain's first stateful operator; put the steps before it after it, or read the other "
+                              "pipeline's table with DeltaTableSource/IcebergTableSource")
         sources = self.source_given
         if not isinstance(sources, MultiSource):
             raise ConfigError(f"pipeline {self.name!r}: join(...) joins two of the pipeline's sources; read them with "
@@ -303,11 +338,12 @@ class Pipeline:
         ``volley_dagster.operators.process``."""
         clock = None if event_time is None else EventTime(
             event_time, duration_us(max_out_of_orderness, "max_out_of_orderness"), skew_us(max_event_time_skew))
-        key = self._required(self.key_given, "key_by(...) before process(...)")
+        stage = self._next()
+        key = stage._required(stage.key_given, "key_by(...) before process(...)")
         processing = Processing(processor, output_schema, key, time_mode, clock,
                                 None if input_columns is None else tuple(input_columns), name or "",
                                 output_mode=output_mode, output_keys=tuple(output_keys or ()))
-        return replace(self, processing=processing)
+        return replace(stage, processing=processing)
 
     def stateful_operator(self) -> Aggregate | WindowedAggregate | UniqueRecords | IntervalJoin | Processing:
         if self.processing is not None:
@@ -392,20 +428,122 @@ class Pipeline:
         reason's kind only (never a value from the record); the file and offset stay."""
         if policy not in ("fail", "dead_letter"):
             raise ConfigError(f"bad-record policy must be 'fail' or 'dead_letter', got {policy!r}")
-        return replace(self, bad_records=policy, quote_bad_records=quote_records)
+        upstream = None if self.upstream is None else self.upstream.on_bad_records(policy, quote_records=quote_records)
+        return replace(self, bad_records=policy, quote_bad_records=quote_records, upstream=upstream)
 
     def with_shards(self, num_shards: int, num_key_groups: int = DEFAULT_KEY_GROUPS) -> Pipeline:
+        """The shards of the stage being built (in a chain, each stage has its own; a
+        stage starts with the one before's)."""
         return replace(self, layout=ShardLayout(num_shards, num_key_groups))
 
     def validate(self) -> None:
-        required: list[tuple[str, object]] = [("source(...)", self.source_given)]
+        if self.upstream is not None:
+            self.upstream.validate()
+        self._validate_stage(len(self.stages()) - 1)
+
+    def _validate_stage(self, index: int) -> None:
+        where = f"pipeline {self.name!r}" if index == 0 else f"pipeline {self.name!r}, stage {index + 1},"
+        required: list[tuple[str, object]] = [("source(...)", self.source_given)] if index == 0 else []
         if self.processing is not None:
             required += [("key_by(...)", self.key_given)]
         elif self.joining is None and not self.only_deduplicates:
             required += [("key_by(...)", self.key_given), ("aggregate(...)", self.operator_given)]
         missing = [what for what, value in required if value is None]
         if missing:
-            raise ConfigError(f"pipeline {self.name!r} is incomplete: add {', '.join(missing)}")
+            raise ConfigError(f"{where} is incomplete: add {', '.join(missing)}")
+        if self.upstream is not None and not self.upstream.emits_appends:
+            raise ConfigError(
+                f"{where} reads the output of {self.upstream.operator_name}, which updates a key's row every epoch "
+                "it changes: a later operator would take each update as a new record (Spark refuses an operator "
+                "after an update-mode one too). Put a window(...) or a join first, give process(...) "
+                "output_mode='append', or make it the pipeline's last stateful step")
+        if self.upstream is not None and self.clock is not None:
+            self.upstream.handed_delay_us(self.clock.time_column)
+
+    def settled(self) -> Pipeline:
+        """The pipeline as it runs: validated, and a stage of transforms alone after the
+        last stateful operator (written before chains existed, it meant transforms before
+        that operator) folded back before it, with a ``DeprecationWarning``."""
+        pipeline = self
+        if self.upstream is not None and not self.has_operator and self.dedup is None and self.windowing is None \
+                and self.key_given is None:
+            warnings.warn(
+                f"pipeline {self.name!r}: transforms after {self.upstream.operator_name} apply to its input for now; "
+                "from 1.0 they will apply to its output rows, as in a chain: move them before it "
+                "(see CHANGELOG.md)", DeprecationWarning, stacklevel=2)
+            before = self.upstream
+            pipeline = replace(before, transforms=before.transforms + self.transforms, sinks=self.sinks,
+                               layout=self.layout)
+        pipeline.validate()
+        return pipeline
+
+    @property
+    def clock(self) -> EventTime | None:
+        """The stage's event-time clock, if its operator has one (one per stage: ``_check_clock``)."""
+        if self.processing is not None:
+            return self.processing.event_time
+        if self.windowing is not None:
+            return self.windowing.event_time
+        ttl = self.operator_given.ttl if self.operator_given is not None else None
+        if ttl is not None and ttl.event_time is not None:
+            return ttl.event_time
+        return self.dedup.event_time if self.dedup is not None else None
+
+    def with_watermark_handed(self, given_us: int | None) -> Pipeline:
+        """This stage with every clock it has handed ``given_us`` (None: none yet) by the
+        stage before, for one epoch (``chain.py``)."""
+        windowing, dedup, operator, processing = self.windowing, self.dedup, self.operator_given, self.processing
+        if windowing is not None:
+            windowing = replace(windowing, clock=windowing.event_time.handed_on(given_us))
+        if dedup is not None:
+            dedup = replace(dedup, event_time=dedup.event_time.handed_on(given_us))
+        if operator is not None and operator.ttl is not None and operator.ttl.event_time is not None:
+            operator = replace(operator, ttl=replace(operator.ttl, event_time=operator.ttl.event_time.handed_on(given_us)))
+        if processing is not None and processing.event_time is not None:
+            processing = replace(processing, event_time=processing.event_time.handed_on(given_us))
+        return replace(self, windowing=windowing, dedup=dedup, operator_given=operator, processing=processing)
+
+    def handed_delay_us(self, column: str) -> int:
+        """How far behind the stage's W[N] the event times (on ``column`` of its output)
+        of the rows it emits after epoch N may lie: the next stage is handed W[N] less
+        this, so none of them is late there (Spark 4 lowers a join's output watermark so).
+        A join: a pair or an outer row leaves once the watermark passes its bound, so its
+        times trail by at most the interval's width on either side; windows: fired after
+        the watermark passed their end plus the lateness (and their start by the size); a
+        deduplication: a record is kept until ``within`` behind; ``process``: none."""
+        if self.joining is not None:
+            return max(self.joining.upper_us, -self.joining.lower_us, 0)
+        if self.windowing is not None:
+            windowing = self.windowing
+            if column == "window_end":
+                return windowing.lateness_us
+            if windowing.windows.kind == "session":
+                raise ConfigError(
+                    f"pipeline {self.name!r}: the step after the session windows keeps time on {column!r}; a session "
+                    "may start any time before it ends, so only 'window_end' can carry the watermark on: use it")
+            return windowing.lateness_us + windowing.windows.size_us
+        if self.processing is not None:
+            return 0
+        return self.dedup.within_us if self.dedup is not None else 0
+
+    @property
+    def emits_appends(self) -> bool:
+        """Whether every row the stage's operator emits is new (windows, a join, a
+        deduplication, ``process`` appending): what a later stage can take as records."""
+        if self.processing is not None:
+            return self.processing.output_mode == "append"
+        return self.joining is not None or self.windowing is not None or self.only_deduplicates
+
+    @property
+    def operator_name(self) -> str:
+        """How errors name the stage's stateful operator."""
+        if self.processing is not None:
+            return "process(...)"
+        if self.joining is not None:
+            return "join(...)"
+        if self.windowing is not None:
+            return "window(...).aggregate(...)"
+        return "aggregate(...)" if self.operator_given is not None else "deduplicate(...)"
 
     def apply_transforms(self, df: DataFrame, join: Callable[[DataFrame, Enrichment], DataFrame]) -> DataFrame:
         """The transforms in order; ``join`` applies an enrichment (``spark/enrich.py``)."""

@@ -1,5 +1,5 @@
 """Runs a pipeline to the end in its own process, for kill -9 tests:
-``python -m tests.engine.crash_worker BASE MAX_RECORDS KEEP [payments|payments_json|payments_enriched|channels|refunds|windows|windows_delta|ttl|dedup|unique|velocity|minute_totals|payments_kafka]``
+``python -m tests.engine.crash_worker BASE MAX_RECORDS KEEP [payments|payments_json|payments_enriched|channels|refunds|windows|windows_delta|ttl|dedup|unique|velocity|minute_totals|hourly_refunds|payments_kafka]``
 (``minute_totals`` reads the Delta table ``BASE/tables/delta/merchant_minutes``)
 (``payments_kafka`` reads the topic ``VOLLEY_TEST_KAFKA_TOPIC`` at ``VOLLEY_TEST_KAFKA``;
 ``VOLLEY_TEST_LEASE_TTL`` sets the runner's lease ttl in seconds).
@@ -27,6 +27,7 @@ from tests.helpers import (
 from tests.ttl_reference import ttl_pipeline
 from tests.window_reference import crash_window_pipeline, staged_window_pipeline
 from volley_dagster import EpochRunner
+from volley_dagster.demo.merchant_refunds import hourly_refunds_pipeline
 from volley_dagster.demo.payments import local_tables
 from volley_dagster.demo.refunds import refunds_pipeline
 from volley_dagster.settings import RunSettings
@@ -52,6 +53,7 @@ def main(argv: list[str]) -> int:
              "refunds": lambda events, out, tables: refunds_pipeline(events, local_tables(tables)), "ttl": ttl_pipeline, "dedup": dedup_pipeline, "unique": unique_pipeline,
              "velocity": lambda events, out, tables: velocity_pipeline(events, tables=tables),
              "minute_totals": lambda events, out, tables: minute_totals(tables / "delta" / "merchant_minutes", out),
+             "hourly_refunds": lambda events, out, tables: hourly_refunds_pipeline(events, local_tables(tables)),
              "payments_kafka": partial(payments_on_kafka, bootstrap_servers=os.environ.get("VOLLEY_TEST_KAFKA", ""),
                                        topic=os.environ.get("VOLLEY_TEST_KAFKA_TOPIC", ""))}[kind]
     ttl = {"lease_ttl_s": float(os.environ["VOLLEY_TEST_LEASE_TTL"])} if os.environ.get("VOLLEY_TEST_LEASE_TTL") else {}

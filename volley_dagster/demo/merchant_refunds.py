@@ -6,8 +6,11 @@ table asset is this pipeline's upstream, and its sensor cuts when the refunds co
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from volley_dagster import IcebergTableSource, Pipeline, count, max_, sum_, tumbling
 from volley_dagster.demo.payments import demo_deployment
+from volley_dagster.demo.refunds import refunds_join
 from volley_dagster.deploy import Deployment, TableSettings
 from volley_dagster.sinks import DeltaSink
 
@@ -26,6 +29,24 @@ def merchant_refunds_pipeline(tables: TableSettings, shards: int = 2) -> Pipelin
         .window(tumbling("1 hour"), on="refunded_at", max_out_of_orderness="1 minute")
         .aggregate(refunds=count(), refunded=sum_("refund_amount"), largest=max_("refund_amount"))
         .sink(DeltaSink(f"{tables.warehouse}/delta/merchant_refund_hours", name="refund_hours", mode="append",
+                        storage_options=tables.delta_storage_options, on_foreign_lineage=tables.on_foreign_lineage))
+        .with_shards(shards)
+    )
+
+
+def hourly_refunds_pipeline(root: str | Path, tables: TableSettings, shards: int = 2) -> Pipeline:
+    """The same hours in one pipeline of two stateful operators: the refunds join, then
+    the hourly window over its pairs (``chain.py``). Each has its own state; the window
+    keeps time by the watermark the join hands on, so a pair the join emits is never
+    late to it, and an hour fires an epoch after the one whose records close it."""
+    return (
+        refunds_join(root, name="hourly_refunds")
+        .with_shards(shards)
+        .where("refund_amount IS NOT NULL")
+        .key_by("merchant_id")
+        .window(tumbling("1 hour"), on="refunded_at")
+        .aggregate(refunds=count(), refunded=sum_("refund_amount"), largest=max_("refund_amount"))
+        .sink(DeltaSink(f"{tables.warehouse}/delta/hourly_refunds", name="hourly_refunds", mode="append",
                         storage_options=tables.delta_storage_options, on_foreign_lineage=tables.on_foreign_lineage))
         .with_shards(shards)
     )

@@ -91,20 +91,29 @@ def write_refund_logs(root: str | Path, files: int, per_file: int, merchants: in
             write_events(storage, f"{name}-{index:06d}.parquet", make(index, per_file, merchants, seed))
 
 
-def refunds_pipeline(root: str | Path, tables: TableSettings, shards: int = 4, how: JoinHow = "left",
-                     max_state_rows: int | None = None) -> Pipeline:
-    """Each payment with its refunds within 30 minutes; a payment never refunded in that
-    time is written once with null refund columns, once the watermark has passed it.
-    The Delta table is upserted by payment and both row ids; the Iceberg table is the
-    changelog, each epoch's rows appended."""
+def refunds_join(root: str | Path, how: JoinHow = "left", max_state_rows: int | None = None,
+                 name: str = "refunds") -> Pipeline:
+    """Each payment with its refunds within 30 minutes; with ``how="left"``, a payment
+    never refunded in that time once, with null refund columns, once the watermark has
+    passed it."""
     base = str(root).rstrip("/")
     return (
-        Pipeline("refunds")
+        Pipeline(name)
         .sources({"payments": FileLog(f"{base}/payments", format="parquet"),
                   "refunds": FileLog(f"{base}/refunds", format="parquet")})
         .join(left="payments", right="refunds", on="payment_id", left_time="paid_at", right_time="refunded_at",
               between=("0 seconds", "+30 minutes"), how=how, max_out_of_orderness="1 minute",
               max_state_rows=max_state_rows)
+    )
+
+
+def refunds_pipeline(root: str | Path, tables: TableSettings, shards: int = 4, how: JoinHow = "left",
+                     max_state_rows: int | None = None) -> Pipeline:
+    """The join (``refunds_join``) into two tables: the Delta table is upserted by
+    payment and both row ids; the Iceberg table is the changelog, each epoch's rows
+    appended."""
+    return (
+        refunds_join(root, how, max_state_rows)
         .sink(DeltaSink(f"{tables.warehouse}/delta/payment_refunds", name="refunds", mode="upsert",
                         storage_options=tables.delta_storage_options, on_foreign_lineage=tables.on_foreign_lineage))
         .sink(IcebergSink("payments.refund_changes", catalog=tables.iceberg_catalog, name="refund_changes",

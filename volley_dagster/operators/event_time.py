@@ -14,6 +14,10 @@ The rules, for every operator that uses event time:
   time is recorded with the range, so every attempt decides the same; a pause in
   the stream longer than the skew is not a reason (the guard is the wall clock, not
   the watermark), and old data replayed lies before the wall clock.
+- **Handed on.** In a chain (``chain.py``), a stage after the first whose operator
+  has an event time does not observe its own: the stage before hands it its
+  watermark (``handed``), ``max(W[N-1], given - max_out_of_orderness)``, as Spark 4
+  and Flink pass a watermark from one operator to the next.
 - **Late.** A record is late when what it belongs to had closed when its epoch
   began, judged against ``W[N-1]``: a window whose end plus ``allowed_lateness`` is
   at or before it (``operators.window``); dedup and TTL deadlines likewise compare
@@ -23,7 +27,7 @@ The rules, for every operator that uses event time:
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta, timezone
 
 from pyspark.sql import Column
@@ -86,6 +90,14 @@ class EventTime:
     time_column: str
     out_of_orderness_us: int = 0
     max_skew_us: int | None = None
+    # a chain's later stage: the watermark the stage before hands on for this epoch
+    # (None: none yet), instead of the latest event time observed
+    handed: bool = field(default=False, kw_only=True)
+    given_us: int | None = field(default=None, kw_only=True)
+
+    def handed_on(self, given_us: int | None) -> EventTime:
+        """This clock in a stage whose watermark the stage before hands on."""
+        return replace(self, handed=True, given_us=given_us)
 
     def check(self, schema: T.StructType, what: str) -> None:
         column = self.time_column
@@ -145,6 +157,8 @@ class EventTime:
 
     def advance(self, previous: int | None, max_event_us: int | None) -> int | None:
         """The watermark after an epoch whose latest event time is ``max_event_us``."""
+        if self.handed:
+            max_event_us = self.given_us
         if max_event_us is None:
             return previous
         candidate = max_event_us - self.out_of_orderness_us

@@ -118,6 +118,7 @@ class Windowing:
     lateness_us: int = 0
     max_pending_windows: int | None = None  # per shard; None: the pending index stays in memory
     max_skew_us: int | None = None  # None: any event time is believed
+    clock: EventTime | None = None  # a chain's later stage: the clock handed its watermark (``chain.py``)
 
     def __post_init__(self) -> None:
         if not isinstance(self.windows, Windows):
@@ -128,7 +129,7 @@ class Windowing:
 
     @property
     def event_time(self) -> EventTime:
-        return EventTime(self.time_column, self.out_of_orderness_us, self.max_skew_us)
+        return self.clock or EventTime(self.time_column, self.out_of_orderness_us, self.max_skew_us)
 
     def layout(self) -> JsonObject:
         """What must not change between epochs of one checkpoint root (the bound may)."""

@@ -31,7 +31,17 @@ class ParquetSink(Sink):
         return self.path / pipeline
 
     def file_for(self, pipeline: str, epoch: int) -> Path:
-        return self._dir(pipeline) / f"epoch-{epoch:010d}.parquet"
+        return self._dir(pipeline) / self.file_name(epoch)
+
+    @staticmethod
+    def file_name(epoch: int) -> str:
+        return f"epoch-{epoch:010d}.parquet"
+
+    @staticmethod
+    def epoch_of(name: str) -> int | None:
+        """The epoch whose file ``name`` is (None: not one of this sink's files)."""
+        match = _FILE.match(name)
+        return int(match.group(1)) if match else None
 
     def _files(self, pipeline: str) -> list[tuple[int, Path, dict[str, str]]]:
         """The live files, in epoch order: none at or below a replacing file's horizon

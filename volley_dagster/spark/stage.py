@@ -124,6 +124,8 @@ def run_stage(
     layout, operator, clock = pipeline.layout, plan.operator, plan.event_time
     watermark = watermarks.value
     nothing_due = not operator.runs_without_records or (expiry_next is not None and expiry_next > merge.step.epoch)
+    if clock is not None and clock.handed and clock.advance(watermark, None) != watermark:
+        nothing_due = False  # a chain's stage before moved the watermark: what it closes is due
     # the stream's end runs every operator's shard tasks: a join's waiting rows leave then
     if not rng.segments and nothing_due and not end_of_stream and len(merge.previous) == layout.num_shards:
         carried = _carry_forward_stage(spark, pipeline, rng, plan, merge, expiry_next)

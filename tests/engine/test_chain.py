@@ -1,0 +1,161 @@
+"""Several stateful operators in one pipeline (``volley_dagster/chain.py``) on real Spark,
+RocksDB and Delta: the refunds per merchant per hour as the demo's join, then an
+hourly window over its pairs (``demo/merchant_refunds.hourly_refunds_pipeline``),
+equal epoch by epoch to the references composed (``tests/join_reference.py``'s pairs
+fed to ``tests/window_reference.py`` with the watermark the join hands on), with files
+landing between epochs, a re-run and the end of the stream; each minute's count then
+each key's running maximum; and ``kill -9`` in the window's stage, after the join's
+stage committed, resumed to the same hours, each once."""
+
+from __future__ import annotations
+
+import signal
+
+import pyarrow as pa
+import pytest
+from deltalake import DeltaTable
+
+from tests.engine.test_crash_recovery import run_until_killed
+from tests.engine.test_join import epoch_rows
+from tests.join_reference import JoinReference
+from tests.window_reference import reference_epochs
+from volley_dagster import EpochRunner, FileLog, ParquetSink, Pipeline, RunSettings, count, max_, tumbling
+from volley_dagster.demo.events import generate
+from volley_dagster.demo.merchant_refunds import hourly_refunds_pipeline
+from volley_dagster.demo.payments import local_tables
+from volley_dagster.demo.refunds import write_refund_logs
+from volley_dagster.operators.event_time import duration_us
+
+PER_FILE, MAX = 200, 700  # 16 files of 10 minutes each: the hours fire over several epochs
+HOUR_COLUMNS = ["merchant_id", "window_start", "window_end", "refunds", "refunded", "largest"]
+WINDOW_DELAY = duration_us("30 minutes", "the join's interval")  # what the join's watermark hands on less
+
+
+def _hours(table: pa.Table) -> set[tuple]:
+    rows = zip(*(table.column(c).to_pylist() for c in HOUR_COLUMNS), strict=True)
+    return {(m, int(s.timestamp() * 1e6), int(e.timestamp() * 1e6), n, round(total, 6), largest)
+            for m, s, e, n, total, largest in rows}
+
+
+class _ComposedReference:
+    """The join's reference fed each epoch's recorded records; its pairs with a refund,
+    as the window reference's events; the window's watermark the join's less 30 minutes."""
+
+    def __init__(self) -> None:
+        self.join = JoinReference(0, WINDOW_DELAY, "left", duration_us("1 minute", "ooo"))
+        self.pairs: list[pa.Table] = []
+        self.handed: list[int | None] = []
+        self.join_late: list[int] = []
+        self.values: dict[str, dict[str, object]] = {}  # every record's columns by row id: pairs match old rows
+
+    def epoch(self, runner: EpochRunner, events, epoch: int) -> None:
+        rows, fresh = epoch_rows(runner, events, epoch)
+        values = self.values
+        values.update(fresh)
+        pairs, _outer, late = self.join.run(rows)
+        self.join_late.append(len(late))
+        refunds = [(values[left]["merchant_id"], values[right]["refunded_at"], values[right]["refund_amount"], left)
+                   for _key, left, right in sorted(pairs, key=str) if right is not None]
+        self.pairs.append(pa.table({
+            "merchant_id": pa.array([r[0] for r in refunds], pa.int64()),
+            "event_time": pa.array([r[1] for r in refunds], pa.timestamp("us", "UTC")),
+            "amount": pa.array([r[2] for r in refunds], pa.float64()),
+            "event_id": pa.array(range(len(refunds)), pa.int64()), "status": pa.array(["ok"] * len(refunds)),
+            "file": pa.array([r[3] for r in refunds], pa.string()), "offset": pa.array([0] * len(refunds), pa.int64())}))
+        mark = self.join.watermark
+        self.handed.append(None if mark is None else mark - WINDOW_DELAY)
+
+    def hours(self, end_of_stream: bool):
+        return reference_epochs(self.pairs, tumbling("1 hour"), 0, 0, end_of_stream, handed=self.handed)
+
+
+def test_refunds_per_merchant_per_hour_in_one_pipeline_equal_the_references_composed(spark, tmp_path):
+    events = tmp_path / "events"
+    write_refund_logs(events, 8, PER_FILE)
+    tables = local_tables(tmp_path / "tables")
+    pipeline = hourly_refunds_pipeline(events, tables)
+    assert [stage.operator_name for stage in pipeline.stages()] == ["join(...)", "window(...).aggregate(...)"]
+    runner = EpochRunner(pipeline, tmp_path / "state", RunSettings(max_records_per_epoch=MAX), spark=spark)
+    reference, results = _ComposedReference(), []
+    while True:
+        if len(results) == 2:
+            write_refund_logs(events, 8, PER_FILE, first_file=8)  # both logs advance between epochs
+        result = runner.run_next()
+        if result is None:
+            break
+        reference.epoch(runner, events, result.epoch)
+        results.append(result)
+    [final] = runner.flush()
+    reference.epoch(runner, events, final.epoch)
+    results.append(final)
+
+    expected = reference.hours(end_of_stream=True)
+    fired = {epoch: {row[:6] for row in rows} for epoch, rows in expected.fired.items()}
+    [join_stage] = runner.stage_runners()
+    for result in results:
+        epoch = result.epoch
+        assert _hours(result.output) == fired[epoch], f"epoch {epoch}"
+        assert result.watermark == expected.watermark[epoch]
+        assert result.late_records == len(expected.late[epoch]) == 0  # nothing the join emits on time is late
+        assert result.figures["stage1_late_records"] == reference.join_late[epoch - 1]
+        assert result.figures.get("stage1_watermark") == reference.join.watermark if epoch == final.epoch else True
+        assert join_stage.result(epoch).records_in == result.records_in  # the epoch as cut from the two logs
+    assert sum(len(f) for f in fired.values()) > 20
+    assert sum(1 for e in fired.values() if e) >= 3, "hours fire across epochs, not only at the end"
+    table = DeltaTable(f"{tables.warehouse}/delta/hourly_refunds").to_pyarrow_table()
+    assert _hours(table) == {row for rows in fired.values() for row in rows}
+    assert table.num_rows == sum(r.records_out for r in results)
+
+    again = runner.run(results[1].epoch)  # committed: neither stage runs, nothing is written
+    assert again.already_committed
+    assert DeltaTable(f"{tables.warehouse}/delta/hourly_refunds").to_pyarrow_table().num_rows == table.num_rows
+    assert runner.read_state().num_rows == 0 and join_stage.read_state().num_rows == 0  # all fired, all left
+
+
+def test_each_windows_count_then_each_keys_running_maximum(spark, tmp_path):
+    events = tmp_path / "events"
+    generate(events, 4, 300, 7, seed=5)
+    out = tmp_path / "out"
+    pipeline = (Pipeline("busiest_minute").source(FileLog(events, format="parquet")).where("status != 'failed'")
+                .key_by("merchant_id").window(tumbling("10 seconds"), on="event_time", max_out_of_orderness="5 seconds")
+                .aggregate(events=count())
+                .key_by("merchant_id").aggregate(busiest=max_("events"), windows=count())
+                .sink(ParquetSink(out)).with_shards(2))
+    runner = EpochRunner(pipeline, tmp_path / "state", RunSettings(max_records_per_epoch=400, keep_epochs=50), spark=spark)
+    results = runner.run_available() + runner.flush()
+    minutes = runner.stage_runners()[0]
+    fired = pa.concat_tables([_stage_rows(minutes, r.epoch)
+                              for r in results]).to_pandas()
+    totals = runner.read_state().to_pandas().set_index("merchant_id")
+    expected = fired.groupby("merchant_id").agg(busiest=("events", "max"), windows=("events", "size"))
+    assert len(expected) == 7 and (expected["windows"] >= 3).all()
+    assert totals.loc[expected.index, ["busiest", "windows"]].astype(int).equals(expected.astype(int))
+    everything = pa.parquet.read_table(events).to_pandas()  # every minute's count came from the log, once
+    ok = everything[everything.status != "failed"]
+    assert fired["events"].sum() == len(ok) - sum(r.late_records for r in
+                                                  (minutes.result(e.epoch) for e in results))
+
+
+def _stage_rows(runner: EpochRunner, epoch: int) -> pa.Table:
+    """A stage's rows of ``epoch``, as the next stage read them (its output file)."""
+    return pa.parquet.read_table(runner.pipeline.sinks[0].file_for(runner.pipeline.name, epoch))
+
+
+@pytest.mark.parametrize("point", ["after_sink_hourly_refunds"])
+def test_a_kill_9_in_the_windows_stage_after_the_join_committed_resumes_to_the_same_hours(spark, tmp_path, point):
+    events = tmp_path / "events"
+    write_refund_logs(events, 12, PER_FILE)
+    crashed = run_until_killed(tmp_path, point, 2, kind="hourly_refunds", max_records=MAX)
+    assert crashed.returncode == -signal.SIGKILL, crashed.stderr[-2000:]
+    runner = EpochRunner(hourly_refunds_pipeline(events, local_tables(tmp_path / "tables")), tmp_path / "state",
+                         RunSettings(max_records_per_epoch=MAX), spark=spark)
+    [join_stage] = runner.stage_runners()
+    assert runner.committed_epoch() == 1 and join_stage.committed_epoch() == 2  # killed between the stages
+    runner.run_available()  # nobody acts but to run on: the window's stage resumes at epoch 2
+    assert runner.committed_epoch() >= 3
+    reference = _ComposedReference()
+    for epoch in range(1, runner.committed_epoch() + 1):
+        reference.epoch(runner, events, epoch)
+    expected = {row[:6] for rows in reference.hours(end_of_stream=False).fired.values() for row in rows}
+    table = DeltaTable(str(tmp_path / "tables" / "delta" / "hourly_refunds")).to_pyarrow_table()
+    assert _hours(table) == expected and table.num_rows == len(expected) > 0  # each hour once
