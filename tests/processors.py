@@ -103,3 +103,27 @@ class Heartbeat(StatefulProcessor):
             self.handle.registerTimer(expiredTimerInfo.getExpiryTimeInMs() + self.every_ms)
         else:
             self.left.clear()
+
+
+class NewHighs(StatefulProcessor):
+    """A key's new highs: each input row whose ``events`` beats every earlier one of the
+    key is emitted (append), the best so far kept in value state; e.g. over a window's
+    counts, the windows that set a merchant's record."""
+
+    OUTPUT = "window_start timestamp, window_end timestamp, events bigint"
+
+    def init(self, handle: StatefulProcessorHandle) -> None:
+        self.best = handle.getValueState("best", "bigint")
+
+    def handleInputRows(self, key: Any, rows: Iterator[pd.DataFrame],
+                        timerValues: TimerValues) -> Iterator[pd.DataFrame]:
+        current = self.best.get()
+        best = current[0] if current else 0
+        highs = []
+        for frame in rows:
+            for start, end, events in zip(frame["window_start"], frame["window_end"], frame["events"], strict=True):
+                if events > best:
+                    best = int(events)
+                    highs.append((start, end, best))
+        self.best.update((best,))
+        yield pd.DataFrame(highs, columns=["window_start", "window_end", "events"])

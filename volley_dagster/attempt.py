@@ -51,6 +51,7 @@ from volley_dagster.sinks.committer import SinkCommitter
 from volley_dagster.sinks.staged_files import StagingTarget
 from volley_dagster.sources.offsets import EpochRange
 from volley_dagster.spark.plan import PlannedEpoch
+from volley_dagster.spark.jobs import counted_jobs
 from volley_dagster.spark.session import executors_share_this_disk
 from volley_dagster.spark.stage import StageResult, plan_epoch, run_stage
 from volley_dagster.spark.tasks import ShardMerge, attempt_id
@@ -91,6 +92,7 @@ class EpochAttempt:
         self.status = AttemptStatus.STARTED
         self.failed = False
         self.durations: dict[str, float] = {}
+        self.spark_jobs: int | None = None  # the plan's and the stage's Spark jobs (None: not counted)
 
     @property
     def epoch(self) -> int:
@@ -100,9 +102,11 @@ class EpochAttempt:
         """The epoch's result: this attempt's, or the one another attempt committed first."""
         t0 = time.perf_counter()
         try:
-            plan, merge = self.plan()
-            self.status = AttemptStatus.PLANNED
-            stage = self._stage(plan, merge)
+            with counted_jobs(self.spark, f"volley {self.pipeline.name} epoch {self.epoch}") as jobs:
+                plan, merge = self.plan()
+                self.status = AttemptStatus.PLANNED
+                stage = self._stage(plan, merge)
+                self.spark_jobs = jobs()
             self.status = AttemptStatus.STAGED
             t_sinks = time.perf_counter()
             paths = self._write_side_outputs(stage)
@@ -219,7 +223,7 @@ class EpochAttempt:
             watermark=stage.watermark,
             input_watermarks=stage.input_watermarks,
             late_records=stage.side.late.num_rows if stage.side.late is not None else 0,
-            figures={**(self.before.figures if self.before is not None else {}), **stage.figures},
+            figures=self._figures(stage),
             end_of_stream=self.rng.end_of_stream,
             committed_at=datetime.now(timezone.utc).isoformat(),
             fencing_token=self.lease.fence.token,
@@ -229,6 +233,17 @@ class EpochAttempt:
             late_records_path=late_path,
             duplicates_path=duplicates_path,
         )
+
+    def _figures(self, stage: StageResult) -> dict[str, int]:
+        """The operator's figures, the Spark jobs the attempt ran, and in a chain's last
+        stage each stage's before it (``stage<k>_...``) and the jobs of all of them."""
+        figures = {**(self.before.figures if self.before is not None else {}), **stage.figures}
+        if self.spark_jobs is not None:
+            figures["spark_jobs"] = self.spark_jobs
+            if self.before is not None:
+                figures["chain_spark_jobs"] = self.spark_jobs + sum(
+                    n for name, n in self.before.figures.items() if name.endswith("_spark_jobs"))
+        return figures
 
     def _commit(self, result: EpochResult) -> EpochResult:
         """The manifest, written once; another attempt's when it committed first."""

@@ -3,7 +3,7 @@ RocksDB and Delta: the refunds per merchant per hour as the demo's join, then an
 hourly window over its pairs (``demo/merchant_refunds.hourly_refunds_pipeline``),
 equal epoch by epoch to the references composed (``tests/join_reference.py``'s pairs
 fed to ``tests/window_reference.py`` with the watermark the join hands on), with files
-landing between epochs, a re-run and the end of the stream; each minute's count then
+landing between epochs, a rescale of every stage, a re-run and the end of the stream; each minute's count then
 each key's running maximum; and ``kill -9`` in the window's stage, after the join's
 stage committed, resumed to the same hours, each once."""
 
@@ -12,12 +12,14 @@ from __future__ import annotations
 import signal
 
 import pyarrow as pa
+import pyarrow.parquet  # noqa: F401  (pa.parquet)
 import pytest
 from deltalake import DeltaTable
 
 from tests.engine.test_crash_recovery import run_until_killed
 from tests.engine.test_join import epoch_rows
 from tests.join_reference import JoinReference
+from tests.processors import NewHighs
 from tests.window_reference import reference_epochs
 from volley_dagster import EpochRunner, FileLog, ParquetSink, Pipeline, RunSettings, count, max_, tumbling
 from volley_dagster.demo.events import generate
@@ -80,6 +82,8 @@ def test_refunds_per_merchant_per_hour_in_one_pipeline_equal_the_references_comp
     while True:
         if len(results) == 2:
             write_refund_logs(events, 8, PER_FILE, first_file=8)  # both logs advance between epochs
+        if len(results) == 3:
+            runner.rescale(3)  # every stage: the join's waiting rows and the open hours move with their key groups
         result = runner.run_next()
         if result is None:
             break
@@ -92,6 +96,7 @@ def test_refunds_per_merchant_per_hour_in_one_pipeline_equal_the_references_comp
     expected = reference.hours(end_of_stream=True)
     fired = {epoch: {row[:6] for row in rows} for epoch, rows in expected.fired.items()}
     [join_stage] = runner.stage_runners()
+    assert runner.layout().num_shards == join_stage.layout().num_shards == 3
     for result in results:
         epoch = result.epoch
         assert _hours(result.output) == fired[epoch], f"epoch {epoch}"
@@ -100,6 +105,9 @@ def test_refunds_per_merchant_per_hour_in_one_pipeline_equal_the_references_comp
         assert result.figures["stage1_late_records"] == reference.join_late[epoch - 1]
         assert result.figures.get("stage1_watermark") == reference.join.watermark if epoch == final.epoch else True
         assert join_stage.result(epoch).records_in == result.records_in  # the epoch as cut from the two logs
+        if not result.already_committed:  # what each stage's attempt ran, and the chain in all
+            assert result.figures["chain_spark_jobs"] == result.figures["spark_jobs"] + result.figures[
+                "stage1_spark_jobs"] and result.figures["spark_jobs"] >= 1
     assert sum(len(f) for f in fired.values()) > 20
     assert sum(1 for e in fired.values() if e) >= 3, "hours fire across epochs, not only at the end"
     table = DeltaTable(f"{tables.warehouse}/delta/hourly_refunds").to_pyarrow_table()
@@ -134,6 +142,57 @@ def test_each_windows_count_then_each_keys_running_maximum(spark, tmp_path):
     ok = everything[everything.status != "failed"]
     assert fired["events"].sum() == len(ok) - sum(r.late_records for r in
                                                   (minutes.result(e.epoch) for e in results))
+
+
+def test_windows_then_a_teams_processor_then_an_aggregate(spark, tmp_path):
+    """``process`` in the middle of a chain: each 10 seconds' count per merchant, then the
+    windows that set a merchant's record (``NewHighs``, value state, in the order the
+    window emitted them), then how many records each merchant set. The window's rows
+    equal the window reference fed what each epoch recorded."""
+    events = tmp_path / "events"
+    generate(events, 4, 300, 5, seed=9)
+    pipeline = (Pipeline("records").source(FileLog(events, format="parquet")).where("status != 'failed'")
+                .key_by("merchant_id").window(tumbling("10 seconds"), on="event_time").aggregate(events=count())
+                .key_by("merchant_id").process(NewHighs(), output_schema=NewHighs.OUTPUT)
+                .key_by("merchant_id").aggregate(records=count(), best=max_("events"))
+                .with_shards(2))
+    runner = EpochRunner(pipeline, tmp_path / "state", RunSettings(max_records_per_epoch=300, keep_epochs=50),
+                         spark=spark)
+    results = runner.run_available() + runner.flush()
+    windows, highs = runner.stage_runners()
+    recorded = [_recorded(runner, events, r.epoch) for r in results]
+    reference = reference_epochs(recorded, tumbling("10 seconds"), 0, 0, end_of_stream=True)
+    fired = {r.epoch: _stage_rows(windows, r.epoch) for r in results}
+    for result in results:
+        got = fired[result.epoch].to_pylist()
+        assert sorted((r["merchant_id"], int(r["window_start"].timestamp() * 1e6), r["events"]) for r in got) == \
+            sorted((row[0], row[1], row[3]) for row in reference.fired[result.epoch]), f"epoch {result.epoch}"
+    best: dict[int, int] = {}
+    expected_highs = []
+    for result in results:  # the processor's reference: the windows in the order the stage emitted them
+        got = fired[result.epoch].to_pylist()
+        for row in sorted(got, key=lambda r: (r["merchant_id"], r["window_start"])):
+            if row["events"] > best.get(row["merchant_id"], 0):
+                best[row["merchant_id"]] = row["events"]
+                expected_highs.append((row["merchant_id"], row["window_start"], row["events"]))
+    emitted = pa.concat_tables([_stage_rows(highs, r.epoch) for r in results]).to_pylist()
+    assert sorted((r["merchant_id"], r["window_start"], r["events"]) for r in emitted) == sorted(expected_highs)
+    totals = runner.read_state().to_pylist()
+    assert {(t["merchant_id"], t["records"], t["best"]) for t in totals} == {
+        (m, sum(1 for h in expected_highs if h[0] == m), b) for m, b in best.items()}
+    assert len(expected_highs) > len(best) >= 5  # records were set more than once per merchant
+
+
+def _recorded(runner: EpochRunner, events, epoch: int) -> pa.Table:
+    """The records ``epoch`` recorded, as the window reference reads them."""
+    first = next(iter(sorted(events.glob("*.parquet"))))
+    parts = [pa.parquet.read_table(first).slice(0, 0).append_column("file", pa.array([], pa.string()))
+             .append_column("offset", pa.array([], pa.int64()))]
+    for seg in runner.log.offsets(epoch).segments:
+        rows = pa.parquet.read_table(events / seg.file).slice(seg.start, seg.records)
+        parts.append(rows.append_column("file", pa.array([seg.file] * rows.num_rows))
+                     .append_column("offset", pa.array(range(seg.start, seg.end), pa.int64())))
+    return pa.concat_tables(parts)
 
 
 def _stage_rows(runner: EpochRunner, epoch: int) -> pa.Table:
