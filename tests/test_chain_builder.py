@@ -87,3 +87,8 @@ def test_transforms_after_the_last_operator_still_apply_before_it_with_a_warning
     assert [w.category for w in caught] == [DeprecationWarning]
     assert "from 1.0 they will apply to its output rows" in str(caught[0].message)
     assert settled.upstream is None and len(settled.transforms) == 1 and settled.operator_given is not None
+
+
+def test_a_sink_given_before_a_later_stage_is_refused_by_name(tmp_path):
+    with pytest.raises(ConfigError, match=r"sink 'parquet' is given after join\(\.\.\.\) and before the next step"):
+        _joined(tmp_path).sink(ParquetSink(tmp_path / "out")).key_by("merchant_id").aggregate(n=count())

@@ -32,6 +32,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Callable
 
+import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -292,6 +293,33 @@ def test_the_hourly_refunds_read_the_join_table_and_equal_its_rows_counted(spark
     expected = refunds.groupby([refunds.merchant_id, hour]).agg(refunds=("refund_amount", "size"),
                                                                 refunded=("refund_amount", "sum"))
     got = namespace["hourly"].sinks[0].read().to_pandas()
+    assert sorted((r.merchant_id, r.window_start, r.refunds, round(r.refunded, 6)) for r in got.itertuples()) == \
+        sorted((m, h, n, round(t, 6)) for (m, h), n, t in zip(expected.index, expected.refunds, expected.refunded,
+                                                              strict=True))
+
+
+IN_ONE = "pipelines.md#Several stateful operators in one pipeline/python"
+
+
+@runs(IN_ONE)
+def test_the_hours_in_one_pipeline_equal_the_refunds_that_match_a_payment_counted(spark, tmp_path, monkeypatch):
+    """One epoch, then the stream's end: every refund that matches its payment within 30
+    minutes is counted once, by merchant and hour of refund (read at once, none is late)."""
+    monkeypatch.chdir(tmp_path)
+    write_refund_logs("data", 8, 100, merchants=10)
+    namespace = session(block(IN_ONE))
+    run_python(block(IN_ONE), namespace)
+    ran = EpochRunner(namespace["hourly_refunds"], "state/hourly_refunds", spark=spark).flush()
+    assert all(r.figures["stage1_late_records"] == 0 for r in ran) and ran[-1].end_of_stream
+    payments = pq.read_table("data/payments").to_pandas()
+    refunds = pq.read_table("data/refunds").to_pandas().merge(payments, on="payment_id")
+    refunds = refunds[(refunds.refunded_at >= refunds.paid_at)
+                      & (refunds.refunded_at <= refunds.paid_at + pd.Timedelta(minutes=30))]
+    hour = refunds.refunded_at.dt.floor("h")
+    expected = refunds.groupby([refunds.merchant_id, hour]).agg(refunds=("refund_amount", "size"),
+                                                                refunded=("refund_amount", "sum"))
+    got = namespace["hourly_refunds"].sinks[0].read().to_pandas()
+    assert len(got) > 10
     assert sorted((r.merchant_id, r.window_start, r.refunds, round(r.refunded, 6)) for r in got.itertuples()) == \
         sorted((m, h, n, round(t, 6)) for (m, h), n, t in zip(expected.index, expected.refunds, expected.refunded,
                                                               strict=True))

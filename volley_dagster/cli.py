@@ -353,6 +353,12 @@ def rescale_root(args: argparse.Namespace) -> int:
     return 0
 
 
+def _stages_before(root: Path) -> int:
+    """How many stages a chained pipeline's root holds before its last (``chain.py``)."""
+    folder = root / "stages"
+    return len([p for p in folder.iterdir() if p.name.isdigit()]) if folder.is_dir() else 0
+
+
 def state_command(args: argparse.Namespace) -> int:
     """``volley state show|diff|export``: the state at a retained epoch, read by Spark tasks."""
     from pyspark.sql import functions as F
@@ -363,9 +369,16 @@ def state_command(args: argparse.Namespace) -> int:
     from volley_dagster.spark.session import get_or_create_spark
     from volley_dagster.spark.state_table import CHANGE, StateTables
 
+    root, before = Path(args.checkpoint_root), _stages_before(Path(args.checkpoint_root))
+    if args.stage is not None:
+        if not 1 <= args.stage <= before + 1:
+            print(f"volley state {args.action}: --stage {args.stage}: {root} holds stages 1..{before + 1}",
+                  file=sys.stderr)
+            return 2
+        root = root if args.stage == before + 1 else root / "stages" / str(args.stage - 1)
     try:
         spark = get_or_create_spark(remote=os.environ.get("VOLLEY_SPARK_REMOTE") or None)
-        tables = StateTables(spark, Path(args.checkpoint_root), ReadSettings(verify_checksums=args.verify_checksums))
+        tables = StateTables(spark, root, ReadSettings(verify_checksums=args.verify_checksums))
         pending = getattr(args, "pending", False)
         epoch = args.to_epoch if args.action == "diff" else args.epoch or tables.log.last_committed()
         keys = tables.keys(epoch)
@@ -392,6 +405,8 @@ def state_command(args: argparse.Namespace) -> int:
         summary = ", ".join(f"{n:,} {c}" for c, n in sorted(counts.items())) if counts else f"{total:,} rows"
         print(f"{tables.log.root}: {what} ({summary}); the first {min(args.limit, total):,} by {', '.join(keys)}:")
         print(rows.to_pandas().to_string(index=False) if rows.num_rows else "(none)")
+        if before and args.stage is None:
+            print(f"(the last of a chain's {before + 1} stateful stages; --stage 1..{before} shows the others)")
     except VolleyError as exc:
         print(f"volley state {args.action}: {exc}", file=sys.stderr)
         return 1
@@ -514,6 +529,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--key", help="only this key")
         p.add_argument("--verify-checksums", action="store_true",
                        help="hash every snapshot file against its manifest's SHA-256 (default: sizes only)")
+        p.add_argument("--stage", type=int, default=None, metavar="K",
+                       help="a chain of stateful operators: stage K's state (1: the first; default: the last)")
         p.set_defaults(func=state_command)
     show.add_argument("--pending", action="store_true", help="a window operator's pending entries (a state TTL's: each key's next look) instead")
     diff.add_argument("from_epoch", type=int, metavar="N")

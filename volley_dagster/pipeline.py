@@ -81,11 +81,18 @@ class Pipeline:
 
     def _next(self) -> Pipeline:
         """The pipeline a step applies to: this one, or after a stateful operator the
-        chain's next stage, which reads that operator's output rows (the sinks move on
-        with it: they take the last stage's rows)."""
+        chain's next stage, which reads that operator's output rows. The sinks take the
+        last stage's rows, so a sink given before a later stage is refused: it was meant
+        for the rows of the operator before it."""
         if not self.has_operator:
             return self
-        return Pipeline(self.name, upstream=replace(self, sinks=()), sinks=self.sinks, bad_records=self.bad_records,
+        if self.sinks:
+            raise ConfigError(
+                f"pipeline {self.name!r}: sink {self.sinks[0].name!r} is given after {self.operator_name} and before "
+                "the next step, which reads that operator's rows in the chain's next stage; a chain's sinks take its "
+                "last stage's rows: give the sinks after the last stateful operator (a table of the rows in between "
+                "is a pipeline of its own: docs/pipelines.md, 'Pipelines that feed pipelines')")
+        return Pipeline(self.name, upstream=self, bad_records=self.bad_records,
                         quote_bad_records=self.quote_bad_records, layout=self.layout)
 
     @property
@@ -349,9 +356,10 @@ class Pipeline:
         if self.processing is not None:
             if self.operator_given is not None or self.windowing is not None or self.joining is not None \
                     or self.dedup is not None:
-                raise ConfigError(f"pipeline {self.name!r}: process(...) is the pipeline's stateful operator: its "
-                                  "rows go to the sinks; it does not combine with aggregate(), window(), join() or "
-                                  "deduplicate() yet")
+                raise ConfigError(f"pipeline {self.name!r}: process(...) does not share a stage with window(), "
+                                  "aggregate() or deduplicate() before it: complete that operator first (window(...) "
+                                  "takes its aggregate(...)), and process(...) after it reads its rows in the "
+                                  "chain's next stage")
             upserts = [s.name for s in self.sinks if getattr(s, "mode", None) == "upsert"]
             if upserts and self.processing.output_mode == "append":
                 raise ConfigError(f"pipeline {self.name!r}: sink {upserts[0]!r} upserts, but process(...) appends "
@@ -360,8 +368,9 @@ class Pipeline:
             return replace(self.processing, quote_keys=self.quote_bad_records)
         if self.joining is not None:
             if self.operator_given is not None or self.windowing is not None or self.dedup is not None:
-                raise ConfigError(f"pipeline {self.name!r}: join(...) is the pipeline's stateful operator: its pairs "
-                                  "go to the sinks; it does not combine with aggregate(), window() or deduplicate()")
+                raise ConfigError(f"pipeline {self.name!r}: deduplicate(...) before join(...) is not supported yet; "
+                                  "a step after the join (deduplicate, aggregate, window, process) reads its pairs in "
+                                  "the chain's next stage")
             return self.joining
         if self.only_deduplicates:
             assert self.dedup is not None

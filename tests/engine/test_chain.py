@@ -21,7 +21,7 @@ from tests.engine.test_join import epoch_rows
 from tests.join_reference import JoinReference
 from tests.processors import NewHighs
 from tests.window_reference import reference_epochs
-from volley_dagster import EpochRunner, FileLog, ParquetSink, Pipeline, RunSettings, count, max_, tumbling
+from volley_dagster import EpochRunner, FileLog, ParquetSink, Pipeline, RunSettings, cli, count, max_, tumbling
 from volley_dagster.demo.events import generate
 from volley_dagster.demo.merchant_refunds import hourly_refunds_pipeline
 from volley_dagster.demo.payments import local_tables
@@ -144,7 +144,7 @@ def test_each_windows_count_then_each_keys_running_maximum(spark, tmp_path):
                                                   (minutes.result(e.epoch) for e in results))
 
 
-def test_windows_then_a_teams_processor_then_an_aggregate(spark, tmp_path):
+def test_windows_then_a_teams_processor_then_an_aggregate(spark, tmp_path, capsys):
     """``process`` in the middle of a chain: each 10 seconds' count per merchant, then the
     windows that set a merchant's record (``NewHighs``, value state, in the order the
     window emitted them), then how many records each merchant set. The window's rows
@@ -181,6 +181,13 @@ def test_windows_then_a_teams_processor_then_an_aggregate(spark, tmp_path):
     assert {(t["merchant_id"], t["records"], t["best"]) for t in totals} == {
         (m, sum(1 for h in expected_highs if h[0] == m), b) for m, b in best.items()}
     assert len(expected_highs) > len(best) >= 5  # records were set more than once per merchant
+
+    assert cli.main(["state", "show", str(tmp_path / "state"), "--stage", "2"]) == 0  # the processor's value state
+    shown = capsys.readouterr().out
+    assert "state/stages/1: state at epoch" in shown and f"({len(best)} rows)" in shown and "best" in shown
+    assert cli.main(["state", "show", str(tmp_path / "state")]) == 0
+    assert "(the last of a chain's 3 stateful stages; --stage 1..2 shows the others)" in capsys.readouterr().out
+    assert cli.main(["state", "show", str(tmp_path / "state"), "--stage", "4"]) == 2
 
 
 def _recorded(runner: EpochRunner, events, epoch: int) -> pa.Table:
