@@ -189,6 +189,56 @@ def run_ours(spark: SparkSession, staged: tuple[Path, Path], work: Path, epochs:
             "refund_log_rows": _read_delta(refund_log).num_rows, "table": str(refund_hours)}
 
 
+def run_ours_one(spark: SparkSession, staged: tuple[Path, Path], work: Path, epochs: int, files_per_epoch: int,
+                 shards: int) -> dict[str, Any]:
+    """The same chain as one pipeline of two stateful operators (``volley_dagster/chain.py``):
+    the join, then the hourly window over its pairs, in one ``EpochRunner``; the window
+    keeps time by the watermark the join hands on (its own less the 30-minute interval),
+    so it fires each hour later than B, as Spark's query does."""
+    from volley_dagster import DeltaSink, EpochRunner, FileLog, Pipeline, count, max_, sum_, tumbling
+
+    logs = (work / "one-log" / "payments", work / "one-log" / "refunds")
+    for d in logs:
+        d.mkdir(parents=True)
+    hours = work / "one-refund-hours"
+    pipeline = (Pipeline("hourly_refunds")
+                .sources({"payments": FileLog(logs[0], format="parquet"),
+                          "refunds": FileLog(logs[1], format="parquet")})
+                .join(left="payments", right="refunds", on="payment_id", left_time="paid_at",
+                      right_time="refunded_at", between=(f"{BETWEEN_S[0]} seconds", f"+{BETWEEN_S[1] // 60} minutes"),
+                      how="left", max_out_of_orderness=OUT_OF_ORDERNESS)
+                .with_shards(shards)
+                .where("refund_amount IS NOT NULL")
+                .key_by("merchant_id")
+                .window(tumbling("1 hour"), on="refunded_at")
+                .aggregate(refunds=count(), refunded=sum_("refund_amount"), largest=max_("refund_amount"))
+                .sink(DeltaSink(hours, name="refund_hours", mode="append"))
+                .with_shards(shards))
+    runner = EpochRunner(pipeline, work / "one-state", RunSettings(max_records_per_epoch=None), spark=spark)
+    rows, last = [], None
+    t0 = time.perf_counter()
+    for i in range(epochs):
+        for src, dst in zip(staged, logs, strict=True):
+            for k in range(i * files_per_epoch, (i + 1) * files_per_epoch):
+                os.link(src / f"events-{k:05d}.parquet", dst / f"events-{k:05d}.parquet")
+        t = time.perf_counter()
+        last = runner.run_next()
+        assert last is not None, f"epoch {i + 1}: nothing to run"
+        f = last.figures
+        rows.append({"epoch": i + 1, "records": last.records_in, "seconds": time.perf_counter() - t,
+                     "join_rows": f.get("stage1_join_left_rows", 0) + f.get("stage1_join_right_rows", 0),
+                     "pairs_in": f.get("stage1_records_out", 0), "rows_out": last.records_out,
+                     "late": last.late_records + f.get("stage1_late_records", 0), "watermark": last.watermark,
+                     "spark_jobs": f.get("chain_spark_jobs")})
+    wall = time.perf_counter() - t0
+    runner.wait_for_compactions()
+    assert last is not None
+    state = last.state_bytes + runner.stage_runners()[0].result(last.epoch).state_bytes
+    return {"engine": "volley-one", "epochs_detail": rows, "wall_s": wall, "state_bytes": state,
+            "checkpoint_bytes": _dir_bytes(work / "one-state"), "last_watermark_us": last.watermark,
+            "table": str(hours)}
+
+
 # ---------------------------------------------------------------- the peer
 
 
@@ -297,10 +347,11 @@ def differing(a: pd.DataFrame, b: pd.DataFrame) -> tuple[int, pd.DataFrame]:
 
 
 def check(ours: pd.DataFrame | None, peer: pd.DataFrame | None, want: pd.DataFrame,
-          ours_watermark: int | None) -> tuple[dict[str, Any], list[str]]:
+          ours_watermark: int | None, one: pd.DataFrame | None = None,
+          one_watermark: int | None = None) -> tuple[dict[str, Any], list[str]]:
     problems: list[str] = []
     figures: dict[str, Any] = {"reference_windows": len(want)}
-    tables = {k: v for k, v in (("ours", ours), ("spark", peer)) if v is not None}
+    tables = {k: v for k, v in (("ours", ours), ("spark", peer), ("one", one)) if v is not None}
     for label, t in tables.items():
         twice = int(t.duplicated(KEY).sum())
         if twice:
@@ -313,13 +364,14 @@ def check(ours: pd.DataFrame | None, peer: pd.DataFrame | None, want: pd.DataFra
             problems.append(f"{label}: {len(t) - common} emitted windows the reference does not have")
         if len(bad):
             problems.append(f"{label}: {len(bad)} windows differ from the reference, first {bad.head(3).to_dict('records')}")
-    if ours is not None and ours_watermark is not None:
-        due = want[want["window_end"] <= ours_watermark]
-        figures["reference_windows_due_ours"] = len(due)
-        if len(due) != len(ours) or differing(ours, due)[0] != len(due):
-            problems.append(f"ours: emitted {len(ours)} windows, the reference has {len(due)} ending by its "
-                            "last watermark")
-    if len(tables) == 2:
+    for label, table, watermark in (("ours", ours, ours_watermark), ("one", one, one_watermark)):
+        if table is not None and watermark is not None:
+            due = want[want["window_end"] <= watermark]
+            figures[f"reference_windows_due_{label}"] = len(due)
+            if len(due) != len(table) or differing(table, due)[0] != len(due):
+                problems.append(f"{label}: emitted {len(table)} windows, the reference has {len(due)} ending by its "
+                                "last watermark")
+    if "ours" in tables and "spark" in tables:
         common, bad = differing(tables["ours"], tables["spark"])
         figures["common_windows"] = common
         figures["common_windows_differ"] = len(bad)
@@ -360,7 +412,8 @@ def main() -> None:
     parser.add_argument("--refunded", type=float, default=0.2, help="share of payments refunded")
     parser.add_argument("--outside", type=float, default=0.05, help="share of refunds 30..90 min after the payment")
     parser.add_argument("--disorder-s", type=float, default=20.0, help="how late a record may land in the files")
-    parser.add_argument("--engines", default="ours,spark", help="ours,spark (default both)")
+    parser.add_argument("--engines", default="ours,one,spark",
+                        help="ours (two pipelines), one (one pipeline, both operators), spark (default all)")
     parser.add_argument("--workdir", default=None, help="keep the data and state here (default: a temp dir, removed)")
     args = parser.parse_args()
     engines = set(args.engines.split(","))
@@ -382,6 +435,8 @@ def main() -> None:
     runs: dict[str, dict[str, Any]] = {}
     if "ours" in engines:
         runs["ours"] = run_ours(spark, staged, work, args.epochs, args.files_per_epoch, args.shards)
+    if "one" in engines:
+        runs["one"] = run_ours_one(spark, staged, work, args.epochs, args.files_per_epoch, args.shards)
     if "spark" in engines:
         runs["spark"] = run_peer(spark, staged, work, args.files_per_epoch, args.shards, args.epochs)
 
@@ -398,6 +453,10 @@ def main() -> None:
                       f"{r['seconds']:>6.2f} {rate:>9,.0f} {_n(r['join_rows']):>9} {'-':>8} "
                       f"{_n(r['b_records_in']):>8} {_n(r['b_rows_out']):>7} {r['late']:>5} "
                       f"{_hours(r['b_watermark']):>10}")
+            elif label == "one":
+                print(f"{r['epoch']:>5} {label:>6} {r['records']:>8,} {'':>6} {'':>6} {r['seconds']:>6.2f} "
+                      f"{rate:>9,.0f} {_n(r['join_rows']):>9} {'-':>8} {_n(r['pairs_in']):>8} "
+                      f"{_n(r['rows_out']):>7} {r['late']:>5} {_hours(r['watermark']):>10}")
             else:
                 print(f"{r['epoch']:>5} {label:>6} {r['records']:>8,} {'':>6} {'':>6} {r['seconds']:>6.2f} "
                       f"{rate:>9,.0f} {_n(r['join_rows']):>9} {_n(r['agg_rows']):>8} {'':>8} "
@@ -408,7 +467,8 @@ def main() -> None:
               f"{_wm(x['watermark']):>10}")
     print("(ours: A = the join pipeline, B = the hourly pipeline reading A's table, seconds are each run_next's "
           "wall clock; join rows: waiting on both sides after the epoch; pairs->B: rows B read; watermark: B's, "
-          "hours after the first file's start; spark: triggerExecution, its query's global watermark)")
+          "hours after the first file's start; one: both operators in one pipeline, its run_next, the hourly "
+          "stage's watermark; spark: triggerExecution, its query's global watermark)")
 
     summary = {label: summarize(run) for label, run in runs.items()}
     print(f"\nmedian of epochs 2..{args.epochs}; state on disk after the last epoch (ours: both pipelines' "
@@ -420,16 +480,18 @@ def main() -> None:
               f"{s['median_records_per_s']:>9,.0f} {run['state_bytes'] / MiB:>7.2f} "
               f"{run['checkpoint_bytes'] / MiB:>7.2f} {run['wall_s']:>7.1f}")
     ratios: dict[str, float] = {}
-    if len(summary) == 2:
-        o, p = summary["ours"], summary["spark"]
-        ratios = {"records_per_s_ours_to_spark": o["median_records_per_s"] / p["median_records_per_s"],
-                  "seconds_per_epoch_ours_to_spark": o["median_s"] / p["median_s"]}
-        print(f"ours/spark: {ratios['records_per_s_ours_to_spark']:.2f}x records/s, "
-              f"{ratios['seconds_per_epoch_ours_to_spark']:.2f}x seconds per epoch")
+    for label in ("ours", "one"):
+        if label in summary and "spark" in summary:
+            o, p = summary[label], summary["spark"]
+            ratios[f"records_per_s_{label}_to_spark"] = o["median_records_per_s"] / p["median_records_per_s"]
+            ratios[f"seconds_per_epoch_{label}_to_spark"] = o["median_s"] / p["median_s"]
+            print(f"{label}/spark: {ratios[f'records_per_s_{label}_to_spark']:.2f}x records/s, "
+                  f"{ratios[f'seconds_per_epoch_{label}_to_spark']:.2f}x seconds per epoch")
 
     tables = {label: windows_of(run["table"]) for label, run in runs.items()}
     figures, problems = check(tables.get("ours"), tables.get("spark"), want,
-                              runs.get("ours", {}).get("last_watermark_us"))
+                              runs.get("ours", {}).get("last_watermark_us"), tables.get("one"),
+                              runs.get("one", {}).get("last_watermark_us"))
     for label, run in runs.items():
         late = sum(e["late"] or 0 for e in run["epochs_detail"] + run.get("no_data_batches", []))
         if late:

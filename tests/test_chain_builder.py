@@ -23,13 +23,13 @@ def _joined(tmp_path) -> Pipeline:
                   between=("-5 minutes", "+20 minutes")))
 
 
-def test_a_step_after_a_stateful_operator_starts_the_next_stage_and_the_sinks_stay_last(tmp_path):
+def test_a_step_after_a_stateful_operator_starts_the_next_stage_and_the_sinks_take_the_last(tmp_path):
     sink = ParquetSink(tmp_path / "out")
-    pipeline = (_joined(tmp_path).sink(sink).with_shards(3)
+    pipeline = (_joined(tmp_path).with_shards(3)
                 .where("amount > 0").key_by("merchant_id").window(tumbling("1 hour"), on="paid_at")
                 .aggregate(orders=count(), paid=sum_("amount"))
                 .key_by("merchant_id").aggregate(busiest=max_("orders"))
-                .with_shards(2))
+                .sink(sink).with_shards(2))
     first, second, third = pipeline.stages()
     assert (first.operator_name, second.operator_name, third.operator_name) == (
         "join(...)", "window(...).aggregate(...)", "aggregate(...)")

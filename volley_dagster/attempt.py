@@ -50,8 +50,8 @@ from volley_dagster.sinks.base import SinkCommitResult
 from volley_dagster.sinks.committer import SinkCommitter
 from volley_dagster.sinks.staged_files import StagingTarget
 from volley_dagster.sources.offsets import EpochRange
-from volley_dagster.spark.plan import PlannedEpoch
 from volley_dagster.spark.jobs import counted_jobs
+from volley_dagster.spark.plan import PlannedEpoch
 from volley_dagster.spark.session import executors_share_this_disk
 from volley_dagster.spark.stage import StageResult, plan_epoch, run_stage
 from volley_dagster.spark.tasks import ShardMerge, attempt_id

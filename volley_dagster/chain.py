@@ -138,8 +138,9 @@ class StageChain:
 
 def _figures(result: EpochResult) -> dict[str, int]:
     """A stage's figures for the epoch's manifest: what it read, emitted and dropped as
-    late, how many keys it touched, its watermark, and its operator's own."""
+    late or as bad records, how many keys it touched, its watermark, and its operator's own."""
     figures = {"records_in": result.records_in, "records_out": result.records_out, "late_records": result.late_records,
+               "dead_letters": result.dead_letters,
                "keys_touched": result.keys_touched, "state_bytes": result.state_bytes, **result.figures}
     if result.watermark is not None:
         figures["watermark"] = result.watermark

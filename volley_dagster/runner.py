@@ -178,13 +178,13 @@ class EpochRunner:
         start = self.log.start_of(epoch, self._dimension_pins(epoch))
         if self.pipeline.upstream is None:
             return EpochAttempt(self.spark, self.pipeline, rng, start, self.log, self.settings, self._lease).run()
-        chain = self.chain()
+        chain = self._stage_chain()
         last, last_rng, before = chain.run_before_last(rng)
         result = EpochAttempt(self.spark, last, last_rng, start, self.log, self.settings, self._lease, before).run()
         chain.prune(epoch, self.settings.keep_epochs)
         return result
 
-    def chain(self) -> StageChain:
+    def _stage_chain(self) -> StageChain:
         """A chained pipeline's stages before the last (``chain.py``)."""
         if self._chain is None:
             self._chain = StageChain(self)
@@ -194,7 +194,7 @@ class EpochRunner:
         """The runners of a chained pipeline's stages before the last, first to last
         (none for a pipeline of one stateful operator): each stage's own state,
         watermark and results, e.g. ``runner.stage_runners()[0].read_state()``."""
-        return self.chain().runners if self.pipeline.upstream is not None else []
+        return self._stage_chain().runners if self.pipeline.upstream is not None else []
 
     def run_next(self) -> EpochResult | None:
         """Finish the oldest cut-but-uncommitted epoch, else cut and run a new one."""
