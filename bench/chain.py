@@ -1,11 +1,12 @@
 """A chain of two stateful steps, "each payment joined with its refunds, then refunds per
-merchant per hour", ours (two pipelines, the second reading the first's Delta table)
-against one Spark Structured Streaming query holding both operators, on the same
-files, in one run (issue 79, point 5).
+merchant per hour", ours (two pipelines, the second reading the first's Delta table; and
+one pipeline holding both operators, ``volley_dagster/chain.py``) against one Spark
+Structured Streaming query holding both operators, on the same files, in one run
+(issue 79, point 5).
 
     ./dev bench chain [--events 400000] [--epochs 8] [--files-per-epoch 1] [--shards 4]
                       [--epoch-minutes 30] [--merchants 2000] [--refunded 0.2] [--outside 0.05]
-                      [--disorder-s 20]
+                      [--disorder-s 20] [--engines ours,one,spark]
 
 The logs are ``bench/join.py``'s (``generate_logs``: payments, and refunds of a
 ``--refunded`` share of them, mostly 0..30 minutes after the payment, an ``--outside``
@@ -116,6 +117,13 @@ KEY = ["merchant_id", "window_start"]
 # ---------------------------------------------------------------- ours
 
 
+def _publish(staged: tuple[Path, Path], logs: tuple[Path, Path], epoch: int, files_per_epoch: int) -> None:
+    """Epoch ``epoch``'s files of both logs, hardlinked into the logs an engine reads."""
+    for src, dst in zip(staged, logs, strict=True):
+        for k in range(epoch * files_per_epoch, (epoch + 1) * files_per_epoch):
+            os.link(src / f"events-{k:05d}.parquet", dst / f"events-{k:05d}.parquet")
+
+
 def run_ours(spark: SparkSession, staged: tuple[Path, Path], work: Path, epochs: int, files_per_epoch: int,
              shards: int) -> dict[str, Any]:
     """Each epoch: publish its files (hardlinks), A's next epoch, B's next epoch."""
@@ -157,9 +165,7 @@ def run_ours(spark: SparkSession, staged: tuple[Path, Path], work: Path, epochs:
     last: dict[str, Any] = {}
     t0 = time.perf_counter()
     for i in range(epochs):
-        for src, dst in zip(staged, logs, strict=True):
-            for k in range(i * files_per_epoch, (i + 1) * files_per_epoch):
-                os.link(src / f"events-{k:05d}.parquet", dst / f"events-{k:05d}.parquet")
+        _publish(staged, logs, i, files_per_epoch)
         t = time.perf_counter()
         ra = runner_a.run_next()
         ta = time.perf_counter() - t
@@ -218,9 +224,7 @@ def run_ours_one(spark: SparkSession, staged: tuple[Path, Path], work: Path, epo
     rows, last = [], None
     t0 = time.perf_counter()
     for i in range(epochs):
-        for src, dst in zip(staged, logs, strict=True):
-            for k in range(i * files_per_epoch, (i + 1) * files_per_epoch):
-                os.link(src / f"events-{k:05d}.parquet", dst / f"events-{k:05d}.parquet")
+        _publish(staged, logs, i, files_per_epoch)
         t = time.perf_counter()
         last = runner.run_next()
         assert last is not None, f"epoch {i + 1}: nothing to run"

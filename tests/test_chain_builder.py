@@ -1,8 +1,8 @@
 """How ``Pipeline``'s builder makes a chain of stateful operators (``volley_dagster/chain.py``),
 without Spark: a step after a stateful operator starts the next stage, which reads its
 output; what a stage after another cannot read is refused by name; each stage is
-handed the watermark of the one before, less how far its rows may trail it; transforms
-written after the last operator keep their old meaning, with a warning."""
+handed the watermark of the one before, less how far its rows may trail it; stateless
+steps written after the last operator keep their old meaning."""
 
 from __future__ import annotations
 
@@ -49,16 +49,24 @@ def test_what_a_later_stage_cannot_read_is_refused_by_name(tmp_path):
     totals = Pipeline("totals").source(log).key_by("k").aggregate(n=count())
     with pytest.raises(ConfigError, match=r"stage 2, reads the output of aggregate\(\.\.\.\), which updates"):
         totals.key_by("k").window(tumbling("1 minute"), on="ts").aggregate(m=count()).settled()
-    with pytest.raises(ConfigError, match=r"join\(\.\.\.\) joins two of the pipeline's sources, so it is a chain's first"):
-        _joined(tmp_path).key_by("merchant_id").aggregate(n=count()).join(
+    with pytest.raises(ConfigError, match=r"join\(\.\.\.\) after deduplicate\(\.\.\.\) reads that operator's rows, "
+                                          "one stream: give sides_from="):
+        Pipeline("d").source(log).deduplicate(on="id", within="1 hour", event_time="ts").join(
             left="orders", right="payments", on="order_id", left_time="ordered_at", right_time="paid_at",
             between=("0 seconds", "1 minute"))
+    with pytest.raises(ConfigError, match=r"join\(sides_from='source'\) is for a chain's later stage"):
+        Pipeline("d").sources({"orders": FileLog(tmp_path / "o"), "payments": log}).join(
+            left="orders", right="payments", on="order_id", left_time="ordered_at", right_time="paid_at",
+            between=("0 seconds", "1 minute"), sides_from="source")
     sessions = Pipeline("s").source(log).key_by("k").window(session("5 minutes"), on="ts").aggregate(n=count())
     with pytest.raises(ConfigError, match="only 'window_end' can carry the watermark on"):
         sessions.key_by("k").window(tumbling("1 hour"), on="window_start").aggregate(m=max_("n")).settled()
     sessions.key_by("k").window(tumbling("1 hour"), on="window_end").aggregate(m=max_("n")).settled()
     with pytest.raises(ConfigError, match=r"stage 2, is incomplete: add key_by"):
-        sessions.aggregate(m=max_("n")).settled()
+        sessions.where("n > 1").window(tumbling("1 hour"), on="window_end").aggregate(m=max_("n")).settled()
+    # a stateful step called on a stage itself configures it, as it always did (a deploy changes accumulators)
+    changed = sessions.aggregate(m=max_("n"))
+    assert len(changed.stages()) == 1 and [name for name, _ in changed.operator.accumulators] == ["m"]
 
 
 def test_each_stage_is_handed_the_watermark_before_less_how_far_its_rows_may_trail(tmp_path):
@@ -79,16 +87,19 @@ def test_each_stage_is_handed_the_watermark_before_less_how_far_its_rows_may_tra
     assert later.layout == later.with_watermark_handed(5).layout  # not part of what the root records
 
 
-def test_transforms_after_the_last_operator_still_apply_before_it_with_a_warning(tmp_path):
-    built = Pipeline("p").source(FileLog(tmp_path)).key_by("k").aggregate(n=count()).where("k > 0")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+def test_stateless_steps_after_the_last_operator_still_apply_before_it(tmp_path):
+    """As before chains: a deploy derives a changed pipeline with ``pipeline.with_column(...)``."""
+    sink = ParquetSink(tmp_path / "out")
+    built = Pipeline("p").source(FileLog(tmp_path)).aggregate(n=count()).sink(sink).where("k > 0").key_by("k")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         settled = built.settled()
-    assert [w.category for w in caught] == [DeprecationWarning]
-    assert "from 1.0 they will apply to its output rows" in str(caught[0].message)
     assert settled.upstream is None and len(settled.transforms) == 1 and settled.operator_given is not None
+    assert settled.key_given == "k" and settled.sinks == (sink,) and built.sinks == (sink,)  # Dagster sees them
 
 
 def test_a_sink_given_before_a_later_stage_is_refused_by_name(tmp_path):
-    with pytest.raises(ConfigError, match=r"sink 'parquet' is given after join\(\.\.\.\) and before the next step"):
-        _joined(tmp_path).sink(ParquetSink(tmp_path / "out")).key_by("merchant_id").aggregate(n=count())
+    joined = _joined(tmp_path).sink(ParquetSink(tmp_path / "out"))
+    with pytest.raises(ConfigError, match=r"sink 'parquet' is given before a later stateful operator"):
+        joined.key_by("merchant_id").aggregate(n=count()).settled()
+    joined.with_column("x", "1").settled()  # a transform alone after it: applied before the join, as always

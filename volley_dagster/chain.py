@@ -102,8 +102,9 @@ class StageChain:
     def run_before_last(self, rng: EpochRange) -> tuple[Pipeline, EpochRange, StagesBefore]:
         """Run epoch ``rng.epoch`` of every stage before the last, each unless it committed
         it already; the last stage, handed its watermark, the range it reads, and what
-        the stages before did."""
+        the stages before did. First, the stages' files no retry can read again."""
         epoch, handed, figures = rng.epoch, None, {}
+        self._prune(epoch - 1, self.runners[0].settings.keep_epochs)
         for index, runner in enumerate(self.runners):
             if not runner.log.is_committed(epoch):
                 runner.log.record_offsets(rng if index == 0 else self._input(index, rng))
@@ -128,8 +129,8 @@ class StageChain:
             return None
         return watermark - self.stages[index].handed_delay_us(after.clock.time_column)
 
-    def prune(self, committed: int, keep: int) -> None:
-        """The stages' output files no retry can read again (the last stage committed them)."""
+    def _prune(self, committed: int, keep: int) -> None:
+        """The stages' output files of epochs the last stage committed more than ``keep`` ago."""
         for index in range(len(self.runners)):
             for path in self._output(index).glob("epoch-*.parquet"):
                 if (number := ParquetSink.epoch_of(path.name)) is not None and number <= committed - keep:

@@ -334,17 +334,24 @@ def snapshot_store(args: argparse.Namespace, pipeline: str) -> S3SnapshotStore |
 def rescale_root(args: argparse.Namespace) -> int:
     """Rewrite the last committed epoch's state into ``--shards`` shards, from the
     checkpoint root alone (no pipeline code, no Spark), holding the pipeline's lease:
-    it waits up to ``--wait`` seconds for a run to finish, and no run commits meanwhile."""
+    it waits up to ``--wait`` seconds for a run to finish, and no run commits meanwhile.
+    A chain's every stage (``chain.py``)."""
     from volley_dagster.checkpoint.lease import PipelineLease
     from volley_dagster.checkpoint.rescale import rescale
     from volley_dagster.errors import VolleyError
 
     root = Path(args.checkpoint_root).absolute()
+    owner = f"volley rescale (pid {os.getpid()})"
     try:
         log = EpochLog(root)
         name = log.identity().get("pipeline", "") if log.has_identity() else ""
-        with PipelineLease(root, owner=f"volley rescale (pid {os.getpid()})", wait_s=args.wait, pipeline=name,
+        with PipelineLease(root, owner=owner, wait_s=args.wait, pipeline=name,
                            notify=lambda message: print(f"volley rescale: {message}", file=sys.stderr)) as lease:
+            for index in range(_stages_before(root)):  # a chain's earlier stages, each under its own lease too
+                stage = EpochLog(root / "stages" / str(index))
+                stage_name = stage.identity().get("pipeline", "") if stage.has_identity() else ""
+                with PipelineLease(stage.root, owner=owner, wait_s=args.wait, pipeline=stage_name) as held:
+                    print(rescale(stage, args.shards, held, store=snapshot_store(args, stage_name)).describe())
             result = rescale(log, args.shards, lease, store=snapshot_store(args, name))
     except VolleyError as exc:
         print(f"volley rescale: {exc}", file=sys.stderr)

@@ -7,7 +7,6 @@ pipeline can be shared and specialised without surprises.
 from __future__ import annotations
 
 import re
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Callable, Literal, TypeVar
@@ -80,19 +79,17 @@ class Pipeline:
         return [*before, replace(self, upstream=None)]
 
     def _next(self) -> Pipeline:
-        """The pipeline a step applies to: this one, or after a stateful operator the
-        chain's next stage, which reads that operator's output rows. The sinks take the
-        last stage's rows, so a sink given before a later stage is refused: it was meant
-        for the rows of the operator before it."""
+        """The pipeline a step that reads rows (``key_by``, a transform, ``enrich``)
+        applies to: this one, or after a stateful operator the chain's next stage, which
+        reads that operator's output rows. A stateful step called on a stage directly
+        (``aggregate``, ``window``, ``deduplicate``, ``process``) configures that stage,
+        as it always did: ``pipeline.aggregate(...)`` changes its accumulators. The sinks
+        given so far go on with the next stage, and stay marked on the stage they were
+        given to: a stage of stateless steps alone is folded back before its operator
+        (``settled``), and a sink given before a later operator is refused (``validate``)."""
         if not self.has_operator:
             return self
-        if self.sinks:
-            raise ConfigError(
-                f"pipeline {self.name!r}: sink {self.sinks[0].name!r} is given after {self.operator_name} and before "
-                "the next step, which reads that operator's rows in the chain's next stage; a chain's sinks take its "
-                "last stage's rows: give the sinks after the last stateful operator (a table of the rows in between "
-                "is a pipeline of its own: docs/pipelines.md, 'Pipelines that feed pipelines')")
-        return Pipeline(self.name, upstream=self, bad_records=self.bad_records,
+        return Pipeline(self.name, upstream=self, sinks=self.sinks, bad_records=self.bad_records,
                         quote_bad_records=self.quote_bad_records, layout=self.layout)
 
     @property
@@ -190,7 +187,7 @@ class Pipeline:
         skew = skew_us(max_event_time_skew)
         dedup = Deduplication(columns_on, duration_us(within, "deduplicate(within=...)"), EventTime(event_time, 0, skew),
                               write_duplicates)
-        return replace(self._next(), dedup=dedup)
+        return replace(self, dedup=dedup)
 
     def key_by(self, column: str) -> Pipeline:
         return replace(self._next(), key_given=column)
@@ -225,7 +222,7 @@ class Pipeline:
                 event_time, duration_us(max_out_of_orderness, "max_out_of_orderness"),
                 skew_us(max_event_time_skew))
             state_ttl = StateTtl(ttl_epochs, None if ttl is None else duration_us(ttl, "ttl"), clock, max_expiry_entries)
-        return replace(self._next(), operator_given=Aggregate(tuple(accumulators.items()), ttl=state_ttl))
+        return replace(self, operator_given=Aggregate(tuple(accumulators.items()), ttl=state_ttl))
 
     def window(
         self,
@@ -255,7 +252,7 @@ class Pipeline:
             max_pending_windows,
             skew_us(max_event_time_skew),
         )
-        return replace(self._next(), windowing=windowing)
+        return replace(self, windowing=windowing)
 
     def join(
         self,
@@ -272,6 +269,7 @@ class Pipeline:
         left_columns: list[str] | None = None,
         right_columns: list[str] | None = None,
         max_state_rows: int | None = None,
+        sides_from: str | None = None,
     ) -> Pipeline:
         """Join two of the pipeline's sources (``sources({...})``) on ``on``, by event
         time: a ``left`` row at ``left_time`` tl and a ``right`` row at ``right_time`` tr
@@ -290,11 +288,31 @@ class Pipeline:
         source's columns but ``on`` (``left_columns=``/``right_columns=`` choose); a
         name both carry is prefixed with its source's name and ``_``
         (``payments_amount``). ``max_state_rows``: per shard, the epoch fails instead of
-        holding more rows. The rules: ``volley_dagster.operators.join``."""
-        if self.has_operator or self.upstream is not None:
-            raise ConfigError(f"pipeline {self.name!r}: join(...) joins two of the pipeline's sources, so it is a "
-                              "chain's first stateful operator; put the steps before it after it, or read the other "
-                              "pipeline's table with DeltaTableSource/IcebergTableSource")
+        holding more rows. ``sides_from``: in a chain's later stage (after a
+        ``deduplicate(...)`` of both sources, say), whose records come from the stage
+        before, the column that says each record's side (``sources(...,
+        source_column=...)``'s, carried on): ``left`` and ``right`` are its values, and
+        each side carries ``left_columns``/``right_columns``, which it then needs. The
+        rules: ``volley_dagster.operators.join``."""
+        lower, upper = (signed_duration_us(b, "join(between=...)") for b in between)
+        clock = (duration_us(max_out_of_orderness, "max_out_of_orderness"), skew_us(max_event_time_skew))
+        carried = (None if left_columns is None else tuple(left_columns),
+                   None if right_columns is None else tuple(right_columns))
+        stage = Pipeline(self.name, upstream=self, sinks=self.sinks, bad_records=self.bad_records,
+                         quote_bad_records=self.quote_bad_records, layout=self.layout) \
+            if self.only_deduplicates else self._next()
+        if stage.upstream is not None:
+            if sides_from is None or None in carried:
+                raise ConfigError(
+                    f"pipeline {self.name!r}: join(...) after {stage.upstream.operator_name} reads that operator's "
+                    "rows, one stream: give sides_from= (the column that says each row's source, as "
+                    "sources(..., source_column=...) names it), left_columns= and right_columns=")
+            joining = IntervalJoin(left, right, on, left_time, right_time, lower, upper, how, sides_from, *clock,
+                                   *carried, max_state_rows)
+            return replace(stage, key_given=on, joining=joining)
+        if sides_from is not None:
+            raise ConfigError(f"pipeline {self.name!r}: join(sides_from={sides_from!r}) is for a chain's later stage; "
+                              "a first join tells its sides by the pipeline's sources")
         sources = self.source_given
         if not isinstance(sources, MultiSource):
             raise ConfigError(f"pipeline {self.name!r}: join(...) joins two of the pipeline's sources; read them with "
@@ -305,13 +323,8 @@ class Pipeline:
                               f"two sources; it reads {sorted(sources.sources)}")
         if sources.source_column is None:  # the join must know each record's side
             sources = MultiSource(sources.sources, columns.SOURCE)
-        lower, upper = (signed_duration_us(b, "join(between=...)") for b in between)
-        joining = IntervalJoin(
-            left, right, on, left_time, right_time, lower, upper, how, sources.source_column or columns.SOURCE,
-            duration_us(max_out_of_orderness, "max_out_of_orderness"),
-            skew_us(max_event_time_skew),
-            None if left_columns is None else tuple(left_columns), None if right_columns is None else tuple(right_columns),
-            max_state_rows, sources)
+        joining = IntervalJoin(left, right, on, left_time, right_time, lower, upper, how,
+                               sources.source_column or columns.SOURCE, *clock, *carried, max_state_rows, sources)
         return replace(self, source_given=sources, key_given=on, joining=joining)
 
     def process(
@@ -345,7 +358,7 @@ class Pipeline:
         ``volley_dagster.operators.process``."""
         clock = None if event_time is None else EventTime(
             event_time, duration_us(max_out_of_orderness, "max_out_of_orderness"), skew_us(max_event_time_skew))
-        stage = self._next()
+        stage = self
         key = stage._required(stage.key_given, "key_by(...) before process(...)")
         processing = Processing(processor, output_schema, key, time_mode, clock,
                                 None if input_columns is None else tuple(input_columns), name or "",
@@ -460,6 +473,12 @@ class Pipeline:
         missing = [what for what, value in required if value is None]
         if missing:
             raise ConfigError(f"{where} is incomplete: add {', '.join(missing)}")
+        given = [sink.name for stage in (self.stages()[:-1] if self.upstream is not None else []) for sink in stage.sinks]
+        if given:
+            raise ConfigError(
+                f"pipeline {self.name!r}: sink {given[0]!r} is given before a later stateful operator; a chain's sinks "
+                "take its last stage's rows: give the sinks after the last stateful operator (a table of the rows "
+                "in between is a pipeline of its own: docs/pipelines.md, 'Pipelines that feed pipelines')")
         if self.upstream is not None and not self.upstream.emits_appends:
             raise ConfigError(
                 f"{where} reads the output of {self.upstream.operator_name}, which updates a key's row every epoch "
@@ -470,19 +489,16 @@ class Pipeline:
             self.upstream.handed_delay_us(self.clock.time_column)
 
     def settled(self) -> Pipeline:
-        """The pipeline as it runs: validated, and a stage of transforms alone after the
-        last stateful operator (written before chains existed, it meant transforms before
-        that operator) folded back before it, with a ``DeprecationWarning``."""
+        """The pipeline as it runs, validated. Stateless steps (transforms, ``key_by``)
+        after the last stateful operator, with no operator after them, apply to its
+        input, as they always did (a deploy derives a changed pipeline so:
+        ``pipeline.with_column(...)``); only a stateful operator after them makes them a
+        stage of the chain, reading its output."""
         pipeline = self
-        if self.upstream is not None and not self.has_operator and self.dedup is None and self.windowing is None \
-                and self.key_given is None:
-            warnings.warn(
-                f"pipeline {self.name!r}: transforms after {self.upstream.operator_name} apply to its input for now; "
-                "from 1.0 they will apply to its output rows, as in a chain: move them before it "
-                "(see CHANGELOG.md)", DeprecationWarning, stacklevel=2)
+        if self.upstream is not None and not self.has_operator and self.dedup is None and self.windowing is None:
             before = self.upstream
             pipeline = replace(before, transforms=before.transforms + self.transforms, sinks=self.sinks,
-                               layout=self.layout)
+                               layout=self.layout, key_given=self.key_given or before.key_given)
         pipeline.validate()
         return pipeline
 
@@ -491,6 +507,8 @@ class Pipeline:
         """The stage's event-time clock, if its operator has one (one per stage: ``_check_clock``)."""
         if self.processing is not None:
             return self.processing.event_time
+        if self.joining is not None:
+            return self.joining.event_time
         if self.windowing is not None:
             return self.windowing.event_time
         ttl = self.operator_given.ttl if self.operator_given is not None else None
@@ -510,7 +528,11 @@ class Pipeline:
             operator = replace(operator, ttl=replace(operator.ttl, event_time=operator.ttl.event_time.handed_on(given_us)))
         if processing is not None and processing.event_time is not None:
             processing = replace(processing, event_time=processing.event_time.handed_on(given_us))
-        return replace(self, windowing=windowing, dedup=dedup, operator_given=operator, processing=processing)
+        joining = self.joining
+        if joining is not None:
+            joining = replace(joining, clock=joining.event_time.handed_on(given_us))
+        return replace(self, windowing=windowing, dedup=dedup, operator_given=operator, processing=processing,
+                       joining=joining)
 
     def handed_delay_us(self, column: str) -> int:
         """How far behind the stage's W[N] the event times (on ``column`` of its output)

@@ -25,9 +25,11 @@ def rescale(runner: EpochRunner, num_shards: int) -> RescaleResult:
     """Rewrite the last committed epoch's state into ``num_shards`` shards; the epochs
     after it run with them (needs no Spark), those cut but not committed too (a sensor
     keeps cutting while a rescale waits for the lease), unless a sink already holds
-    one. The current shard count is a no-op."""
+    one. The current shard count is a no-op. A chain (``chain.py``): every stage."""
     log, settings = runner.log, runner.settings
     with runner.lease() as lease:
+        for stage in runner.stage_runners():
+            rescale(stage, num_shards)
         SinkCommitter(runner.pipeline, log, lease.check).refuse_held_uncommitted(log.last_committed())
         return rescale_state(log, num_shards, lease, settings.rocksdb, settings.verify_checksums, uncommitted_ok=True,
                              store=settings.snapshot_store)
@@ -43,6 +45,9 @@ def migrate(runner: EpochRunner, pipeline: Pipeline, renames: Mapping[str, str] 
     failed on the changed pipeline) run with the new pipeline, unless a sink already
     holds one (an attempt crashed after committing it): then it is refused until that
     epoch is run with the recorded pipeline."""
+    if runner.pipeline.upstream is not None or pipeline.upstream is not None:
+        raise ConfigError(f"pipeline {runner.pipeline.name!r}: a chain of stateful operators cannot be migrated yet; "
+                          "rescale it, or start the changed chain on a new checkpoint root")
     pipeline.validate()
     log, settings = runner.log, runner.settings
     if pipeline.name != runner.pipeline.name:

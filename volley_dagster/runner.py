@@ -28,7 +28,7 @@ from volley_dagster.checkpoint.rescale import RescaleResult
 from volley_dagster.checkpoint.side_output_files import read_side_output
 from volley_dagster.checkpoint.state_reader import read_state
 from volley_dagster.dimensions.base import TablePin
-from volley_dagster.errors import ConfigError, EpochOrderError, StorageFullError, is_disk_full
+from volley_dagster.errors import EpochOrderError, StorageFullError, is_disk_full
 from volley_dagster.pipeline import Pipeline
 from volley_dagster.result import EpochResult
 from volley_dagster.settings import RunSettings, with_runner_keywords
@@ -176,25 +176,19 @@ class EpochRunner:
             )
         assert self._lease is not None
         start = self.log.start_of(epoch, self._dimension_pins(epoch))
-        if self.pipeline.upstream is None:
-            return EpochAttempt(self.spark, self.pipeline, rng, start, self.log, self.settings, self._lease).run()
-        chain = self._stage_chain()
-        last, last_rng, before = chain.run_before_last(rng)
-        result = EpochAttempt(self.spark, last, last_rng, start, self.log, self.settings, self._lease, before).run()
-        chain.prune(epoch, self.settings.keep_epochs)
-        return result
+        pipeline, before = self.pipeline, None
+        if pipeline.upstream is not None:  # a chain: its stages before the last run first (``chain.py``)
+            pipeline, rng, before = self._stages().run_before_last(rng)
+        return EpochAttempt(self.spark, pipeline, rng, start, self.log, self.settings, self._lease, before).run()
 
-    def _stage_chain(self) -> StageChain:
-        """A chained pipeline's stages before the last (``chain.py``)."""
-        if self._chain is None:
-            self._chain = StageChain(self)
+    def _stages(self) -> StageChain:
+        self._chain = self._chain or StageChain(self)
         return self._chain
 
     def stage_runners(self) -> list[EpochRunner]:
-        """The runners of a chained pipeline's stages before the last, first to last
-        (none for a pipeline of one stateful operator): each stage's own state,
-        watermark and results, e.g. ``runner.stage_runners()[0].read_state()``."""
-        return self._stage_chain().runners if self.pipeline.upstream is not None else []
+        """A chain's runners of its stages before the last, first to last (each stage's
+        own state, watermark and results: ``stage_runners()[0].read_state()``)."""
+        return self._stages().runners if self.pipeline.upstream is not None else []
 
     def run_next(self) -> EpochResult | None:
         """Finish the oldest cut-but-uncommitted epoch, else cut and run a new one."""
@@ -237,20 +231,14 @@ class EpochRunner:
     # -- layout (rescaling) ------------------------------------------------------------
 
     def rescale(self, num_shards: int) -> RescaleResult:
-        """Rewrite the last committed epoch's state into ``num_shards`` shards (``relayout.py``);
-        a chain's every stage (``stage_runners()[k].rescale`` rescales one)."""
-        with self.lease():
-            for stage in self.stage_runners():
-                relayout.rescale(stage, num_shards)
-            return relayout.rescale(self, num_shards)
+        """Rewrite the last committed epoch's state into ``num_shards`` shards (``relayout.py``)."""
+        return relayout.rescale(self, num_shards)
 
     def migrate(self, pipeline: Pipeline, *, renames: Mapping[str, str] | None = None,
                 initial: Mapping[str, float | None] | None = None, num_shards: int | None = None) -> MigrationResult:
         """Rewrite the last committed epoch's state into ``pipeline``'s layout and run
         ``pipeline`` from the next epoch on (``relayout.py``)."""
-        if self.pipeline.upstream is not None or pipeline.upstream is not None:
-            raise ConfigError(f"pipeline {self.pipeline.name!r}: migrating a pipeline of several stateful operators "
-                              "is not supported yet; rescale it, or start the changed chain on a new checkpoint root")
+        pipeline = pipeline.settled()
         result = relayout.migrate(self, pipeline, renames, initial, num_shards)
         self.pipeline = pipeline
         return result

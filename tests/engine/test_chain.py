@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import signal
 
+import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet  # noqa: F401  (pa.parquet)
 import pytest
@@ -21,7 +22,7 @@ from tests.engine.test_join import epoch_rows
 from tests.join_reference import JoinReference
 from tests.processors import NewHighs
 from tests.window_reference import reference_epochs
-from volley_dagster import EpochRunner, FileLog, ParquetSink, Pipeline, RunSettings, cli, count, max_, tumbling
+from volley_dagster import EpochRunner, FileLog, ParquetSink, Pipeline, RunSettings, cli, count, max_, sum_, tumbling
 from volley_dagster.demo.events import generate
 from volley_dagster.demo.merchant_refunds import hourly_refunds_pipeline
 from volley_dagster.demo.payments import local_tables
@@ -188,6 +189,52 @@ def test_windows_then_a_teams_processor_then_an_aggregate(spark, tmp_path, capsy
     assert cli.main(["state", "show", str(tmp_path / "state")]) == 0
     assert "(the last of a chain's 3 stateful stages; --stage 1..2 shows the others)" in capsys.readouterr().out
     assert cli.main(["state", "show", str(tmp_path / "state"), "--stage", "4"]) == 2
+    assert cli.main(["rescale", str(tmp_path / "state"), "--shards", "3"]) == 0  # every stage, from the root alone
+    assert [r.layout().num_shards for r in (windows, highs, runner)] == [3, 3, 3]
+
+
+def test_deduplicate_then_join_then_aggregate(spark, tmp_path):
+    """Re-sent payments and refunds dropped, then each payment joined with its refunds,
+    then refunds per merchant: at the stream's end the totals equal the demo's logs (no
+    copy) joined and summed with pandas; every copy is counted by the first stage as a
+    duplicate or a late copy, and none reaches the join late (it is handed the
+    deduplication's watermark less ``within``)."""
+    events = tmp_path / "events"
+    write_refund_logs(events, 6, PER_FILE)
+    pipeline = (Pipeline("unique_refunds")
+                .sources({"payments": FileLog(events / "payments", format="parquet"),
+                          "refunds": FileLog(events / "refunds", format="parquet")}, source_column="source")
+                .with_column("at", "coalesce(paid_at, refunded_at)")
+                .deduplicate(on=["source", "payment_id", "at"], within="1 hour", event_time="at")
+                .join(left="payments", right="refunds", on="payment_id", left_time="paid_at",
+                      right_time="refunded_at", between=("0 seconds", "+30 minutes"), sides_from="source",
+                      left_columns=["merchant_id", "paid_at"], right_columns=["refund_amount", "refunded_at"])
+                .key_by("merchant_id").aggregate(refunds=count(), refunded=sum_("refund_amount"))
+                .with_shards(2))
+    assert [s.operator_name for s in pipeline.stages()] == ["deduplicate(...)", "join(...)", "aggregate(...)"]
+    runner = EpochRunner(pipeline, tmp_path / "state", RunSettings(max_records_per_epoch=MAX), spark=spark)
+    ran = runner.run_available()
+    write_refund_logs(events, 6, PER_FILE, first_file=6)
+    copies = 0
+    for side in ("payments", "refunds"):  # re-sent: the rows of files 4 and 5 again, in a file landing last
+        resent = pa.concat_tables([pa.parquet.read_table(events / side / f"{side}-00000{i}.parquet") for i in (4, 5)])
+        pa.parquet.write_table(resent, events / side / f"{side}-000011-resent.parquet")
+        copies += resent.num_rows
+    ran += runner.run_available() + runner.flush()
+    dropped = sum(r.figures.get("stage1_duplicates", 0) + r.figures.get("stage1_dedup_late", 0) for r in ran)
+    assert dropped == copies and sum(r.figures.get("stage2_late_records", 0) for r in ran) == 0
+
+    payments = pa.concat_tables(pa.parquet.read_table(events / "payments" / f"payments-{i:06d}.parquet")
+                                for i in range(12)).to_pandas()
+    refunds = pa.concat_tables(pa.parquet.read_table(events / "refunds" / f"refunds-{i:06d}.parquet")
+                               for i in range(12)).to_pandas().merge(payments, on="payment_id")
+    refunds = refunds[(refunds.refunded_at >= refunds.paid_at)
+                      & (refunds.refunded_at <= refunds.paid_at + pd.Timedelta(minutes=30))]
+    expected = refunds.groupby("merchant_id").agg(refunds=("refund_amount", "size"), refunded=("refund_amount", "sum"))
+    got = runner.read_state().to_pandas().set_index("merchant_id").sort_index()
+    assert len(got) == len(expected) > 20
+    assert (got["refunds"] == expected["refunds"]).all()
+    assert ((got["refunded"] - expected["refunded"]).abs() < 1e-6).all()
 
 
 def _recorded(runner: EpochRunner, events, epoch: int) -> pa.Table:

@@ -15,20 +15,13 @@ manifest (``stage1_*``), and the Delta table holds each epoch once."""
 
 from __future__ import annotations
 
-import contextlib
-from datetime import timedelta
-
 import pytest
 from hypothesis import event, given
 from hypothesis import strategies as st
 
 from tests.join_reference import JoinReference
 from tests.properties.streams import (
-    CRASH_POINTS,
     EXAMPLES,
-    SECOND,
-    Crash,
-    crash_at,
     materialise,
     one_commit_each,
     plans,
@@ -37,7 +30,7 @@ from tests.properties.streams import (
     start_us,
     streams,
 )
-from tests.properties.test_join_model import _write, two_sided
+from tests.properties.test_join_model import draw_case, run_case
 from tests.properties.test_window_model import WINDOWS
 from tests.window_reference import KEY, reference_epochs, window_pipeline
 from volley_dagster import EpochRunner, FileLog, Pipeline, count, max_, sum_
@@ -94,41 +87,22 @@ def test_windows_then_each_keys_busiest_window_equal_the_references_composed(spa
 @given(data=st.data())
 def test_the_join_then_each_keys_rows_and_sum_equal_the_references_composed(spark, tmp_path_factory, data):
     EXAMPLES["chain join"] += 1
-    kind = data.draw(st.sampled_from(["int", "str"]), label="keys")
-    how = data.draw(st.sampled_from(["inner", "left", "right", "full"]), label="how")
-    lower = data.draw(st.integers(-20, 5), label="lower s") * SECOND
-    upper = lower + data.draw(st.integers(0, 25), label="width s") * SECOND
-    delay = data.draw(st.integers(0, 10), label="max_out_of_orderness s") * SECOND
-    epochs = data.draw(two_sided(kind), label="epochs")
-    crash = (data.draw(st.integers(1, len(epochs)), label="crash epoch"),
-             data.draw(st.sampled_from(CRASH_POINTS), label="crash point"))
+    case = draw_case(data)
     base, start = tmp_path_factory.mktemp("chain_join"), start_us()
 
     def make_runner() -> EpochRunner:
-        pipeline = (Pipeline("join").sources({"left": FileLog(base / "left"), "right": FileLog(base / "right")})
-                    .join(left="left", right="right", on="k", left_time="lt", right_time="rt",
-                          between=(timedelta(microseconds=lower), timedelta(microseconds=upper)), how=how,
-                          max_out_of_orderness=timedelta(microseconds=delay))
+        pipeline = (case.join(Pipeline("join").sources({"left": FileLog(base / "left"),
+                                                          "right": FileLog(base / "right")}))
                     .with_shards(2)
                     .key_by("k").aggregate(rows=count(), right_sum=sum_("rv"))
                     .sink(DeltaSink(base / "delta", name="delta", mode="append")).on_bad_records("dead_letter")
                     .with_shards(3))
         return EpochRunner(pipeline, base / "state", spark=spark)
 
-    reference = JoinReference(lower, upper, how, delay)
+    reference = JoinReference(case.lower, case.upper, case.how, case.delay)
     totals: dict[object, tuple[int, float | None]] = {}
-    runner = make_runner()
-    for number, records in enumerate(epochs, start=1):
-        _write(base, number, records, kind, start)
-        assert runner.cut_next() is not None
-        if crash[0] == number:
-            with crash_at(crash[1], number), contextlib.suppress(Crash):
-                runner.run(number)
-                raise AssertionError(f"epoch {number} did not reach {crash[1]}")
-            runner = make_runner()  # a restarted process
-        result = runner.run(number)
-        valid = [(s, k, start + t, f"v{i}" if s == 0 else float(i)) for s, k, t, i in records
-                 if k is not None and t is not None]
+    for number, (records, result) in enumerate(run_case(case, base, start, make_runner), start=1):
+        valid = case.valid(records, start)
         pairs, outer, late = reference.run(valid)
         touched = {}
         for key, _left, right in pairs | outer:
@@ -142,4 +116,4 @@ def test_the_join_then_each_keys_rows_and_sum_equal_the_references_composed(spar
         assert result.figures["stage1_dead_letters"] == len(records) - len(valid)
         assert result.figures.get("stage1_watermark") == reference.watermark
     history = DeltaSink(base / "delta", name="delta").epoch_history("join")
-    assert sorted(history) == list(range(1, len(epochs) + 1))  # each epoch committed once, the crashed one too
+    assert sorted(history) == list(range(1, len(case.epochs) + 1))  # each epoch committed once, the crashed one too

@@ -9,6 +9,8 @@ table holds each epoch once. Records with a null key or event time are dead lett
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -19,7 +21,8 @@ from hypothesis import strategies as st
 
 from tests.join_reference import JoinReference, Row
 from tests.properties.streams import CRASH_POINTS, EXAMPLES, SECOND, Crash, crash_at, key_pools, profile, start_us
-from volley_dagster import EpochRunner, FileLog, Pipeline
+from volley_dagster import EpochResult, EpochRunner, FileLog, Pipeline
+from volley_dagster.operators.join import JoinHow
 from volley_dagster.sinks.delta import DeltaSink
 
 Record = tuple[int, object, int | None, int]  # side, key (None: null), time offset (None: null), id
@@ -56,10 +59,31 @@ def _write(base: Path, epoch: int, records: list[Record], kind: str, start: int)
                                      value: values}), base / folder / f"part-{epoch:04d}.parquet")
 
 
-@profile(default_examples=2)
-@given(data=st.data())
-def test_the_join_equals_the_reference(spark, tmp_path_factory, data):
-    EXAMPLES["join"] += 1
+@dataclass(frozen=True)
+class JoinCase:
+    """A drawn join: its keys, kind, interval and delay, its epochs and the crashed one."""
+
+    kind: str
+    how: JoinHow
+    lower: int
+    upper: int
+    delay: int
+    epochs: list[list[Record]]
+    crash: tuple[int, str]
+
+    def join(self, pipeline: Pipeline) -> Pipeline:
+        """``pipeline``'s two sources ``left`` and ``right`` joined as drawn."""
+        return pipeline.join(left="left", right="right", on="k", left_time="lt", right_time="rt",
+                             between=(timedelta(microseconds=self.lower), timedelta(microseconds=self.upper)),
+                             how=self.how, max_out_of_orderness=timedelta(microseconds=self.delay))
+
+    def valid(self, records: list[Record], start: int) -> list[Row]:
+        """An epoch's records as the reference takes them (null keys and times are dead letters)."""
+        return [(s, k, start + t, f"v{i}" if s == 0 else float(i)) for s, k, t, i in records
+                if k is not None and t is not None]
+
+
+def draw_case(data: st.DataObject) -> JoinCase:
     kind = data.draw(st.sampled_from(["int", "str"]), label="keys")
     how = data.draw(st.sampled_from(["inner", "left", "right", "full"]), label="how")
     lower = data.draw(st.integers(-20, 5), label="lower s") * SECOND
@@ -68,30 +92,41 @@ def test_the_join_equals_the_reference(spark, tmp_path_factory, data):
     epochs = data.draw(two_sided(kind), label="epochs")
     crash = (data.draw(st.integers(1, len(epochs)), label="crash epoch"),
              data.draw(st.sampled_from(CRASH_POINTS), label="crash point"))
+    return JoinCase(kind, how, lower, upper, delay, epochs, crash)
+
+
+def run_case(case: JoinCase, base: Path, start: int,
+             make_runner: Callable[[], EpochRunner]) -> Iterator[tuple[list[Record], EpochResult]]:
+    """Each epoch's files written, cut and run; the crashed one run again by a new runner."""
+    runner = make_runner()
+    for number, records in enumerate(case.epochs, start=1):
+        _write(base, number, records, case.kind, start)
+        assert runner.cut_next() is not None
+        if case.crash[0] == number:
+            with crash_at(case.crash[1], number), contextlib.suppress(Crash):
+                runner.run(number)
+                raise AssertionError(f"epoch {number} did not reach {case.crash[1]}")
+            runner = make_runner()  # a restarted process
+        yield records, runner.run(number)
+
+
+@profile(default_examples=2)
+@given(data=st.data())
+def test_the_join_equals_the_reference(spark, tmp_path_factory, data):
+    EXAMPLES["join"] += 1
+    case = draw_case(data)
     base, start = tmp_path_factory.mktemp("join"), start_us()
 
     def make_runner() -> EpochRunner:
-        pipeline = (Pipeline("join").sources({"left": FileLog(base / "left"), "right": FileLog(base / "right")})
-                    .join(left="left", right="right", on="k", left_time="lt", right_time="rt",
-                          between=(timedelta(microseconds=lower), timedelta(microseconds=upper)), how=how,
-                          max_out_of_orderness=timedelta(microseconds=delay))
+        pipeline = (case.join(Pipeline("join").sources({"left": FileLog(base / "left"),
+                                                          "right": FileLog(base / "right")}))
                     .sink(DeltaSink(base / "delta", name="delta", mode="append")).on_bad_records("dead_letter")
                     .with_shards(2))
         return EpochRunner(pipeline, base / "state", spark=spark)
 
-    reference = JoinReference(lower, upper, how, delay)
-    runner = make_runner()
-    for number, records in enumerate(epochs, start=1):
-        _write(base, number, records, kind, start)
-        assert runner.cut_next() is not None
-        if crash[0] == number:
-            with crash_at(crash[1], number), contextlib.suppress(Crash):
-                runner.run(number)
-                raise AssertionError(f"epoch {number} did not reach {crash[1]}")
-            runner = make_runner()  # a restarted process
-        result = runner.run(number)
-        valid: list[Row] = [(s, k, start + t, f"v{i}" if s == 0 else float(i)) for s, k, t, i in records
-                            if k is not None and t is not None]
+    reference = JoinReference(case.lower, case.upper, case.how, case.delay)
+    for number, (records, result) in enumerate(run_case(case, base, start, make_runner), start=1):
+        valid = case.valid(records, start)
         pairs, outer, late = reference.run(valid)
         got = set(zip(result.output.column("k").to_pylist(), result.output.column("lv").to_pylist(),
                       result.output.column("rv").to_pylist(), strict=True))
@@ -102,4 +137,4 @@ def test_the_join_equals_the_reference(spark, tmp_path_factory, data):
         assert result.watermark == reference.watermark
         assert (result.figures["join_left_rows"], result.figures["join_right_rows"]) == reference.held()
     history = DeltaSink(base / "delta", name="delta").epoch_history("join")
-    assert sorted(history) == list(range(1, len(epochs) + 1))  # each epoch committed once, the crashed one too
+    assert sorted(history) == list(range(1, len(case.epochs) + 1))  # each epoch committed once, the crashed one too

@@ -127,7 +127,7 @@ def parse_epoch(key: str) -> int:
 def built_pipeline(deployment: Deployment, settings: TableSettings) -> Pipeline:
     """The deployment's pipeline, refused when it is named apart from the deployment:
     asset keys, partitions, pools and run tags all go by the one name."""
-    pipeline = deployment.build(settings)
+    pipeline = deployment.build(settings).settled()
     if pipeline.name != deployment.name:
         raise ConfigError(f"deployment {deployment.name!r} builds a pipeline named {pipeline.name!r}; "
                           "give both the same name")

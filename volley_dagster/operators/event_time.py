@@ -29,6 +29,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta, timezone
+from typing import TypeVar
 
 from pyspark.sql import Column
 from pyspark.sql import functions as F
@@ -56,6 +57,8 @@ def describe_event_time(micros: int) -> str:
     except (OverflowError, ValueError, OSError):
         return f"{micros} microseconds since 1970-01-01T00:00:00+00:00"
 
+
+_Clock = TypeVar("_Clock", bound="EventTime")
 
 # a clock a day fast is wrong, not early: time zones put honest clocks at most 14 h ahead
 DEFAULT_MAX_EVENT_TIME_SKEW: Duration = "1 day"
@@ -95,7 +98,7 @@ class EventTime:
     handed: bool = field(default=False, kw_only=True)
     given_us: int | None = field(default=None, kw_only=True)
 
-    def handed_on(self, given_us: int | None) -> EventTime:
+    def handed_on(self: _Clock, given_us: int | None) -> _Clock:
         """This clock in a stage whose watermark the stage before hands on."""
         return replace(self, handed=True, given_us=given_us)
 

@@ -168,6 +168,7 @@ class IntervalJoin:
     right_columns: tuple[str, ...] | None = None
     max_state_rows: int | None = None
     sources: MultiSource | None = field(default=None, compare=False)  # whose own columns each side carries
+    clock: SideTimes | None = field(default=None, compare=False)  # a chain's later stage: handed its watermark
 
     def __post_init__(self) -> None:
         if self.how not in _OUTER:
@@ -184,6 +185,8 @@ class IntervalJoin:
 
     @property
     def event_time(self) -> SideTimes:
+        if self.clock is not None:
+            return self.clock
         return SideTimes("event_time", self.out_of_orderness_us, self.max_skew_us, self.source_column,
                          (self.left, self.right), (self.left_time, self.right_time))
 
