@@ -103,3 +103,25 @@ def test_a_sink_given_before_a_later_stage_is_refused_by_name(tmp_path):
     with pytest.raises(ConfigError, match=r"sink 'parquet' is given before a later stateful operator"):
         joined.key_by("merchant_id").aggregate(n=count()).settled()
     joined.with_column("x", "1").settled()  # a transform alone after it: applied before the join, as always
+
+
+def test_the_source_is_the_first_stages_wherever_it_is_given(tmp_path):
+    a, b = FileLog(tmp_path / "a"), FileLog(tmp_path / "b")
+    late = Pipeline("p").key_by("k").aggregate(n=count()).with_column("x", "1").source(a).settled()
+    assert late.source_given is a and late.upstream is None
+    chain = (Pipeline("c").source(a).key_by("k").window(tumbling("1 minute"), on="ts").aggregate(n=count())
+             .key_by("k").aggregate(m=max_("n")).source(b))
+    assert chain.stages()[0].source_given is b and chain.source_log is b and chain.stages()[1].source_given is None
+
+
+def test_a_stage_keeps_its_s3_snapshots_in_a_folder_of_its_own():
+    """Each stage's retention prunes what its own store holds: never another stage's."""
+    from volley_dagster.chain import stage_settings
+    from volley_dagster.checkpoint.s3_snapshots import S3SnapshotStore
+    from volley_dagster.settings import RunSettings
+
+    settings = RunSettings(snapshot_store=S3SnapshotStore("s3://bucket/snapshots/pipeline", max_workers=3))
+    first, second = (stage_settings(settings, k).snapshot_store for k in (0, 1))
+    assert first is not None and second is not None
+    assert (first.uri, second.uri) == ("s3://bucket/snapshots/pipeline/stages/0", "s3://bucket/snapshots/pipeline/stages/1")
+    assert first.max_workers == 3 and stage_settings(RunSettings(snapshot_store=None), 0).snapshot_store is None

@@ -25,10 +25,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping
 
+import pyarrow as pa
+
 from volley_dagster.errors import EpochOrderError
 from volley_dagster.pipeline import Pipeline
 from volley_dagster.result import EpochResult
 from volley_dagster.sinks.parquet import ParquetSink
+from volley_dagster.sources import formats
 from volley_dagster.sources.file_log import DEFAULT_PARTITION, FileLog
 from volley_dagster.sources.offsets import EpochRange, Position, Segment, SourcePosition
 
@@ -52,7 +55,15 @@ class StagesBefore:
 class StageOutput(FileLog):
     """One stage's output rows as the next stage's log: epoch N's range is the file the
     stage committed for epoch N, whole (never a share of a backlog: the stages run in
-    step, epoch by epoch)."""
+    step, epoch by epoch), read with that file's columns (a deploy may change what the
+    stage before emits)."""
+
+    def schema(self) -> pa.Schema:
+        files = [info for infos in self.partitions().values() for info in infos]
+        if not files:
+            return super().schema()  # SourceNotReadyError: nothing committed yet
+        newest = max(files, key=lambda info: info.path)
+        return formats.read_schema(self.format, self.storage.read(newest.path))
 
     def cut(self, epoch: int, after: Mapping[str, SourcePosition], max_records: int | None,
             final: bool = False) -> EpochRange:
@@ -67,6 +78,12 @@ class StageOutput(FileLog):
                           segments)
 
 
+def stage_settings(settings: RunSettings, index: int) -> RunSettings:
+    """Stage ``index``'s settings: the root's, its S3 snapshots in a folder of its own."""
+    store = settings.snapshot_store
+    return settings if store is None else replace(settings, snapshot_store=store.within(f"stages/{index}"))
+
+
 class StageChain:
     """The stages before a chained pipeline's last one, and what the last one reads."""
 
@@ -76,9 +93,8 @@ class StageChain:
         pipeline, root = runner.pipeline, runner.log.root
         self.stages = pipeline.stages()
         self.root = root
-        settings: RunSettings = runner.settings
-        self.runners = [EpochRunner(self._own(k, stage), self.stage_root(k), settings, spark=runner.spark)
-                        for k, stage in enumerate(self.stages[:-1])]
+        self.runners = [EpochRunner(self._own(k, stage), self.stage_root(k), stage_settings(runner.settings, k),
+                                    spark=runner._spark) for k, stage in enumerate(self.stages[:-1])]
         self.last = self._own(len(self.stages) - 1, self.stages[-1])
 
     def stage_root(self, index: int) -> Path:
@@ -111,7 +127,8 @@ class StageChain:
             stage = self._own(index, self.stages[index])
             runner.pipeline = stage if index == 0 or stage.clock is None else stage.with_watermark_handed(handed)
             result = runner.run(epoch)
-            handed = self._handed(index, result.watermark)
+            # a stage without a clock (process with no time mode) hands on what it was handed
+            handed = self._handed(index, result.watermark) if stage.clock is not None else handed
             figures.update({f"stage{index + 1}_{name}": value for name, value in _figures(result).items()})
         last = self.last if self.last.clock is None else self.last.with_watermark_handed(handed)
         return last, self._input(len(self.runners), rng), StagesBefore(rng, figures)
@@ -123,11 +140,12 @@ class StageChain:
         return replace(cut.cut(rng.epoch, {}, None), cut_at_us=rng.cut_at_us, end_of_stream=rng.end_of_stream)
 
     def _handed(self, index: int, watermark: int | None) -> int | None:
-        """What stage ``index`` hands the next one after an epoch ending at ``watermark``."""
-        after = self.stages[index + 1]
-        if watermark is None or after.clock is None:
+        """What stage ``index`` hands on after an epoch ending at ``watermark``: to the
+        next stage with a clock, on that stage's event-time column."""
+        later = next((stage for stage in self.stages[index + 1:] if stage.clock is not None), None)
+        if watermark is None or later is None or later.clock is None:
             return None
-        return watermark - self.stages[index].handed_delay_us(after.clock.time_column)
+        return watermark - self.stages[index].handed_delay_us(later.clock.time_column)
 
     def _prune(self, committed: int, keep: int) -> None:
         """The stages' output files of epochs the last stage committed more than ``keep`` ago."""

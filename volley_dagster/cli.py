@@ -347,12 +347,14 @@ def rescale_root(args: argparse.Namespace) -> int:
         name = log.identity().get("pipeline", "") if log.has_identity() else ""
         with PipelineLease(root, owner=owner, wait_s=args.wait, pipeline=name,
                            notify=lambda message: print(f"volley rescale: {message}", file=sys.stderr)) as lease:
+            store = snapshot_store(args, name)
             for index in range(_stages_before(root)):  # a chain's earlier stages, each under its own lease too
                 stage = EpochLog(root / "stages" / str(index))
                 stage_name = stage.identity().get("pipeline", "") if stage.has_identity() else ""
                 with PipelineLease(stage.root, owner=owner, wait_s=args.wait, pipeline=stage_name) as held:
-                    print(rescale(stage, args.shards, held, store=snapshot_store(args, stage_name)).describe())
-            result = rescale(log, args.shards, lease, store=snapshot_store(args, name))
+                    print(rescale(stage, args.shards, held,
+                                  store=store and store.within(f"stages/{index}")).describe())
+            result = rescale(log, args.shards, lease, store=store)
     except VolleyError as exc:
         print(f"volley rescale: {exc}", file=sys.stderr)
         return 1

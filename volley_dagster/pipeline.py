@@ -116,7 +116,10 @@ class Pipeline:
         return value
 
     def source(self, log: Source) -> Pipeline:
-        """The log the pipeline reads: ``FileLog(...)``, or any ``sources.base.Source``."""
+        """The log the pipeline reads: ``FileLog(...)``, or any ``sources.base.Source``
+        (in a chain, its first stage's, wherever it is given)."""
+        if self.upstream is not None:
+            return replace(self, upstream=self.upstream.source(log))
         return replace(self, source_given=log)
 
     def sources(self, named: Mapping[str, Source], *, source_column: str | None = None) -> Pipeline:
@@ -125,7 +128,7 @@ class Pipeline:
         attempt, and every attempt reads exactly those (``sources/multi.py``). Their
         records share columns by name; ``source_column`` names a column that says which
         source a record came from."""
-        return replace(self, source_given=MultiSource(named, source_column))
+        return self.source(MultiSource(named, source_column))
 
     def transform(self, fn: Transform) -> Pipeline:
         """Any DataFrame -> DataFrame function; keep the ``_volley_*`` columns. After a
@@ -369,10 +372,9 @@ class Pipeline:
         if self.processing is not None:
             if self.operator_given is not None or self.windowing is not None or self.joining is not None \
                     or self.dedup is not None:
-                raise ConfigError(f"pipeline {self.name!r}: process(...) does not share a stage with window(), "
-                                  "aggregate() or deduplicate() before it: complete that operator first (window(...) "
-                                  "takes its aggregate(...)), and process(...) after it reads its rows in the "
-                                  "chain's next stage")
+                raise ConfigError(f"pipeline {self.name!r}: process(...) shares its stage with {self._others()}: "
+                                  "a stage has one stateful operator; give key_by(...) (or a transform) between "
+                                  "them, and the step after it reads its rows in the chain's next stage")
             upserts = [s.name for s in self.sinks if getattr(s, "mode", None) == "upsert"]
             if upserts and self.processing.output_mode == "append":
                 raise ConfigError(f"pipeline {self.name!r}: sink {upserts[0]!r} upserts, but process(...) appends "
@@ -381,9 +383,10 @@ class Pipeline:
             return replace(self.processing, quote_keys=self.quote_bad_records)
         if self.joining is not None:
             if self.operator_given is not None or self.windowing is not None or self.dedup is not None:
-                raise ConfigError(f"pipeline {self.name!r}: deduplicate(...) before join(...) is not supported yet; "
-                                  "a step after the join (deduplicate, aggregate, window, process) reads its pairs in "
-                                  "the chain's next stage")
+                raise ConfigError(f"pipeline {self.name!r}: join(...) shares its stage with {self._others()}: a "
+                                  "stage has one stateful operator; give key_by(...) (or a transform) after the join, "
+                                  "and the step after it reads its pairs in the chain's next stage (a deduplication "
+                                  "before the join: deduplicate(...) first, then join(..., sides_from=...))")
             return self.joining
         if self.only_deduplicates:
             assert self.dedup is not None
@@ -395,6 +398,13 @@ class Pipeline:
             raise ConfigError(f"pipeline {self.name!r}: a state TTL is for running aggregates; a window's state "
                               "already ends when it fires")
         return WindowedAggregate(self.windowing, self.operator)
+
+    def _others(self) -> str:
+        """The stateful steps configured on this stage besides ``process``/``join``, as errors name them."""
+        steps = [name for name, given in (("aggregate()", self.operator_given), ("window()", self.windowing),
+                                          ("deduplicate()", self.dedup), ("join()", self.joining))
+                 if given is not None]
+        return ", ".join(steps) if self.processing is not None else ", ".join(s for s in steps if s != "join()")
 
     def _check_clock(self) -> None:
         """One watermark per pipeline: a deduplication dates keys on the window's or TTL's event time."""
@@ -498,7 +508,8 @@ class Pipeline:
         if self.upstream is not None and not self.has_operator and self.dedup is None and self.windowing is None:
             before = self.upstream
             pipeline = replace(before, transforms=before.transforms + self.transforms, sinks=self.sinks,
-                               layout=self.layout, key_given=self.key_given or before.key_given)
+                               layout=self.layout, key_given=self.key_given or before.key_given,
+                               source_given=before.source_given or self.source_given)
         pipeline.validate()
         return pipeline
 

@@ -9,7 +9,9 @@ stage committed, resumed to the same hours, each once."""
 
 from __future__ import annotations
 
+import shutil
 import signal
+import uuid
 
 import pandas as pd
 import pyarrow as pa
@@ -17,12 +19,14 @@ import pyarrow.parquet  # noqa: F401  (pa.parquet)
 import pytest
 from deltalake import DeltaTable
 
+from tests.conftest import BUCKET
 from tests.engine.test_crash_recovery import run_until_killed
 from tests.engine.test_join import epoch_rows
 from tests.join_reference import JoinReference
 from tests.processors import NewHighs
 from tests.window_reference import reference_epochs
 from volley_dagster import EpochRunner, FileLog, ParquetSink, Pipeline, RunSettings, cli, count, max_, sum_, tumbling
+from volley_dagster.checkpoint.s3_snapshots import S3SnapshotStore
 from volley_dagster.demo.events import generate
 from volley_dagster.demo.merchant_refunds import hourly_refunds_pipeline
 from volley_dagster.demo.payments import local_tables
@@ -191,6 +195,56 @@ def test_windows_then_a_teams_processor_then_an_aggregate(spark, tmp_path, capsy
     assert cli.main(["state", "show", str(tmp_path / "state"), "--stage", "4"]) == 2
     assert cli.main(["rescale", str(tmp_path / "state"), "--shards", "3"]) == 0  # every stage, from the root alone
     assert [r.layout().num_shards for r in (windows, highs, runner)] == [3, 3, 3]
+
+
+def test_a_stage_without_a_clock_hands_on_the_watermark_it_was_handed(spark, tmp_path):
+    """windows -> a processor with no time mode -> windows over its rows: the last
+    windows fire as the first stage's watermark passes them (handed on through the
+    processor), not only at the stream's end."""
+    events = tmp_path / "events"
+    generate(events, 4, 300, 5, seed=9)
+    pipeline = (Pipeline("highs_per_minute").source(FileLog(events, format="parquet")).where("status != 'failed'")
+                .key_by("merchant_id").window(tumbling("10 seconds"), on="event_time").aggregate(events=count())
+                .key_by("merchant_id").process(NewHighs(), output_schema=NewHighs.OUTPUT)
+                .key_by("merchant_id").window(tumbling("20 seconds"), on="window_end").aggregate(highs=count())
+                .with_shards(2))
+    runner = EpochRunner(pipeline, tmp_path / "state", RunSettings(max_records_per_epoch=200), spark=spark)
+    results = runner.run_available()
+    windows, _ = runner.stage_runners()
+    assert [r.watermark for r in results] == [windows.result(r.epoch).watermark for r in results]  # window_end: 0 delay
+    assert sum(r.records_out for r in results) > 0, "the last windows fire before the stream's end"
+    assert sum(r.late_records for r in results) == 0
+
+
+def test_each_stage_keeps_its_snapshots_on_s3_apart_and_restores_them(spark, seaweedfs, tmp_path):
+    """With an S3 snapshot store, each stage's snapshots live in a folder of their own:
+    one stage's retention never prunes another's, and a machine without the last
+    epoch's snapshots on disk restores every stage's from S3, to the same state."""
+    events = tmp_path / "events"
+    generate(events, 5, 200, 5, seed=3)
+
+    def chain(root, store):
+        pipeline = (Pipeline("busiest").source(FileLog(events, format="parquet")).where("status != 'failed'")
+                    .key_by("merchant_id").window(tumbling("10 seconds"), on="event_time").aggregate(events=count())
+                    .key_by("merchant_id").aggregate(busiest=max_("events"), fired=count()).with_shards(2))
+        return EpochRunner(pipeline, root, RunSettings(max_records_per_epoch=200, keep_epochs=2, snapshot_store=store,
+                                                      snapshot_cache=tmp_path / "cache"), spark=spark)
+
+    store = S3SnapshotStore(f"s3://{BUCKET}/chain-{uuid.uuid4().hex[:8]}", seaweedfs.s3)
+    runner = chain(tmp_path / "state", store)
+    for _ in range(4):
+        runner.run_next()
+    [windows] = runner.stage_runners()
+    assert store.epochs() == runner.log.retained_snapshots() == [3, 4]
+    assert store.within("stages/0").epochs() == windows.log.retained_snapshots() == [3, 4]
+    for root in (runner.log.root, windows.log.root):  # another machine: epoch 4's snapshots are not on its disk
+        shutil.rmtree(root / "snapshots" / f"{4:010d}")
+    runner.run_next()
+    plain = chain(tmp_path / "plain", None)
+    plain.run_available()
+    assert runner.read_state().sort_by("merchant_id") == plain.read_state().sort_by("merchant_id")
+    assert windows.read_state().sort_by([("merchant_id", "ascending"), ("window_start", "ascending")]) == \
+        plain.stage_runners()[0].read_state().sort_by([("merchant_id", "ascending"), ("window_start", "ascending")])
 
 
 def test_deduplicate_then_join_then_aggregate(spark, tmp_path):

@@ -138,6 +138,12 @@ class S3SnapshotStore:
         self._lock = threading.Lock()
         self._known_ssts: set[str] = set()  # hashes this process saw in the store
 
+    def within(self, folder: str) -> S3SnapshotStore:
+        """The same store's ``folder`` under it: a chain's stage keeps its snapshots apart
+        (``chain.py``), so one stage's retention never prunes another's."""
+        return S3SnapshotStore(f"{self.uri}/{folder}", self.endpoint, max_workers=self.max_workers,
+                               max_attempts=self.max_attempts)
+
     def __getstate__(self) -> dict[str, object]:
         return {**self.__dict__, "_client": None, "_lock": None, "_known_ssts": set()}
 
