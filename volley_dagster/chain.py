@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Mapping
 import pyarrow as pa
 
 from volley_dagster.errors import EpochOrderError
+from volley_dagster.io.atomic import create_json_exclusive, read_json
 from volley_dagster.pipeline import Pipeline
 from volley_dagster.result import EpochResult
 from volley_dagster.sinks.parquet import ParquetSink
@@ -93,6 +94,7 @@ class StageChain:
         pipeline, root = runner.pipeline, runner.log.root
         self.stages = pipeline.stages()
         self.root = root
+        self.log = runner.log
         self.runners = [EpochRunner(self._own(k, stage), self.stage_root(k), stage_settings(runner.settings, k),
                                     spark=runner._spark) for k, stage in enumerate(self.stages[:-1])]
         self.last = self._own(len(self.stages) - 1, self.stages[-1])
@@ -131,7 +133,16 @@ class StageChain:
             handed = self._handed(index, result.watermark) if stage.clock is not None else handed
             figures.update({f"stage{index + 1}_{name}": value for name, value in _figures(result).items()})
         last = self.last if self.last.clock is None else self.last.with_watermark_handed(handed)
-        return last, self._input(len(self.runners), rng), StagesBefore(rng, figures)
+        return last, self._last_input(rng), StagesBefore(rng, figures)
+
+    def _last_input(self, rng: EpochRange) -> EpochRange:
+        """The last stage's range of epoch N, recorded beside N's offsets before its first
+        attempt (the first recorded wins), as every stage's is: a root copied or restored
+        between the sinks' commit and the manifest reads the same range."""
+        path = self.log.epoch_dir(rng.epoch) / "stage_input.json"
+        if not path.exists():
+            create_json_exclusive(path, self._input(len(self.runners), rng).to_dict())
+        return EpochRange.from_dict(read_json(path))
 
     def _input(self, index: int, rng: EpochRange) -> EpochRange:
         """Stage ``index``'s range of epoch N: the stage before's rows of N, cut when the
