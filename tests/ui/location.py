@@ -10,7 +10,8 @@ backoff, unset: the shipped defaults. ``VOLLEY_TEST_SPARK_MASTER`` (a standalone
 master's URL, with ``VOLLEY_TEST_SPARK_CONFIG``, JSON ``spark.*`` keys such as the
 driver's address) runs every run on that cluster instead. ``VOLLEY_TEST_CHAIN`` serves
 the refunds join over ``streams/`` and the refunds per merchant per hour fed by its
-Iceberg table instead of the payments pipeline."""
+Iceberg table instead of the payments pipeline; ``VOLLEY_TEST_CHAIN=one``, the same
+flow as one pipeline of both operators (``hourly_refunds``)."""
 
 import json
 import os
@@ -21,8 +22,8 @@ from dagster import in_process_executor
 
 from volley_dagster.dagster.location import build_definitions
 from volley_dagster.dagster.resources import CheckpointResource, S3Resource, SparkResource, TablesResource
-from volley_dagster.demo.merchant_refunds import merchant_refunds_deployment
-from volley_dagster.demo.payments import payments_deployment
+from volley_dagster.demo.merchant_refunds import hourly_refunds_pipeline, merchant_refunds_deployment
+from volley_dagster.demo.payments import demo_deployment, payments_deployment
 from volley_dagster.demo.refunds import refunds_deployment
 from volley_dagster.recovery import Backoff
 
@@ -31,9 +32,13 @@ SENSOR = bool(os.environ.get("VOLLEY_TEST_SENSOR"))
 WARM = bool(os.environ.get("VOLLEY_TEST_WARM"))
 MASTER = os.environ.get("VOLLEY_TEST_SPARK_MASTER")
 
-CHAIN = bool(os.environ.get("VOLLEY_TEST_CHAIN"))
-deployments = [refunds_deployment(BASE / "streams"), merchant_refunds_deployment()] if CHAIN \
-    else [payments_deployment(BASE / "events")]
+CHAIN = os.environ.get("VOLLEY_TEST_CHAIN", "")
+if CHAIN == "one":  # the same flow as one pipeline of two stateful operators
+    deployments = [demo_deployment("hourly_refunds", lambda t: hourly_refunds_pipeline(BASE / "streams", t))]
+elif CHAIN:
+    deployments = [refunds_deployment(BASE / "streams"), merchant_refunds_deployment()]
+else:
+    deployments = [payments_deployment(BASE / "events")]
 deployments = [replace(d, sensor_running=SENSOR) for d in deployments]
 if SENSOR:
     deployments = [replace(d, min_records=1, max_wait_s=None, sensor_interval_s=2) for d in deployments]
