@@ -9,9 +9,11 @@ must equal the join's and the window's references composed."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 from deltalake import DeltaTable
@@ -33,14 +35,17 @@ HEAL_WITHIN_S = 240
 pytestmark = pytest.mark.deep  # a second dagster dev with two pipelines: tests/ui/test_self_healing.py covers healing
 
 
-def test_a_chain_of_two_pipelines_heals_from_a_kill_9_in_each_to_the_reference(tmp_path):
-    base = tmp_path
-    env = {"VOLLEY_TEST_BASE": str(base), "VOLLEY_TEST_SENSOR": "1", "VOLLEY_TEST_WARM": "1", "VOLLEY_TEST_CHAIN": "1"}
+@contextlib.contextmanager
+def killed_in_shard_stages(base: Path, chain: str, files: int, roots: list[Path]) -> Iterator[object]:
+    """``dagster dev`` serving ``VOLLEY_TEST_CHAIN=chain`` while both logs land a file
+    every 4 s; the run holding each of ``roots`` in turn is killed in its shard stage.
+    Yields the server, once every kill is done and every file landed."""
+    env = {"VOLLEY_TEST_BASE": str(base), "VOLLEY_TEST_SENSOR": "1", "VOLLEY_TEST_WARM": "1", "VOLLEY_TEST_CHAIN": chain}
     with dagster_dev(HERE / "workspace.yaml", dagster_yaml=ROOT / "dagster.yaml",
                      overrides={"run_coordinator": {"config": {"dequeue_interval_seconds": 1}}},
                      home=base / "dagster_home", env=env) as srv:
         def land() -> None:
-            for i in range(FILES):
+            for i in range(files):
                 write_refund_logs(base / "streams", 1, PER_FILE, first_file=i)
                 time.sleep(4)
 
@@ -48,16 +53,19 @@ def test_a_chain_of_two_pipelines_heals_from_a_kill_9_in_each_to_the_reference(t
         lander.start()
         killed = []
         try:
-            for pipeline in ("refunds", "merchant_refunds"):
-                state = base / "state" / pipeline
-                pid = wait_for(lambda s=state: run_worker_in_shard_stage(s), 200, f"a {pipeline} run in its shard stage",
-                               srv)
-                kill_9(pid)
-                killed.append(pipeline)
+            for root in roots:
+                kill_9(wait_for(lambda r=root: run_worker_in_shard_stage(r), 200, f"a run in {root}'s shard stage", srv))
+                killed.append(root)
         finally:
             lander.join()
-        assert killed == ["refunds", "merchant_refunds"]
+        assert killed == roots
+        yield srv
 
+
+def test_a_chain_of_two_pipelines_heals_from_a_kill_9_in_each_to_the_reference(tmp_path):
+    base = tmp_path
+    roots = [base / "state" / "refunds", base / "state" / "merchant_refunds"]
+    with killed_in_shard_stages(base, "1", FILES, roots) as srv:
         tables = local_tables(base / "tables")
         upstream = EpochRunner(refunds_pipeline(base / "streams", tables), base / "state" / "refunds")
         downstream = EpochRunner(merchant_refunds_pipeline(tables), base / "state" / "merchant_refunds")
@@ -70,28 +78,9 @@ def test_a_chain_of_two_pipelines_heals_from_a_kill_9_in_each_to_the_reference(t
 
 def test_a_chain_in_one_pipeline_heals_from_a_kill_9_in_each_stage_to_the_references(tmp_path):
     base = tmp_path
-    env = {"VOLLEY_TEST_BASE": str(base), "VOLLEY_TEST_SENSOR": "1", "VOLLEY_TEST_WARM": "1", "VOLLEY_TEST_CHAIN": "one"}
-    with dagster_dev(HERE / "workspace.yaml", dagster_yaml=ROOT / "dagster.yaml",
-                     overrides={"run_coordinator": {"config": {"dequeue_interval_seconds": 1}}},
-                     home=base / "dagster_home", env=env) as srv:
-        def land() -> None:  # two hours: the join's watermark, less its 30 minutes, closes the first
-            for i in range(FILES + 3):
-                write_refund_logs(base / "streams", 1, PER_FILE, first_file=i)
-                time.sleep(4)
-
-        lander = threading.Thread(target=land)
-        lander.start()
-        root = base / "state" / "hourly_refunds"
-        killed = []
-        try:
-            for stage in (root / "stages" / "0", root):  # the join's stage, then the window's
-                pid = wait_for(lambda s=stage: run_worker_in_shard_stage(s), 200, f"a run in {stage}'s shard stage", srv)
-                kill_9(pid)
-                killed.append(stage)
-        finally:
-            lander.join()
-        assert len(killed) == 2
-
+    root = base / "state" / "hourly_refunds"
+    # two hours of files: the join's watermark, less its 30 minutes, closes the first; the join's stage, then the window's
+    with killed_in_shard_stages(base, "one", FILES + 3, [root / "stages" / "0", root]) as srv:
         tables = local_tables(base / "tables")
         runner = EpochRunner(hourly_refunds_pipeline(base / "streams", tables), root)
         settled = lambda: runner.records_waiting() == 0 and runner.committed_epoch() == runner.log.last_cut() > 0  # noqa: E731
