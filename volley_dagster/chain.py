@@ -95,9 +95,10 @@ class StageChain:
         self.stages = pipeline.stages()
         self.root = root
         self.log = runner.log
-        self.runners = [EpochRunner(self._own(k, stage), self.stage_root(k), stage_settings(runner.settings, k),
-                                    spark=runner._spark) for k, stage in enumerate(self.stages[:-1])]
-        self.last = self._own(len(self.stages) - 1, self.stages[-1])
+        self.own = [self._own(k, stage) for k, stage in enumerate(self.stages)]  # each stage as it runs alone
+        self.runners = [EpochRunner(own, self.stage_root(k), stage_settings(runner.settings, k), spark=runner._spark)
+                        for k, own in enumerate(self.own[:-1])]
+        self.last = self.own[-1]
 
     def stage_root(self, index: int) -> Path:
         return self.root / "stages" / str(index)
@@ -126,7 +127,7 @@ class StageChain:
         for index, runner in enumerate(self.runners):
             if not runner.log.is_committed(epoch):
                 runner.log.record_offsets(rng if index == 0 else self._input(index, rng))
-            stage = self._own(index, self.stages[index])
+            stage = self.own[index]
             runner.pipeline = stage if index == 0 or stage.clock is None else stage.with_watermark_handed(handed)
             result = runner.run(epoch)
             # a stage without a clock (process with no time mode) hands on what it was handed
@@ -147,7 +148,7 @@ class StageChain:
     def _input(self, index: int, rng: EpochRange) -> EpochRange:
         """Stage ``index``'s range of epoch N: the stage before's rows of N, cut when the
         epoch was (its skew guard's wall clock) and ending the stream with it."""
-        cut = self.last.source_log if index == len(self.runners) else self.runners[index].pipeline.source_log
+        cut = self.own[index].source_log
         return replace(cut.cut(rng.epoch, {}, None), cut_at_us=rng.cut_at_us, end_of_stream=rng.end_of_stream)
 
     def _handed(self, index: int, watermark: int | None) -> int | None:
