@@ -3,7 +3,7 @@
 ``foreachBatch`` into Delta with delta-rs) on the same files, in one run.
 
     ./dev bench join [--events 200000] [--epochs 6] [--files-per-epoch 1] [--shards 4]
-                     [--epoch-minutes 10] [--refunded 0.2] [--outside 0.05] [--disorder-s 20]
+                     [--epoch-minutes 10] [--refunded 0.2] [--outside 0.05] [--disorder-s 20] [--profile]
 
 Two append-only Parquet logs: ``payments`` (payment_id, merchant_id, amount, paid_at)
 and ``refunds`` (payment_id, refund_amount, refunded_at). ``--events`` counts the
@@ -61,6 +61,7 @@ from pyspark.sql import functions as F  # noqa: E402
 from pyspark.sql.types import DoubleType, LongType, StructField, StructType, TimestampType  # noqa: E402
 
 from bench.common import finish  # noqa: E402
+from bench.compare import volley_phases  # noqa: E402
 from bench.peer_sss import (  # noqa: E402
     ENGINE,
     PEER_CONF,
@@ -198,6 +199,7 @@ def run_ours(spark: SparkSession, staged: tuple[Path, Path], work: Path, epochs:
         r = runner.run_next()
         assert r is not None, f"epoch {i + 1}: nothing to run"
         rows.append({"epoch": r.epoch, "records": r.records_in, "seconds": r.durations["total"],
+                     "phases": volley_phases(r, r.durations["total"]),
                      "records_out": r.records_out, "late": r.late_records,
                      "left_rows": _figure(r, "join_left_rows"), "right_rows": _figure(r, "join_right_rows"),
                      "pairs": _figure(r, "join_pairs"), "unmatched": _figure(r, "join_unmatched"),
@@ -282,6 +284,25 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
             "peak_total_rows": max((sum(r.get(k) or 0 for k in ("left_rows", "right_rows")) for r in rows), default=0)}
 
 
+PHASES = {"ours": ("read_transform", "state_stage", "sinks", "rest", "side_output", "restore", "merge", "flush",
+                   "snapshot"),
+          "peer": ("latestOffset", "getBatch", "queryPlanning", "addBatch", "walCommit", "commitOffsets",
+                   "fn_collect", "fn_delta_commit")}
+
+
+def print_phases(runs: dict[str, dict[str, Any]]) -> None:
+    """Each engine's median phases of epochs 2.. (seconds). Ours: read_transform +
+    state_stage + sinks + rest = the epoch; side_output inside read_transform; restore,
+    merge (the join's shard work), flush and snapshot summed over the shards, inside
+    state_stage. The peer: its micro-batch's durations, fn_* inside addBatch."""
+    print("\nmedian phases of epochs 2.. (s; ours: restore..snapshot summed over the shards, inside state_stage)")
+    for label, run in runs.items():
+        warm = run["epochs_detail"][1:] or run["epochs_detail"]
+        names = PHASES[label]
+        medians = {n: statistics.median(r["phases"].get(n, 0.0) for r in warm) for n in names}
+        print(f"{label:>6} " + " ".join(f"{n} {v:.2f}" for n, v in medians.items()))
+
+
 def machine() -> dict[str, Any]:
     mem = next((int(line.split()[1]) * 1024 for line in Path("/proc/meminfo").read_text().splitlines()
                 if line.startswith("MemTotal:")), None)
@@ -305,6 +326,7 @@ def main() -> None:
     parser.add_argument("--disorder-s", type=float, default=20.0, help="how late a record may land in the files")
     parser.add_argument("--engines", default="ours,peer", help="ours,peer (default both)")
     parser.add_argument("--workdir", default=None, help="keep the data and state here (default: a temp dir, removed)")
+    parser.add_argument("--profile", action="store_true", help="print the median phases of an epoch per engine")
     args = parser.parse_args()
     engines = set(args.engines.split(","))
 
@@ -380,6 +402,8 @@ def main() -> None:
               f"{ratios['records_per_s_ours_to_peer']:.2f}x records/s; peak state rows "
               + ", ".join(f"{k.split('_')[1]} {v:.2f}x" for k, v in ratios.items() if k.startswith("peak_")))
 
+    if args.profile:
+        print_phases(runs)
     report = {"args": vars(args), "machine": machine(), "reference_pairs": want, "median_warm": summary,
               "ratios": ratios, "runs": runs, "problems": problems}
     spark.stop()

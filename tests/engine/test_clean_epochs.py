@@ -19,6 +19,7 @@ from tests.ttl_reference import KEY, TtlReference, same_rows, ttl_file
 from tests.window_reference import reference, reference_epochs, window_rows
 from volley_dagster import EpochRunner, FileLog, ParquetSink, Pipeline, count, first, last, max_, sum_, tumbling
 from volley_dagster.demo.events import generate
+from volley_dagster.demo.refunds import refunds_join, write_refund_logs
 from volley_dagster.settings import RunSettings
 from volley_dagster.spark.plan import plan_epoch
 from volley_dagster.spark.side_outputs import _footers_show_clean
@@ -88,7 +89,7 @@ def test_epochs_that_end_inside_files_are_bounded_by_the_row_groups_they_touch(s
         assert [seg for seg, _ in plan.files_as_read] == list(rng.segments)
         # what the footers say of the rows touched, the watermark before and its late bound
         late_bound = results[-1].watermark - 2_000_000 if results else None
-        assert _footers_show_clean(plan, runner.pipeline, None, late_bound) is not None, f"epoch {rng.epoch}"
+        assert _footers_show_clean(plan, runner.pipeline, rng, None, late_bound) is not None, f"epoch {rng.epoch}"
         results.append(runner.run(rng.epoch))
     log = pa.concat_tables(pq.read_table(f).append_column("file", pa.array([f.name] * PER_FILE))
                            .append_column("offset", pa.array(range(PER_FILE), pa.int64())) for f in files)
@@ -235,3 +236,32 @@ def test_an_epoch_that_learns_its_watermark_leaves_later_deadlines_to_be_found(s
     assert [r.durations["side_output"] == 0.0 for r in results] == [False, True, True, False]  # 2 and 3 learn it
     expired = results[-1].output.to_pandas().set_index(KEY)["expired"]
     assert sorted(expired[expired].index) == [1, 2, 5, 6]
+
+
+def test_a_joins_epochs_of_two_logs_skip_the_job_when_each_sides_footers_show_them_clean(spark, tmp_path):
+    """A join of two Parquet logs: each side's footers give that side's latest event
+    time, and show its records fit for state (no null key or event time, no carried
+    time outside years 1-9999, none early enough to be late). Against the same files
+    without statistics (the job looks every epoch), the rows, watermarks, late records
+    and waiting rows are the same (``test_join.py``: an epoch with a record early enough
+    to be late runs the job, which finds it)."""
+    write_refund_logs(tmp_path / "raw", 4, 300)
+    for name in ("payments", "refunds"):
+        (tmp_path / "plain" / name).mkdir(parents=True)
+        for path in sorted((tmp_path / "raw" / name).glob("*.parquet")):
+            pq.write_table(pq.read_table(path), tmp_path / "plain" / name / path.name, write_statistics=False)
+    runs = {}
+    for name in ("raw", "plain"):
+        pipeline = refunds_join(tmp_path / name).sink(ParquetSink(tmp_path / f"out-{name}")).with_shards(2)
+        runner = EpochRunner(pipeline, tmp_path / f"state-{name}", RunSettings(max_records_per_epoch=300), spark=spark)
+        runs[name] = runner.run_available() + runner.flush()
+        runs[name + "-state"] = runner.read_state().sort_by("row")
+    stats, plain = runs["raw"], runs["plain"]
+    assert len(stats) == len(plain) >= 5
+    for a, b in zip(stats, plain, strict=True):
+        assert a.output.sort_by("payments_row").equals(b.output.sort_by("payments_row")), f"epoch {a.epoch}"
+        assert (a.watermark, a.input_watermarks, a.late_records, a.dead_letters) == \
+            (b.watermark, b.input_watermarks, b.late_records, b.dead_letters)
+    assert all(r.durations["side_output"] > 0 for r in plain if r.records_in)
+    assert runs["raw-state"].equals(runs["plain-state"])
+    assert [r.durations["side_output"] for r in stats if r.records_in] == [0.0] * (len(stats) - 1)  # the flush

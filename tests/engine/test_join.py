@@ -93,6 +93,9 @@ def test_the_join_equals_the_reference_epoch_by_epoch(spark, tmp_path, how):
         results.append(result)
     assert len(results) >= 5 and sum(r.records_in for r in results) == _log_size(events)
     assert sum(r.late_records for r in results) > 0 and sum(r.figures["join_unmatched"] for r in results) > 0
+    # each side's footers show most epochs clean (no job); one with a late record, the job found it
+    assert all(r.durations["side_output"] > 0 for r in results if r.late_records)
+    assert any(r.durations["side_output"] == 0.0 for r in results), [r.durations["side_output"] for r in results]
 
     waiting = runner.read_state()
     assert set(zip(waiting.column("payment_id").to_pylist(), waiting.column("row").to_pylist(), strict=True)) == {

@@ -80,12 +80,13 @@ def test_a_bad_record_names_its_source_file_and_offset(spark, tmp_path):
     assert pc.sum(runner.read_state().column("events")).as_py() == 102
 
 
-def test_killed_mid_read_resumes_reading_both_recorded_ranges_not_what_landed_since(spark, tmp_path):
-    """kill -9 while epoch 2 reads (both sources advancing); files land in both before
-    the resume; epoch 2 then reads exactly the ranges recorded before its first attempt."""
+def test_killed_mid_epoch_resumes_reading_both_recorded_ranges_not_what_landed_since(spark, tmp_path):
+    """kill -9 in epoch 2's stage, as its first shard task snapshots (both sources
+    advancing, read by Spark's own Parquet scans); files land in both before the
+    resume; epoch 2 then reads exactly the ranges recorded before its first attempt."""
     generate(tmp_path / "web", 2, PER_FILE, KEYS)
     generate(tmp_path / "store", 2, PER_FILE, KEYS, seed=8)
-    crashed = run_until_killed(tmp_path, "segment_read", 2, kind="channels", max_records=1_000)
+    crashed = run_until_killed(tmp_path, "shard_after_snapshot", 2, kind="channels", max_records=1_000)
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr[-3000:]
     runner = EpochRunner(channels(tmp_path), tmp_path / "state", RunSettings(max_records_per_epoch=1_000), spark=spark)
     assert (runner.committed_epoch(), runner.log.last_cut()) == (1, 2)

@@ -23,7 +23,7 @@ from volley_dagster.errors import ConfigError, StateLimitError, is_retryable
 from volley_dagster.operators.base import ShardStep
 from volley_dagster.operators.join import JOIN_NAMESPACES, IntervalJoin, signed_duration_us
 from volley_dagster.operators.join_rows import RowCodec
-from volley_dagster.operators.join_state import JoinBounds, JoinShard, apply_join
+from volley_dagster.operators.join_state import JoinBounds, JoinShard, apply_join, decode_index
 from volley_dagster.state.keys import ShardLayout
 from volley_dagster.state.options import RocksDBOptions
 from volley_dagster.state.transaction import ShardTransaction, scan_prefix
@@ -62,8 +62,11 @@ def epochs(draw: st.DrawFn, kind: str) -> list[list[Row]]:
 
 
 @settings(max_examples=60, deadline=None)
-@given(data=st.data())
-def test_each_epoch_equals_the_reference_and_a_retry_emits_the_same(tmp_path_factory, data):
+@given(data=st.data(), legacy=st.booleans())
+def test_each_epoch_equals_the_reference_and_a_retry_emits_the_same(tmp_path_factory, data, legacy):
+    """``legacy``: before each epoch the shard is rewritten in the layout before
+    2026-12-08 (each row's text and bound under keys of their own), which the epoch
+    must upgrade as it goes, to the same rows."""
     kind = data.draw(st.sampled_from(["int", "str"]), label="kind")
     how = data.draw(st.sampled_from(["inner", "left", "right", "full"]), label="how")
     lower = data.draw(st.integers(-8, 4), label="lower")
@@ -82,6 +85,8 @@ def test_each_epoch_equals_the_reference_and_a_retry_emits_the_same(tmp_path_fac
             step = ShardStep(number, kind, watermark_before=before, watermark=reference.watermark, layout=LAYOUT,
                              shard=0)
             ids.update({f"{number}:{position}": r[3] for position, r in enumerate(on_time)})
+            if legacy:
+                _as_before_2026_12_08(db, shard.bounds)
             first = _emitted(apply_join(shard, ShardTransaction(db), _table(on_time, kind), step)[0], ids)
             txn = ShardTransaction(db)  # the first attempt died unflushed: the retry starts from the same state
             outputs, stats = apply_join(shard, txn, _table(on_time, kind), step)
@@ -94,6 +99,31 @@ def test_each_epoch_equals_the_reference_and_a_retry_emits_the_same(tmp_path_fac
         _state_is_only_what_waits(db, reference)
     finally:
         db.close()
+
+
+def _as_before_2026_12_08(db: rocksdict.Rdict, bounds: JoinBounds) -> None:
+    """The shard's waiting rows rewritten as the join kept them before 2026-12-08: an
+    index value of the rows' records only, each row's text under ``10 | kg | key | side
+    | epoch | position`` and its bound under ``11 | kg | bound | side | epoch | position
+    | key``; no leaving entries (17)."""
+    entry = np.dtype([("side", "u1"), ("matched", "u1"), ("epoch", "<u4"), ("row", "<i8"), ("time", "<i8")])
+    suffix = np.dtype([("side", "u1"), ("epoch", ">u4"), ("row", ">i8")])
+    batch = rocksdict.WriteBatch(raw_mode=True)
+    for key, _ in scan_prefix(db, (17).to_bytes(2, "big")):
+        batch.delete(key)
+    for key, value in scan_prefix(db, (9).to_bytes(2, "big")):
+        rows, texts = decode_index([value])
+        old = np.empty(len(rows), dtype=entry)
+        for name in entry.names:
+            old[name] = rows[name]
+        batch.put(key, old.tobytes())
+        for i, text in enumerate(texts.to_pylist()):
+            tail = np.array([(rows["side"][i], rows["epoch"][i], rows["row"][i])], dtype=suffix).tobytes()
+            batch.put((10).to_bytes(2, "big") + key[2:] + tail, text.encode())
+            bound = int(bounds.leaves_at(rows["side"][i:i + 1], rows["time"][i:i + 1])[0])
+            ordered = ((bound + (1 << 63)) % (1 << 64)).to_bytes(8, "big")
+            batch.put((11).to_bytes(2, "big") + key[2:4] + ordered + tail + key[4:], b"")
+    db.write(batch)
 
 
 def _outer(how: str) -> tuple[bool, bool]:
@@ -118,8 +148,11 @@ def _state_is_only_what_waits(db: rocksdict.Rdict, reference: JoinReference) -> 
     """Every namespace holds exactly the waiting rows: none leaks after it leaves."""
     left, right = reference.held()
     entries = {ns: list(scan_prefix(db, ns.to_bytes(2, "big"))) for ns in JOIN_NAMESPACES.keyed}
-    index, rows, by_bound, counts = (entries[ns] for ns in JOIN_NAMESPACES.keyed)
-    assert len(rows) == len(by_bound) == left + right
+    index, leaving, counts, legacy_rows, legacy_bounds = (entries[ns] for ns in JOIN_NAMESPACES.keyed)
+    rows, _ = decode_index([v for _, v in index])
+    assert len(rows) == left + right and not legacy_rows and not legacy_bounds
+    leaving_rows = sum(int(np.frombuffer(v, "<u4", count=1)[0]) for _, v in leaving)
+    assert leaving_rows == left + right  # each waiting row once among the leaving entries
     held = sum(np.frombuffer(v, "<i8").reshape(2) for _, v in counts) if counts else np.zeros(2)
     assert tuple(int(x) for x in held) == (left, right)
     assert len(index) == len({r.key for r in reference.waiting})

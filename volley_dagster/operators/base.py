@@ -3,7 +3,7 @@ shard task that folds them into the shard's state through its transaction."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
 
@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
     from volley_dagster.operators.aggregate import ResolvedAggregate
     from volley_dagster.operators.event_time import EventTime
+    from volley_dagster.sources.base import ColumnStatistics
     from volley_dagster.sources.offsets import EpochRange
     from volley_dagster.spark.partitioning import ShardRoute
     from volley_dagster.spark.tasks import ShardMerge
@@ -184,6 +185,11 @@ class SparkOperator(StatefulOperator, Protocol):
         """Further conditions that make a record a bad record for this operator (a value
         its state cannot carry), each with its reason: checked with the others."""
 
+    def fit_by_footer(self, source: str | None, footer: Mapping[str, ColumnStatistics]) -> bool:
+        """Whether a file's ``footer`` shows that none of its records is one of
+        ``unfit_records`` (``source``: the records' source in a pipeline of several,
+        else None), so that no job need look for them (``spark/side_outputs.py``)."""
+
     def output_schema(self, key_ddl: str) -> list[str]:
         """Spark DDL of every column the shard tasks return, the key's (``key_ddl``) first."""
 
@@ -239,6 +245,9 @@ class KeyedRows:
 
     def unfit_records(self) -> list[tuple[Column, str]]:
         return []
+
+    def fit_by_footer(self, source: str | None, footer: Mapping[str, ColumnStatistics]) -> bool:
+        return True
 
     def output_schema(self, key_ddl: str) -> list[str]:
         return [key_ddl] + self.output_ddl()

@@ -52,6 +52,7 @@ key and each shard task decides, remembers and emits the kept ones
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import ClassVar, Sequence
 
@@ -85,6 +86,7 @@ from volley_dagster.operators.dedup_state import (
     write_remembered,
 )
 from volley_dagster.operators.event_time import EventTime
+from volley_dagster.sources.base import ColumnStatistics
 from volley_dagster.sources.offsets import EpochRange
 from volley_dagster.spark.partitioning import ShardRoute
 from volley_dagster.state.keys import key_columns, key_kind
@@ -434,6 +436,9 @@ class ResolvedUniqueRecords:
 
     def unfit_records(self) -> list[tuple[Column, str]]:
         return []
+
+    def fit_by_footer(self, source: str | None, footer: Mapping[str, ColumnStatistics]) -> bool:
+        return True
 
     def output_schema(self, key_ddl: str) -> list[str]:
         """The records' own columns, the deduplication key's first."""

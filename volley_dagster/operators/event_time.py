@@ -151,6 +151,16 @@ class EventTime:
         """The inputs with a watermark of their own ("": the pipeline's one)."""
         return ("",)
 
+    def time_column_of(self, name: str) -> str:
+        """Input ``name``'s event-time column."""
+        return self.time_column
+
+    def input_of(self, source: str | None, source_column: str | None) -> str | None:
+        """Which input the records of source ``source`` feed, when a pipeline of several
+        sources names each record's in ``source_column`` (None, None: a single source);
+        None: it cannot tell from the source alone."""
+        return ""
+
     def maxima(self, valid_time: Column) -> dict[str, Column]:
         """What the side-output job observes of the epoch's valid event times (microseconds):
         their maximum; per input for a clock of several."""

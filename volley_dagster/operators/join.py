@@ -50,6 +50,7 @@ ids. The shard side is ``operators/join_state.py``.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import TYPE_CHECKING, ClassVar, Literal, Sequence
@@ -68,15 +69,16 @@ from volley_dagster.operators.base import OperatorStats, ShardStep, StageClock, 
 from volley_dagster.operators.event_time import Duration, EventTime, duration_us
 from volley_dagster.operators.join_rows import RowCodec
 from volley_dagster.operators.join_state import (
-    ENTRY,
     FIGURES,
     JOIN_NAMESPACES_KEYED,
     LEFT,
     JoinBounds,
     JoinShard,
     apply_join,
+    decode_index,
     row_ids,
 )
+from volley_dagster.sources.base import ColumnStatistics
 from volley_dagster.sources.offsets import EpochRange
 from volley_dagster.spark.partitioning import ShardRoute
 from volley_dagster.state.keys import decode_keys, key_columns
@@ -132,6 +134,14 @@ class SideTimes(EventTime):
     @property
     def inputs(self) -> tuple[str, ...]:
         return self.sides
+
+    def time_column_of(self, name: str) -> str:
+        return self.times[self.sides.index(name)]
+
+    def input_of(self, source: str | None, source_column: str | None) -> str | None:
+        """A side is the source its records came from, when the join tells sides by the
+        column the sources fill with their names."""
+        return source if source in self.sides and source_column == self.source_column else None
 
     def maxima(self, valid_time: Column) -> dict[str, Column]:
         side = F.col(self.source_column)
@@ -258,10 +268,9 @@ class ResolvedJoin:
                      key_group: str | None = None) -> pa.Table:
         """Every waiting row: key, source, row id, event time, whether it matched, and
         when it leaves state (the watermark at which it can match nothing more)."""
-        counts = np.array([len(v) // ENTRY.itemsize for v in values], dtype=np.int64)
-        entries = np.frombuffer(b"".join(values), dtype=ENTRY)
+        entries, _ = decode_index(values)
         groups, key_values = decode_keys(key_kind, keys)
-        per_row = np.repeat(np.arange(len(keys)), counts)
+        per_row = entries["ki"]
         front, names = key_columns(key_values.take(pa.array(per_row)), key_name, groups[per_row], key_group)
         ts = pa.timestamp("us", tz="UTC")
         times = entries["time"].astype(np.int64)
@@ -313,6 +322,11 @@ class ResolvedJoin:
         return [((side == F.lit(name)) & condition, reason)
                 for name, codec in ((self.join.left, self.left), (self.join.right, self.right))
                 for condition, reason in codec.out_of_range(name)]
+
+    def fit_by_footer(self, source: str | None, footer: Mapping[str, ColumnStatistics]) -> bool:
+        codecs = {self.join.left: self.left, self.join.right: self.right}
+        chosen = [codecs[source]] if source in codecs else [] if source is not None else list(codecs.values())
+        return all(codec.fits(footer) for codec in chosen)
 
     def output_schema(self, key_ddl: str) -> list[str]:
         return [key_ddl] + self.output_ddl()

@@ -11,6 +11,7 @@ is refused when the pipeline is planned, naming the column."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,9 +25,11 @@ from pyspark.sql.pandas.types import to_arrow_type
 
 from volley_dagster.errors import ConfigError
 from volley_dagster.operators.dedup import EXACT_JSON
+from volley_dagster.sources.base import ColumnStatistics
 
 _AS_TEXT = (T.FloatType, T.DoubleType, T.DecimalType, T.DateType)  # Arrow's JSON reader takes these as text
 _NATIVE = (T.IntegralType, T.BooleanType, T.StringType, T.TimestampType, T.TimestampNTZType)
+_YEAR_1_US, _YEAR_10000_US, _DAY_US = -62_135_596_800_000_000, 253_402_300_800_000_000, 86_400_000_000
 _BLOCK = 16 << 20  # Arrow's JSON reader's block: rows longer than this are read too, in fewer blocks
 
 
@@ -90,6 +93,21 @@ class RowCodec:
                            f"a time outside years 1-9999: {name!r} of {side!r} holds one, which the join's state "
                            "cannot carry; fix the value or cast the column"))
         return checks
+
+    def fits(self, footer: Mapping[str, ColumnStatistics]) -> bool:
+        """Whether a file's footer shows that no row holds a time ``out_of_range`` finds:
+        each column that holds a time is a timestamp whose earliest and latest the footer
+        gives, within years 1-9999 (a day inside, whatever the session's time zone)."""
+        for name, kind in zip(self.names, self.types, strict=True):
+            if not _holds_time(kind):
+                continue
+            stats = footer.get(name)
+            if (not isinstance(kind, T.TimestampType) or stats is None or stats.earliest_us is None
+                    or stats.latest_us is None):
+                return False
+            if stats.earliest_us < _YEAR_1_US + _DAY_US or stats.latest_us >= _YEAR_10000_US - _DAY_US:
+                return False
+        return True
 
     def encode(self) -> Column:
         """Each row's columns as one JSON text (a Spark expression)."""

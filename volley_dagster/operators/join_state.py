@@ -1,26 +1,35 @@
 """The shard side of the interval join (``operators/join.py`` has the rules): the rows
-each side keeps waiting for a match, in four namespaces of the shard that owns the
-key's key group, all keyed ``ns | key group | ...`` so a rescale moves them like any
-keyed state:
+each side keeps waiting for a match, in namespaces of the shard that owns the key's key
+group, all keyed ``ns | key group | ...`` so a rescale moves them like any keyed state:
 
 ```
- 9  index      kg | key -> the key's waiting rows: (side, matched, epoch, position, event time) records
-10  rows       kg | key | side | epoch | position -> the row's columns (``join_rows.RowCodec``)
-11  by bound   kg | bound | side | epoch | position | key -> ""   leaves once the watermark reaches bound
+ 9  index      kg | key -> the key's waiting rows: n, then n (side, matched, epoch, position,
+                           event time) records, n text lengths, and each row's columns as text
+                           (``join_rows.RowCodec``)
+17  leaving    kg | first bound | epoch -> the (bound, key) of the rows an epoch stored in the
+                           key group, by bound: an epoch finds the keys whose rows leave by
+                           reading what the watermark passed, and puts back the rest
 12  counts     kg -> rows waiting on the left, on the right (``max_state_rows``, figures)
+10, 11         the layout before 2026-12-08 (each row's text, and each row's bound, a key of
+               its own): a shard that still has them is rewritten once (``_upgrade``)
 ```
 
-One epoch, in bulk: read the index of every key the epoch touches or whose rows fall
-due (one range scan per key group of namespace 11, from past the previous watermark
-to the new one, so it costs what leaves), join the epoch's rows with each other and
-with the waiting ones (range searches over rows sorted by key and time, in NumPy),
-mark the matched, let leave every row whose bound the watermark has reached (an
-unmatched one of an outer side is emitted with nulls first), and write it all in the
-shard's one ``WriteBatch``. A row's columns are read back only when it is emitted.
+A waiting row therefore costs its key's one index value and a share of one leaving
+entry, not three keys of its own: an epoch writes a value per key it touches and an
+entry per key group, and reads the columns of the rows it emits with their index.
+
+One epoch, in bulk: read the leaving entries the watermark reached (one range scan per
+key group of namespace 17, up to the new watermark), read the index of every key the
+epoch touches or whose rows fall due, join the epoch's rows with each other and with
+the waiting ones (range searches over rows sorted by key and time, in NumPy), mark the
+matched, let leave every row whose bound the watermark has reached (an unmatched one
+of an outer side is emitted with nulls first), and write it all in the shard's one
+``WriteBatch``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,20 +40,20 @@ from volley_dagster import columns
 from volley_dagster.errors import ConfigError, SnapshotError, StateLimitError
 from volley_dagster.operators.base import OperatorStats, ShardStep, partial_records
 from volley_dagster.operators.join_rows import RowCodec
-from volley_dagster.state.keys import decode_keys, encode_keys, namespace_prefix, packed_records
+from volley_dagster.state.keys import decode_keys, encode_keys, namespace_prefix
 from volley_dagster.state.pending_index import ordered_us
-from volley_dagster.state.transaction import ShardTransaction
+from volley_dagster.state.transaction import ShardTransaction, key_order
 
-INDEX_NS, ROWS_NS, BY_BOUND_NS, COUNTS_NS = 9, 10, 11, 12
-JOIN_NAMESPACES_KEYED = (INDEX_NS, ROWS_NS, BY_BOUND_NS, COUNTS_NS)
+INDEX_NS, LEGACY_ROWS_NS, LEGACY_BY_BOUND_NS, COUNTS_NS, LEAVING_NS = 9, 10, 11, 12, 17
+JOIN_NAMESPACES_KEYED = (INDEX_NS, LEAVING_NS, COUNTS_NS, LEGACY_ROWS_NS, LEGACY_BY_BOUND_NS)
 LEFT, RIGHT = 0, 1
 # a row is the epoch that read it and its position in that epoch's range (``columns.POS``);
 # the second and later rows one record gives a key (a transform's explode) are told
 # apart by their rank among them, packed into a negative position (``row_numbers``)
 ENTRY = np.dtype([("side", "u1"), ("matched", "u1"), ("epoch", "<u4"), ("row", "<i8"), ("time", "<i8")])
-_ROW_SUFFIX = np.dtype([("side", "u1"), ("epoch", ">u4"), ("row", ">i8")])
-_BOUND_PREFIX = np.dtype([("ns", ">u2"), ("kg", ">u2"), ("bound", ">u8"), ("side", "u1"), ("epoch", ">u4"),
-                          ("row", ">i8")])
+_LEGACY_ROW_SUFFIX = np.dtype([("side", "u1"), ("epoch", ">u4"), ("row", ">i8")])
+_LEAVING_KEY = np.dtype([("ns", ">u2"), ("kg", ">u2"), ("bound", ">u8"), ("epoch", ">u4")])
+_UPGRADED_EPOCH = 0  # the leaving entries ``_upgrade`` writes: no epoch is 0
 _MAX, _MIN = np.iinfo(np.int64).max, np.iinfo(np.int64).min
 _RANK_SHIFT, _RANK_BITS = 28, 12  # in a packed position: rank in bits 28-39, below the segment's bits (columns.POS)
 _SEGMENT_MASK, _OFFSET_MASK = -1 << columns.POS_OFFSET_BITS, (1 << _RANK_SHIFT) - 1
@@ -100,8 +109,10 @@ def apply_join(join: JoinShard, txn: ShardTransaction, data: pa.Table,
     """Fold one shard's rows of the epoch (``KEY``, ``KEY_GROUP``, ``POS``, ``JOIN_SIDE``,
     ``JOIN_TIME``, ``JOIN_ROW``) into its waiting rows; returns the output columns (key,
     left row id, right row id, left columns, right columns) and the shard's figures."""
+    if _upgrade(txn, step, join.bounds):
+        txn.flush()  # the leaving entries are read as the last flush left them
     keys_new = data.column(columns.KEY).combine_chunks()
-    due_kg, due_keys = _due(txn, step, step.key_kind)
+    due_kg, due_keys, reached = _due(txn, step, step.key_kind)
     kg_new = data.column(columns.KEY_GROUP).to_numpy(zero_copy_only=False).astype(np.int64)
     all_keys = pa.concat_arrays([keys_new.cast(due_keys.type), due_keys]) if len(due_keys) else keys_new
     encoded = all_keys.dictionary_encode()
@@ -109,10 +120,11 @@ def apply_join(join: JoinShard, txn: ShardTransaction, data: pa.Table,
     keys = encoded.dictionary
     key_groups = np.zeros(len(keys), dtype=np.int64)
     key_groups[ki_all] = np.concatenate([kg_new, due_kg])
-    index_keys = encode_keys(INDEX_NS, key_groups, keys)  # ns | kg | key: the other namespaces' keys derive from it
+    index_keys = encode_keys(INDEX_NS, key_groups, keys)
     stored = txn.get_many(index_keys, namespace_prefix(INDEX_NS))
+    reached.write(txn)  # after the read: an empty cache answers it without a merge
 
-    old = _decode_index(stored)
+    old, old_texts = decode_index(stored)
     n_old = len(old)
     sides_new = data.column(columns.JOIN_SIDE).to_numpy(zero_copy_only=False).astype(np.uint8)
     w = _Waiting(
@@ -133,10 +145,13 @@ def apply_join(join: JoinShard, txn: ShardTransaction, data: pa.Table,
     alone = np.flatnonzero(leaves & ~w.matched & outer)
     alone_left, alone_right = alone[w.side[alone] == LEFT], alone[w.side[alone] == RIGHT]
 
-    encoded_keys = pa.array(index_keys, pa.binary())
-    row_keys = _row_keys(encoded_keys, w)
-    texts = _texts(txn, w, n_old, row_keys, data, np.concatenate([left_i, right_i, alone]))  # before they leave
-    _write(txn, join, w, leaves, key_groups, encoded_keys, index_keys, row_keys, data)
+    texts = pa.concat_arrays([old_texts, data.column(columns.JOIN_ROW).combine_chunks().cast(pa.large_string())])
+    had = np.zeros(len(stored), dtype=bool)  # the keys with a value: each holds a row
+    had[old["ki"]] = True
+    _write(txn, w, ~leaves, key_groups, index_keys, had, texts)
+    stays_new = np.flatnonzero(w.new & ~leaves)
+    _write_leaving(txn, key_groups[w.ki[stays_new]], join.bounds.leaves_at(w.side[stays_new], w.time[stays_new]),
+                   [index_keys[i] for i in w.ki[stays_new].tolist()], step.epoch)
     held = _count(txn, step, key_groups, w, leaves, join)
     n_pairs = len(left_i)
     left_out = np.concatenate([left_i, alone_left, np.full(len(alone_right), -1)]).astype(np.int64)
@@ -149,8 +164,7 @@ def apply_join(join: JoinShard, txn: ShardTransaction, data: pa.Table,
     figures = {"join_pairs": n_pairs, "join_unmatched": len(alone),
                "join_left_rows": int(held[0]), "join_right_rows": int(held[1]),
                "join_rows_evicted": int((leaves & ~w.new).sum())}
-    return outputs, OperatorStats(len(keys), int(np.count_nonzero(np.array([v is None for v in stored]))),
-                                  figures, partial_records(data))
+    return outputs, OperatorStats(len(keys), int(np.count_nonzero(~had)), figures, partial_records(data))
 
 
 def row_numbers(data: pa.Table, ki: np.ndarray, epoch: int, side_names: tuple[str, str]) -> np.ndarray:
@@ -189,40 +203,150 @@ def row_numbers(data: pa.Table, ki: np.ndarray, epoch: int, side_names: tuple[st
     return np.where(exploded, packed, positions)
 
 
-def _due(txn: ShardTransaction, step: ShardStep, kind: str) -> tuple[np.ndarray, pa.Array]:
+@dataclass(frozen=True)
+class _Reached:
+    """The leaving entries the watermark reached: deleted, with the rows of each that still
+    wait put back under their own first bound."""
+
+    entries: list[bytes]
+    put_back: tuple[list[bytes], list[bytes]]
+
+    def write(self, txn: ShardTransaction) -> None:
+        txn.delete_many(self.entries)
+        txn.set_many(*self.put_back)
+
+
+def _due(txn: ShardTransaction, step: ShardStep, kind: str) -> tuple[np.ndarray, pa.Array, _Reached]:
     """The keys (key groups, keys) of the waiting rows whose bound is in (W[N-1], W[N]]:
-    one range scan per key group of namespace 11, past the previous watermark (every
-    earlier bound has left), so it costs what leaves."""
+    one range scan per key group of namespace 17, over the entries whose first bound the
+    watermark reached (every earlier bound has left, so it costs what leaves)."""
     limit, before, layout = step.watermark, step.watermark_before, step.layout
-    empty = (np.zeros(0, dtype=np.int64), pa.array([], pa.int64() if kind == "int" else pa.string()))
+    empty = (np.zeros(0, dtype=np.int64), pa.array([], pa.int64() if kind == "int" else pa.string()),
+             _Reached([], ([], [])))
     if limit is None or layout is None or step.shard is None or (before is not None and before >= limit):
         return empty
     upper_at = ordered_us(np.array([min(limit, _MAX - 1) + 1])).tobytes()
-    lower_at = b"" if before is None else ordered_us(np.array([min(before, _MAX - 1) + 1])).tobytes()
-    due: list[bytes] = []
+    reached: list[tuple[bytes, bytes]] = []
     start, end = layout.key_group_range(step.shard)
     for kg in range(start, end):
-        group = namespace_prefix(BY_BOUND_NS) + int(kg).to_bytes(2, "big")
-        due.extend(k for k, _ in txn.scan_flushed(group + lower_at, group + upper_at))
-    if not due:
+        group = namespace_prefix(LEAVING_NS) + int(kg).to_bytes(2, "big")
+        reached.extend(txn.scan_flushed(group, group + upper_at))
+    if not reached:
         return empty
-    entries = pa.array(due, pa.binary())  # ns | kg | bound | side | row | key -> ns 9 | kg | key
-    index_keys = pc.binary_join_element_wise(pa.scalar(namespace_prefix(INDEX_NS)), pc.binary_slice(entries, 2, 4),
-                                             pc.binary_slice(entries, _BOUND_PREFIX.itemsize, 1 << 30), pa.scalar(b""))
-    return decode_keys(kind, index_keys.to_pylist())
+    due: list[pa.Array] = []
+    put_back: tuple[list[bytes], list[bytes]] = ([], [])
+    for entry_key, value in reached:
+        bounds, keys = _decode_leaving(value)
+        cut = int(np.searchsorted(bounds, limit, "right"))
+        due.append(keys.slice(0, cut))
+        if cut < len(bounds):
+            head = np.frombuffer(entry_key, dtype=_LEAVING_KEY)[0]
+            put_back[0].append(_leaving_key(int(head["kg"]), int(bounds[cut]), int(head["epoch"])))
+            put_back[1].append(_leaving_value(bounds[cut:], keys.slice(cut)))
+    groups, keys = decode_keys(kind, pa.concat_arrays(due).to_pylist())
+    return groups, keys, _Reached([k for k, _ in reached], put_back)
 
 
-def _decode_index(stored: list[bytes | None]) -> np.ndarray:
-    """The waiting rows of each key, with its index (``ki``)."""
-    counts = np.fromiter((0 if v is None else len(v) // ENTRY.itemsize for v in stored), dtype=np.int64,
-                         count=len(stored))
-    entries = np.frombuffer(b"".join(v for v in stored if v is not None), dtype=ENTRY)
-    out = np.zeros(len(entries), dtype=[("ki", "<i8"), ("side", "u1"), ("matched", "u1"), ("epoch", "<i8"),
-                                        ("row", "<i8"), ("time", "<i8")])
-    out["ki"] = np.repeat(np.arange(len(stored)), counts)
+def _leaving_key(kg: int, bound: int, epoch: int) -> bytes:
+    head = np.empty(1, dtype=_LEAVING_KEY)
+    head["ns"], head["kg"], head["bound"], head["epoch"] = LEAVING_NS, kg, ordered_us(np.array([bound]))[0], epoch
+    return head.tobytes()
+
+
+def _leaving_value(bounds: np.ndarray, index_keys: pa.Array) -> bytes:
+    """``n``, the rows' bounds (ascending) and their index keys (ns 9 | kg | key)."""
+    keys = index_keys.cast(pa.large_binary())
+    offsets = np.frombuffer(keys.buffers()[1], dtype=np.int64)[keys.offset:keys.offset + len(keys) + 1]
+    data = keys.buffers()[2].to_pybytes()[int(offsets[0]):int(offsets[-1])] if len(keys) else b""
+    return b"".join((np.array([len(bounds)], "<u4").tobytes(), np.asarray(bounds, "<i8").tobytes(),
+                     np.diff(offsets).astype("<u4").tobytes(), data))
+
+
+def _decode_leaving(value: bytes) -> tuple[np.ndarray, pa.Array]:
+    n = int(np.frombuffer(value, "<u4", count=1)[0])
+    bounds = np.frombuffer(value, "<i8", count=n, offset=4)
+    lengths = np.frombuffer(value, "<u4", count=n, offset=4 + 8 * n).astype(np.int64)
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    data = pa.py_buffer(value[4 + 12 * n:])
+    return bounds, pa.Array.from_buffers(pa.large_binary(), n, [None, pa.py_buffer(offsets.tobytes()), data])
+
+
+def _write_leaving(txn: ShardTransaction, key_groups: np.ndarray, bounds: np.ndarray, index_keys: list[bytes],
+                   epoch: int) -> None:
+    """One leaving entry per key group for the rows ``epoch`` stores there, by bound."""
+    if not len(bounds):
+        return
+    order = np.lexsort((bounds, key_groups))
+    groups, bounds = key_groups[order], bounds[order]
+    keys = pa.array(index_keys, pa.large_binary()).take(pa.array(order))
+    starts = np.flatnonzero(np.concatenate([[True], groups[1:] != groups[:-1]]))
+    ends = np.append(starts[1:], len(order))
+    entry_keys = [_leaving_key(int(groups[a]), int(bounds[a]), epoch) for a in starts.tolist()]
+    values = [_leaving_value(bounds[a:b], keys.slice(a, b - a)) for a, b in zip(starts.tolist(), ends.tolist(), strict=True)]
+    txn.set_many(entry_keys, values)
+
+
+_INDEX_ROW = np.dtype([("ki", "<i8"), ("side", "u1"), ("matched", "u1"), ("epoch", "<i8"), ("row", "<i8"),
+                       ("time", "<i8")])
+
+
+def decode_index(stored: Sequence[bytes | None]) -> tuple[np.ndarray, pa.Array]:
+    """The waiting rows of each stored index value, with the value's place (``ki``), and
+    each row's columns as text, in bulk: the values joined into one buffer, their parts
+    gathered by NumPy."""
+    lengths = np.fromiter((-1 if v is None else len(v) for v in stored), dtype=np.int64, count=len(stored))
+    present = np.flatnonzero(lengths >= 0)
+    buffer = np.frombuffer(b"".join(v for v in stored if v is not None), dtype=np.uint8)
+    starts = np.cumsum(lengths[present]) - lengths[present]
+    counts = _gathered(buffer, starts, np.full(len(present), 4)).view("<u4").astype(np.int64)
+    entries = _gathered(buffer, starts + 4, counts * ENTRY.itemsize).view(ENTRY)
+    text_lengths = _gathered(buffer, starts + 4 + counts * ENTRY.itemsize, counts * 4).view("<u4").astype(np.int64)
+    text_starts = np.repeat(starts + 4 + counts * (ENTRY.itemsize + 4), counts)
+    before = np.cumsum(text_lengths) - text_lengths  # each row's text after its value's first row's
+    within = before - before[np.repeat(np.cumsum(counts) - counts, counts)]
+    data = _gathered(buffer, text_starts + within, text_lengths)
+    offsets = np.concatenate([[0], np.cumsum(text_lengths)]).astype(np.int64)
+    texts = pa.Array.from_buffers(pa.large_string(), len(entries),
+                                             [None, pa.py_buffer(offsets.tobytes()), pa.py_buffer(data.tobytes())])
+    out = np.zeros(len(entries), dtype=_INDEX_ROW)
+    out["ki"] = np.repeat(present, counts)
     for name in ("side", "matched", "epoch", "row", "time"):
         out[name] = entries[name]
-    return out
+    return out, texts
+
+
+def _gathered(buffer: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The bytes ``buffer[starts[i]:starts[i] + lengths[i]]`` of every ``i``, joined."""
+    total = int(lengths.sum())
+    if not total:
+        return np.zeros(0, dtype=np.uint8)
+    runs = np.cumsum(lengths) - lengths
+    return buffer[np.repeat(starts - runs, lengths) + np.arange(total, dtype=np.int64)]
+
+
+def index_values(w_side: np.ndarray, w_matched: np.ndarray, w_epoch: np.ndarray, w_row: np.ndarray,
+                 w_time: np.ndarray, texts: pa.Array, counts: np.ndarray) -> list[bytes]:
+    """Each key's index value from its rows (given in key order, ``counts`` per key): the
+    parts laid side by side as Arrow binary arrays and joined per key, in C++."""
+    entries = np.empty(len(w_side), dtype=ENTRY)
+    entries["side"], entries["matched"], entries["epoch"] = w_side, w_matched, w_epoch
+    entries["row"], entries["time"] = w_row, w_time
+    texts = texts.cast(pa.large_binary())
+    text_offsets = np.frombuffer(texts.buffers()[1], dtype=np.int64)[texts.offset:texts.offset + len(texts) + 1]
+    bounds = np.concatenate([[0], np.cumsum(counts)])
+    parts = [_per_key(counts.astype("<u4").tobytes(), np.arange(len(counts) + 1) * 4),
+             _per_key(entries.tobytes(), bounds * ENTRY.itemsize),
+             _per_key(np.diff(text_offsets).astype("<u4").tobytes(), bounds * 4),
+             pa.Array.from_buffers(pa.large_binary(), len(counts),
+                                              [None, pa.py_buffer(text_offsets[bounds].astype(np.int64).tobytes()),
+                                               texts.buffers()[2]])]
+    return pc.binary_join_element_wise(*parts, pa.scalar(b"", pa.large_binary())).to_pylist()
+
+
+def _per_key(data: bytes, offsets: np.ndarray) -> pa.Array:
+    return pa.Array.from_buffers(pa.large_binary(), len(offsets) - 1,
+                                            [None, pa.py_buffer(np.asarray(offsets, np.int64).tobytes()),
+                                             pa.py_buffer(data)])
 
 
 def _pairs(bounds: JoinBounds, w: _Waiting) -> tuple[np.ndarray, np.ndarray]:
@@ -263,56 +387,56 @@ def _within(w: _Waiting, queries: np.ndarray, candidates: np.ndarray, low: int,
     return np.repeat(queries, counts), ordered[np.repeat(start, counts) + within_run]
 
 
-def _row_keys(encoded_keys: pa.Array, w: _Waiting) -> pa.Array:
-    """Namespace 10's key of every row: ns | kg | key | side | epoch | position (from the
-    index keys ``encoded_keys``, ns 9 | kg | key)."""
-    suffix = np.empty(len(w.ki), dtype=_ROW_SUFFIX)
-    suffix["side"], suffix["epoch"], suffix["row"] = w.side, w.epoch, w.row
-    group_and_key = pc.binary_slice(encoded_keys, 2, 1 << 30).take(pa.array(w.ki))
-    return pc.binary_join_element_wise(pa.scalar(namespace_prefix(ROWS_NS)), group_and_key, packed_records(suffix),
-                                       pa.scalar(b""))
+def _upgrade(txn: ShardTransaction, step: ShardStep, bounds: JoinBounds) -> bool:
+    """A shard written before 2026-12-08 keeps each row's text (namespace 10) and bound
+    (11) under keys of their own: its index is rewritten once with the rows' texts, its
+    leaving entries written, and those keys deleted, in this epoch's batch (a crash
+    leaves the snapshot it started from). Whether it did."""
+    def scan(ns: int) -> list[tuple[bytes, bytes]]:
+        return list(txn.scan_flushed(namespace_prefix(ns), namespace_prefix(ns + 1)))
+
+    by_bound = scan(LEGACY_BY_BOUND_NS)
+    if not by_bound:
+        return False
+    index, stored_texts = scan(INDEX_NS), dict(scan(LEGACY_ROWS_NS))
+    counts = np.array([len(v) // ENTRY.itemsize for _, v in index], dtype=np.int64)
+    entries = np.frombuffer(b"".join(v for _, v in index), dtype=ENTRY)
+    row_index_keys = [k for (k, _), n in zip(index, counts.tolist(), strict=True) for _ in range(n)]
+    suffix = np.empty(len(entries), dtype=_LEGACY_ROW_SUFFIX)
+    suffix["side"], suffix["epoch"], suffix["row"] = entries["side"], entries["epoch"], entries["row"]
+    row_keys = [namespace_prefix(LEGACY_ROWS_NS) + k[2:] + tail
+                for k, tail in zip(row_index_keys, suffix.view(f"V{suffix.itemsize}").tolist(), strict=True)]
+    texts = [stored_texts.get(k) for k in row_keys]
+    if any(t is None for t in texts):
+        at = next(i for i, t in enumerate(texts) if t is None)
+        raise SnapshotError(
+            f"epoch {step.epoch} shard {step.shard}: join state written before 2026-12-08 lacks the columns of "
+            f"waiting row {int(entries['epoch'][at])}:{int(entries['row'][at])} in namespace {LEGACY_ROWS_NS}; the "
+            "snapshot is damaged: restore from an earlier epoch")
+    values = index_values(entries["side"], entries["matched"], entries["epoch"], entries["row"], entries["time"],
+                          pa.array(texts, pa.large_binary()).cast(pa.large_string()), counts)
+    txn.set_many([k for k, _ in index], values)
+    key_groups = np.array([int.from_bytes(k[2:4], "big") for k in row_index_keys], dtype=np.int64)
+    _write_leaving(txn, key_groups, bounds.leaves_at(entries["side"], entries["time"].astype(np.int64)),
+                   row_index_keys, _UPGRADED_EPOCH)
+    txn.delete_many(list(stored_texts) + [k for k, _ in by_bound])
+    return True
 
 
-def _bound_keys(key_groups: np.ndarray, encoded_keys: pa.Array, w: _Waiting, rows: np.ndarray,
-                bounds: JoinBounds) -> list[bytes]:
-    """Namespace 11's key of ``rows``: ns | kg | bound | side | epoch | position | key."""
-    prefix = np.empty(len(rows), dtype=_BOUND_PREFIX)
-    prefix["ns"], prefix["kg"] = BY_BOUND_NS, key_groups[w.ki[rows]]
-    prefix["bound"] = ordered_us(bounds.leaves_at(w.side[rows], w.time[rows]))
-    prefix["side"], prefix["epoch"], prefix["row"] = w.side[rows], w.epoch[rows], w.row[rows]
-    key_bytes = pc.binary_slice(encoded_keys, 4, 1 << 30).take(pa.array(w.ki[rows]))
-    return pc.binary_join_element_wise(packed_records(prefix), key_bytes, pa.scalar(b"")).to_pylist()
-
-
-def _write(txn: ShardTransaction, join: JoinShard, w: _Waiting, leaves: np.ndarray, key_groups: np.ndarray,
-           encoded_keys: pa.Array, index_keys: list[bytes], row_keys: pa.Array, data: pa.Table) -> None:
-    """Every change of the epoch into the transaction (one ``WriteBatch`` at flush):
-    each key's index rewritten (the matched flags, the rows that came and left), the
-    new rows that stay stored, the rows that leave deleted."""
-    stays = ~leaves
+def _write(txn: ShardTransaction, w: _Waiting, stays: np.ndarray, key_groups: np.ndarray, index_keys: list[bytes],
+           had: np.ndarray, texts: pa.Array) -> None:
+    """Each touched key's index rewritten (the matched flags, the rows that came and
+    left, their columns), in key order so the batch is kept as it is; a key left with no
+    row deleted. ``had``: the keys that had a value."""
     order = np.lexsort((w.row, w.epoch, w.side, w.ki))
     order = order[stays[order]]
-    entries = np.empty(len(order), dtype=ENTRY)
-    entries["side"], entries["matched"] = w.side[order], w.matched[order]
-    entries["epoch"], entries["row"], entries["time"] = w.epoch[order], w.row[order], w.time[order]
     counts = np.bincount(w.ki[order], minlength=len(index_keys))
-    ends = np.cumsum(counts) * ENTRY.itemsize
-    blob = entries.tobytes()
-    kept = counts > 0
-    starts = ends - counts * ENTRY.itemsize
-    txn.set_many([index_keys[i] for i in np.flatnonzero(kept)],
-                 [blob[s:e] for s, e in zip(starts[kept].tolist(), ends[kept].tolist(), strict=True)])
-    txn.delete_many([index_keys[i] for i in np.flatnonzero(~kept)])
-    n_old = int((~w.new).sum())
-    stored_new = np.flatnonzero(w.new & stays)
-    if len(stored_new):
-        texts = data.column(columns.JOIN_ROW).combine_chunks().take(pa.array(stored_new - n_old)).cast(pa.binary())
-        txn.set_many(row_keys.take(pa.array(stored_new)).to_pylist(), texts.to_pylist())
-        txn.set_many(_bound_keys(key_groups, encoded_keys, w, stored_new, join.bounds), [b""] * len(stored_new))
-    gone = np.flatnonzero(~w.new & leaves)
-    if len(gone):
-        txn.delete_many(row_keys.take(pa.array(gone)).to_pylist())
-        txn.delete_many(_bound_keys(key_groups, encoded_keys, w, gone, join.bounds))
+    kept = np.flatnonzero(counts > 0)
+    values = index_values(w.side[order], w.matched[order], w.epoch[order], w.row[order], w.time[order],
+                          texts.take(pa.array(order)), counts[kept])
+    in_order = key_order([index_keys[i] for i in kept])
+    txn.set_many([index_keys[i] for i in kept[in_order].tolist()], [values[i] for i in in_order.tolist()])
+    txn.delete_many([index_keys[i] for i in np.flatnonzero(had & (counts == 0)).tolist()])
 
 
 def _count(txn: ShardTransaction, step: ShardStep, key_groups: np.ndarray, w: _Waiting, leaves: np.ndarray,
@@ -347,27 +471,6 @@ def _count(txn: ShardTransaction, step: ShardStep, key_groups: np.ndarray, w: _W
             "per shard) x (the interval's width + max_out_of_orderness), narrow between=, lower max_out_of_orderness, "
             "or rescale to more shards (volley rescale --shards); then run the epoch again")
     return total
-
-
-def _texts(txn: ShardTransaction, w: _Waiting, n_old: int, row_keys: pa.Array, data: pa.Table,
-           emitted: np.ndarray) -> pa.Array:
-    """The columns' texts of every row, as far as ``emitted`` needs them: the new rows'
-    from the epoch, the waiting ones' read from namespace 10 (only those emitted)."""
-    waiting = np.unique(emitted[emitted < n_old])
-    read = txn.get_many(row_keys.take(pa.array(waiting)).to_pylist(), namespace_prefix(ROWS_NS), may_scan=False) \
-        if len(waiting) else []
-    found = pa.array(read, pa.binary()).cast(pa.large_string())
-    missing = np.flatnonzero(found.is_null().to_numpy(zero_copy_only=False))
-    if len(missing):
-        raise SnapshotError(
-            f"join state: {len(missing)} waiting row(s) lack their columns in namespace {ROWS_NS} "
-            f"(first: row {int(w.epoch[waiting[missing[0]]])}:{int(w.row[waiting[missing[0]]])}); the snapshot is "
-            "damaged: restore from an earlier epoch")
-    position = np.full(len(w.ki), len(waiting) + len(w.ki) - n_old, dtype=np.int64)  # not needed: the null slot
-    position[waiting] = np.arange(len(waiting))
-    position[n_old:] = len(waiting) + np.arange(len(w.ki) - n_old)
-    new_texts = data.column(columns.JOIN_ROW).combine_chunks().cast(pa.large_string())
-    return pa.concat_arrays([found, new_texts, pa.nulls(1, pa.large_string())]).take(pa.array(position))
 
 
 def row_ids(epochs: np.ndarray, rows: np.ndarray, index: np.ndarray) -> pa.Array:

@@ -20,7 +20,7 @@ from functools import reduce
 from urllib.parse import unquote, urlparse
 
 import pyarrow as pa
-from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.pandas.types import from_arrow_schema
 from pyspark.sql.types import StructType
@@ -28,6 +28,7 @@ from pyspark.sql.types import StructType
 from volley_dagster import columns
 from volley_dagster.columns import sql_identifier
 from volley_dagster.sources.base import ColumnStatistics, NativeParquetFile, Source
+from volley_dagster.sources.multi import MultiSource
 from volley_dagster.sources.offsets import EpochRange, Segment
 from volley_dagster.spark.tasks import SegmentReader
 
@@ -58,17 +59,59 @@ class EpochRead:
 
 
 def read_range(spark: SparkSession, source: Source, rng: EpochRange, schema: pa.Schema) -> EpochRead:
-    files = source.native_parquet_files(rng, schema) if rng.segments else None
-    if files is not None:
-        pairs = tuple(zip(rng.segments, files, strict=True))
-        return EpochRead(_native_parquet(spark, rng, files, schema), may_have_bad_records=False, files=pairs,
-                         footers=tuple(f.statistics(seg.start, seg.end) for seg, f in pairs))
+    native = _native_read(spark, source, rng, schema) if rng.segments else None
+    if native is not None:
+        return native
     n = len(rng.segments)
     raw = spark.range(0, n, 1, read_tasks(rng.segments)).mapInArrow(
         SegmentReader(source, rng.segments, schema, rng.epoch, os.getpid()),
         from_arrow_schema(pa.schema(list(schema) + META_FIELDS)),
     )
     return EpochRead(raw, may_have_bad_records=True)
+
+
+def _native_read(spark: SparkSession, source: Source, rng: EpochRange, schema: pa.Schema) -> EpochRead | None:
+    """The range read by Spark's own Parquet scans, when every segment is a file one can
+    read exactly. Several sources (``sources/multi.py``): each source's files in its own
+    columns, laid out in the combined ones as ``MultiSource.read_segment`` lays them
+    (its name in the source column, nulls for the columns it lacks), then one union."""
+    if not isinstance(source, MultiSource):
+        files = source.native_parquet_files(rng, schema)
+        if files is None:
+            return None
+        frame = _native_parquet(spark, rng, files, schema)
+        by_id = {seg.id: f for seg, f in zip(rng.segments, files, strict=True)}
+    else:
+        frames, by_id = [], {}
+        for name, part in source.sources.items():
+            own = source.range_of(name, rng)
+            if not own.segments:
+                continue
+            own_schema = part.schema()
+            files = part.native_parquet_files(own, own_schema)
+            if files is None:
+                return None
+            frames.append(_native_parquet(spark, own, files, own_schema)
+                          .select(*_laid_out(name, own_schema, schema, source.source_column)))
+            by_id.update({seg.id: f for seg, f in zip(own.segments, files, strict=True)})
+        frame = reduce(DataFrame.unionByName, frames)
+    pairs = tuple((seg, by_id[seg.id]) for seg in rng.segments)
+    return EpochRead(frame, may_have_bad_records=False, files=pairs,
+                     footers=tuple(f.statistics(seg.start, seg.end) for seg, f in pairs))
+
+
+def _laid_out(name: str, own: pa.Schema, combined: pa.Schema, source_column: str | None) -> list[str | Column]:
+    """One source's rows in the combined columns, then the position."""
+    spark_types = from_arrow_schema(combined)
+    picks: list[str | Column] = []
+    for f in combined:
+        if f.name == source_column:
+            picks.append(F.lit(name).alias(f.name))
+        elif own.get_field_index(f.name) >= 0:
+            picks.append(sql_identifier(f.name))
+        else:
+            picks.append(F.lit(None).cast(spark_types[f.name].dataType).alias(f.name))
+    return picks + [columns.POS]
 
 
 def read_tasks(segments: tuple[Segment, ...]) -> int:
