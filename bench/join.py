@@ -6,7 +6,10 @@
                      [--epoch-minutes 10] [--refunded 0.2] [--outside 0.05] [--disorder-s 20] [--profile]
 
 Two append-only Parquet logs: ``payments`` (payment_id, merchant_id, amount, paid_at)
-and ``refunds`` (payment_id, refund_amount, refunded_at). ``--events`` counts the
+and ``refunds`` (payment_id, refund_amount, refunded_at; and merchant_id for
+``--dataset skewed``, which joins each refund with every payment of its merchant in
+the 5 s before it, merchants drawn Zipf with merchant 0 holding 5% of the payments:
+one key holding thousands of waiting rows). ``--events`` counts the
 records of both logs. A ``--refunded`` share of the payments gets one refund, mostly
 0..30 minutes after the payment, an ``--outside`` share of them 30..90 minutes after
 (no match); refunds due after the last file's time never arrive. Event time
@@ -47,6 +50,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +58,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
-import pyarrow.compute as pc  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 from pyspark.sql import SparkSession  # noqa: E402
 from pyspark.sql import functions as F  # noqa: E402
@@ -95,8 +98,36 @@ REFUNDS_SPARK = StructType([StructField("payment_id", LongType()), StructField("
 # ---------------------------------------------------------------- data
 
 
+@dataclass(frozen=True)
+class Dataset:
+    """What the join is on, and how the merchants are spread."""
+
+    name: str
+    key: str  # the join key: each payment's own id, or its merchant
+    between_s: tuple[int, int]  # refunded_at - paid_at, both ends included
+    top_merchant_share: float | None = None  # Zipf merchants, the first this share of the payments (None: uniform)
+
+
+DATASETS = {
+    "uniform": Dataset("uniform", "payment_id", BETWEEN_S),
+    # each refund with every payment of its merchant in the 5 s before it: merchant 0 holds 5% of the
+    # payments, so its key holds thousands of rows waiting on each side and emits most of the pairs
+    "skewed": Dataset("skewed", "merchant_id", (0, 5), top_merchant_share=0.05),
+}
+
+
+def merchants_of(rng: np.random.Generator, n: int, keys: int, top_share: float | None) -> np.ndarray:
+    """Uniform over ``keys`` merchants; or merchant 0 with ``top_share`` of them and the
+    rest Zipf (rank ``k`` drawn in proportion to 1/k)."""
+    if top_share is None:
+        return rng.integers(0, keys, n)
+    weights = 1.0 / np.arange(1, keys)
+    weights = np.concatenate([[top_share], (1 - top_share) * weights / weights.sum()])
+    return rng.choice(keys, size=n, p=weights)
+
+
 def _draw(payments: int, files: int, slot_us: int, refunded: float, outside: float, disorder_us: int,
-          keys: int, seed: int) -> tuple[pa.Table, np.ndarray, pa.Table, np.ndarray]:
+          keys: int, seed: int, dataset: Dataset) -> tuple[pa.Table, np.ndarray, pa.Table, np.ndarray]:
     """``payments`` payments and the refunds that arrive before the last file's end,
     each with the file it lands in."""
     rng = np.random.default_rng(seed)
@@ -104,30 +135,33 @@ def _draw(payments: int, files: int, slot_us: int, refunded: float, outside: flo
     ids = np.arange(payments, dtype=np.int64)
     paid = START_US + (ids * (files * slot_us - disorder_us) // payments)  # arrival stays before the end
     amount = np.round(rng.uniform(1, 500, payments), 2)
-    pay = pa.table([pa.array(ids), pa.array(rng.integers(0, keys, payments)), pa.array(amount),
-                    pa.array(paid).cast(TS)], schema=PAYMENTS)
+    merchants = merchants_of(rng, payments, keys, dataset.top_merchant_share)
+    pay = pa.table([pa.array(ids), pa.array(merchants), pa.array(amount), pa.array(paid).cast(TS)], schema=PAYMENTS)
     pay_file = (paid + rng.integers(0, disorder_us + 1, payments) - START_US) // slot_us
 
+    low, high = (s * 10**6 for s in dataset.between_s)
     chosen = np.flatnonzero(rng.random(payments) < refunded)
     far = rng.random(len(chosen)) < outside
-    delay = np.where(far, rng.integers(BETWEEN_S[1] * 10**6 + 1, 3 * BETWEEN_S[1] * 10**6, len(chosen)),
-                     rng.integers(BETWEEN_S[0] * 10**6, BETWEEN_S[1] * 10**6 + 1, len(chosen)))
+    delay = np.where(far, rng.integers(high + 1, 3 * high, len(chosen)), rng.integers(low, high + 1, len(chosen)))
     refund = np.round(amount[chosen] * rng.uniform(0.1, 1, len(chosen)), 2)
     refunded_at = paid[chosen] + delay
     arrival = refunded_at + rng.integers(0, disorder_us + 1, len(chosen))
     keep = arrival < end_us  # due after the end: never arrives
     ref = pa.table([pa.array(chosen[keep]), pa.array(refund[keep]), pa.array(refunded_at[keep]).cast(TS)],
                    schema=REFUNDS)
+    if dataset.key != "payment_id":  # a refund carries its payment's merchant to be joined on
+        ref = ref.append_column(dataset.key, pa.array(merchants[chosen[keep]]))
     return pay, pay_file, ref, (arrival[keep] - START_US) // slot_us
 
 
 def generate_logs(root: Path, files: int, events: int, epoch_minutes: float, files_per_epoch: int,
                   refunded: float, outside: float, disorder_s: float, keys: int = 10_000,
-                  seed: int = 11) -> tuple[Path, Path]:
+                  seed: int = 11, dataset: Dataset = DATASETS["uniform"]) -> tuple[Path, Path]:
     """``root/payments`` and ``root/refunds``, ``files`` files each, about ``events``
     records in all (see the module doc); returns the two folders."""
     slot_us = int(epoch_minutes * MINUTE_US / files_per_epoch)  # event time one file covers
-    draw = lambda n: _draw(n, files, slot_us, refunded, outside, int(disorder_s * 1e6), keys, seed)  # noqa: E731
+    draw = lambda n: _draw(n, files, slot_us, refunded, outside, int(disorder_s * 1e6), keys, seed,  # noqa: E731
+                           dataset)
     guess = int(events / (1 + refunded))
     arrived = draw(guess)[2].num_rows  # not every refund arrives: size the payments for ``events`` in all
     pay, pay_file, ref, ref_file = draw(int(events * guess / (guess + arrived)))
@@ -143,13 +177,19 @@ def generate_logs(root: Path, files: int, events: int, epoch_minutes: float, fil
     return dirs
 
 
-def reference_pairs(pay_dir: Path, ref_dir: Path) -> int:
-    """Matched (payment, refund) pairs over all files: same payment_id and
-    0 <= refunded_at - paid_at <= 30 minutes."""
+def reference_pairs(pay_dir: Path, ref_dir: Path, dataset: Dataset = DATASETS["uniform"]) -> int:
+    """Matched (payment, refund) pairs over all files: the same key and ``lower <=
+    refunded_at - paid_at <= upper``, counted per refund by two binary searches over the
+    payments sorted by key and time (a merchant's payments times its refunds would not fit)."""
     p, r = pq.read_table(pay_dir), pq.read_table(ref_dir)
-    j = p.join(r, "payment_id", join_type="inner")
-    d = pc.subtract(j["refunded_at"].cast(pa.int64()), j["paid_at"].cast(pa.int64())).to_numpy()
-    return int(((d >= BETWEEN_S[0] * 10**6) & (d <= BETWEEN_S[1] * 10**6)).sum())
+    low, high = (s * 10**6 for s in dataset.between_s)
+    span = 1 << 42  # past every event time of the bench, in microseconds from the start
+    packed = lambda key, t: key.astype(np.int64) * span + (t - START_US)  # noqa: E731
+    keys, times = p[dataset.key].to_numpy(), p["paid_at"].cast(pa.int64()).to_numpy()
+    paid = np.sort(packed(keys, times))
+    r_keys, r_times = r[dataset.key].to_numpy(), r["refunded_at"].cast(pa.int64()).to_numpy()
+    return int((np.searchsorted(paid, packed(r_keys, r_times - low), "right")
+                - np.searchsorted(paid, packed(r_keys, r_times - high), "left")).sum())
 
 
 def _matched(table: pa.Table) -> int | None:
@@ -173,7 +213,7 @@ def _figure(result: Any, name: str) -> int | None:
 
 
 def run_ours(spark: SparkSession, staged: tuple[Path, Path], work: Path, epochs: int, files_per_epoch: int,
-             shards: int) -> dict[str, Any]:
+             shards: int, dataset: Dataset = DATASETS["uniform"]) -> dict[str, Any]:
     """Each epoch: publish its files into the logs (hardlinks), run it; per epoch its
     seconds, records, the join's figures."""
     from volley_dagster import DeltaSink, EpochRunner, FileLog, Pipeline
@@ -184,8 +224,9 @@ def run_ours(spark: SparkSession, staged: tuple[Path, Path], work: Path, epochs:
     table = work / "ours-joined"
     pipeline = (Pipeline("refunds_join")
                 .sources({"payments": FileLog(logs[0], format="parquet"), "refunds": FileLog(logs[1], format="parquet")})
-                .join(left="payments", right="refunds", on="payment_id", left_time="paid_at",
-                      right_time="refunded_at", between=(f"{BETWEEN_S[0]} seconds", f"{BETWEEN_S[1] // 60} minutes"),
+                .join(left="payments", right="refunds", on=dataset.key, left_time="paid_at",
+                      right_time="refunded_at",
+                      between=(f"{dataset.between_s[0]} seconds", f"{dataset.between_s[1]} seconds"),
                       how="left", max_out_of_orderness=OUT_OF_ORDERNESS)
                 .sink(DeltaSink(table, name="joined", mode="append"))
                 .with_shards(shards))
@@ -227,7 +268,7 @@ def peer_state_sides(spark: SparkSession, checkpoint: Path, batch_ids: list[int]
 
 
 def run_peer(spark: SparkSession, staged: tuple[Path, Path], work: Path, files_per_epoch: int, shards: int,
-             batches_expected: int) -> dict[str, Any]:
+             batches_expected: int, dataset: Dataset = DATASETS["uniform"]) -> dict[str, Any]:
     """The same files through Spark Structured Streaming's stream-stream join."""
     checkpoint = work / "peer-checkpoint"
     delta_uri = str((work / "peer-joined").absolute())
@@ -241,9 +282,13 @@ def run_peer(spark: SparkSession, staged: tuple[Path, Path], work: Path, files_p
                     .option("maxFilesPerTrigger", files_per_epoch).load(str(path)))
 
         p = side(staged[0], PAYMENTS_SPARK).withWatermark("paid_at", OUT_OF_ORDERNESS).alias("p")
-        r = side(staged[1], REFUNDS_SPARK).withWatermark("refunded_at", OUT_OF_ORDERNESS).alias("r")
-        joined = p.join(r, F.expr("p.payment_id = r.payment_id AND r.refunded_at >= p.paid_at AND "
-                                  f"r.refunded_at <= p.paid_at + interval {BETWEEN_S[1] // 60} minutes"), "leftOuter")
+        refunds_schema = REFUNDS_SPARK if dataset.key == "payment_id" else \
+            StructType([*REFUNDS_SPARK.fields, StructField(dataset.key, LongType())])
+        r = side(staged[1], refunds_schema).withWatermark("refunded_at", OUT_OF_ORDERNESS).alias("r")
+        low, high = dataset.between_s
+        joined = p.join(r, F.expr(f"p.{dataset.key} = r.{dataset.key} AND "
+                                  f"r.refunded_at >= p.paid_at + interval {low} seconds AND "
+                                  f"r.refunded_at <= p.paid_at + interval {high} seconds"), "leftOuter")
         joined = joined.select("p.payment_id", "p.merchant_id", "p.amount", "p.paid_at", "r.refund_amount",
                                "r.refunded_at")
         query = (joined.writeStream.queryName(f"peer_join_{os.getpid()}_{int(time.time())}")
@@ -322,27 +367,32 @@ def main() -> None:
     parser.add_argument("--shards", type=int, default=4)
     parser.add_argument("--epoch-minutes", type=float, default=10.0, help="event time one epoch covers")
     parser.add_argument("--refunded", type=float, default=0.2, help="share of payments refunded")
-    parser.add_argument("--outside", type=float, default=0.05, help="share of refunds 30..90 min after the payment")
+    parser.add_argument("--outside", type=float, default=0.05,
+                        help="share of refunds after the interval (up to 3x its end after the payment)")
+    parser.add_argument("--dataset", choices=sorted(DATASETS), default="uniform",
+                        help="uniform: joined on payment_id within 30 min; skewed: on merchant_id within 5 s, "
+                             "Zipf merchants, merchant 0 with 5%% of the payments")
     parser.add_argument("--disorder-s", type=float, default=20.0, help="how late a record may land in the files")
     parser.add_argument("--engines", default="ours,peer", help="ours,peer (default both)")
     parser.add_argument("--workdir", default=None, help="keep the data and state here (default: a temp dir, removed)")
     parser.add_argument("--profile", action="store_true", help="print the median phases of an epoch per engine")
     args = parser.parse_args()
     engines = set(args.engines.split(","))
+    dataset = DATASETS[args.dataset]
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="volley-bench-join-"))
     shutil.rmtree(work, ignore_errors=True)
     files = args.epochs * args.files_per_epoch
     staged = generate_logs(work / "staged", files, args.events, args.epoch_minutes, args.files_per_epoch,
-                           args.refunded, args.outside, args.disorder_s)
+                           args.refunded, args.outside, args.disorder_s, dataset=dataset)
     sizes = [pq.read_metadata(d / f"events-{k:05d}.parquet").num_rows for d in staged for k in range(files)]
-    want = reference_pairs(*staged)
+    want = reference_pairs(*staged, dataset)
     spark = get_or_create_spark(conf={"spark.sql.shuffle.partitions": str(args.shards)})
     spark.sparkContext.setLogLevel("WARN")
     print(f"{machine()['cores']} cores; {sum(sizes[:files]):,} payments + {sum(sizes[files:]):,} refunds, "
           f"{args.epochs} epochs x {args.files_per_epoch} file(s) per side, {args.epoch_minutes:g} min of event time "
-          f"per epoch, {args.shards} shards; join within {BETWEEN_S[1] // 60} min, left outer, watermark "
-          f"{OUT_OF_ORDERNESS}")
+          f"per epoch, {args.shards} shards; {dataset.name}: join on {dataset.key} within {dataset.between_s[1]} s, "
+          f"left outer, watermark {OUT_OF_ORDERNESS}")
 
     runs: dict[str, dict[str, Any]] = {}
     problems: list[str] = []
@@ -352,9 +402,9 @@ def main() -> None:
         if not hasattr(Pipeline, "join"):
             problems.append("ours not run: Pipeline.join does not exist yet")
         else:
-            runs["ours"] = run_ours(spark, staged, work, args.epochs, args.files_per_epoch, args.shards)
+            runs["ours"] = run_ours(spark, staged, work, args.epochs, args.files_per_epoch, args.shards, dataset)
     if "peer" in engines:
-        runs["peer"] = run_peer(spark, staged, work, args.files_per_epoch, args.shards, args.epochs)
+        runs["peer"] = run_peer(spark, staged, work, args.files_per_epoch, args.shards, args.epochs, dataset)
 
     print(f"\n{'epoch':>5} {'engine':>6} {'records':>8} {'s':>6} {'rec/s':>9} {'left rows':>10} {'right rows':>10} "
           f"{'out rows':>9} {'pairs':>7} {'unmatched':>9}")
@@ -405,9 +455,11 @@ def main() -> None:
     if args.profile:
         print_phases(runs)
     report = {"args": vars(args), "machine": machine(), "reference_pairs": want, "median_warm": summary,
+              "dataset": dataset.name,
               "ratios": ratios, "runs": runs, "problems": problems}
     spark.stop()
-    path = finish("join", report, work, keep=bool(args.workdir))
+    path = finish("join" if dataset.name == "uniform" else f"join_{dataset.name}", report, work,
+                  keep=bool(args.workdir))
     print(f"wrote {path}")
     if problems:
         print("PROBLEMS: " + "; ".join(problems))
