@@ -19,7 +19,7 @@ from pyspark.sql import types as T
 
 from tests.join_reference import JoinReference, Row
 from volley_dagster import columns
-from volley_dagster.errors import ConfigError, StateLimitError, is_retryable
+from volley_dagster.errors import ConfigError, SnapshotError, StateLimitError, is_retryable
 from volley_dagster.operators.base import ShardStep
 from volley_dagster.operators.join import JOIN_NAMESPACES, IntervalJoin, signed_duration_us
 from volley_dagster.operators.join_rows import RowCodec
@@ -259,3 +259,15 @@ def test_a_hot_key_pairs_only_its_new_rows_by_range(tmp_path):
         assert set(zip(left_rid, right_rid, strict=True)) == expected and stats.figures["join_pairs"] == len(expected)
     finally:
         db.close()
+
+
+def test_an_index_value_that_does_not_hold_its_rows_is_refused_by_name():
+    """A value cut short, or one of the layout before 2026-12-08 read as it is (rows of
+    22 bytes, no count, no texts), names the problem and what to do, never reads past."""
+    rows = np.zeros(1, dtype=[("side", "u1"), ("matched", "u1"), ("epoch", "<u4"), ("row", "<i8"), ("time", "<i8")])
+    with pytest.raises(SnapshotError, match=r"written before 2026-12-08 .*run one, or restore from an earlier epoch"):
+        decode_index([rows.tobytes()])
+    whole = np.array([1], "<u4").tobytes() + rows.tobytes() + np.array([2], "<u4").tobytes() + b"{}"
+    assert decode_index([None, whole])[1].to_pylist() == ["{}"]
+    with pytest.raises(SnapshotError, match=r"1 index value\(s\) .* key #0, is 29 bytes\): the snapshot is damaged"):
+        decode_index([whole[:-3]])

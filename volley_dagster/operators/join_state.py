@@ -298,21 +298,40 @@ def decode_index(stored: Sequence[bytes | None]) -> tuple[np.ndarray, pa.Array]:
     present = np.flatnonzero(lengths >= 0)
     buffer = np.frombuffer(b"".join(v for v in stored if v is not None), dtype=np.uint8)
     starts = np.cumsum(lengths[present]) - lengths[present]
-    counts = _gathered(buffer, starts, np.full(len(present), 4)).view("<u4").astype(np.int64)
+    sizes = lengths[present]
+    counts = _gathered(buffer, starts, np.minimum(sizes, 4)).view("<u4").astype(np.int64) \
+        if bool((sizes >= 4).all()) else np.full(len(present), -1)
+    _check_sizes(sizes, (counts >= 0) & (4 + counts * (ENTRY.itemsize + 4) <= sizes), present)
     entries = _gathered(buffer, starts + 4, counts * ENTRY.itemsize).view(ENTRY)
     text_lengths = _gathered(buffer, starts + 4 + counts * ENTRY.itemsize, counts * 4).view("<u4").astype(np.int64)
+    per_value = np.bincount(np.repeat(np.arange(len(present)), counts), weights=text_lengths,
+                            minlength=len(present)).astype(np.int64)
+    _check_sizes(sizes, 4 + counts * (ENTRY.itemsize + 4) + per_value == sizes, present)
     text_starts = np.repeat(starts + 4 + counts * (ENTRY.itemsize + 4), counts)
     before = np.cumsum(text_lengths) - text_lengths  # each row's text after its value's first row's
     within = before - before[np.repeat(np.cumsum(counts) - counts, counts)]
     data = _gathered(buffer, text_starts + within, text_lengths)
     offsets = np.concatenate([[0], np.cumsum(text_lengths)]).astype(np.int64)
     texts = pa.Array.from_buffers(pa.large_string(), len(entries),
-                                             [None, pa.py_buffer(offsets.tobytes()), pa.py_buffer(data.tobytes())])
+                                  [None, pa.py_buffer(offsets.tobytes()), pa.py_buffer(data.tobytes())])
     out = np.zeros(len(entries), dtype=_INDEX_ROW)
     out["ki"] = np.repeat(present, counts)
     for name in ("side", "matched", "epoch", "row", "time"):
         out[name] = entries[name]
     return out, texts
+
+
+def _check_sizes(sizes: np.ndarray, fits: np.ndarray, present: np.ndarray) -> None:
+    """Refuses, by name, index values that do not hold what their counts say."""
+    if bool(fits.all()):
+        return
+    at = int(np.flatnonzero(~fits)[0])
+    legacy = " or written before 2026-12-08 (rows of 22 bytes only)" if sizes[at] % ENTRY.itemsize == 0 else ""
+    raise SnapshotError(
+        f"join state: {int(np.count_nonzero(~fits))} index value(s) in namespace {INDEX_NS} do not hold the rows "
+        f"they count (the first, of key #{int(present[at])}, is {int(sizes[at])} bytes): the snapshot is damaged"
+        f"{legacy}; an epoch rewrites a shard of the old layout before anything reads it: run one, or restore "
+        "from an earlier epoch")
 
 
 def _gathered(buffer: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
