@@ -58,6 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
+import pyarrow.compute as pc  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 from pyspark.sql import SparkSession  # noqa: E402
 from pyspark.sql import functions as F  # noqa: E402
@@ -183,11 +184,12 @@ def reference_pairs(pay_dir: Path, ref_dir: Path, dataset: Dataset = DATASETS["u
     payments sorted by key and time (a merchant's payments times its refunds would not fit)."""
     p, r = pq.read_table(pay_dir), pq.read_table(ref_dir)
     low, high = (s * 10**6 for s in dataset.between_s)
-    span = 1 << 42  # past every event time of the bench, in microseconds from the start
-    packed = lambda key, t: key.astype(np.int64) * span + (t - START_US)  # noqa: E731
-    keys, times = p[dataset.key].to_numpy(), p["paid_at"].cast(pa.int64()).to_numpy()
-    paid = np.sort(packed(keys, times))
-    r_keys, r_times = r[dataset.key].to_numpy(), r["refunded_at"].cast(pa.int64()).to_numpy()
+    ranks = np.unique(np.concatenate([p[dataset.key].to_numpy(), r[dataset.key].to_numpy()]), return_inverse=True)[1]
+    times = p["paid_at"].cast(pa.int64()).to_numpy()
+    span = 2 * (int(max(times.max(initial=START_US), pc.max(r["refunded_at"]).value or START_US)) - START_US + high + 1)
+    packed = lambda rank, t: rank.astype(np.int64) * span + (t - START_US) + span // 2  # noqa: E731
+    paid = np.sort(packed(ranks[:p.num_rows], times))
+    r_keys, r_times = ranks[p.num_rows:], r["refunded_at"].cast(pa.int64()).to_numpy()
     return int((np.searchsorted(paid, packed(r_keys, r_times - low), "right")
                 - np.searchsorted(paid, packed(r_keys, r_times - high), "left")).sum())
 

@@ -21,7 +21,7 @@ from tests.join_reference import JoinReference, Row
 from volley_dagster import columns
 from volley_dagster.errors import ConfigError, SnapshotError, StateLimitError, is_retryable
 from volley_dagster.operators.base import ShardStep
-from volley_dagster.operators.join import JOIN_NAMESPACES, IntervalJoin, signed_duration_us
+from volley_dagster.operators.join import JOIN_NAMESPACES, IntervalJoin, ResolvedJoin, signed_duration_us
 from volley_dagster.operators.join_rows import RowCodec
 from volley_dagster.operators.join_state import JoinBounds, JoinShard, apply_join, decode_index
 from volley_dagster.state.keys import ShardLayout
@@ -271,3 +271,29 @@ def test_an_index_value_that_does_not_hold_its_rows_is_refused_by_name():
     assert decode_index([None, whole])[1].to_pylist() == ["{}"]
     with pytest.raises(SnapshotError, match=r"1 index value\(s\) .* key #0, is 29 bytes\): the snapshot is damaged"):
         decode_index([whole[:-3]])
+
+
+def test_volley_state_show_reads_waiting_rows_in_either_layout(tmp_path):
+    """``decode_state`` (``volley state show``) reads a shard that no epoch has rewritten
+    since 2026-12-08 (an older retained epoch's, say) as it reads one in the new layout."""
+    join = IntervalJoin("l", "r", "k", "tl", "tr", 0, 10, "left")
+    resolved = ResolvedJoin(join, CODEC, CODEC, (CODEC.names, CODEC.names))
+    shard = JoinShard(JoinBounds(0, 10, (True, False)), (CODEC, CODEC), None, ("l", "r"))
+    db = rocksdict.Rdict(str(tmp_path / "db"), RocksDBOptions().build())
+    try:
+        txn = ShardTransaction(db)
+        apply_join(shard, txn, _table([(0, 1, 5, 0), (0, 1, 7, 1), (1, 2, 9, 2), (0, 3, 9, 3)], "int"),
+                   ShardStep(1, "int", layout=LAYOUT, shard=0))
+        txn.flush()
+
+        def shown() -> list[dict[str, object]]:
+            index = list(scan_prefix(db, (9).to_bytes(2, "big")))
+            return resolved.decode_state([k for k, _ in index], [v for _, v in index], "int", "k").to_pylist()
+
+        now = shown()
+        assert [(r["k"], r["source"], r["row"]) for r in now] == [(1, "l", "1:0"), (1, "l", "1:1"), (2, "r", "1:2"),
+                                                                  (3, "l", "1:3")]
+        _as_before_2026_12_08(db, shard.bounds)
+        assert shown() == now
+    finally:
+        db.close()

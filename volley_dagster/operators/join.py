@@ -63,7 +63,7 @@ from pyspark.sql import types as T
 
 from volley_dagster import columns
 from volley_dagster.checkpoint.carried import CARRIED_COLUMNS
-from volley_dagster.errors import ConfigError
+from volley_dagster.errors import ConfigError, SnapshotError
 from volley_dagster.json_records import JsonObject
 from volley_dagster.operators.base import OperatorStats, ShardStep, StageClock, StateNamespaces, summed
 from volley_dagster.operators.event_time import Duration, EventTime, duration_us
@@ -76,6 +76,7 @@ from volley_dagster.operators.join_state import (
     JoinShard,
     apply_join,
     decode_index,
+    legacy_index,
     row_ids,
 )
 from volley_dagster.sources.base import ColumnStatistics
@@ -268,9 +269,13 @@ class ResolvedJoin:
                      key_group: str | None = None) -> pa.Table:
         """Every waiting row: key, source, row id, event time, whether it matched, and
         when it leaves state (the watermark at which it can match nothing more)."""
-        entries, _ = decode_index(values)
+        try:
+            entries, _ = decode_index(values)
+            per_row = entries["ki"]
+        except SnapshotError:  # a snapshot taken before 2026-12-08, which no epoch has rewritten
+            entries, counts = legacy_index(values)
+            per_row = np.repeat(np.arange(len(values)), counts)
         groups, key_values = decode_keys(key_kind, keys)
-        per_row = entries["ki"]
         front, names = key_columns(key_values.take(pa.array(per_row)), key_name, groups[per_row], key_group)
         ts = pa.timestamp("us", tz="UTC")
         times = entries["time"].astype(np.int64)

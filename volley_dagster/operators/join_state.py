@@ -257,7 +257,7 @@ def _leaving_value(bounds: np.ndarray, index_keys: pa.Array) -> bytes:
     """``n``, the rows' bounds (ascending) and their index keys (ns 9 | kg | key)."""
     keys = index_keys.cast(pa.large_binary())
     offsets = np.frombuffer(keys.buffers()[1], dtype=np.int64)[keys.offset:keys.offset + len(keys) + 1]
-    data = keys.buffers()[2].to_pybytes()[int(offsets[0]):int(offsets[-1])] if len(keys) else b""
+    data = keys.buffers()[2].slice(int(offsets[0]), int(offsets[-1] - offsets[0])).to_pybytes() if len(keys) else b""
     return b"".join((np.array([len(bounds)], "<u4").tobytes(), np.asarray(bounds, "<i8").tobytes(),
                      np.diff(offsets).astype("<u4").tobytes(), data))
 
@@ -319,6 +319,14 @@ def decode_index(stored: Sequence[bytes | None]) -> tuple[np.ndarray, pa.Array]:
     for name in ("side", "matched", "epoch", "row", "time"):
         out[name] = entries[name]
     return out, texts
+
+
+def legacy_index(values: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
+    """The rows of index values written before 2026-12-08 (n 22-byte records each, no
+    count, no texts), and how many each value holds."""
+    sizes = np.array([len(v) for v in values], dtype=np.int64)
+    _check_sizes(sizes, sizes % ENTRY.itemsize == 0, np.arange(len(values)))
+    return np.frombuffer(b"".join(values), dtype=ENTRY), sizes // ENTRY.itemsize
 
 
 def _check_sizes(sizes: np.ndarray, fits: np.ndarray, present: np.ndarray) -> None:
@@ -409,8 +417,9 @@ def _within(w: _Waiting, queries: np.ndarray, candidates: np.ndarray, low: int,
 def _upgrade(txn: ShardTransaction, step: ShardStep, bounds: JoinBounds) -> bool:
     """A shard written before 2026-12-08 keeps each row's text (namespace 10) and bound
     (11) under keys of their own: its index is rewritten once with the rows' texts, its
-    leaving entries written, and those keys deleted, in this epoch's batch (a crash
-    leaves the snapshot it started from). Whether it did."""
+    leaving entries written, and those keys deleted, in a batch of its own before the
+    epoch's (into the attempt's working copy: a crash leaves the snapshot it started
+    from). Whether it did."""
     def scan(ns: int) -> list[tuple[bytes, bytes]]:
         return list(txn.scan_flushed(namespace_prefix(ns), namespace_prefix(ns + 1)))
 
@@ -418,8 +427,7 @@ def _upgrade(txn: ShardTransaction, step: ShardStep, bounds: JoinBounds) -> bool
     if not by_bound:
         return False
     index, stored_texts = scan(INDEX_NS), dict(scan(LEGACY_ROWS_NS))
-    counts = np.array([len(v) // ENTRY.itemsize for _, v in index], dtype=np.int64)
-    entries = np.frombuffer(b"".join(v for _, v in index), dtype=ENTRY)
+    entries, counts = legacy_index([v for _, v in index])
     row_index_keys = [k for (k, _), n in zip(index, counts.tolist(), strict=True) for _ in range(n)]
     suffix = np.empty(len(entries), dtype=_LEGACY_ROW_SUFFIX)
     suffix["side"], suffix["epoch"], suffix["row"] = entries["side"], entries["epoch"], entries["row"]
