@@ -6,9 +6,12 @@ with the shipped ``dagster.yaml`` and the demo deployments.
     ./dev bench dagster_latency --records 300000 --every 20 --pipelines payments,merchant_minutes
     ./dev bench dagster_latency --spark local                     # a local Spark per run (the old default)
 
-Prints, per file and pipeline, the seconds from landing to the epoch's manifest; per
-run, the fixed overhead (run created -> its first epoch starting) and the epoch's
-own processing time; then medians and p95s, and the machine's core count. The first
+Prints, per file and pipeline, the seconds from landing to the epoch's manifest and where
+they went: waiting for the sensor's tick and its cut (the cut's recorded wall clock),
+the cut to the run's request, the queue and the launch (the run's creation to its
+start), the run's start to its epoch, the plan (the epoch's time outside its read,
+stage and sinks), the stage, the sinks and the manifest; and after the commit, the
+checks to the run's end. Then medians and p95s, and the machine's core count. The first
 file after ``dagster dev`` starts (the fork server and the Spark session warming up)
 is reported on its own line and left out of the medians and p95s.
 """
@@ -48,6 +51,7 @@ def main() -> None:
     logs = {name: EpochLog(base / "state" / name) for name in pipelines}
     env = {"VOLLEY_BENCH_BASE": str(base), "VOLLEY_BENCH_PIPELINES": args.pipelines, "VOLLEY_BENCH_SPARK": args.spark}
     rows: list[dict] = []
+    done: list[tuple[str, int, int]] = []  # (pipeline, file, the epoch that committed its last record)
     with dagster_dev(ROOT / "bench" / "dagster_workspace.yaml", dagster_yaml=ROOT / "dagster.yaml",
                      home=base / "dagster_home", env=env) as srv:
         if args.spark == "warm":  # as ./dev dagster: the warm Spark starts beside the UI
@@ -71,18 +75,22 @@ def main() -> None:
             for name, file in sorted(pending):
                 if file in landed and _committed(logs[name], file, args.records):
                     pending.discard((name, file))
-                    rows.append(_row(srv, logs[name], name, file, landed[file]))
-                    print(f"{name} file {file}: landed -> committed {rows[-1]['landing_to_commit_s']:6.1f} s "
-                          f"(run overhead {rows[-1]['run_overhead_s']:4.1f} s, epoch {rows[-1]['epoch_s']:4.2f} s)",
-                          flush=True)
+                    done.append((name, file, logs[name].last_committed()))
+                    print(f"{name} file {file}: committed", flush=True)
             if time.time() - max(landed.values(), default=time.time()) > 300:
                 raise SystemExit(f"not committed 300 s after landing: {sorted(pending)}\n{srv.logtail()}")
             time.sleep(0.1)
+        for name, file, epoch in done:  # once each run has ended: its checks come after the commit
+            rows.append(_row(srv, logs[name], name, file, epoch, landed[file]))
+            r = rows[-1]
+            print(f"{name} file {file}: landed -> committed {r['landing_to_commit_s']:6.1f} s = "
+                  + " + ".join(f"{label} {r[key]:.2f}" for key, label in SPLIT) + f"; then {r['after_commit_s']:.2f} s "
+                  "of checks to the run's end")
     summary = {"cores": os.cpu_count(), "spark": args.spark, "records_per_file": args.records, "every_s": args.every,
                "pipelines": pipelines, "files": args.files,
                "first_file_s": {r["pipeline"]: r["landing_to_commit_s"] for r in rows if r["file"] == 0}}
     measured = [r for r in rows if r["file"] > 0]
-    for key in ("landing_to_commit_s", "run_overhead_s", "epoch_s"):
+    for key in ("landing_to_commit_s", "run_overhead_s", "epoch_s", *(k for k, _ in SPLIT), "after_commit_s"):
         values = sorted(r[key] for r in measured if r[key] == r[key])
         summary[key] = {"median": statistics.median(values), "p95": _p95(values)} if values else {}
     print(f"\n{args.spark} Spark, {os.cpu_count()} cores, {args.files} files of {args.records:,} records "
@@ -92,6 +100,9 @@ def main() -> None:
     for key, label in (("landing_to_commit_s", "landing -> committed"), ("run_overhead_s", "run created -> epoch start"),
                        ("epoch_s", "epoch, sinks included")):
         print(f"  {label:28s} median {summary[key]['median']:6.2f} s   p95 {summary[key]['p95']:6.2f} s")
+    print("  where landing -> committed goes (medians, s): "
+          + ", ".join(f"{label} {summary[key]['median']:.2f}" for key, label in SPLIT)
+          + f"; after the commit, checks to the run's end {summary['after_commit_s']['median']:.2f}")
     out = ROOT / "bench" / "results"
     out.mkdir(exist_ok=True)
     (out / "dagster_latency.json").write_text(json.dumps({"summary": summary, "files": rows}, indent=1))
@@ -104,26 +115,46 @@ def _committed(log: EpochLog, file: int, records: int) -> bool:
         (file + 1) * records)
 
 
-def _row(srv, log: EpochLog, pipeline: str, file: int, landed: float) -> dict:
-    committed = log.last_committed()
-    manifest = log.committed_manifest(committed)
+SPLIT = (("tick_s", "waiting for the sensor's tick and its cut"), ("request_s", "the cut to the run's request"),
+         ("queue_s", "the queue and the launch"), ("setup_s", "the run's start to its epoch"),
+         ("plan_s", "the plan"), ("stage_s", "the stage"), ("sinks_s", "the sinks and the manifest"))
+
+
+def _row(srv, log: EpochLog, pipeline: str, file: int, epoch: int, landed: float) -> dict:
+    """Where the file's time went, from landing to the manifest of the epoch that committed
+    its last record (``SPLIT``, summing to landing -> committed), and after it."""
+    manifest = log.committed_manifest(epoch)
     commit_time = datetime.fromisoformat(manifest.committed_at).timestamp()
-    epoch_start = commit_time - manifest.durations["total"]
-    return {"pipeline": pipeline, "file": file, "epoch": committed, "landing_to_commit_s": commit_time - landed,
-            "epoch_s": manifest.durations["total"], "run_overhead_s": _run_overhead(srv, pipeline, committed, epoch_start)}
+    d = manifest.durations
+    epoch_start = commit_time - d["total"]
+    cut_us = log.offsets(epoch).cut_at_us
+    cut = cut_us / 1e6 if cut_us is not None else float("nan")
+    run = _run_record(srv, pipeline, epoch)
+    created = run.create_timestamp.timestamp() if run else float("nan")
+    started = run.start_time if run and run.start_time else float("nan")
+    ended = run.end_time if run and run.end_time else float("nan")
+    stage = d["read_transform"] + d["state_stage"]
+    return {"pipeline": pipeline, "file": file, "epoch": epoch, "landing_to_commit_s": commit_time - landed,
+            "epoch_s": d["total"], "run_overhead_s": epoch_start - created,
+            "tick_s": cut - landed, "request_s": created - cut, "queue_s": started - created,
+            "setup_s": epoch_start - started, "plan_s": d["total"] - stage - d["sinks"], "stage_s": stage,
+            "sinks_s": d["sinks"] + (commit_time - epoch_start - d["total"]), "after_commit_s": ended - commit_time}
 
 
-def _run_overhead(srv, pipeline: str, epoch: int, epoch_start: float) -> float:
-    """From the run's creation (the sensor's request) to its epoch starting: queue,
-    process start, imports, Spark session, lease."""
+def _run_record(srv, pipeline: str, epoch: int, wait_s: float = 60.0):
+    """The run that committed ``epoch``, once it has ended (None: not found)."""
     from dagster import RunsFilter
 
+    deadline = time.time() + wait_s
     with srv.instance() as instance:
-        for tags in ({"dagster/partition": f"{epoch:010d}"}, {"dagster/asset_partition_range_end": f"{epoch:010d}"}):
-            records = instance.get_run_records(RunsFilter(tags={**tags, "volley/pipeline": pipeline}))
-            if records:
-                return epoch_start - records[0].create_timestamp.timestamp()
-    return float("nan")
+        while True:
+            for tags in ({"dagster/partition": f"{epoch:010d}"}, {"dagster/asset_partition_range_end": f"{epoch:010d}"}):
+                records = instance.get_run_records(RunsFilter(tags={**tags, "volley/pipeline": pipeline}))
+                if records and (records[0].end_time or time.time() > deadline):
+                    return records[0]
+            if time.time() > deadline:
+                return None
+            time.sleep(0.5)
 
 
 def _p95(values: list[float]) -> float:
