@@ -151,7 +151,7 @@ def apply_join(join: JoinShard, txn: ShardTransaction, data: pa.Table,
     _write(txn, w, ~leaves, key_groups, index_keys, had, texts)
     stays_new = np.flatnonzero(w.new & ~leaves)
     _write_leaving(txn, key_groups[w.ki[stays_new]], join.bounds.leaves_at(w.side[stays_new], w.time[stays_new]),
-                   [index_keys[i] for i in w.ki[stays_new].tolist()], step.epoch)
+                   pa.array(index_keys, pa.large_binary()).take(pa.array(w.ki[stays_new])), step.epoch)
     held = _count(txn, step, key_groups, w, leaves, join)
     n_pairs = len(left_i)
     left_out = np.concatenate([left_i, alone_left, np.full(len(alone_right), -1)]).astype(np.int64)
@@ -271,14 +271,14 @@ def _decode_leaving(value: bytes) -> tuple[np.ndarray, pa.Array]:
     return bounds, pa.Array.from_buffers(pa.large_binary(), n, [None, pa.py_buffer(offsets.tobytes()), data])
 
 
-def _write_leaving(txn: ShardTransaction, key_groups: np.ndarray, bounds: np.ndarray, index_keys: list[bytes],
+def _write_leaving(txn: ShardTransaction, key_groups: np.ndarray, bounds: np.ndarray, index_keys: pa.Array,
                    epoch: int) -> None:
     """One leaving entry per key group for the rows ``epoch`` stores there, by bound."""
     if not len(bounds):
         return
     order = np.lexsort((bounds, key_groups))
     groups, bounds = key_groups[order], bounds[order]
-    keys = pa.array(index_keys, pa.large_binary()).take(pa.array(order))
+    keys = index_keys.take(pa.array(order))
     starts = np.flatnonzero(np.concatenate([[True], groups[1:] != groups[:-1]]))
     ends = np.append(starts[1:], len(order))
     entry_keys = [_leaving_key(int(groups[a]), int(bounds[a]), epoch) for a in starts.tolist()]
@@ -445,7 +445,7 @@ def _upgrade(txn: ShardTransaction, step: ShardStep, bounds: JoinBounds) -> bool
     txn.set_many([k for k, _ in index], values)
     key_groups = np.array([int.from_bytes(k[2:4], "big") for k in row_index_keys], dtype=np.int64)
     _write_leaving(txn, key_groups, bounds.leaves_at(entries["side"], entries["time"].astype(np.int64)),
-                   row_index_keys, _UPGRADED_EPOCH)
+                   pa.array(row_index_keys, pa.large_binary()), _UPGRADED_EPOCH)
     txn.delete_many(list(stored_texts) + [k for k, _ in by_bound])
     return True
 
